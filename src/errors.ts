@@ -1,0 +1,91 @@
+/**
+ * Typed errors raised by pvisor. Every error is a {@link PvisorError}; switch on the class or on
+ * `code` to handle one kind.
+ * @module
+ */
+
+/** Base class of every error that pvisor raises. */
+export class PvisorError extends Error {
+  /** A stable, machine-readable code, e.g. `PVISOR_INVALID_OPTION`. */
+  readonly code: string;
+  constructor(code: string, message: string, options?: { cause?: unknown }) {
+    super(message, options);
+    this.name = new.target.name;
+    this.code = code;
+  }
+}
+
+/** An option given to pvisor is out of range or malformed; nothing was allocated. */
+export class InvalidOptionError extends PvisorError {
+  /** The option that was rejected, e.g. `memory`. */
+  readonly option: string;
+  constructor(option: string, message: string) {
+    super('PVISOR_INVALID_OPTION', `${option}: ${message}`);
+    this.option = option;
+  }
+}
+
+/** The host cannot run this VM: no /dev/kvm, no permission, or a KVM that cannot run this guest. */
+export class HostUnsupportedError extends PvisorError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super('PVISOR_HOST_UNSUPPORTED', message, options);
+  }
+}
+
+/** A system call failed. Carries the call's name and errno. */
+export class SystemCallError extends PvisorError {
+  /** The call that failed, e.g. `ioctl(KVM_CREATE_VM)`. */
+  readonly call: string;
+  /** The errno value, e.g. 12 for ENOMEM. */
+  readonly errno: number;
+  constructor(call: string, errno: number, detail?: string) {
+    super('PVISOR_SYSCALL', `${call} failed: errno ${errno} (${errnoName(errno)})${detail ? `: ${detail}` : ''}`);
+    this.call = call;
+    this.errno = errno;
+  }
+}
+
+/** The guest crashed or misbehaved (triple fault, stray MMIO, abort); the VM was ended. */
+export class GuestCrashError extends PvisorError {
+  /** What the VMM saw, e.g. `shutdown` (triple fault) or `unhandled-mmio`. */
+  readonly reason: string;
+  constructor(reason: string, message: string) {
+    super('PVISOR_GUEST_CRASH', message);
+    this.reason = reason;
+  }
+}
+
+/** An operation is not valid in the VM's current state (e.g. a command to a stopped VM). */
+export class VmStateError extends PvisorError {
+  constructor(message: string) {
+    super('PVISOR_VM_STATE', message);
+  }
+}
+
+/** The guest agent answered a request with an error. */
+export class GuestRequestError extends PvisorError {
+  /** The agent's error code (1 = unsupported operation, others per operation). */
+  readonly guestCode: number;
+  constructor(guestCode: number, message: string) {
+    super('PVISOR_GUEST_REQUEST', message);
+    this.guestCode = guestCode;
+  }
+}
+
+/** A guest request did not answer in time. */
+export class TimeoutError extends PvisorError {
+  constructor(message: string) {
+    super('PVISOR_TIMEOUT', message);
+  }
+}
+
+const ERRNO_NAMES: Record<number, string> = {
+  1: 'EPERM', 2: 'ENOENT', 4: 'EINTR', 5: 'EIO', 9: 'EBADF', 11: 'EAGAIN', 12: 'ENOMEM', 13: 'EACCES',
+  14: 'EFAULT', 16: 'EBUSY', 17: 'EEXIST', 19: 'ENODEV', 22: 'EINVAL', 24: 'EMFILE', 25: 'ENOTTY',
+  28: 'ENOSPC', 38: 'ENOSYS', 95: 'EOPNOTSUPP',
+};
+
+/** The symbolic name of an errno value, or `errno N`. */
+export function errnoName(errno: number): string {
+  return ERRNO_NAMES[errno] ?? `errno ${errno}`;
+}

@@ -1,0 +1,132 @@
+/**
+ * Kernel ABI constants, each with the header it comes from (x86_64).
+ */
+
+// <asm-generic/fcntl.h>
+export const O_RDWR = 0o2;
+export const O_CLOEXEC = 0o2000000;
+
+// <asm-generic/mman-common.h>, <linux/mman.h>
+export const PROT_READ = 0x1;
+export const PROT_WRITE = 0x2;
+export const MAP_SHARED = 0x01;
+export const MAP_PRIVATE = 0x02;
+export const MAP_ANONYMOUS = 0x20;
+export const MAP_NORESERVE = 0x4000;
+export const MADV_DONTNEED = 4;
+export const MADV_REMOVE = 9;
+export const MADV_DONTFORK = 10;
+export const MADV_MERGEABLE = 12;
+export const MADV_UNMERGEABLE = 13;
+export const MADV_HUGEPAGE = 14;
+export const MADV_NOHUGEPAGE = 15;
+
+// <asm-generic/errno-base.h>
+export const EINTR = 4;
+export const EAGAIN = 11;
+export const EINVAL = 22;
+
+/** The host's page size; pvisor's guest RAM granule. */
+export const PAGE_SIZE = 4096;
+
+// <linux/kvm.h>: ioctl numbers, _IO/_IOR/_IOW(KVMIO = 0xAE, nr, type)
+export const KVM_API_VERSION = 12;
+export const KVM_GET_API_VERSION = 0xae00;
+export const KVM_CREATE_VM = 0xae01;
+export const KVM_CHECK_EXTENSION = 0xae03;
+export const KVM_GET_VCPU_MMAP_SIZE = 0xae04;
+export const KVM_GET_SUPPORTED_CPUID = 0xc008ae05; // _IOWR(KVMIO, 0x05, struct kvm_cpuid2)
+export const KVM_CREATE_VCPU = 0xae41;
+export const KVM_SET_USER_MEMORY_REGION = 0x4020ae46; // _IOW(KVMIO, 0x46, struct kvm_userspace_memory_region)
+export const KVM_SET_TSS_ADDR = 0xae47;
+export const KVM_GET_REGS = 0x8090ae81; // _IOR(KVMIO, 0x81, struct kvm_regs)
+export const KVM_SET_REGS = 0x4090ae82; // _IOW(KVMIO, 0x82, struct kvm_regs)
+export const KVM_GET_SREGS = 0x8138ae83; // _IOR(KVMIO, 0x83, struct kvm_sregs)
+export const KVM_SET_SREGS = 0x4138ae84; // _IOW(KVMIO, 0x84, struct kvm_sregs)
+export const KVM_SET_CPUID2 = 0x4008ae90; // _IOW(KVMIO, 0x90, struct kvm_cpuid2)
+
+// <linux/kvm.h>: capabilities
+export const KVM_CAP_USER_MEMORY = 3;
+export const KVM_CAP_NR_MEMSLOTS = 10;
+export const KVM_CAP_IMMEDIATE_EXIT = 136;
+
+// <linux/kvm.h>: exit reasons
+export const KVM_EXIT_UNKNOWN = 0;
+export const KVM_EXIT_EXCEPTION = 1;
+export const KVM_EXIT_IO = 2;
+export const KVM_EXIT_HLT = 5;
+export const KVM_EXIT_MMIO = 6;
+export const KVM_EXIT_SHUTDOWN = 8;
+export const KVM_EXIT_FAIL_ENTRY = 9;
+export const KVM_EXIT_INTERNAL_ERROR = 17;
+export const KVM_EXIT_SYSTEM_EVENT = 24;
+export const KVM_EXIT_IO_IN = 0;
+export const KVM_EXIT_IO_OUT = 1;
+
+/** Names of exit reasons, for error messages. */
+export const KVM_EXIT_NAMES: Record<number, string> = {
+  0: 'unknown', 1: 'exception', 2: 'io', 5: 'hlt', 6: 'mmio', 8: 'shutdown', 9: 'fail-entry',
+  17: 'internal-error', 24: 'system-event',
+};
+
+// struct kvm_run (<linux/kvm.h>): offsets of the fields pvisor reads
+export const KVM_RUN_IMMEDIATE_EXIT = 1; // __u8
+export const KVM_RUN_EXIT_REASON = 8; // __u32
+export const KVM_RUN_UNION = 32; // the exit union starts here
+// union member `io`: __u8 direction; __u8 size; __u16 port; __u32 count; __u64 data_offset
+export const KVM_RUN_IO_DIRECTION = KVM_RUN_UNION + 0;
+export const KVM_RUN_IO_SIZE = KVM_RUN_UNION + 1;
+export const KVM_RUN_IO_PORT = KVM_RUN_UNION + 2;
+export const KVM_RUN_IO_COUNT = KVM_RUN_UNION + 4;
+export const KVM_RUN_IO_DATA_OFFSET = KVM_RUN_UNION + 8;
+// union member `mmio`: __u64 phys_addr; __u8 data[8]; __u32 len; __u8 is_write
+export const KVM_RUN_MMIO_PHYS_ADDR = KVM_RUN_UNION + 0;
+export const KVM_RUN_MMIO_DATA = KVM_RUN_UNION + 8;
+export const KVM_RUN_MMIO_LEN = KVM_RUN_UNION + 16;
+export const KVM_RUN_MMIO_IS_WRITE = KVM_RUN_UNION + 20;
+// union member `internal`: __u32 suberror; __u32 ndata; __u64 data[16]
+export const KVM_RUN_INTERNAL_SUBERROR = KVM_RUN_UNION + 0;
+// union member `fail_entry`: __u64 hardware_entry_failure_reason
+export const KVM_RUN_FAIL_ENTRY_REASON = KVM_RUN_UNION + 0;
+
+// struct kvm_regs: 18 __u64 in this order
+export const KVM_REGS_SIZE = 144;
+export const KVM_REGS = {
+  rax: 0, rbx: 1, rcx: 2, rdx: 3, rsi: 4, rdi: 5, rsp: 6, rbp: 7,
+  r8: 8, r9: 9, r10: 10, r11: 11, r12: 12, r13: 13, r14: 14, r15: 15, rip: 16, rflags: 17,
+} as const;
+
+// struct kvm_sregs: 8 kvm_segment (24 bytes each: base u64, limit u32, selector u16, type u8,
+// present, dpl, db, s, l, g, avl, unusable, padding), 2 kvm_dtable (16 bytes: base u64, limit u16,
+// padding), cr0, cr2, cr3, cr4, cr8, efer, apic_base u64, interrupt_bitmap[4] u64
+export const KVM_SREGS_SIZE = 312;
+export const KVM_SREGS_SEGMENTS = { cs: 0, ds: 24, es: 48, fs: 72, gs: 96, ss: 120, tr: 144, ldt: 168 } as const;
+export const KVM_SREGS_GDT = 192;
+export const KVM_SREGS_IDT = 208;
+export const KVM_SREGS_CR0 = 224;
+export const KVM_SREGS_CR2 = 232;
+export const KVM_SREGS_CR3 = 240;
+export const KVM_SREGS_CR4 = 248;
+export const KVM_SREGS_CR8 = 256;
+export const KVM_SREGS_EFER = 264;
+export const KVM_SREGS_APIC_BASE = 272;
+
+// struct kvm_userspace_memory_region: __u32 slot; __u32 flags; __u64 guest_phys_addr;
+// __u64 memory_size; __u64 userspace_addr
+export const KVM_MEMORY_REGION_SIZE = 32;
+
+// <asm/processor-flags.h>, <asm/msr-index.h>
+export const X86_CR0_PE = 1 << 0;
+export const X86_CR0_MP = 1 << 1;
+export const X86_CR0_ET = 1 << 4;
+export const X86_CR0_NE = 1 << 5;
+export const X86_CR0_WP = 1 << 16;
+export const X86_CR0_AM = 1 << 18;
+export const X86_CR0_PG = 2 ** 31;
+export const X86_CR4_PAE = 1 << 5;
+export const X86_CR4_OSFXSR = 1 << 9;
+export const X86_CR4_OSXMMEXCPT = 1 << 10;
+export const EFER_SCE = 1 << 0;
+export const EFER_LME = 1 << 8;
+export const EFER_LMA = 1 << 10;
+export const EFER_NX = 1 << 11;

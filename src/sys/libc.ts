@@ -1,0 +1,91 @@
+/**
+ * libc bindings through ffi-rs: the one place where pvisor calls into C.
+ *
+ * Every function is declared here, once, and resolved when this module is first loaded, on the
+ * main thread: ffi-rs keeps its symbol cache in an unlocked global, so a lookup from a worker
+ * racing another lookup can crash the process. Call descriptors are built once (`define`) and
+ * reused, because ffi-rs re-prepares a call from its JS descriptor each time.
+ *
+ * Addresses travel as JS numbers (ffi-rs U64): user-space addresses are below 2^47, well inside
+ * the 2^53 a number holds exactly.
+ */
+import { createExternalBuffer, DataType, define, open } from 'ffi-rs';
+import { SystemCallError } from '../errors';
+
+open({ library: 'libc', path: 'libc.so.6' });
+
+const I32 = DataType.I32;
+const I64 = DataType.I64;
+const U64 = DataType.U64;
+const libc = 'libc';
+
+const fns = define({
+  open: { library: libc, retType: I32, paramsType: [DataType.String, I32, I32], errno: true },
+  close: { library: libc, retType: I32, paramsType: [I32], errno: true },
+  ioctl: { library: libc, retType: I32, paramsType: [I32, U64, U64], errno: true },
+  mmap: { library: libc, retType: U64, paramsType: [U64, U64, I32, I32, I32, I64], errno: true },
+  munmap: { library: libc, retType: I32, paramsType: [U64, U64], errno: true },
+  madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
+  // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
+  // an address into something createExternalBuffer accepts.
+  memset: { library: libc, retType: DataType.External, paramsType: [U64, I32, U64] },
+});
+
+/** mmap's MAP_FAILED, (void *)-1, as ffi-rs hands back a U64 (rounded to a double). */
+const MAP_FAILED_MIN = 2 ** 63;
+
+type ErrnoResult<T> = { value: T; errnoCode: number };
+
+function check(call: string, r: ErrnoResult<number>, detail?: string): number {
+  if (r.value < 0) throw new SystemCallError(call, r.errnoCode, detail);
+  return r.value;
+}
+
+/** open(2); throws {@link SystemCallError} naming the path. */
+export function openFile(path: string, flags: number, mode = 0): number {
+  return check('open', fns.open([path, flags, mode]) as ErrnoResult<number>, path);
+}
+
+/** close(2). */
+export function closeFd(fd: number): void {
+  check('close', fns.close([fd]) as ErrnoResult<number>);
+}
+
+/**
+ * ioctl(2) whose third argument is a number or an address. `name` is the request's symbolic
+ * name, used in the error.
+ */
+export function ioctl(fd: number, request: number, arg: number, name: string): number {
+  return check(`ioctl(${name})`, fns.ioctl([fd, request, arg]) as ErrnoResult<number>);
+}
+
+/** ioctl(2) that may fail with an expected errno: returns -errno instead of throwing. */
+export function ioctlRaw(fd: number, request: number, arg: number): number {
+  const r = fns.ioctl([fd, request, arg]) as ErrnoResult<number>;
+  return r.value < 0 ? -r.errnoCode : r.value;
+}
+
+/** mmap(2); returns the address. */
+export function mmap(addr: number, length: number, prot: number, flags: number, fd: number, offset: number, what: string): number {
+  const r = fns.mmap([addr, length, prot, flags, fd, offset]) as ErrnoResult<number>;
+  if (r.value >= MAP_FAILED_MIN) throw new SystemCallError('mmap', r.errnoCode, what);
+  return r.value;
+}
+
+/** munmap(2). */
+export function munmap(addr: number, length: number): void {
+  check('munmap', fns.munmap([addr, length]) as ErrnoResult<number>);
+}
+
+/** madvise(2). */
+export function madvise(addr: number, length: number, advice: number, name: string): void {
+  check(`madvise(${name})`, fns.madvise([addr, length, advice]) as ErrnoResult<number>);
+}
+
+/**
+ * A zero-copy Buffer over native memory at `addr`. The caller keeps the memory mapped for as long
+ * as the view is used: a view over an unmapped address crashes the process on access.
+ */
+export function viewAt(addr: number, length: number): Buffer {
+  return createExternalBuffer(fns.memset([addr, 0, 0]), length);
+}

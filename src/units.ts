@@ -1,0 +1,36 @@
+import { InvalidOptionError } from './errors';
+
+const UNIT_BYTES: Record<string, number> = {
+  '': 1, b: 1,
+  k: 1024, kb: 1000, kib: 1024,
+  m: 1024 ** 2, mb: 1000 ** 2, mib: 1024 ** 2,
+  g: 1024 ** 3, gb: 1000 ** 3, gib: 1024 ** 3,
+  t: 1024 ** 4, tb: 1000 ** 4, tib: 1024 ** 4,
+};
+
+/** A size as bytes, or a string with a unit: `512MiB`, `1G`, `65536`. */
+export type Size = number | string;
+
+/**
+ * Parses a size (`512MiB`, `2G`, `4096`) into bytes. `K/M/G` mean binary units, as in QEMU and the
+ * reference CLI. Throws {@link InvalidOptionError} naming `option` for anything else.
+ */
+export function parseSize(option: string, value: Size): number {
+  if (typeof value === 'number') {
+    if (!Number.isSafeInteger(value) || value < 0) throw new InvalidOptionError(option, `expected a whole number of bytes, got ${value}`);
+    return value;
+  }
+  const m = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/.exec(value);
+  const unit = m ? UNIT_BYTES[m[2].toLowerCase()] : undefined;
+  if (!m || unit === undefined) {
+    throw new InvalidOptionError(option, `cannot parse size ${JSON.stringify(value)}; use e.g. 512MiB, 2GiB or a number of bytes`);
+  }
+  const bytes = Number(m[1]) * unit;
+  if (!Number.isSafeInteger(bytes)) throw new InvalidOptionError(option, `size ${JSON.stringify(value)} is not a whole number of bytes`);
+  return bytes;
+}
+
+/** Formats bytes as MiB with one decimal, the unit of every memory figure pvisor prints. */
+export function formatMiB(bytes: number): string {
+  return `${(bytes / 1024 ** 2).toFixed(1)} MiB`;
+}
