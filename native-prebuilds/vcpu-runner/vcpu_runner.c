@@ -1,0 +1,200 @@
+/*
+ * pvisor vCPU runner: one native thread per vCPU, each looping on KVM_RUN.
+ *
+ * Why native threads and not Node workers: a Node worker that loads ffi-rs costs about 8 MiB of
+ * PSS (measured on the target hosts), more than the whole per-VM budget of the VMM, and ffi-rs's
+ * lookup cache is not thread-safe. A pthread costs a few KiB of touched stack. The threads never
+ * call into JavaScript: they report each exit as a 16-byte record on a Unix socket that Node
+ * watches on its event loop (libuv can poll a socket, not an eventfd), then sleep on a semaphore
+ * until the event loop has handled the exit and calls pv_vcpu_go().
+ *
+ * Kicking a vCPU out of KVM_RUN: kvm_run.immediate_exit = 1, then pthread_kill with a real-time
+ * signal whose handler does nothing; KVM_RUN returns -EINTR (immediate_exit alone does not
+ * interrupt a running vCPU). The signal is unblocked only in vCPU threads.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define KVM_RUN_IOCTL 0xAE80 /* _IO(KVMIO, 0x80), <linux/kvm.h> */
+#define KVM_RUN_IMMEDIATE_EXIT_OFFSET 1 /* struct kvm_run: __u8 request_interrupt_window; __u8 immediate_exit */
+#define PV_MAX_VCPUS 64
+
+enum pv_record_kind {
+  PV_REC_EXIT = 1,        /* KVM_RUN returned 0: read exit_reason from kvm_run */
+  PV_REC_INTERRUPTED = 2, /* KVM_RUN returned -EINTR (kicked, or a stray signal) */
+  PV_REC_ERROR = 3,       /* KVM_RUN failed with another errno */
+  PV_REC_STOPPED = 4,     /* the thread left its loop and will exit */
+};
+
+struct pv_record {
+  uint32_t index;
+  uint32_t kind;
+  int32_t ret;
+  int32_t err;
+};
+
+struct pv_vcpu {
+  struct pv_group *group;
+  int index;
+  int fd;
+  volatile uint8_t *run;
+  pthread_t thread;
+  int started;
+  sem_t go;
+};
+
+struct pv_group {
+  int notify_fd; /* our end of the socketpair */
+  int node_fd;   /* Node's end, handed out by pv_group_create */
+  volatile int stopping;
+  struct pv_vcpu vcpus[PV_MAX_VCPUS];
+};
+
+static int kick_signal(void) { return SIGRTMIN + 3; }
+
+static void on_kick(int sig) { (void)sig; }
+
+static pthread_once_t handler_once = PTHREAD_ONCE_INIT;
+static int handler_error;
+
+static void install_handler(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_kick;
+  sigemptyset(&sa.sa_mask);
+  /* No SA_RESTART: KVM_RUN must come back with -EINTR. sem_wait is retried by hand. */
+  if (sigaction(kick_signal(), &sa, NULL) != 0) handler_error = errno;
+}
+
+static void report(struct pv_vcpu *v, uint32_t kind, int32_t ret, int32_t err) {
+  struct pv_record rec = {(uint32_t)v->index, kind, ret, err};
+  const char *p = (const char *)&rec;
+  size_t left = sizeof rec;
+  while (left > 0) {
+    ssize_t n = send(v->group->notify_fd, p, left, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return; /* Node closed its end: the VM is being torn down */
+    }
+    p += n;
+    left -= (size_t)n;
+  }
+}
+
+static void wait_go(struct pv_vcpu *v) {
+  while (sem_wait(&v->go) != 0 && errno == EINTR) {
+  }
+}
+
+static void *vcpu_main(void *arg) {
+  struct pv_vcpu *v = arg;
+  sigset_t only_kick;
+  sigfillset(&only_kick);
+  sigdelset(&only_kick, kick_signal());
+  pthread_sigmask(SIG_SETMASK, &only_kick, NULL);
+
+  wait_go(v);
+  while (!v->group->stopping) {
+    int ret = ioctl(v->fd, KVM_RUN_IOCTL, 0);
+    int err = ret < 0 ? errno : 0;
+    if (v->group->stopping) break;
+    if (ret == 0) report(v, PV_REC_EXIT, 0, 0);
+    else if (err == EINTR) report(v, PV_REC_INTERRUPTED, ret, err);
+    else report(v, PV_REC_ERROR, ret, err);
+    wait_go(v);
+  }
+  report(v, PV_REC_STOPPED, 0, 0);
+  return NULL;
+}
+
+/* Creates a group for one VM; pv_group_node_fd() then gives the socket Node reads records from. */
+struct pv_group *pv_group_create(void) {
+  pthread_once(&handler_once, install_handler);
+  if (handler_error) {
+    errno = handler_error;
+    return NULL;
+  }
+  struct pv_group *g = calloc(1, sizeof *g);
+  if (!g) return NULL;
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    int e = errno;
+    free(g);
+    errno = e;
+    return NULL;
+  }
+  g->notify_fd = sv[0];
+  g->node_fd = sv[1];
+  return g;
+}
+
+/* Node's end of the record socket; Node owns it (closes it) from then on. */
+int32_t pv_group_node_fd(struct pv_group *g) { return g->node_fd; }
+
+/* Starts the thread of vCPU `index`; it waits for the first pv_vcpu_go() before KVM_RUN. */
+int32_t pv_vcpu_start(struct pv_group *g, int32_t index, int32_t vcpu_fd, void *kvm_run) {
+  if (index < 0 || index >= PV_MAX_VCPUS || g->vcpus[index].started) return -EINVAL;
+  struct pv_vcpu *v = &g->vcpus[index];
+  v->group = g;
+  v->index = index;
+  v->fd = vcpu_fd;
+  v->run = kvm_run;
+  if (sem_init(&v->go, 0, 0) != 0) return -errno;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  /* The loop needs little stack; a small one keeps the mapping count and VSZ down. */
+  pthread_attr_setstacksize(&attr, 256 * 1024);
+  int rc = pthread_create(&v->thread, &attr, vcpu_main, v);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) {
+    sem_destroy(&v->go);
+    return -rc;
+  }
+  v->started = 1;
+  return 0;
+}
+
+/* Lets vCPU `index` (re-)enter KVM_RUN after its last record was handled. */
+int32_t pv_vcpu_go(struct pv_group *g, int32_t index) {
+  if (index < 0 || index >= PV_MAX_VCPUS || !g->vcpus[index].started) return -EINVAL;
+  return sem_post(&g->vcpus[index].go) == 0 ? 0 : -errno;
+}
+
+/* Forces vCPU `index` out of KVM_RUN (or keeps it from entering): it then reports INTERRUPTED. */
+int32_t pv_vcpu_kick(struct pv_group *g, int32_t index) {
+  if (index < 0 || index >= PV_MAX_VCPUS || !g->vcpus[index].started) return -EINVAL;
+  struct pv_vcpu *v = &g->vcpus[index];
+  __atomic_store_n(&v->run[KVM_RUN_IMMEDIATE_EXIT_OFFSET], 1, __ATOMIC_SEQ_CST);
+  return -pthread_kill(v->thread, kick_signal());
+}
+
+/* Stops and joins every vCPU thread, closes the sockets and frees the group. */
+void pv_group_destroy(struct pv_group *g) {
+  if (!g) return;
+  g->stopping = 1;
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  for (int i = 0; i < PV_MAX_VCPUS; i++) {
+    struct pv_vcpu *v = &g->vcpus[i];
+    if (!v->started) continue;
+    __atomic_store_n(&v->run[KVM_RUN_IMMEDIATE_EXIT_OFFSET], 1, __ATOMIC_SEQ_CST);
+    sem_post(&v->go);
+    pthread_kill(v->thread, kick_signal());
+  }
+  for (int i = 0; i < PV_MAX_VCPUS; i++) {
+    struct pv_vcpu *v = &g->vcpus[i];
+    if (!v->started) continue;
+    pthread_join(v->thread, NULL);
+    sem_destroy(&v->go);
+  }
+  close(g->notify_fd);
+  free(g);
+}
