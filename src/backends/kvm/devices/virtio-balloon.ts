@@ -1,0 +1,83 @@
+/**
+ * virtio-balloon (device id 5) with free page reporting only (VIRTIO_BALLOON_F_FREE_PAGE_REPORTING):
+ * the guest hands back ranges it has freed, the host drops the pages behind them. No inflate or
+ * deflate: pvisor never asks a guest to give memory up, it takes back what the guest freed.
+ */
+import type { GuestMemory } from '../guest-memory';
+import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
+import { ChainError, QueueError, type SplitQueue } from '../virtio/queue';
+
+/** VIRTIO_BALLOON_F_FREE_PAGE_REPORTING (<linux/virtio_balloon.h>). */
+export const VIRTIO_BALLOON_F_FREE_PAGE_REPORTING = 1n << 5n;
+// With only FREE_PAGE_REPORTING negotiated the queues are inflate 0, deflate 1, reporting 2:
+// the driver skips absent queues without using up an index.
+const REPORTING_QUEUE = 2;
+
+/** What the host does with a reported range; the default drops its pages. */
+export type FreePageSink = (gpa: number, len: number) => void;
+
+/** Free page reporting device model. */
+export class VirtioBalloon implements VirtioDevice {
+  readonly deviceId = 5;
+  readonly queueCount = 3;
+  readonly features: bigint;
+  private reporting: SplitQueue | null = null;
+  /** Bytes the guest has reported free since boot. */
+  reportedBytes = 0;
+  /** Number of reports (descriptors) handled. */
+  reportCount = 0;
+
+  constructor(
+    private readonly mem: GuestMemory,
+    private readonly sink: FreePageSink,
+    private readonly onUsed: () => void,
+    private readonly onError: (message: string) => void,
+    reportingEnabled = true,
+  ) {
+    this.features = VIRTIO_F_VERSION_1 | (reportingEnabled ? VIRTIO_BALLOON_F_FREE_PAGE_REPORTING : 0n);
+  }
+
+  readConfig(): number {
+    // num_pages and actual are 0: the host never asks for a balloon.
+    return 0;
+  }
+
+  activate(queues: (SplitQueue | null)[], acked: bigint): void {
+    this.reporting = acked & VIRTIO_BALLOON_F_FREE_PAGE_REPORTING ? queues[REPORTING_QUEUE] : null;
+  }
+
+  reset(): void {
+    this.reporting = null;
+  }
+
+  notify(index: number): void {
+    if (index !== REPORTING_QUEUE || !this.reporting) return;
+    const q = this.reporting;
+    let used = false;
+    for (;;) {
+      let chain;
+      try {
+        chain = q.pop();
+      } catch (e) {
+        if (e instanceof ChainError) q.push(e.head, 0);
+        if (!(e instanceof QueueError)) throw e;
+        this.onError(`virtio-balloon: ${e.message}`);
+        used = true;
+        continue;
+      }
+      if (!chain) break;
+      for (const d of chain.descriptors) {
+        try {
+          this.sink(d.gpa, d.len);
+          this.reportedBytes += d.len;
+          this.reportCount++;
+        } catch (e) {
+          this.onError(`virtio-balloon: report 0x${d.gpa.toString(16)}+${d.len}: ${(e as Error).message}`);
+        }
+      }
+      q.push(chain.head, 0);
+      used = true;
+    }
+    if (used) this.onUsed();
+  }
+}

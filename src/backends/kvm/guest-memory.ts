@@ -1,0 +1,204 @@
+/**
+ * Guest RAM: one host mapping, registered as KVM memory slots, with bounds-checked access by
+ * guest-physical address. Like rust-vmm's vm-memory, this module owns only guest memory.
+ *
+ * Layout (x86): RAM below 3 GiB sits at GPA 0; the rest, if any, at 4 GiB, leaving [3, 4) GiB for
+ * device MMIO. Both slots come from the same host mapping, so the mapping is the unit that memory
+ * strategies act on (madvise, backing files, userfaultfd).
+ */
+import { GuestCrashError } from '../../errors';
+import * as C from '../../sys/constants';
+import { madvise, mmap, munmap, viewAt } from '../../sys/libc';
+import type { VmFd } from './ioctls';
+
+/** Start of the MMIO hole below 4 GiB. */
+export const MMIO_HOLE_START = 3 * 1024 ** 3;
+/** Where RAM continues above the hole. */
+export const HIGH_RAM_START = 4 * 1024 ** 3;
+
+// A view is a Node Buffer, whose length is limited (4 GiB on Node 20); 1 GiB chunks keep every
+// view well inside that and make chunk lookups a shift.
+const CHUNK_SHIFT = 30;
+const CHUNK_BYTES = 2 ** CHUNK_SHIFT;
+
+/** One guest-physical range backed by part of the host mapping. */
+export interface MemoryRegion {
+  slot: number;
+  guestPhysAddr: number;
+  sizeBytes: number;
+  /** Offset of this region inside the host mapping. */
+  hostOffset: number;
+}
+
+/** How the host mapping behind guest RAM is made. Strategies choose; anonymous is the default. */
+export type RamBacking = { kind: 'anonymous' } | { kind: 'shared-fd'; fd: number } | { kind: 'private-fd'; fd: number };
+
+/** Guest RAM of one VM. */
+export class GuestMemory {
+  readonly regions: readonly MemoryRegion[];
+  private readonly chunks: Buffer[] = [];
+  private mapped = true;
+
+  private constructor(readonly hostAddr: number, readonly sizeBytes: number, readonly backing: RamBacking) {
+    const regions: MemoryRegion[] = [{ slot: 0, guestPhysAddr: 0, sizeBytes: Math.min(sizeBytes, MMIO_HOLE_START), hostOffset: 0 }];
+    if (sizeBytes > MMIO_HOLE_START) {
+      regions.push({ slot: 1, guestPhysAddr: HIGH_RAM_START, sizeBytes: sizeBytes - MMIO_HOLE_START, hostOffset: MMIO_HOLE_START });
+    }
+    this.regions = regions;
+    for (let off = 0; off < sizeBytes; off += CHUNK_BYTES) {
+      this.chunks.push(viewAt(hostAddr + off, Math.min(CHUNK_BYTES, sizeBytes - off)));
+    }
+  }
+
+  /**
+   * The one function that maps guest RAM. Strategies that need another backing pass it here;
+   * everything else about guest RAM goes through the returned object.
+   */
+  static map(sizeBytes: number, backing: RamBacking = { kind: 'anonymous' }): GuestMemory {
+    const prot = C.PROT_READ | C.PROT_WRITE;
+    let addr: number;
+    switch (backing.kind) {
+      case 'anonymous':
+        // NORESERVE: guest RAM is capacity, not a commitment; pages are allocated on first touch.
+        addr = mmap(0, sizeBytes, prot, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE, -1, 0, `guest RAM (${sizeBytes} bytes)`);
+        break;
+      case 'shared-fd':
+        addr = mmap(0, sizeBytes, prot, C.MAP_SHARED | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (shared file)');
+        break;
+      case 'private-fd':
+        addr = mmap(0, sizeBytes, prot, C.MAP_PRIVATE | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (private file)');
+        break;
+    }
+    const mem = new GuestMemory(addr, sizeBytes, backing);
+    // A fork (e.g. child_process) must not copy-on-write guest RAM.
+    mem.advise(0, sizeBytes, C.MADV_DONTFORK, 'MADV_DONTFORK');
+    // 4 KiB pages: the host takes memory back page by page (free page reporting, offload, KSM),
+    // and a transparent huge page would keep 2 MiB resident for one touched byte.
+    if (backing.kind === 'anonymous') mem.advise(0, sizeBytes, C.MADV_NOHUGEPAGE, 'MADV_NOHUGEPAGE');
+    return mem;
+  }
+
+  /** Registers every region as a KVM memory slot. */
+  register(vm: VmFd): void {
+    for (const r of this.regions) vm.setUserMemoryRegion(r.slot, r.guestPhysAddr, r.sizeBytes, this.hostAddr + r.hostOffset);
+  }
+
+  /** The offset into the host mapping of [gpa, gpa+len), or -1 if any of it is not RAM. */
+  hostOffset(gpa: number, len: number): number {
+    for (const r of this.regions) {
+      if (gpa >= r.guestPhysAddr && gpa + len <= r.guestPhysAddr + r.sizeBytes && len >= 0) return r.hostOffset + (gpa - r.guestPhysAddr);
+    }
+    return -1;
+  }
+
+  /** True if [gpa, gpa+len) is guest RAM. */
+  contains(gpa: number, len: number): boolean {
+    return this.hostOffset(gpa, len) >= 0;
+  }
+
+  private offsetOrThrow(gpa: number, len: number): number {
+    if (!this.mapped) throw new GuestCrashError('memory-unmapped', 'guest RAM is no longer mapped');
+    const off = this.hostOffset(gpa, len);
+    if (off < 0) throw new GuestAddressError(gpa, len);
+    return off;
+  }
+
+  /**
+   * A zero-copy view of [gpa, gpa+len) when it lies in one chunk, else a copy. Use for reads;
+   * writes go through {@link write}.
+   */
+  read(gpa: number, len: number): Buffer {
+    const off = this.offsetOrThrow(gpa, len);
+    const chunk = Math.floor(off / CHUNK_BYTES);
+    const inChunk = off - chunk * CHUNK_BYTES;
+    if (inChunk + len <= CHUNK_BYTES) return this.chunks[chunk].subarray(inChunk, inChunk + len);
+    const out = Buffer.allocUnsafe(len);
+    this.copyOut(off, out);
+    return out;
+  }
+
+  /** Copies `data` into guest RAM at gpa. */
+  write(gpa: number, data: Uint8Array): void {
+    let off = this.offsetOrThrow(gpa, data.length);
+    let done = 0;
+    while (done < data.length) {
+      const chunk = Math.floor(off / CHUNK_BYTES);
+      const inChunk = off - chunk * CHUNK_BYTES;
+      const n = Math.min(data.length - done, CHUNK_BYTES - inChunk);
+      this.chunks[chunk].set(data.subarray(done, done + n), inChunk);
+      done += n;
+      off += n;
+    }
+  }
+
+  private copyOut(off: number, out: Buffer): void {
+    let done = 0;
+    while (done < out.length) {
+      const chunk = Math.floor(off / CHUNK_BYTES);
+      const inChunk = off - chunk * CHUNK_BYTES;
+      const n = Math.min(out.length - done, CHUNK_BYTES - inChunk);
+      this.chunks[chunk].copy(out, done, inChunk, inChunk + n);
+      done += n;
+      off += n;
+    }
+  }
+
+  readU16(gpa: number): number {
+    return this.read(gpa, 2).readUInt16LE(0);
+  }
+
+  readU32(gpa: number): number {
+    return this.read(gpa, 4).readUInt32LE(0);
+  }
+
+  readU64(gpa: number): number {
+    return Number(this.read(gpa, 8).readBigUInt64LE(0));
+  }
+
+  writeU16(gpa: number, value: number): void {
+    const off = this.offsetOrThrow(gpa, 2);
+    this.chunks[Math.floor(off / CHUNK_BYTES)].writeUInt16LE(value, off % CHUNK_BYTES);
+  }
+
+  writeU32(gpa: number, value: number): void {
+    const off = this.offsetOrThrow(gpa, 4);
+    this.chunks[Math.floor(off / CHUNK_BYTES)].writeUInt32LE(value >>> 0, off % CHUNK_BYTES);
+  }
+
+  writeU64(gpa: number, value: number | bigint): void {
+    const off = this.offsetOrThrow(gpa, 8);
+    this.chunks[Math.floor(off / CHUNK_BYTES)].writeBigUInt64LE(BigInt(value), off % CHUNK_BYTES);
+  }
+
+  /** madvise over a range of the host mapping (offsets, not GPAs). */
+  advise(hostOffset: number, len: number, advice: number, name: string): void {
+    madvise(this.hostAddr + hostOffset, len, advice, name);
+  }
+
+  /**
+   * Drops the host pages behind [gpa, gpa+len): the guest reads zeros there next time, and the
+   * host gets the memory back. Page-aligned ranges only.
+   */
+  discard(gpa: number, len: number): void {
+    const off = this.offsetOrThrow(gpa, len);
+    if (off % C.PAGE_SIZE !== 0 || len % C.PAGE_SIZE !== 0) throw new GuestAddressError(gpa, len, 'not page-aligned');
+    // DONTNEED frees private anonymous pages; a shared file backing needs REMOVE (punch a hole).
+    if (this.backing.kind === 'shared-fd') this.advise(off, len, C.MADV_REMOVE, 'MADV_REMOVE');
+    else this.advise(off, len, C.MADV_DONTNEED, 'MADV_DONTNEED');
+  }
+
+  /** Unmaps guest RAM. Views become invalid: the VM must be stopped first. */
+  unmap(): void {
+    if (!this.mapped) return;
+    this.mapped = false;
+    this.chunks.length = 0;
+    munmap(this.hostAddr, this.sizeBytes);
+  }
+}
+
+/** A guest-physical range that is not RAM (raised to the device model, which ends the request). */
+export class GuestAddressError extends Error {
+  constructor(readonly gpa: number, readonly len: number, why = 'outside guest RAM') {
+    super(`guest range 0x${gpa.toString(16)}+0x${len.toString(16)} is ${why}`);
+  }
+}

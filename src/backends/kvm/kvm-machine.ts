@@ -1,0 +1,314 @@
+/**
+ * One KVM virtual machine: guest RAM, vCPU threads, the exit loop and the device models. It knows
+ * nothing of the agent protocol or of memory strategies: `Vm` composes those on top.
+ */
+import { GuestCrashError, PvisorError, SystemCallError } from '../../errors';
+import * as C from '../../sys/constants';
+import { Serial8250, COM1_BASE, COM1_PORTS } from './devices/serial';
+import { ProbePorts, PROBE_PORTS_BASE, PROBE_PORTS_COUNT } from './devices/probe-ports';
+import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
+import { VirtioConsole } from './devices/virtio-console';
+import { GuestMemory, type RamBacking } from './guest-memory';
+import { IoBus, type VcpuAction } from './io-bus';
+import { Kvm, VmFd, VcpuFd } from './ioctls';
+import { loadProbe, setupProbeVcpu } from './probe-boot';
+import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
+import { MmioTransport, VIRTIO_MMIO_SIZE } from './virtio/mmio-transport';
+
+// Resolve the runner's native functions while this module loads, on the main thread.
+loadVcpuRunner();
+
+/** MMIO address of the agent channel (virtio-console). */
+export const CONSOLE_MMIO_BASE = 0xd0000000;
+/** MMIO address of the free page reporting device (virtio-balloon). */
+export const BALLOON_MMIO_BASE = 0xd0001000;
+/** Identity-map/TSS pages Intel VMX wants somewhere unused in the guest-physical space. */
+const TSS_GPA = 0xfffbd000;
+
+/** What a machine tells its owner. */
+export interface MachineHooks {
+  /** A line the guest printed on its serial console. */
+  onConsole(line: string): void;
+  /** Bytes the guest sent on the agent channel. */
+  onAgentData(bytes: Buffer): void;
+  /** The guest crashed or misbehaved; the machine has already been torn down. */
+  onCrash(error: PvisorError): void;
+  /** A device saw a malformed request; the request was refused and the guest goes on. */
+  onDeviceError(message: string): void;
+}
+
+/** What to build. */
+export interface MachineConfig {
+  memoryBytes: number;
+  vcpus: number;
+  /** The probe guest's flat image. */
+  probeImage: Buffer;
+  ramBacking?: RamBacking;
+  /** What happens to ranges the guest reports free; undefined: the balloon does not offer reporting. */
+  freePageSink?: FreePageSink;
+}
+
+type VcpuState = 'created' | 'running' | 'held' | 'idle' | 'parked';
+
+interface Vcpu {
+  fd: VcpuFd;
+  state: VcpuState;
+  seenUsedIndex: number;
+}
+
+/** A running (or paused) KVM VM. */
+export class KvmMachine {
+  readonly memory: GuestMemory;
+  readonly balloon: VirtioBalloon;
+  private readonly console: VirtioConsole;
+  private readonly serial: Serial8250;
+  private readonly pio = new IoBus('pio');
+  private readonly mmio = new IoBus('mmio');
+  private readonly vcpus: Vcpu[] = [];
+  private readonly runner: VcpuRunner;
+  private pausing = false;
+  private pauseWaiters: (() => void)[] = [];
+  private ended = false;
+  private heldAgentBytes: Buffer[] = [];
+  /** Exits handled since creation, by reason name. */
+  readonly exitCounts = new Map<string, number>();
+
+  private constructor(
+    private readonly kvm: Kvm,
+    private readonly vm: VmFd,
+    config: MachineConfig,
+    private readonly hooks: MachineHooks,
+  ) {
+    const deviceError = (m: string) => this.hooks.onDeviceError(m);
+    this.memory = GuestMemory.map(config.memoryBytes, config.ramBacking);
+    try {
+      this.memory.register(vm);
+      this.serial = new Serial8250((line) => this.hooks.onConsole(line));
+      this.pio.add(COM1_BASE, COM1_PORTS, { read: (o) => this.serial.read(o), write: (o, _s, v) => this.serial.write(o, v) });
+      this.pio.add(PROBE_PORTS_BASE, PROBE_PORTS_COUNT, new ProbePorts());
+
+      this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), () => {}, deviceError);
+      const reporting = config.freePageSink !== undefined;
+      this.balloon = new VirtioBalloon(this.memory, config.freePageSink ?? (() => {}), () => {}, deviceError, reporting);
+      for (const [base, dev] of [[CONSOLE_MMIO_BASE, this.console], [BALLOON_MMIO_BASE, this.balloon]] as const) {
+        const t = new MmioTransport(base, dev, this.memory, () => {}, deviceError);
+        this.mmio.add(base, VIRTIO_MMIO_SIZE, { read: (o, s) => t.read(o, s), write: (o, s, v) => t.write(o, s, v) });
+      }
+
+      loadProbe(this.memory, config.probeImage, { consoleMmio: CONSOLE_MMIO_BASE, balloonMmio: BALLOON_MMIO_BASE, vcpuCount: config.vcpus });
+      this.runner = new VcpuRunner((rec) => this.onRecord(rec));
+      const mmapSize = kvm.vcpuMmapSize();
+      const cpuid = kvm.supportedCpuid();
+      for (let i = 0; i < config.vcpus; i++) {
+        const fd = vm.createVcpu(i, mmapSize);
+        this.vcpus.push({ fd, state: 'created', seenUsedIndex: 0 });
+        fd.setCpuid(cpuid);
+        setupProbeVcpu(fd, i);
+        this.runner.start(i, fd.fd, fd.runAddr);
+      }
+    } catch (e) {
+      this.releaseGuest(); // the VM and KVM fds are closed by create()
+      throw e;
+    }
+  }
+
+  /** Creates the VM with its RAM, devices and (not yet running) vCPUs. */
+  static create(config: MachineConfig, hooks: MachineHooks, kvmPath: string): KvmMachine {
+    const kvm = Kvm.open(kvmPath);
+    let vm: VmFd | undefined;
+    try {
+      const api = kvm.apiVersion();
+      if (api !== C.KVM_API_VERSION) throw new PvisorError('PVISOR_HOST_UNSUPPORTED', `KVM API version ${api}, expected ${C.KVM_API_VERSION}`);
+      vm = kvm.createVm();
+      try {
+        vm.setTssAddr(TSS_GPA);
+      } catch {
+        // Only Intel VMX needs it; other KVMs may refuse it.
+      }
+      return new KvmMachine(kvm, vm, config, hooks);
+    } catch (e) {
+      vm?.close();
+      kvm.close();
+      throw e;
+    }
+  }
+
+  /** Lets every vCPU run. */
+  start(): void {
+    for (let i = 0; i < this.vcpus.length; i++) this.continueVcpu(i);
+  }
+
+  /** Stops every vCPU and resolves once none is inside KVM_RUN. */
+  pause(): Promise<void> {
+    this.pausing = true;
+    for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'running') this.runner.kick(i);
+    return new Promise((resolve) => {
+      this.pauseWaiters.push(resolve);
+      this.checkPaused();
+    });
+  }
+
+  /** Lets paused vCPUs run again and delivers agent bytes held while paused. */
+  resume(): void {
+    this.pausing = false;
+    for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'held') this.continueVcpu(i);
+    const held = this.heldAgentBytes;
+    this.heldAgentBytes = [];
+    for (const b of held) this.console.send(b);
+  }
+
+  /** Sends bytes to the guest agent (held while paused, so RAM is not written under a strategy). */
+  sendToAgent(bytes: Buffer): void {
+    if (this.ended) return;
+    if (this.pausing) this.heldAgentBytes.push(bytes);
+    else this.console.send(bytes);
+  }
+
+  /** Tears everything down: threads joined, fds closed, RAM unmapped. Idempotent. */
+  stop(): void {
+    if (this.ended) return;
+    this.ended = true;
+    this.release();
+    for (const w of this.pauseWaiters.splice(0)) w();
+  }
+
+  get stopped(): boolean {
+    return this.ended;
+  }
+
+  private release(): void {
+    this.releaseGuest();
+    this.vm.close();
+    this.kvm.close();
+  }
+
+  /** Joins the vCPU threads before anything they use goes away: fds, kvm_run, guest RAM. */
+  private releaseGuest(): void {
+    this.runner?.destroy();
+    for (const v of this.vcpus) v.fd.close();
+    this.vcpus.length = 0;
+    this.memory?.unmap();
+  }
+
+  private crash(error: PvisorError): void {
+    if (this.ended) return;
+    this.stop();
+    this.hooks.onCrash(error);
+  }
+
+  private checkPaused(): void {
+    if (!this.pausing || this.vcpus.some((v) => v.state === 'running')) return;
+    for (const w of this.pauseWaiters.splice(0)) w();
+  }
+
+  private continueVcpu(i: number): void {
+    const v = this.vcpus[i];
+    if (this.pausing) {
+      v.state = 'held';
+      this.checkPaused();
+      return;
+    }
+    v.state = 'running';
+    v.fd.run[C.KVM_RUN_IMMEDIATE_EXIT] = 0;
+    this.runner.go(i);
+  }
+
+  private wakeIdle(): void {
+    const used = this.console.receiveUsedIndex;
+    for (let i = 0; i < this.vcpus.length; i++) {
+      const v = this.vcpus[i];
+      if (v.state === 'idle' && v.seenUsedIndex !== used) this.continueVcpu(i);
+    }
+  }
+
+  private onRecord(rec: VcpuRecord): void {
+    if (this.ended || rec.kind === RecordKind.Stopped) return;
+    try {
+      let action: VcpuAction;
+      if (rec.kind === RecordKind.Exit) action = this.handleExit(this.vcpus[rec.index]);
+      else if (rec.kind === RecordKind.Interrupted) action = { kind: 'continue' };
+      else throw new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}`);
+      this.apply(rec.index, action);
+    } catch (e) {
+      // Whatever the guest did, the host process lives on: the VM ends with the error.
+      this.crash(e instanceof PvisorError ? e : new GuestCrashError('vmm-error', `vCPU ${rec.index}: ${(e as Error).message}`));
+    }
+  }
+
+  private apply(i: number, action: VcpuAction): void {
+    const v = this.vcpus[i];
+    switch (action.kind) {
+      case 'continue':
+        this.continueVcpu(i);
+        break;
+      case 'idle':
+        v.seenUsedIndex = action.seenUsedIndex;
+        if (this.console.receiveUsedIndex !== action.seenUsedIndex) this.continueVcpu(i);
+        else {
+          v.state = 'idle';
+          this.checkPaused();
+        }
+        break;
+      case 'park':
+        v.state = 'parked';
+        this.checkPaused();
+        break;
+      case 'crash':
+        this.crash(new GuestCrashError(action.reason, action.message));
+        break;
+    }
+  }
+
+  private count(name: string): void {
+    this.exitCounts.set(name, (this.exitCounts.get(name) ?? 0) + 1);
+  }
+
+  private handleExit(v: Vcpu): VcpuAction {
+    const run = v.fd.run;
+    const reason = run.readUInt32LE(C.KVM_RUN_EXIT_REASON);
+    switch (reason) {
+      case C.KVM_EXIT_IO: {
+        this.count('io');
+        const out = run[C.KVM_RUN_IO_DIRECTION] === C.KVM_EXIT_IO_OUT;
+        const size = run[C.KVM_RUN_IO_SIZE];
+        const port = run.readUInt16LE(C.KVM_RUN_IO_PORT);
+        const count = run.readUInt32LE(C.KVM_RUN_IO_COUNT);
+        const dataOff = Number(run.readBigUInt64LE(C.KVM_RUN_IO_DATA_OFFSET));
+        const dev = this.pio.find(port, size);
+        let action: VcpuAction = { kind: 'continue' };
+        for (let k = 0; k < count; k++) {
+          const at = dataOff + k * size;
+          if (out) {
+            const r = dev?.device.write(dev.offset, size, run.readUIntLE(at, size));
+            if (r) action = r;
+          } else {
+            // An unclaimed port reads as a floating bus (all ones), as on real hardware.
+            run.writeUIntLE(dev ? dev.device.read(dev.offset, size) : 2 ** (8 * size) - 1, at, size);
+          }
+        }
+        return action;
+      }
+      case C.KVM_EXIT_MMIO: {
+        this.count('mmio');
+        const addr = Number(run.readBigUInt64LE(C.KVM_RUN_MMIO_PHYS_ADDR));
+        const len = run.readUInt32LE(C.KVM_RUN_MMIO_LEN);
+        const isWrite = run[C.KVM_RUN_MMIO_IS_WRITE] !== 0;
+        const dev = len >= 1 && len <= 4 ? this.mmio.find(addr, len) : undefined;
+        if (!dev) {
+          return { kind: 'crash', reason: 'unhandled-mmio', message: `guest ${isWrite ? 'wrote' : 'read'} ${len} bytes at 0x${addr.toString(16)}, which no device owns` };
+        }
+        if (isWrite) return dev.device.write(dev.offset, len, run.readUIntLE(C.KVM_RUN_MMIO_DATA, len)) ?? { kind: 'continue' };
+        run.writeUIntLE(dev.device.read(dev.offset, len) >>> 0 & (2 ** (8 * len) - 1), C.KVM_RUN_MMIO_DATA, len);
+        return { kind: 'continue' };
+      }
+      case C.KVM_EXIT_SHUTDOWN:
+        return { kind: 'crash', reason: 'shutdown', message: 'the guest shut down unexpectedly (a triple fault: an exception it could not handle)' };
+      case C.KVM_EXIT_INTERNAL_ERROR:
+        return { kind: 'crash', reason: 'internal-error', message: `KVM internal error, suberror ${run.readUInt32LE(C.KVM_RUN_INTERNAL_SUBERROR)} (e.g. an instruction KVM cannot emulate)` };
+      case C.KVM_EXIT_FAIL_ENTRY:
+        return { kind: 'crash', reason: 'fail-entry', message: `VM entry failed, hardware reason 0x${run.readBigUInt64LE(C.KVM_RUN_FAIL_ENTRY_REASON).toString(16)}` };
+      default:
+        return { kind: 'crash', reason: 'unexpected-exit', message: `unexpected KVM exit ${C.KVM_EXIT_NAMES[reason] ?? reason}` };
+    }
+  }
+}

@@ -1,0 +1,107 @@
+/**
+ * The split virtqueue (virtio 1.x, 2.7), device side: reading descriptor chains the driver made
+ * available and returning them used. Everything the guest wrote is untrusted: addresses are
+ * checked against guest RAM, chains are bounded (no loops), indirect descriptors are refused.
+ */
+import type { GuestMemory } from '../guest-memory';
+
+const VIRTQ_DESC_F_NEXT = 1;
+const VIRTQ_DESC_F_WRITE = 2;
+const VIRTQ_DESC_F_INDIRECT = 4;
+
+/** One buffer of a chain. */
+export interface Descriptor {
+  gpa: number;
+  len: number;
+  /** True if the device writes it (driver's "in" buffer). */
+  writable: boolean;
+}
+
+/** A descriptor chain taken from the available ring. */
+export interface DescriptorChain {
+  head: number;
+  descriptors: Descriptor[];
+}
+
+/** A chain the guest built wrongly; the device ends that request, never the host. */
+export class QueueError extends Error {}
+
+/** Queue configuration the driver writes through the transport. */
+export interface QueueConfig {
+  size: number;
+  descGpa: number;
+  availGpa: number;
+  usedGpa: number;
+}
+
+/** The device side of one split virtqueue. */
+export class SplitQueue {
+  private nextAvail = 0;
+  private nextUsed = 0;
+
+  constructor(private readonly mem: GuestMemory, readonly config: QueueConfig) {
+    const { size, descGpa, availGpa, usedGpa } = config;
+    if (!mem.contains(descGpa, 16 * size) || !mem.contains(availGpa, 6 + 2 * size) || !mem.contains(usedGpa, 6 + 8 * size)) {
+      throw new QueueError('virtqueue rings lie outside guest RAM');
+    }
+  }
+
+  /** The used index as last published to the driver. */
+  get usedIndex(): number {
+    return this.nextUsed;
+  }
+
+  /** True if the driver has made a chain available that the device has not taken. */
+  hasAvailable(): boolean {
+    return this.mem.readU16(this.config.availGpa + 2) !== this.nextAvail;
+  }
+
+  /**
+   * Takes the next available chain, or null. A malformed chain throws {@link QueueError} after
+   * consuming it, so the caller can return it used with length 0 and go on.
+   */
+  pop(): DescriptorChain | null {
+    const availIdx = this.mem.readU16(this.config.availGpa + 2);
+    if (availIdx === this.nextAvail) return null;
+    const { size } = this.config;
+    const head = this.mem.readU16(this.config.availGpa + 4 + 2 * (this.nextAvail % size));
+    this.nextAvail = (this.nextAvail + 1) & 0xffff;
+    if (head >= size) throw new QueueError(`descriptor head ${head} out of range (queue size ${size})`, { cause: head });
+    const descriptors: Descriptor[] = [];
+    let i = head;
+    for (;;) {
+      if (descriptors.length >= size) throw new ChainError(head, 'descriptor chain loops');
+      const d = this.config.descGpa + 16 * i;
+      const gpa = this.mem.readU64(d);
+      const len = this.mem.readU32(d + 8);
+      const flags = this.mem.readU16(d + 12);
+      const next = this.mem.readU16(d + 14);
+      if (flags & VIRTQ_DESC_F_INDIRECT) throw new ChainError(head, 'indirect descriptors were not negotiated');
+      if (!this.mem.contains(gpa, len)) throw new ChainError(head, `buffer 0x${gpa.toString(16)}+${len} outside guest RAM`);
+      descriptors.push({ gpa, len, writable: (flags & VIRTQ_DESC_F_WRITE) !== 0 });
+      if (!(flags & VIRTQ_DESC_F_NEXT)) break;
+      if (next >= size) throw new ChainError(head, `next ${next} out of range`);
+      i = next;
+    }
+    return { head, descriptors };
+  }
+
+  /** Returns chain `head` to the driver with `writtenBytes` written into its writable buffers. */
+  push(head: number, writtenBytes: number): void {
+    const { size, usedGpa } = this.config;
+    const elem = usedGpa + 4 + 8 * (this.nextUsed % size);
+    this.mem.writeU32(elem, head);
+    this.mem.writeU32(elem + 4, writtenBytes);
+    this.nextUsed = (this.nextUsed + 1) & 0xffff;
+    // The element must be visible before the index; the vCPU runs on another host thread, and
+    // V8's stores through a Buffer are plain stores that x86's TSO keeps in program order.
+    this.mem.writeU16(usedGpa + 2, this.nextUsed);
+  }
+}
+
+/** A malformed chain whose head is known: the device returns it used with length 0. */
+export class ChainError extends QueueError {
+  constructor(readonly head: number, message: string) {
+    super(`chain ${head}: ${message}`);
+  }
+}
