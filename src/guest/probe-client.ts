@@ -1,0 +1,175 @@
+/**
+ * The probe guest's operations as typed calls over the agent protocol.
+ */
+import { InvalidOptionError } from '../errors';
+import type { AgentClient } from '../protocol/agent-client';
+import type { ProbeContent } from './probe-content';
+
+const enum ProbeOp {
+  Fill = 0x0101,
+  Rewrite = 0x0102,
+  Touch = 0x0103,
+  Digest = 0x0104,
+  Release = 0x0105,
+  Idle = 0x0106,
+  ExitStorm = 0x0107,
+  Fault = 0x01f0,
+}
+
+/** Options of {@link ProbeGuest.fill}. */
+export interface FillOptions {
+  /** Working set size in MiB. */
+  sizeMiB: number;
+  /** `repetitive` compresses well; `random` does not. */
+  content: ProbeContent;
+  /** Seed of the content (32-bit); the same seed gives the same bytes in every VM. Default 1. */
+  seed?: number;
+}
+
+/** Options of {@link ProbeGuest.rewrite}. */
+export interface RewriteOptions {
+  /** Fraction of working-set pages to rewrite, 0..1, spread evenly. */
+  fraction: number;
+  /** Seed of the new content. Default: the fill's seed + 1. */
+  seed?: number;
+}
+
+/** Options of {@link ProbeGuest.touch}. */
+export interface TouchOptions {
+  /** How much of the working set, from its start, is hot, in MiB. */
+  hotMiB: number;
+  /** How many times to read every hot page. Default 1. */
+  rounds?: number;
+}
+
+/** Options of {@link ProbeGuest.release}. */
+export interface ReleaseOptions {
+  /** Start of the range inside the working set, in MiB. Default 0. */
+  offsetMiB?: number;
+  /** Length of the range, in MiB. Default: the whole working set. */
+  sizeMiB?: number;
+}
+
+/** A guest-side timing in TSC cycles. */
+export interface ProbeTiming {
+  tscCycles: number;
+}
+
+/** The result of {@link ProbeGuest.digest}. */
+export interface ProbeDigest extends ProbeTiming {
+  bytes: number;
+  /** The digest as 16 hex digits (h2 then h1). */
+  hex: string;
+  h1: number;
+  h2: number;
+}
+
+/** What the probe guest exposes; `vm.probe` on a VM started with `guest: 'probe'`. */
+export class ProbeGuest {
+  private fillSeed = 1;
+  private fillBytes = 0;
+
+  /** @internal */
+  constructor(private readonly agent: AgentClient) {}
+
+  /** Fills the working set with `sizeMiB` MiB of content (replacing the previous one). */
+  async fill(options: FillOptions): Promise<{ bytes: number } & ProbeTiming> {
+    const bytes = mib('sizeMiB', options.sizeMiB);
+    const seed = u32('seed', options.seed ?? 1);
+    if (options.content !== 'repetitive' && options.content !== 'random') throw new InvalidOptionError('content', 'expected "repetitive" or "random"');
+    const p = Buffer.alloc(16);
+    p.writeBigUInt64LE(BigInt(bytes), 0);
+    p.writeUInt32LE(options.content === 'random' ? 1 : 0, 8);
+    p.writeUInt32LE(seed, 12);
+    const r = await this.agent.request(ProbeOp.Fill, p);
+    this.fillSeed = seed;
+    this.fillBytes = bytes;
+    return { bytes: readU64(r, 0), tscCycles: readU64(r, 8) };
+  }
+
+  /** Rewrites a fraction of the working set's pages with new content. */
+  async rewrite(options: RewriteOptions): Promise<{ pagesRewritten: number } & ProbeTiming> {
+    if (!(options.fraction >= 0 && options.fraction <= 1)) throw new InvalidOptionError('fraction', 'expected a number from 0 to 1');
+    const p = Buffer.alloc(8);
+    p.writeUInt32LE(Math.round(options.fraction * 1000), 0);
+    p.writeUInt32LE(u32('seed', options.seed ?? (this.fillSeed + 1) >>> 0), 4);
+    const r = await this.agent.request(ProbeOp.Rewrite, p);
+    return { pagesRewritten: readU64(r, 0), tscCycles: readU64(r, 8) };
+  }
+
+  /** Reads every page of the hot part of the working set `rounds` times. */
+  async touch(options: TouchOptions): Promise<{ pagesTouched: number } & ProbeTiming> {
+    const p = Buffer.alloc(16);
+    p.writeBigUInt64LE(BigInt(mib('hotMiB', options.hotMiB)), 0);
+    p.writeUInt32LE(u32('rounds', options.rounds ?? 1), 8);
+    const r = await this.agent.request(ProbeOp.Touch, p);
+    return { pagesTouched: readU64(r, 0), tscCycles: readU64(r, 8) };
+  }
+
+  /** Digest of the working set, computed in the guest. */
+  async digest(): Promise<ProbeDigest> {
+    const r = await this.agent.request(ProbeOp.Digest);
+    const h1 = r.readUInt32LE(8);
+    const h2 = r.readUInt32LE(12);
+    return { bytes: readU64(r, 0), h1, h2, hex: hex32(h2) + hex32(h1), tscCycles: readU64(r, 16) };
+  }
+
+  /** Frees a range of the working set in the guest, which reports it to the host as free. */
+  async release(options: ReleaseOptions = {}): Promise<{ bytesReported: number }> {
+    const offset = mib('offsetMiB', options.offsetMiB ?? 0);
+    const size = options.sizeMiB === undefined ? this.fillBytes - offset : mib('sizeMiB', options.sizeMiB);
+    const p = Buffer.alloc(16);
+    p.writeBigUInt64LE(BigInt(offset), 0);
+    p.writeBigUInt64LE(BigInt(Math.max(0, size)), 8);
+    const r = await this.agent.request(ProbeOp.Release, p);
+    return { bytesReported: readU64(r, 0) };
+  }
+
+  /** Asks the guest to park until the next request (it answers first). */
+  async idle(): Promise<void> {
+    await this.agent.request(ProbeOp.Idle);
+  }
+
+  /**
+   * Makes the guest write `count` times to a port the VMM ignores: every write is a VM exit, so
+   * this measures the vCPU loop (`pvisor bench vmm`).
+   * @internal
+   */
+  async exitStorm(count: number): Promise<{ exits: number } & ProbeTiming> {
+    const p = Buffer.alloc(4);
+    p.writeUInt32LE(u32('count', count), 0);
+    const r = await this.agent.request(ProbeOp.ExitStorm, p);
+    return { exits: readU64(r, 0), tscCycles: readU64(r, 8) };
+  }
+
+  /**
+   * Makes the guest misbehave on purpose, to test isolation: `triple-fault`, `stray-mmio` (an
+   * address no device owns) or `abort`. The VM ends with a `crash` event; the promise never settles.
+   * @internal
+   */
+  fault(kind: 'triple-fault' | 'stray-mmio' | 'abort'): void {
+    const p = Buffer.alloc(4);
+    p.writeUInt32LE({ 'triple-fault': 1, 'stray-mmio': 2, abort: 3 }[kind], 0);
+    this.agent.request(ProbeOp.Fault, p).catch(() => {});
+  }
+}
+
+function mib(option: string, value: number): number {
+  if (!(Number.isFinite(value) && value >= 0)) throw new InvalidOptionError(option, `expected a size in MiB, got ${value}`);
+  const bytes = Math.round(value * 1024 * 1024);
+  if (bytes % 4096 !== 0) throw new InvalidOptionError(option, 'must be a whole number of 4 KiB pages');
+  return bytes;
+}
+
+function u32(option: string, value: number): number {
+  if (!Number.isInteger(value) || value < 0 || value > 0xffffffff) throw new InvalidOptionError(option, 'expected a whole number from 0 to 2^32-1');
+  return value;
+}
+
+function readU64(b: Buffer, off: number): number {
+  return b.length >= off + 8 ? Number(b.readBigUInt64LE(off)) : 0;
+}
+
+function hex32(v: number): string {
+  return v.toString(16).padStart(8, '0');
+}

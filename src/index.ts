@@ -1,0 +1,27 @@
+/**
+ * pvisor: AI-agent sandboxes in KVM virtual machines that cost the host only the memory they use.
+ *
+ * ```ts
+ * import { Vm } from 'pvisor';
+ * await using vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 });
+ * await vm.probe.fill({ sizeMiB: 64, content: 'random', seed: 7 });
+ * console.log(await vm.probe.digest(), vm.memoryUsage());
+ * ```
+ * @module
+ */
+export { Vm } from './vm';
+export type { VmOptions, VmState, VmEvents, VmMemoryUsage, GuestKind } from './vm';
+export { ProbeGuest } from './guest/probe-client';
+export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';
+export type { ProbeContent } from './guest/probe-content';
+export type { Size } from './units';
+export {
+  PvisorError,
+  InvalidOptionError,
+  HostUnsupportedError,
+  SystemCallError,
+  GuestCrashError,
+  GuestRequestError,
+  VmStateError,
+  TimeoutError,
+} from './errors';

@@ -1,0 +1,103 @@
+/**
+ * The host end of the agent protocol: numbered requests with several outstanding at once,
+ * responses matched by id, guest events delivered to a callback.
+ */
+import { GuestRequestError, TimeoutError, VmStateError } from '../errors';
+import { encodeFrame, FrameDecoder, FrameType, type Frame } from './frame';
+
+/** Common ops (both guests). */
+export const enum CommonOp {
+  Hello = 0x0001,
+  Ping = 0x0002,
+}
+
+interface Pending {
+  op: number;
+  resolve(payload: Buffer): void;
+  reject(error: Error): void;
+  timer?: NodeJS.Timeout;
+}
+
+/** Options of one request. */
+export interface RequestOptions {
+  /** Reject with {@link TimeoutError} after this long; default: no timeout. */
+  timeoutMs?: number;
+}
+
+/** Requests to, and events from, one guest agent. */
+export class AgentClient {
+  private readonly decoder = new FrameDecoder();
+  private readonly pending = new Map<number, Pending>();
+  private nextId = 1;
+  private closedWith: Error | undefined;
+
+  constructor(
+    private readonly send: (bytes: Buffer) => void,
+    private readonly onEvent: (frame: Frame) => void,
+    private readonly onProtocolError: (message: string) => void,
+  ) {}
+
+  /** Feeds bytes received from the guest. */
+  receive(bytes: Buffer): void {
+    let frames: Frame[];
+    try {
+      frames = this.decoder.push(bytes);
+    } catch (e) {
+      this.onProtocolError((e as Error).message);
+      return;
+    }
+    for (const f of frames) this.dispatch(f);
+  }
+
+  private dispatch(f: Frame): void {
+    if (f.type === FrameType.Event) {
+      this.onEvent(f);
+      return;
+    }
+    const p = this.pending.get(f.id);
+    if (!p) {
+      if (f.type === FrameType.Error) this.onProtocolError(`guest error for request ${f.id}: ${errorText(f.payload)}`);
+      return;
+    }
+    if (f.type === FrameType.StreamChunk) return; // streams arrive with the Linux agent
+    this.pending.delete(f.id);
+    if (p.timer) clearTimeout(p.timer);
+    if (f.type === FrameType.Response) p.resolve(f.payload);
+    else if (f.type === FrameType.Error) {
+      const code = f.payload.length >= 4 ? f.payload.readUInt32LE(0) : 0;
+      p.reject(new GuestRequestError(code, `guest refused op 0x${p.op.toString(16)}: ${errorText(f.payload)}`));
+    }
+  }
+
+  /** Sends a request and resolves with the response payload. */
+  request(op: number, payload: Buffer = Buffer.alloc(0), options: RequestOptions = {}): Promise<Buffer> {
+    if (this.closedWith) return Promise.reject(this.closedWith);
+    const id = this.nextId;
+    this.nextId = this.nextId >= 0xffffffff ? 1 : this.nextId + 1;
+    return new Promise<Buffer>((resolve, reject) => {
+      const p: Pending = { op, resolve, reject };
+      if (options.timeoutMs !== undefined) {
+        p.timer = setTimeout(() => {
+          this.pending.delete(id);
+          reject(new TimeoutError(`guest did not answer op 0x${op.toString(16)} within ${options.timeoutMs} ms`));
+        }, options.timeoutMs);
+      }
+      this.pending.set(id, p);
+      this.send(encodeFrame({ type: FrameType.Request, id, op, payload }));
+    });
+  }
+
+  /** Fails every outstanding and future request with `error`. */
+  close(error: Error = new VmStateError('the VM has stopped')): void {
+    this.closedWith ??= error;
+    for (const [id, p] of this.pending) {
+      if (p.timer) clearTimeout(p.timer);
+      p.reject(this.closedWith);
+      this.pending.delete(id);
+    }
+  }
+}
+
+function errorText(payload: Buffer): string {
+  return payload.length > 4 ? payload.subarray(4).toString('utf8') : 'no reason given';
+}

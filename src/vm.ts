@@ -1,0 +1,277 @@
+/**
+ * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
+ */
+import { createHash } from 'node:crypto';
+import { readFileSync } from 'node:fs';
+import { EventEmitter } from 'eventemitter3';
+import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
+import type { KvmMachine } from './backends/kvm/kvm-machine';
+import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError } from './errors';
+import { ProbeGuest } from './guest/probe-client';
+import { nativePrebuild } from './native';
+import { AgentClient, CommonOp } from './protocol/agent-client';
+import type { Frame } from './protocol/frame';
+import { hostMemTotalBytes, processResident, rangeResident } from './memory-usage';
+import { parseSize, type Size } from './units';
+
+/** Which guest a VM runs. */
+export type GuestKind = 'linux' | 'probe';
+
+/** Options of {@link Vm.start}. */
+export interface VmOptions {
+  /** Guest RAM: bytes or a size string such as `512MiB`. Default `512MiB`. A multiple of 4 KiB. */
+  memory?: Size;
+  /** Number of vCPUs, 1 to 8. Default 2. */
+  vcpus?: number;
+  /**
+   * The guest: `linux` (the product default) or `probe`, the small CPL3 guest that tests and
+   * benches drive. Default `linux`.
+   */
+  guest?: GuestKind;
+  /** How long to wait for the guest agent to say hello. Default 60000 ms. */
+  bootTimeoutMs?: number;
+  /** A name for logs and the CLI. Default: `vm-<n>`. */
+  name?: string;
+}
+
+/** Lifecycle states, in order. `crashed` and `stopped` are final. */
+export type VmState = 'starting' | 'running' | 'paused' | 'stopped' | 'crashed';
+
+/** Events a {@link Vm} emits. */
+export interface VmEvents {
+  /** The state changed. */
+  state: (state: VmState, previous: VmState) => void;
+  /** A line the guest printed on its serial console. */
+  console: (line: string) => void;
+  /** The guest crashed or misbehaved; the VM has ended (state `crashed`). */
+  crash: (error: PvisorError) => void;
+  /** The VM ended, by {@link Vm.stop} or a crash. */
+  exit: (info: { state: 'stopped' | 'crashed'; error?: PvisorError }) => void;
+  /** A device refused a malformed request from the guest; the guest goes on. */
+  warning: (message: string) => void;
+}
+
+/** Memory figures of one VM, in bytes. See {@link Vm.memoryUsage}. */
+export interface VmMemoryUsage {
+  /** Guest RAM capacity. */
+  capacityBytes: number;
+  /** PSS of the guest RAM mapping (what the guest's pages cost the host). */
+  guestRamPssBytes: number;
+  /** RSS of the guest RAM mapping. */
+  guestRamRssBytes: number;
+  /** PSS of the whole host process (all its VMs, Node and pvisor itself). */
+  processPssBytes: number;
+  /** Number of live VMs in this process: the process's overhead is shared among them. */
+  vmsInProcess: number;
+}
+
+const live = new Set<Vm>();
+let vmCounter = 0;
+
+/** A virtual machine. Create one with {@link Vm.start}. */
+export class Vm extends EventEmitter<VmEvents> {
+  /** Name given in the options, or `vm-<n>`. */
+  readonly name: string;
+  /** Guest RAM capacity in bytes. */
+  readonly memoryBytes: number;
+  /** Number of vCPUs. */
+  readonly vcpus: number;
+  /** The guest this VM runs. */
+  readonly guest: GuestKind;
+  private _state: VmState = 'starting';
+  private machine!: KvmMachine;
+  private agent!: AgentClient;
+  private _probe: ProbeGuest | undefined;
+  private hello: ((f: Frame) => void) | undefined;
+  private endError: PvisorError | undefined;
+
+  private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind) {
+    super();
+    this.name = name;
+    this.memoryBytes = memoryBytes;
+    this.vcpus = vcpus;
+    this.guest = guest;
+  }
+
+  /**
+   * Validates the options, creates the VM, boots its guest and resolves once the guest agent is
+   * ready. Invalid options and an unusable host reject before anything is allocated.
+   */
+  static async start(options: VmOptions = {}): Promise<Vm> {
+    const memoryBytes = parseSize('memory', options.memory ?? '512MiB');
+    if (memoryBytes === 0 || memoryBytes % 4096 !== 0) throw new InvalidOptionError('memory', `must be a non-zero multiple of 4 KiB, got ${memoryBytes} bytes`);
+    const hostBytes = hostMemTotalBytes();
+    if (memoryBytes > hostBytes) throw new InvalidOptionError('memory', `${memoryBytes} bytes is more than this host has (${hostBytes} bytes)`);
+    const vcpus = options.vcpus ?? 2;
+    if (!Number.isInteger(vcpus) || vcpus < 1 || vcpus > 8) throw new InvalidOptionError('vcpus', `must be a whole number from 1 to 8, got ${vcpus}`);
+    const guest = options.guest ?? 'linux';
+    if (guest !== 'linux' && guest !== 'probe') throw new InvalidOptionError('guest', `expected "linux" or "probe", got ${JSON.stringify(guest)}`);
+    const bootTimeoutMs = options.bootTimeoutMs ?? 60000;
+    const host = checkKvmHost();
+    if (guest === 'linux') {
+      requireKernelModeGuests(host, 'linux');
+      throw new PvisorError('PVISOR_GUEST_UNAVAILABLE', 'the Linux guest is not shipped in this version of pvisor yet; use guest: "probe"');
+    }
+
+    const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest);
+    await vm.boot(host.devicePath, loadProbeImage(), bootTimeoutMs);
+    return vm;
+  }
+
+  private async boot(kvmPath: string, probeImage: Buffer, bootTimeoutMs: number): Promise<void> {
+    // Loaded here, not at the top: importing pvisor must not load native code until a VM starts.
+    const { KvmMachine } = await import('./backends/kvm/kvm-machine');
+    this.agent = new AgentClient(
+      (bytes) => this.machine.sendToAgent(bytes),
+      (f) => this.onAgentEvent(f),
+      (message) => this.emit('warning', `agent protocol: ${message}`),
+    );
+    this.machine = KvmMachine.create(
+      { memoryBytes: this.memoryBytes, vcpus: this.vcpus, probeImage, freePageSink: (gpa, len) => this.machine.memory.discard(gpa, len) },
+      {
+        onConsole: (line) => this.emit('console', line),
+        onAgentData: (bytes) => this.agent.receive(bytes),
+        onCrash: (error) => this.onCrash(error),
+        onDeviceError: (message) => this.emit('warning', message),
+      },
+      kvmPath,
+    );
+    live.add(this);
+    const ready = new Promise<void>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.hello = undefined;
+        reject(new TimeoutError(`the ${this.guest} guest did not become ready within ${bootTimeoutMs} ms`));
+      }, bootTimeoutMs);
+      this.hello = () => {
+        clearTimeout(timer);
+        this.hello = undefined;
+        resolve();
+      };
+      this.once('exit', ({ error }) => {
+        clearTimeout(timer);
+        reject(error ?? new VmStateError('the VM stopped while booting'));
+      });
+    });
+    this.machine.start();
+    try {
+      await ready;
+    } catch (e) {
+      this.stop();
+      throw e;
+    }
+    this._probe = new ProbeGuest(this.agent);
+    this.setState('running');
+  }
+
+  private onAgentEvent(f: Frame): void {
+    if (f.op === CommonOp.Hello) this.hello?.(f);
+  }
+
+  private onCrash(error: PvisorError): void {
+    this.endError = error;
+    live.delete(this);
+    this.agent.close(error);
+    this.setState('crashed');
+    this.emit('crash', error);
+    this.emit('exit', { state: 'crashed', error });
+  }
+
+  private setState(state: VmState): void {
+    const previous = this._state;
+    if (previous === state) return;
+    this._state = state;
+    this.emit('state', state, previous);
+  }
+
+  /** The current lifecycle state. */
+  get state(): VmState {
+    return this._state;
+  }
+
+  /** The error that ended a crashed VM. */
+  get error(): PvisorError | undefined {
+    return this.endError;
+  }
+
+  /** The probe guest's operations. Throws {@link VmStateError} on another guest. */
+  get probe(): ProbeGuest {
+    if (!this._probe) throw new VmStateError(`vm.probe needs guest: "probe" (this VM runs ${this.guest})`);
+    return this._probe;
+  }
+
+  private requireState(...states: VmState[]): void {
+    if (!states.includes(this._state)) {
+      throw new VmStateError(`${this.name} is ${this._state}${this.endError ? ` (${this.endError.message})` : ''}; this needs it ${states.join(' or ')}`);
+    }
+  }
+
+  /** Stops every vCPU; guest memory stays as it is. Requests wait until {@link resume}. */
+  async pause(): Promise<void> {
+    this.requireState('running');
+    await this.machine.pause();
+    if (this._state === 'running') this.setState('paused');
+  }
+
+  /** Lets a paused VM run again. */
+  async resume(): Promise<void> {
+    this.requireState('paused');
+    this.machine.resume();
+    this.setState('running');
+  }
+
+  /** Stops the VM and frees everything it holds. Safe to call more than once. */
+  stop(): void {
+    if (this._state === 'stopped' || this._state === 'crashed') return;
+    this.machine?.stop();
+    live.delete(this);
+    this.agent?.close();
+    this.setState('stopped');
+    this.emit('exit', { state: 'stopped' });
+  }
+
+  /** `await using vm = await Vm.start(...)` stops the VM at the end of the scope. */
+  async [Symbol.asyncDispose](): Promise<void> {
+    this.stop();
+  }
+
+  /**
+   * Memory figures: PSS of guest RAM (from /proc/self/smaps) and of the whole process. Several VMs
+   * in one process share its overhead; `vmsInProcess` says how many.
+   */
+  memoryUsage(): VmMemoryUsage {
+    this.requireState('running', 'paused');
+    const mem = this.machine.memory;
+    const ram = rangeResident(mem.hostAddr, mem.sizeBytes);
+    return {
+      capacityBytes: this.memoryBytes,
+      guestRamPssBytes: ram.pssBytes,
+      guestRamRssBytes: ram.rssBytes,
+      processPssBytes: processResident().pssBytes,
+      vmsInProcess: live.size,
+    };
+  }
+
+  /** @internal Guest RAM host ranges of every live VM in this process (for the bench). */
+  static liveGuestRam(): { start: number; length: number }[] {
+    return [...live].map((vm) => ({ start: vm.machine.memory.hostAddr, length: vm.machine.memory.sizeBytes }));
+  }
+
+  /** @internal Exit counts by reason (for the bench). */
+  exitCounts(): Map<string, number> {
+    return this.machine.exitCounts;
+  }
+}
+
+let probeImage: Buffer | undefined;
+
+/** The shipped probe image, checked against its checksum file. */
+function loadProbeImage(): Buffer {
+  if (probeImage) return probeImage;
+  const path = nativePrebuild('probe.bin');
+  const image = readFileSync(path);
+  const expected = readFileSync(`${path}.sha256`, 'utf8').split(/\s+/)[0];
+  const actual = createHash('sha256').update(image).digest('hex');
+  if (actual !== expected) throw new GuestCrashError('corrupt-image', `${path} does not match its checksum (${actual} != ${expected}); reinstall pvisor`);
+  probeImage = image;
+  return image;
+}
