@@ -1,0 +1,84 @@
+// The foundation on real KVM: the probe guest in a 512 MiB, 2-vCPU VM. Needs /dev/kvm (on a host
+// without one, `npm test` runs this file inside scripts/nested-kvm.sh).
+import { Vm } from '../../src';
+import { hexOf } from '../probe-digest';
+import type { ProbeWorkingSet } from '../../src/guest/probe-content';
+
+const MiB = 1024 * 1024;
+
+describe('probe guest on KVM', () => {
+  let vm: Vm;
+  beforeAll(async () => {
+    vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 });
+  });
+  afterAll(() => vm?.stop());
+
+  it('boots to running with 2 vCPUs and 512 MiB', () => {
+    expect(vm.state).toBe('running');
+    expect(vm.vcpus).toBe(2);
+    expect(vm.memoryBytes).toBe(512 * MiB);
+  });
+
+  it('guest RAM costs the host about nothing before a fill, and about 64 MiB more after', async () => {
+    const before = vm.memoryUsage();
+    expect(before.guestRamPssBytes).toBeLessThan(8 * MiB);
+    await vm.probe.fill({ sizeMiB: 64, content: 'repetitive', seed: 3 });
+    const after = vm.memoryUsage();
+    const grown = after.guestRamPssBytes - before.guestRamPssBytes;
+    expect(grown).toBeGreaterThan(63 * MiB);
+    expect(grown).toBeLessThan(66 * MiB);
+  });
+
+  it('a 64 MiB repetitive fill digests in the guest to the host-computed value', async () => {
+    await vm.probe.fill({ sizeMiB: 64, content: 'repetitive', seed: 11 });
+    const d = await vm.probe.digest();
+    expect(d.bytes).toBe(64 * MiB);
+    expect(d.hex).toBe(hexOf({ content: 'repetitive', seed: 11, sizeBytes: 64 * MiB, rewrites: [] }));
+  });
+
+  it('a 64 MiB random fill digests to the host-computed value, and a rewrite changes it as predicted', async () => {
+    await vm.probe.fill({ sizeMiB: 64, content: 'random', seed: 42 });
+    const ws: ProbeWorkingSet = { content: 'random', seed: 42, sizeBytes: 64 * MiB, rewrites: [] };
+    expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
+    const r = await vm.probe.rewrite({ fraction: 0.25, seed: 7 });
+    expect(r.pagesRewritten).toBe(4096);
+    ws.rewrites.push({ permille: 250, seed: 7 });
+    expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
+  });
+
+  it('pause and resume keep the working set and the digest', async () => {
+    await vm.probe.fill({ sizeMiB: 16, content: 'random', seed: 5 });
+    const before = await vm.probe.digest();
+    await vm.pause();
+    expect(vm.state).toBe('paused');
+    // A request made while paused waits for resume instead of failing.
+    const during = vm.probe.digest();
+    await vm.resume();
+    expect(vm.state).toBe('running');
+    expect((await during).hex).toBe(before.hex);
+    expect((await vm.probe.digest()).hex).toBe(before.hex);
+  });
+
+  it('touch reads the hot part of the working set', async () => {
+    await vm.probe.fill({ sizeMiB: 8, content: 'repetitive' });
+    const t = await vm.probe.touch({ hotMiB: 4, rounds: 3 });
+    expect(t.pagesTouched).toBe(3 * 1024);
+  });
+
+  it('release reports the range through free page reporting and the host drops it', async () => {
+    await vm.probe.fill({ sizeMiB: 32, content: 'random', seed: 9 });
+    const before = vm.memoryUsage().guestRamPssBytes;
+    const r = await vm.probe.release({ offsetMiB: 0, sizeMiB: 32 });
+    expect(r.bytesReported).toBe(32 * MiB);
+    const after = vm.memoryUsage().guestRamPssBytes;
+    expect(before - after).toBeGreaterThan(31 * MiB);
+  });
+
+  it('guest-side bad arguments are typed errors and the VM goes on', async () => {
+    await expect(vm.probe.fill({ sizeMiB: 1024, content: 'random' })).rejects.toThrow(/refused/);
+    await expect(vm.probe.release({ offsetMiB: 600, sizeMiB: 4 })).rejects.toThrow(/refused/);
+    await vm.probe.fill({ sizeMiB: 4, content: 'random', seed: 1 });
+    expect((await vm.probe.digest()).bytes).toBe(4 * MiB);
+  });
+});
+

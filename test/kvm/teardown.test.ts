@@ -1,0 +1,51 @@
+// Stopping a VM gives back everything it took: fds, mappings, threads. Needs /dev/kvm.
+import { readdirSync, readFileSync, readlinkSync } from 'node:fs';
+import { Vm } from '../../src';
+
+function kvmFds(): number {
+  return readdirSync('/proc/self/fd').filter((fd) => {
+    try {
+      return /kvm/.test(readlinkSync(`/proc/self/fd/${fd}`));
+    } catch {
+      return false; // closed while listing
+    }
+  }).length;
+}
+
+const maps = () => readFileSync('/proc/self/maps', 'utf8');
+const threads = () => readdirSync('/proc/self/task').length;
+
+describe('teardown', () => {
+  it('leaks no fd, mapping or thread across start/stop', async () => {
+    const threadsBefore = threads();
+    const fdsBefore = readdirSync('/proc/self/fd').length;
+    for (let i = 0; i < 3; i++) {
+      const vm = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 4 });
+      expect(threads()).toBe(threadsBefore + 4);
+      const [ram] = Vm.liveGuestRam();
+      await vm.probe.fill({ sizeMiB: 4, content: 'random' });
+      await vm.pause();
+      await vm.resume();
+      vm.stop();
+      await new Promise((r) => setTimeout(r, 50)); // the closed socket's handle goes on the next tick
+      expect(threads()).toBe(threadsBefore);
+      expect(kvmFds()).toBe(0);
+      expect(maps()).not.toMatch(/kvm/); // kvm_run mappings
+      expect(maps()).not.toContain(`${ram.start.toString(16)}-${(ram.start + ram.length).toString(16)} `); // guest RAM
+    }
+    expect(readdirSync('/proc/self/fd').length).toBeLessThanOrEqual(fdsBefore + 1); // Node may open its own once
+  });
+
+  it('stop is idempotent and a stopped VM refuses work with a typed error', async () => {
+    const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1 });
+    const exits: string[] = [];
+    vm.on('exit', ({ state }) => exits.push(state));
+    vm.stop();
+    vm.stop();
+    expect(vm.state).toBe('stopped');
+    expect(exits).toEqual(['stopped']);
+    await expect(vm.probe.digest()).rejects.toThrow(/stopped/);
+    await expect(vm.pause()).rejects.toThrow(/stopped/);
+    expect(() => vm.memoryUsage()).toThrow(/stopped/);
+  });
+});

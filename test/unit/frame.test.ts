@@ -1,0 +1,41 @@
+import { encodeFrame, FrameDecoder, FrameError, FrameType } from '../../src/protocol/frame';
+
+describe('agent protocol framing', () => {
+  const a = encodeFrame({ type: FrameType.Request, id: 7, op: 0x0101, payload: Buffer.from([1, 2, 3]) });
+  const b = encodeFrame({ type: FrameType.Response, id: 0xfffffffe, op: 0x0104, flags: 2, payload: Buffer.alloc(70000, 0xab) });
+
+  it('round-trips frames split at every byte boundary', () => {
+    const stream = Buffer.concat([a, b]);
+    for (let cut = 0; cut <= stream.length; cut += 997) {
+      const d = new FrameDecoder();
+      const frames = [...d.push(stream.subarray(0, cut)), ...d.push(stream.subarray(cut))];
+      expect(frames.map((f) => [f.type, f.id, f.op, f.flags, f.payload.length])).toEqual([
+        [FrameType.Request, 7, 0x0101, 0, 3],
+        [FrameType.Response, 0xfffffffe, 0x0104, 2, 70000],
+      ]);
+      expect(frames[1].payload.every((x) => x === 0xab)).toBe(true);
+    }
+  });
+
+  it('is binary-safe: payload bytes that look like a header stay payload', () => {
+    const inner = encodeFrame({ type: FrameType.Event, id: 0, op: 1, payload: a });
+    const [f] = new FrameDecoder().push(inner);
+    expect(f.payload.equals(a)).toBe(true);
+  });
+
+  it('rejects bad magic, version and oversized lengths', () => {
+    expect(() => new FrameDecoder().push(Buffer.from('GET / HTTP/1.1\r\n\r\n'))).toThrow(FrameError);
+    const v2 = Buffer.from(a);
+    v2[2] = 2;
+    expect(() => new FrameDecoder().push(v2)).toThrow(/version 2/);
+    const huge = Buffer.from(a);
+    huge.writeUInt32LE(64 * 1024 * 1024, 12);
+    expect(() => new FrameDecoder().push(huge)).toThrow(/exceeds/);
+  });
+
+  it('recovers after garbage: the next valid frame decodes', () => {
+    const d = new FrameDecoder();
+    expect(() => d.push(Buffer.from('garbage-garbage!'))).toThrow(FrameError);
+    expect(d.push(a)).toHaveLength(1);
+  });
+});

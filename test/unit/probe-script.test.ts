@@ -1,0 +1,22 @@
+import { parseProbeScript } from '../../src/cli/probe-script';
+import { InvalidOptionError } from '../../src/errors';
+
+describe('pvisor run --guest probe: step parsing', () => {
+  it('parses steps separated by commas or semicolons, sizes with or without units', () => {
+    expect(parseProbeScript(['fill', '64MiB', 'random', '42,', 'digest;', 'rewrite', '25%', '7,', 'touch', '16', '3,', 'release', '0', '8MiB'])).toEqual([
+      { op: 'fill', sizeMiB: 64, content: 'random', seed: 42 },
+      { op: 'digest' },
+      { op: 'rewrite', fraction: 0.25, seed: 7 },
+      { op: 'touch', hotMiB: 16, rounds: 3 },
+      { op: 'release', offsetMiB: 0, sizeMiB: 8 },
+    ]);
+  });
+
+  it('defaults: repetitive content, seed 1, whole-working-set release', () => {
+    expect(parseProbeScript(['fill 1GiB, release'])).toEqual([{ op: 'fill', sizeMiB: 1024, content: 'repetitive', seed: 1 }, { op: 'release' }]);
+  });
+
+  it.each([[['explode']], [['fill']], [['fill', '8MiB', 'zeros']], [['rewrite', '150%']], [[]], [['touch', '4', 'x']]])('rejects %j with a typed error', (words) => {
+    expect(() => parseProbeScript(words)).toThrow(InvalidOptionError);
+  });
+});
