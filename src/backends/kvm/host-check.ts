@@ -34,7 +34,7 @@ export function checkKvmHost(): KvmHostInfo {
       : 'the kvm module is not loaded or the CPU has no virtualisation extensions enabled';
     throw new HostUnsupportedError(
       `${devicePath} does not exist: ${why}. Run pvisor on a host with KVM (bare metal, or a VM with nested virtualisation), ` +
-        'or run it inside the nested harness: scripts/nested-kvm.sh -- CMD.',
+        'or run it inside the nested harness of the pvisor repository: scripts/nested-kvm.sh -- CMD.',
     );
   }
   try {

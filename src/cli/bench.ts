@@ -1,0 +1,144 @@
+/**
+ * `pvisor bench ...`: figures measured on real VMs, printed as tables (with the reference's
+ * figures beside pvisor's where the study has one) and written as JSON.
+ */
+import { execFileSync, spawnSync } from 'node:child_process';
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { parseArgs } from 'node:util';
+import { PACKAGE_ROOT } from '../native';
+import { processResident, rangeResident } from '../memory-usage';
+import { Vm } from '../vm';
+
+const MiB = 2 ** 20;
+const progress = (line: string) => process.stderr.write(`bench: ${line}\n`);
+
+function stats(xs: number[]): { min: number; median: number; max: number } {
+  const s = [...xs].sort((a, b) => a - b);
+  const mid = s.length >> 1;
+  return { min: s[0], median: s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2, max: s[s.length - 1] };
+}
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+/** Start-to-ready times of `runs` fresh probe VMs (512 MiB, 2 vCPUs), ms. */
+async function startTimes(runs: number): Promise<number[]> {
+  const out: number[] = [];
+  for (let i = 0; i < runs; i++) {
+    const t0 = performance.now();
+    const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 });
+    out.push(performance.now() - t0);
+    vm.stop();
+    progress(`start ${i + 1}/${runs}: ${out[i].toFixed(1)} ms`);
+  }
+  return out;
+}
+
+/** Port-I/O exits per second through pvisor's vCPU loop and through a native C loop. */
+async function exitRates(count: number): Promise<{ pvisor: number; native: number }> {
+  const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 });
+  let pvisor: number;
+  try {
+    await vm.probe.exitStorm(1000); // warm-up
+    const t0 = performance.now();
+    await vm.probe.exitStorm(count);
+    pvisor = count / ((performance.now() - t0) / 1000);
+  } finally {
+    vm.stop();
+  }
+  progress(`pvisor vCPU loop: ${Math.round(pvisor)} exits/s`);
+  const dir = mkdtempSync(join(tmpdir(), 'pvisor-bench-'));
+  const exe = join(dir, 'exit-loop');
+  execFileSync('gcc', ['-O2', '-o', exe, join(PACKAGE_ROOT, 'native-prebuilds', 'bench', 'exit-loop.c')]);
+  const r = JSON.parse(execFileSync(exe, [String(count)], { encoding: 'utf8' })) as { exits: number; seconds: number };
+  const native = r.exits / r.seconds;
+  progress(`native C loop: ${Math.round(native)} exits/s`);
+  return { pvisor, native };
+}
+
+interface MemoryCase {
+  vms: number;
+  processPssBeforeBytes: number;
+  processPssBytes: number;
+  guestRamPssBytes: number;
+  /** (process PSS - PSS before any VM - guest RAM PSS) / VMs: what each VM adds besides its RAM. */
+  vmmPerVmBytes: number;
+  /** (process PSS - guest RAM PSS) / VMs: the whole process's overhead shared among its VMs. */
+  processSharePerVmBytes: number;
+}
+
+/** Runs in a fresh child process so that each case starts from a clean heap. */
+async function memoryCaseChild(vms: number): Promise<MemoryCase> {
+  // Load the backend before the "before" reading: it belongs to the process, not to a VM.
+  await import('../backends/kvm/kvm-machine');
+  const before = processResident().pssBytes;
+  const list: Vm[] = [];
+  for (let i = 0; i < vms; i++) list.push(await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 }));
+  await sleep(5000); // the reference study reads 5 s after the operation
+  const guest = Vm.liveGuestRam().reduce((sum, r) => sum + rangeResident(r.start, r.length).pssBytes, 0);
+  const proc = processResident().pssBytes;
+  for (const vm of list) vm.stop();
+  return {
+    vms,
+    processPssBeforeBytes: before,
+    processPssBytes: proc,
+    guestRamPssBytes: guest,
+    vmmPerVmBytes: (proc - before - guest) / vms,
+    processSharePerVmBytes: (proc - guest) / vms,
+  };
+}
+
+function memoryCase(vms: number): MemoryCase {
+  const r = spawnSync(process.execPath, [join(__dirname, 'main.js'), 'bench', 'vmm-memory-case', String(vms)], { encoding: 'utf8' });
+  if (r.status !== 0) throw new Error(`memory case with ${vms} VMs failed: ${r.stderr}`);
+  return JSON.parse(r.stdout) as MemoryCase;
+}
+
+async function benchVmm(argv: string[]): Promise<number> {
+  const { values } = parseArgs({ args: argv, options: { runs: { type: 'string', default: '5' }, exits: { type: 'string', default: '100000' }, json: { type: 'string' } } });
+  const runs = Number(values.runs);
+  const exits = Number(values.exits);
+  progress(`start-to-ready, ${runs} fresh VMs`);
+  const start = stats(await startTimes(runs));
+  progress(`exits per second, ${exits} port writes`);
+  const rates = await exitRates(exits);
+  progress('VMM memory, 1 VM in a fresh process');
+  const one = memoryCase(1);
+  progress('VMM memory, 4 VMs in a fresh process');
+  const four = memoryCase(4);
+
+  const f = (b: number) => (b / MiB).toFixed(1);
+  const rows = [
+    ['figure', 'pvisor', 'reference'],
+    ['start to probe ready, ms (min/median/max)', `${start.min.toFixed(0)} / ${start.median.toFixed(0)} / ${start.max.toFixed(0)}`, '-'],
+    ['port-I/O exits/s, pvisor vCPU loop', Math.round(rates.pvisor).toString(), '-'],
+    ['port-I/O exits/s, native C KVM_RUN loop', Math.round(rates.native).toString(), '-'],
+    ['ratio pvisor / native', (rates.pvisor / rates.native).toFixed(2), '-'],
+    ['VMM PSS per VM besides guest RAM, 1 VM, MiB', f(one.vmmPerVmBytes), 'goal <= 8 (4 VMs)'],
+    ['VMM PSS per VM besides guest RAM, 4 VMs, MiB', f(four.vmmPerVmBytes), 'goal <= 8'],
+    ['process PSS share per VM (incl. Node), 1 VM, MiB', f(one.processSharePerVmBytes), 'Firecracker <= 5 (no Node)'],
+    ['process PSS share per VM (incl. Node), 4 VMs, MiB', f(four.processSharePerVmBytes), '-'],
+  ];
+  const width = rows[0].map((_, i) => Math.max(...rows.map((r) => r[i].length)));
+  for (const r of rows) process.stdout.write(`${r.map((c, i) => c.padEnd(width[i])).join(' | ')}\n`);
+  const json = { startToReadyMs: start, exitsPerSecond: { pvisor: rates.pvisor, native: rates.native, ratio: rates.pvisor / rates.native }, memory: [one, four] };
+  if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
+  else process.stdout.write(`${JSON.stringify(json)}\n`);
+  return 0;
+}
+
+/** Entry of `pvisor bench`. */
+export async function cmdBench(argv: string[]): Promise<number> {
+  const [what, ...rest] = argv;
+  switch (what) {
+    case 'vmm':
+      return benchVmm(rest);
+    case 'vmm-memory-case':
+      process.stdout.write(JSON.stringify(await memoryCaseChild(Number(rest[0]))));
+      return 0;
+    default:
+      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n');
+      return 2;
+  }
+}

@@ -1,0 +1,133 @@
+/**
+ * `pvisor run --guest probe -- OPS`: the probe guest's "command" is a list of its operations,
+ * separated by commas or `;`, e.g. `fill 64MiB random 42, digest, release, memory`.
+ */
+import { InvalidOptionError } from '../errors';
+import { parseSize } from '../units';
+import type { Vm } from '../vm';
+
+/** One parsed operation. */
+export type ProbeStep =
+  | { op: 'fill'; sizeMiB: number; content: 'repetitive' | 'random'; seed: number }
+  | { op: 'rewrite'; fraction: number; seed?: number }
+  | { op: 'touch'; hotMiB: number; rounds: number }
+  | { op: 'digest' }
+  | { op: 'release'; offsetMiB?: number; sizeMiB?: number }
+  | { op: 'idle' }
+  | { op: 'memory' }
+  | { op: 'pause' }
+  | { op: 'resume' }
+  | { op: 'sleep'; ms: number };
+
+const USAGE = 'fill SIZE [repetitive|random] [SEED] | rewrite PERCENT% [SEED] | touch SIZE [ROUNDS] | digest | release [OFFSET SIZE] | idle | memory | pause | resume | sleep MS';
+
+function mib(option: string, text: string | undefined): number {
+  if (text === undefined) throw new InvalidOptionError(option, `missing size; steps are: ${USAGE}`);
+  return parseSize(option, /^\d+$/.test(text) ? `${text}MiB` : text) / 2 ** 20;
+}
+
+function int(option: string, text: string | undefined, fallback: number): number {
+  if (text === undefined) return fallback;
+  if (!/^\d+$/.test(text)) throw new InvalidOptionError(option, `expected a whole number, got ${JSON.stringify(text)}`);
+  return Number(text);
+}
+
+/** Parses the words after `--` into steps. */
+export function parseProbeScript(words: string[]): ProbeStep[] {
+  const steps: ProbeStep[] = [];
+  const groups = words.join(' ').split(/[,;]/).map((g) => g.trim().split(/\s+/).filter(Boolean)).filter((g) => g.length);
+  for (const [op, ...args] of groups) {
+    switch (op) {
+      case 'fill': {
+        const content = args[1] ?? 'repetitive';
+        if (content !== 'repetitive' && content !== 'random') throw new InvalidOptionError('fill', `content must be repetitive or random, got ${content}`);
+        steps.push({ op, sizeMiB: mib('fill', args[0]), content, seed: int('seed', args[2], 1) });
+        break;
+      }
+      case 'rewrite': {
+        const m = /^(\d+(?:\.\d+)?)%$/.exec(args[0] ?? '');
+        if (!m || Number(m[1]) > 100) throw new InvalidOptionError('rewrite', 'expected a percentage such as 25%');
+        steps.push({ op, fraction: Number(m[1]) / 100, seed: args[1] === undefined ? undefined : int('seed', args[1], 0) });
+        break;
+      }
+      case 'touch':
+        steps.push({ op, hotMiB: mib('touch', args[0]), rounds: int('rounds', args[1], 1) });
+        break;
+      case 'release':
+        steps.push(args.length ? { op, offsetMiB: mib('release', args[0]), sizeMiB: mib('release', args[1]) } : { op });
+        break;
+      case 'sleep':
+        steps.push({ op, ms: int('sleep', args[0], 1000) });
+        break;
+      case 'digest':
+      case 'idle':
+      case 'memory':
+      case 'pause':
+      case 'resume':
+        steps.push({ op });
+        break;
+      default:
+        throw new InvalidOptionError('probe step', `unknown step ${JSON.stringify(op)}; steps are: ${USAGE}`);
+    }
+  }
+  if (!steps.length) throw new InvalidOptionError('probe steps', `nothing to run; steps are: ${USAGE}`);
+  return steps;
+}
+
+const fmt = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+
+/** Runs the steps on `vm`, printing one line per step through `print`. */
+export async function runProbeScript(vm: Vm, steps: ProbeStep[], print: (line: string) => void): Promise<void> {
+  for (const s of steps) {
+    const t0 = performance.now();
+    const ms = () => `${(performance.now() - t0).toFixed(1)} ms`;
+    switch (s.op) {
+      case 'fill': {
+        const r = await vm.probe.fill(s);
+        print(`fill: ${fmt(r.bytes)} ${s.content} (seed ${s.seed}) in ${ms()}`);
+        break;
+      }
+      case 'rewrite': {
+        const r = await vm.probe.rewrite(s);
+        print(`rewrite: ${r.pagesRewritten} pages in ${ms()}`);
+        break;
+      }
+      case 'touch': {
+        const r = await vm.probe.touch(s);
+        print(`touch: ${r.pagesTouched} page reads in ${ms()}`);
+        break;
+      }
+      case 'digest': {
+        const d = await vm.probe.digest();
+        print(`digest: ${d.hex} over ${fmt(d.bytes)} in ${ms()}`);
+        break;
+      }
+      case 'release': {
+        const r = await vm.probe.release(s);
+        print(`release: ${fmt(r.bytesReported)} reported free in ${ms()}`);
+        break;
+      }
+      case 'idle':
+        await vm.probe.idle();
+        print('idle: the guest is parked until the next request');
+        break;
+      case 'memory': {
+        const u = vm.memoryUsage();
+        print(`memory: guest RAM PSS ${fmt(u.guestRamPssBytes)} of ${fmt(u.capacityBytes)}; process PSS ${fmt(u.processPssBytes)} (${u.vmsInProcess} VM)`);
+        break;
+      }
+      case 'pause':
+        await vm.pause();
+        print(`pause: vCPUs stopped in ${ms()}`);
+        break;
+      case 'resume':
+        await vm.resume();
+        print(`resume: running in ${ms()}`);
+        break;
+      case 'sleep':
+        await new Promise((r) => setTimeout(r, s.ms));
+        print(`sleep: ${s.ms} ms`);
+        break;
+    }
+  }
+}
