@@ -5,8 +5,10 @@
  * PSS (measured on the target hosts), more than the whole per-VM budget of the VMM, and ffi-rs's
  * lookup cache is not thread-safe. A pthread costs a few KiB of touched stack. The threads never
  * call into JavaScript: they report each exit as a 16-byte record on a Unix socket that Node
- * watches on its event loop (libuv can poll a socket, not an eventfd), then sleep on a semaphore
- * until the event loop has handled the exit and calls pv_vcpu_go().
+ * watches on its event loop (libuv can poll a socket, not an eventfd), then sleep in read() on
+ * their own eventfd until the event loop has handled the exit and writes to it. Node writes that
+ * eventfd with fs.writeSync: one plain write(2), where an ffi-rs call (pv_vcpu_go) costs several
+ * microseconds of argument marshalling on every exit.
  *
  * Kicking a vCPU out of KVM_RUN: kvm_run.immediate_exit = 1, then pthread_kill with a real-time
  * signal whose handler does nothing; KVM_RUN returns -EINTR (immediate_exit alone does not
@@ -15,11 +17,11 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
-#include <semaphore.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -49,7 +51,7 @@ struct pv_vcpu {
   volatile uint8_t *run;
   pthread_t thread;
   int started;
-  sem_t go;
+  int go_fd; /* eventfd: a write lets the thread (re-)enter KVM_RUN */
 };
 
 struct pv_group {
@@ -71,7 +73,7 @@ static void install_handler(void) {
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_kick;
   sigemptyset(&sa.sa_mask);
-  /* No SA_RESTART: KVM_RUN must come back with -EINTR. sem_wait is retried by hand. */
+  /* No SA_RESTART: KVM_RUN must come back with -EINTR. read() on the eventfd is retried by hand. */
   if (sigaction(kick_signal(), &sa, NULL) != 0) handler_error = errno;
 }
 
@@ -91,7 +93,14 @@ static void report(struct pv_vcpu *v, uint32_t kind, int32_t ret, int32_t err) {
 }
 
 static void wait_go(struct pv_vcpu *v) {
-  while (sem_wait(&v->go) != 0 && errno == EINTR) {
+  uint64_t n;
+  while (read(v->go_fd, &n, sizeof n) < 0 && errno == EINTR) {
+  }
+}
+
+static void post_go(struct pv_vcpu *v) {
+  uint64_t one = 1;
+  while (write(v->go_fd, &one, sizeof one) < 0 && errno == EINTR) {
   }
 }
 
@@ -148,7 +157,8 @@ int32_t pv_vcpu_start(struct pv_group *g, int32_t index, int32_t vcpu_fd, void *
   v->index = index;
   v->fd = vcpu_fd;
   v->run = kvm_run;
-  if (sem_init(&v->go, 0, 0) != 0) return -errno;
+  v->go_fd = eventfd(0, EFD_CLOEXEC);
+  if (v->go_fd < 0) return -errno;
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   /* The loop needs little stack; a small one keeps the mapping count and VSZ down. */
@@ -156,7 +166,7 @@ int32_t pv_vcpu_start(struct pv_group *g, int32_t index, int32_t vcpu_fd, void *
   int rc = pthread_create(&v->thread, &attr, vcpu_main, v);
   pthread_attr_destroy(&attr);
   if (rc != 0) {
-    sem_destroy(&v->go);
+    close(v->go_fd);
     return -rc;
   }
   v->started = 1;
@@ -166,7 +176,14 @@ int32_t pv_vcpu_start(struct pv_group *g, int32_t index, int32_t vcpu_fd, void *
 /* Lets vCPU `index` (re-)enter KVM_RUN after its last record was handled. */
 int32_t pv_vcpu_go(struct pv_group *g, int32_t index) {
   if (index < 0 || index >= PV_MAX_VCPUS || !g->vcpus[index].started) return -EINVAL;
-  return sem_post(&g->vcpus[index].go) == 0 ? 0 : -errno;
+  post_go(&g->vcpus[index]);
+  return 0;
+}
+
+/* The eventfd that pv_vcpu_go writes, for a caller that writes it directly; owned by the group. */
+int32_t pv_vcpu_go_fd(struct pv_group *g, int32_t index) {
+  if (index < 0 || index >= PV_MAX_VCPUS || !g->vcpus[index].started) return -EINVAL;
+  return g->vcpus[index].go_fd;
 }
 
 /* Forces vCPU `index` out of KVM_RUN (or keeps it from entering): it then reports INTERRUPTED. */
@@ -186,14 +203,14 @@ void pv_group_destroy(struct pv_group *g) {
     struct pv_vcpu *v = &g->vcpus[i];
     if (!v->started) continue;
     __atomic_store_n(&v->run[KVM_RUN_IMMEDIATE_EXIT_OFFSET], 1, __ATOMIC_SEQ_CST);
-    sem_post(&v->go);
+    post_go(v);
     pthread_kill(v->thread, kick_signal());
   }
   for (int i = 0; i < PV_MAX_VCPUS; i++) {
     struct pv_vcpu *v = &g->vcpus[i];
     if (!v->started) continue;
     pthread_join(v->thread, NULL);
-    sem_destroy(&v->go);
+    close(v->go_fd);
   }
   close(g->notify_fd);
   free(g);
