@@ -522,6 +522,15 @@ static void respond(uint32_t id, uint16_t op, const void *payload, uint32_t len)
     send_frame(T_RESPONSE, id, op, payload, len);
 }
 
+/* The answer of the timed ops: a count and the TSC cycles the work took. */
+static void respond_counted(uint32_t id, uint16_t op, uint64_t count, uint64_t cycles)
+{
+    uint8_t out[16];
+    wr64(out, count);
+    wr64(out + 8, cycles);
+    respond(id, op, out, sizeof(out));
+}
+
 static void respond_error(uint32_t id, uint16_t op, uint32_t code, const char *text)
 {
     uint8_t buf[128];
@@ -593,10 +602,7 @@ static void op_fill(uint32_t id, const uint8_t *p, uint32_t len)
     uint64_t t1 = rdtsc();
     st.ws_bytes = size;
     st.ws_kind = kind;
-    uint8_t out[16];
-    wr64(out, size);
-    wr64(out + 8, t1 - t0);
-    respond(id, OP_FILL, out, sizeof(out));
+    respond_counted(id, OP_FILL, size, t1 - t0);
 }
 
 static void op_rewrite(uint32_t id, const uint8_t *p, uint32_t len)
@@ -614,10 +620,7 @@ static void op_rewrite(uint32_t id, const uint8_t *p, uint32_t len)
     uint64_t n = content_rewrite((uint32_t *)st.ws_base, st.ws_bytes / PAGE_SIZE, st.ws_kind,
                                  permille, seed);
     uint64_t t1 = rdtsc();
-    uint8_t out[16];
-    wr64(out, n);
-    wr64(out + 8, t1 - t0);
-    respond(id, OP_REWRITE, out, sizeof(out));
+    respond_counted(id, OP_REWRITE, n, t1 - t0);
 }
 
 static void op_touch(uint32_t id, const uint8_t *p, uint32_t len)
@@ -644,10 +647,7 @@ static void op_touch(uint32_t id, const uint8_t *p, uint32_t len)
             sum += *(volatile const uint32_t *)(st.ws_base + i * PAGE_SIZE);
     uint64_t t1 = rdtsc();
     touch_sink = sum;
-    uint8_t out[16];
-    wr64(out, pages * rounds);
-    wr64(out + 8, t1 - t0);
-    respond(id, OP_TOUCH, out, sizeof(out));
+    respond_counted(id, OP_TOUCH, pages * rounds, t1 - t0);
 }
 
 static void op_digest(uint32_t id)
@@ -702,10 +702,7 @@ static void op_exit_storm(uint32_t id, const uint8_t *p, uint32_t len)
     for (uint32_t i = 0; i < count; i++)
         outl(PORT_IGNORED, i);
     uint64_t t1 = rdtsc();
-    uint8_t out[16];
-    wr64(out, count);
-    wr64(out + 8, t1 - t0);
-    respond(id, OP_EXIT_STORM, out, sizeof(out));
+    respond_counted(id, OP_EXIT_STORM, count, t1 - t0);
 }
 
 static void op_fault(uint32_t id, const uint8_t *p, uint32_t len)
