@@ -5,7 +5,7 @@
  */
 import type { GuestMemory } from '../guest-memory';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
-import { ChainError, QueueError, type SplitQueue } from '../virtio/queue';
+import type { SplitQueue } from '../virtio/queue';
 
 /** VIRTIO_BALLOON_F_FREE_PAGE_REPORTING (<linux/virtio_balloon.h>). */
 export const VIRTIO_BALLOON_F_FREE_PAGE_REPORTING = 1n << 5n;
@@ -22,10 +22,6 @@ export class VirtioBalloon implements VirtioDevice {
   readonly queueCount = 3;
   readonly features: bigint;
   private reporting: SplitQueue | null = null;
-  /** Bytes the guest has reported free since boot. */
-  reportedBytes = 0;
-  /** Number of reports (descriptors) handled. */
-  reportCount = 0;
 
   constructor(
     private readonly mem: GuestMemory,
@@ -53,31 +49,18 @@ export class VirtioBalloon implements VirtioDevice {
   notify(index: number): void {
     if (index !== REPORTING_QUEUE || !this.reporting) return;
     const q = this.reporting;
-    let used = false;
-    for (;;) {
-      let chain;
-      try {
-        chain = q.pop();
-      } catch (e) {
-        if (e instanceof ChainError) q.push(e.head, 0);
-        if (!(e instanceof QueueError)) throw e;
-        this.onError(`virtio-balloon: ${e.message}`);
-        used = true;
-        continue;
-      }
-      if (!chain) break;
+    const usedBefore = q.usedIndex;
+    let chain;
+    while ((chain = q.popValid((message) => this.onError(`virtio-balloon: ${message}`)))) {
       for (const d of chain.descriptors) {
         try {
           this.sink(d.gpa, d.len);
-          this.reportedBytes += d.len;
-          this.reportCount++;
         } catch (e) {
           this.onError(`virtio-balloon: report 0x${d.gpa.toString(16)}+${d.len}: ${(e as Error).message}`);
         }
       }
       q.push(chain.head, 0);
-      used = true;
     }
-    if (used) this.onUsed();
+    if (q.usedIndex !== usedBefore) this.onUsed();
   }
 }

@@ -5,7 +5,7 @@
  */
 import type { GuestMemory } from '../guest-memory';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
-import { ChainError, QueueError, type SplitQueue } from '../virtio/queue';
+import type { SplitQueue } from '../virtio/queue';
 
 const RECEIVEQ = 0;
 const TRANSMITQ = 1;
@@ -63,42 +63,28 @@ export class VirtioConsole implements VirtioDevice {
     else if (index === RECEIVEQ) this.flush();
   }
 
+  private readonly queueError = (message: string) => this.onError(`virtio-console: ${message}`);
+
   private drainTransmit(): void {
     const tx = this.tx;
     if (!tx) return;
-    let used = false;
-    for (;;) {
-      let chain;
-      try {
-        chain = tx.pop();
-      } catch (e) {
-        this.reject(tx, e);
-        used = true;
-        continue;
-      }
-      if (!chain) break;
+    const usedBefore = tx.usedIndex;
+    let chain;
+    while ((chain = tx.popValid(this.queueError))) {
       const parts: Buffer[] = [];
       for (const d of chain.descriptors) if (!d.writable && d.len) parts.push(Buffer.from(this.mem.read(d.gpa, d.len)));
       tx.push(chain.head, 0);
-      used = true;
       this.onData(parts.length === 1 ? parts[0] : Buffer.concat(parts));
     }
-    if (used) this.onUsed();
+    if (tx.usedIndex !== usedBefore) this.onUsed();
   }
 
   private flush(): void {
     const rx = this.rx;
     if (!rx || !this.outbox.length) return;
-    let delivered = false;
-    while (this.outbox.length && rx.hasAvailable()) {
-      let chain;
-      try {
-        chain = rx.pop();
-      } catch (e) {
-        this.reject(rx, e);
-        continue;
-      }
-      if (!chain) break;
+    const usedBefore = rx.usedIndex;
+    let chain;
+    while (this.outbox.length && (chain = rx.popValid(this.queueError))) {
       let written = 0;
       for (const d of chain.descriptors) {
         if (!d.writable) continue;
@@ -116,17 +102,10 @@ export class VirtioConsole implements VirtioDevice {
         }
       }
       rx.push(chain.head, written);
-      delivered = true;
     }
-    if (delivered) {
+    if (rx.usedIndex !== usedBefore) {
       this.onUsed();
       this.onDelivered();
     }
-  }
-
-  private reject(q: SplitQueue, e: unknown): void {
-    if (e instanceof ChainError) q.push(e.head, 0);
-    if (e instanceof QueueError) this.onError(`virtio-console: ${e.message}`);
-    else throw e;
   }
 }

@@ -86,6 +86,22 @@ export class SplitQueue {
     return { head, descriptors };
   }
 
+  /**
+   * Takes the next well-formed chain, or null when none is left. A malformed chain is returned
+   * used with length 0 and reported through `onError`: that request fails, the device goes on.
+   */
+  popValid(onError: (message: string) => void): DescriptorChain | null {
+    for (;;) {
+      try {
+        return this.pop();
+      } catch (e) {
+        if (!(e instanceof QueueError)) throw e;
+        if (e instanceof ChainError) this.push(e.head, 0);
+        onError(e.message);
+      }
+    }
+  }
+
   /** Returns chain `head` to the driver with `writtenBytes` written into its writable buffers. */
   push(head: number, writtenBytes: number): void {
     const { size, usedGpa } = this.config;
