@@ -25,3 +25,7 @@ export {
   VmStateError,
   TimeoutError,
 } from './errors';
+export { IdleRelease } from './memory/idle-release';
+export { KsmAdvice } from './memory/ksm-advice';
+export { StrategyConflictError } from './memory/strategy';
+export type { MemoryStrategy, StrategyContext, StrategyRam, StrategyStats, RamBackingNeed, ExclusiveResource } from './memory/strategy';

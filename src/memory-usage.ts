@@ -14,6 +14,37 @@ export interface ResidentBytes {
   swapBytes: number;
 }
 
+/** One mapping (VMA) as /proc/PID/smaps shows it. */
+export interface MappingInfo {
+  start: number;
+  end: number;
+  /** The two-letter VmFlags, e.g. `mg` when the mapping accepted MADV_MERGEABLE. */
+  flags: string[];
+  /** Bytes of this mapping merged by KSM; undefined on kernels whose smaps has no `KSM:` line. */
+  ksmBytes?: number;
+}
+
+/** The mappings inside [start, start+length) of process `pid`, with their flags. */
+export function rangeMappings(start: number, length: number, pid: number | 'self' = 'self'): MappingInfo[] {
+  const out: MappingInfo[] = [];
+  let current: MappingInfo | undefined;
+  for (const line of readFileSync(`/proc/${pid}/smaps`, 'utf8').split('\n')) {
+    const header = /^([0-9a-f]+)-([0-9a-f]+) /.exec(line);
+    if (header) {
+      const lo = parseInt(header[1], 16);
+      const hi = parseInt(header[2], 16);
+      current = lo >= start && hi <= start + length ? { start: lo, end: hi, flags: [] } : undefined;
+      if (current) out.push(current);
+      continue;
+    }
+    if (!current) continue;
+    if (line.startsWith('VmFlags:')) current.flags = line.slice(8).trim().split(/\s+/);
+    const ksm = /^KSM:\s+(\d+) kB/.exec(line);
+    if (ksm) current.ksmBytes = Number(ksm[1]) * 1024;
+  }
+  return out;
+}
+
 /** Sums smaps entries of the mappings inside [start, start+length) of process `pid`. */
 export function rangeResident(start: number, length: number, pid: number | 'self' = 'self'): ResidentBytes {
   const text = readFileSync(`/proc/${pid}/smaps`, 'utf8');

@@ -12,6 +12,7 @@ import { nativePrebuild } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
 import { hostMemTotalBytes, processResident, rangeResident } from './memory-usage';
+import { validateComposition, type MemoryStrategy, type StrategyContext, type StrategyStats } from './memory/strategy';
 import { parseSize, type Size } from './units';
 
 /** Which guest a VM runs. */
@@ -32,6 +33,12 @@ export interface VmOptions {
   bootTimeoutMs?: number;
   /** A name for logs and the CLI. Default: `vm-<n>`. */
   name?: string;
+  /**
+   * Memory strategies, composed in this order, e.g. `[new KsmAdvice(), new IdleRelease()]`. A
+   * composition that cannot work (a resource driven twice, incompatible RAM backings) is a
+   * `StrategyConflictError` naming both strategies, before anything is allocated. Default none.
+   */
+  strategies?: readonly MemoryStrategy[];
 }
 
 /** Lifecycle states, in order. `crashed` and `stopped` are final. */
@@ -63,6 +70,8 @@ export interface VmMemoryUsage {
   processPssBytes: number;
   /** Number of live VMs in this process: the process's overhead is shared among them. */
   vmsInProcess: number;
+  /** What each memory strategy has done, in composition order. */
+  strategies: StrategyStats[];
 }
 
 const live = new Set<Vm>();
@@ -84,13 +93,16 @@ export class Vm extends EventEmitter<VmEvents> {
   private _probe: ProbeGuest | undefined;
   private hello: ((f: Frame) => void) | undefined;
   private endError: PvisorError | undefined;
+  private readonly strategies: readonly MemoryStrategy[];
+  private strategyContext!: StrategyContext;
 
-  private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind) {
+  private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[]) {
     super();
     this.name = name;
     this.memoryBytes = memoryBytes;
     this.vcpus = vcpus;
     this.guest = guest;
+    this.strategies = strategies;
   }
 
   /**
@@ -107,13 +119,15 @@ export class Vm extends EventEmitter<VmEvents> {
     const guest = options.guest ?? 'linux';
     if (guest !== 'linux' && guest !== 'probe') throw new InvalidOptionError('guest', `expected "linux" or "probe", got ${JSON.stringify(guest)}`);
     const bootTimeoutMs = options.bootTimeoutMs ?? 60000;
+    const strategies = [...(options.strategies ?? [])];
+    validateComposition(strategies);
     const host = checkKvmHost();
     if (guest === 'linux') {
       requireKernelModeGuests(host, 'linux');
       throw new PvisorError('PVISOR_GUEST_UNAVAILABLE', 'the Linux guest is not shipped in this version of pvisor yet; use guest: "probe"');
     }
 
-    const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest);
+    const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest, strategies);
     await vm.boot(host.devicePath, loadProbeImage(), bootTimeoutMs);
     return vm;
   }
@@ -126,8 +140,15 @@ export class Vm extends EventEmitter<VmEvents> {
       (f) => this.onAgentEvent(f),
       (message) => this.emit('warning', `agent protocol: ${message}`),
     );
+    // Free page reporting is offered only when a strategy takes the reports (IdleRelease).
+    const reporter = this.strategies.find((s) => s.freePagesReported);
     this.machine = KvmMachine.create(
-      { memoryBytes: this.memoryBytes, vcpus: this.vcpus, probeImage, freePageSink: (gpa, len) => this.machine.memory.discard(gpa, len) },
+      {
+        memoryBytes: this.memoryBytes,
+        vcpus: this.vcpus,
+        probeImage,
+        freePageSink: reporter && ((gpa, len) => reporter.freePagesReported!(this.strategyContext, gpa, len)),
+      },
       {
         onConsole: (line) => this.emit('console', line),
         onAgentData: (bytes) => this.agent.receive(bytes),
@@ -137,6 +158,22 @@ export class Vm extends EventEmitter<VmEvents> {
       kvmPath,
     );
     live.add(this);
+    const mem = this.machine.memory;
+    this.strategyContext = {
+      vmName: this.name,
+      ram: {
+        hostAddr: mem.hostAddr,
+        sizeBytes: mem.sizeBytes,
+        advise: (offset, length, advice, name) => mem.advise(offset, length, advice, name),
+        discard: (gpa, length) => mem.discard(gpa, length),
+      },
+    };
+    try {
+      for (const s of this.strategies) s.map?.(this.strategyContext);
+    } catch (e) {
+      this.stop();
+      throw e;
+    }
     const ready = new Promise<void>((resolve, reject) => {
       const timer = setTimeout(() => {
         this.hello = undefined;
@@ -170,6 +207,7 @@ export class Vm extends EventEmitter<VmEvents> {
   private onCrash(error: PvisorError): void {
     this.endError = error;
     live.delete(this);
+    this.closeStrategies();
     this.agent.close(error);
     this.setState('crashed');
     this.emit('crash', error);
@@ -224,9 +262,14 @@ export class Vm extends EventEmitter<VmEvents> {
     if (this._state === 'stopped' || this._state === 'crashed') return;
     this.machine?.stop();
     live.delete(this);
+    this.closeStrategies();
     this.agent?.close();
     this.setState('stopped');
     this.emit('exit', { state: 'stopped' });
+  }
+
+  private closeStrategies(): void {
+    for (const s of this.strategies) s.close?.();
   }
 
   /** `await using vm = await Vm.start(...)` stops the VM at the end of the scope. */
@@ -248,6 +291,7 @@ export class Vm extends EventEmitter<VmEvents> {
       guestRamRssBytes: ram.rssBytes,
       processPssBytes: processResident().pssBytes,
       vmsInProcess: live.size,
+      strategies: this.strategies.map((s) => s.stats(this.strategyContext)),
     };
   }
 

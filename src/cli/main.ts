@@ -4,6 +4,8 @@
  */
 import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError } from '../errors';
+import { IdleRelease } from '../memory/idle-release';
+import { KsmAdvice } from '../memory/ksm-advice';
 import { parseSize } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { parseProbeScript, runProbeScript } from './probe-script';
@@ -11,8 +13,11 @@ import { parseProbeScript, runProbeScript } from './probe-script';
 const HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 
 Usage:
-  pvisor run [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console] -- CMD [ARGS...]
+  pvisor run [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
+             [--vm-ram-dedup] [--vm-idle-release] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
+      --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
+      --vm-idle-release: the host drops pages the guest reports free.
       With --guest probe, CMD is a list of probe steps, e.g.
         pvisor run --guest probe -- fill 64MiB random 42, digest, memory
       Steps: fill SIZE [repetitive|random] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
@@ -36,6 +41,8 @@ async function cmdRun(argv: string[]): Promise<number> {
       vcpus: { type: 'string', default: '2' },
       guest: { type: 'string', default: 'linux' },
       console: { type: 'boolean', default: false },
+      'vm-ram-dedup': { type: 'boolean', default: false },
+      'vm-idle-release': { type: 'boolean', default: false },
     },
     strict: true,
   });
@@ -46,7 +53,10 @@ async function cmdRun(argv: string[]): Promise<number> {
   const steps = guest === 'probe' ? parseProbeScript(command) : undefined;
   process.stderr.write(`pvisor: starting a ${values.memory} ${guest} VM with ${vcpus} vCPU(s)...\n`);
   const t0 = performance.now();
-  const vm = await Vm.start({ memory, vcpus, guest });
+  const strategies = [];
+  if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
+  if (values['vm-idle-release']) strategies.push(new IdleRelease());
+  const vm = await Vm.start({ memory, vcpus, guest, strategies });
   try {
     if (values.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
     vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));

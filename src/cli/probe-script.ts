@@ -114,6 +114,10 @@ export async function runProbeScript(vm: Vm, steps: ProbeStep[], print: (line: s
       case 'memory': {
         const u = vm.memoryUsage();
         print(`memory: guest RAM PSS ${fmt(u.guestRamPssBytes)} of ${fmt(u.capacityBytes)}; process PSS ${fmt(u.processPssBytes)} (${u.vmsInProcess} VM)`);
+        for (const st of u.strategies) {
+          const figures = Object.entries(st.figures).map(([k, v]) => `${k} ${v}`).join(', ');
+          print(`  ${st.strategy}: ${figures}${st.notes.map((n) => `; note: ${n}`).join('')}`);
+        }
         break;
       }
       case 'pause':

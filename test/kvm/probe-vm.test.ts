@@ -1,6 +1,6 @@
 // The foundation on real KVM: the probe guest in a 512 MiB, 2-vCPU VM. Needs /dev/kvm (on a host
 // without one, `npm test` runs this file inside scripts/nested-kvm.sh).
-import { Vm } from '../../src';
+import { IdleRelease, Vm } from '../../src';
 import { hexOf } from '../probe-digest';
 import type { ProbeWorkingSet } from '../../src/guest/probe-content';
 
@@ -9,7 +9,7 @@ const MiB = 1024 * 1024;
 describe('probe guest on KVM', () => {
   let vm: Vm;
   beforeAll(async () => {
-    vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 });
+    vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies: [new IdleRelease()] });
   });
   afterAll(() => vm?.stop());
 
