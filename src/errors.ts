@@ -72,6 +72,19 @@ export class GuestRequestError extends PvisorError {
   }
 }
 
+/**
+ * A memory strategy's backing file is missing, truncated or corrupt. The VM stays suspended, the
+ * file untouched, and the guest never sees a wrong byte.
+ */
+export class BackingFileError extends PvisorError {
+  /** The file. */
+  readonly path: string;
+  constructor(path: string, message: string, options?: { cause?: unknown }) {
+    super('PVISOR_BACKING_FILE', `${path}: ${message}`, options);
+    this.path = path;
+  }
+}
+
 /** A guest request did not answer in time. */
 export class TimeoutError extends PvisorError {
   constructor(message: string) {

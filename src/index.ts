@@ -24,8 +24,11 @@ export {
   GuestRequestError,
   VmStateError,
   TimeoutError,
+  BackingFileError,
 } from './errors';
 export { IdleRelease } from './memory/idle-release';
 export { KsmAdvice } from './memory/ksm-advice';
+export { Offload } from './memory/offload';
+export type { OffloadOptions } from './memory/offload';
 export { StrategyConflictError } from './memory/strategy';
 export type { MemoryStrategy, StrategyContext, StrategyRam, StrategyStats, RamBackingNeed, ExclusiveResource } from './memory/strategy';

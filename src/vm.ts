@@ -6,7 +6,7 @@ import { readFileSync } from 'node:fs';
 import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { KvmMachine } from './backends/kvm/kvm-machine';
-import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError } from './errors';
+import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError, type BackingFileError } from './errors';
 import { ProbeGuest } from './guest/probe-client';
 import { nativePrebuild } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
@@ -41,8 +41,11 @@ export interface VmOptions {
   strategies?: readonly MemoryStrategy[];
 }
 
-/** Lifecycle states, in order. `crashed` and `stopped` are final. */
-export type VmState = 'starting' | 'running' | 'paused' | 'stopped' | 'crashed';
+/**
+ * Lifecycle states. `paused`: vCPUs stopped, RAM as it was. `suspended`: vCPUs stopped and every
+ * memory strategy's suspend hook has run (e.g. RAM offloaded). `crashed` and `stopped` are final.
+ */
+export type VmState = 'starting' | 'running' | 'paused' | 'suspended' | 'stopped' | 'crashed';
 
 /** Events a {@link Vm} emits. */
 export interface VmEvents {
@@ -164,8 +167,10 @@ export class Vm extends EventEmitter<VmEvents> {
       ram: {
         hostAddr: mem.hostAddr,
         sizeBytes: mem.sizeBytes,
+        view: (offset, length) => mem.hostView(offset, length),
         advise: (offset, length, advice, name) => mem.advise(offset, length, advice, name),
         discard: (gpa, length) => mem.discard(gpa, length),
+        discardHost: (offset, length) => mem.discardHost(offset, length),
       },
     };
     try {
@@ -250,9 +255,27 @@ export class Vm extends EventEmitter<VmEvents> {
     if (this._state === 'running') this.setState('paused');
   }
 
-  /** Lets a paused VM run again. */
+  /**
+   * Stops every vCPU, then lets each memory strategy act on the idle RAM in composition order
+   * (Offload writes it out and drops it). Resolve it with {@link resume}.
+   */
+  async suspend(): Promise<void> {
+    this.requireState('running', 'paused');
+    if (this._state === 'running') await this.machine.pause();
+    for (const s of this.strategies) await s.suspend?.(this.strategyContext);
+    this.setState('suspended');
+  }
+
+  /**
+   * Lets a paused or suspended VM run again. From `suspended`, every strategy first brings back
+   * and verifies what it took (in reverse order); if one fails, the VM stays suspended and the
+   * error (e.g. a {@link BackingFileError}) is thrown.
+   */
   async resume(): Promise<void> {
-    this.requireState('paused');
+    this.requireState('paused', 'suspended');
+    if (this._state === 'suspended') {
+      for (const s of [...this.strategies].reverse()) await s.resume?.(this.strategyContext);
+    }
     this.machine.resume();
     this.setState('running');
   }
@@ -282,7 +305,7 @@ export class Vm extends EventEmitter<VmEvents> {
    * in one process share its overhead; `vmsInProcess` says how many.
    */
   memoryUsage(): VmMemoryUsage {
-    this.requireState('running', 'paused');
+    this.requireState('running', 'paused', 'suspended');
     const mem = this.machine.memory;
     const ram = rangeResident(mem.hostAddr, mem.sizeBytes);
     return {

@@ -6,6 +6,7 @@ import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError } from '../errors';
 import { IdleRelease } from '../memory/idle-release';
 import { KsmAdvice } from '../memory/ksm-advice';
+import { Offload } from '../memory/offload';
 import { parseSize } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { parseProbeScript, runProbeScript } from './probe-script';
@@ -14,14 +15,15 @@ const HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 
 Usage:
   pvisor run [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
-             [--vm-ram-dedup] [--vm-idle-release] -- CMD [ARGS...]
+             [--vm-ram-dedup] [--vm-idle-release] [--vm-offload] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.
+      --vm-offload: suspend writes resident guest RAM to a backing file and drops it.
       With --guest probe, CMD is a list of probe steps, e.g.
         pvisor run --guest probe -- fill 64MiB random 42, digest, memory
       Steps: fill SIZE [repetitive|random] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
-             digest, release [OFFSET SIZE], idle, memory, pause, resume, sleep MS
+             digest, release [OFFSET SIZE], idle, memory, pause, suspend, resume, sleep MS
   pvisor bench vmm [--runs N] [--json FILE]
       Start-to-ready time, exits per second against a native C loop, the VMM's memory per VM.
   pvisor help | --help
@@ -43,6 +45,7 @@ async function cmdRun(argv: string[]): Promise<number> {
       console: { type: 'boolean', default: false },
       'vm-ram-dedup': { type: 'boolean', default: false },
       'vm-idle-release': { type: 'boolean', default: false },
+      'vm-offload': { type: 'boolean', default: false },
     },
     strict: true,
   });
@@ -56,6 +59,7 @@ async function cmdRun(argv: string[]): Promise<number> {
   const strategies = [];
   if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
   if (values['vm-idle-release']) strategies.push(new IdleRelease());
+  if (values['vm-offload']) strategies.push(new Offload());
   const vm = await Vm.start({ memory, vcpus, guest, strategies });
   try {
     if (values.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));

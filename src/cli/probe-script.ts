@@ -16,10 +16,11 @@ export type ProbeStep =
   | { op: 'idle' }
   | { op: 'memory' }
   | { op: 'pause' }
+  | { op: 'suspend' }
   | { op: 'resume' }
   | { op: 'sleep'; ms: number };
 
-const USAGE = 'fill SIZE [repetitive|random] [SEED] | rewrite PERCENT% [SEED] | touch SIZE [ROUNDS] | digest | release [OFFSET SIZE] | idle | memory | pause | resume | sleep MS';
+const USAGE = 'fill SIZE [repetitive|random] [SEED] | rewrite PERCENT% [SEED] | touch SIZE [ROUNDS] | digest | release [OFFSET SIZE] | idle | memory | pause | suspend | resume | sleep MS';
 
 function mib(option: string, text: string | undefined): number {
   if (text === undefined) throw new InvalidOptionError(option, `missing size; steps are: ${USAGE}`);
@@ -63,6 +64,7 @@ export function parseProbeScript(words: string[]): ProbeStep[] {
       case 'idle':
       case 'memory':
       case 'pause':
+      case 'suspend':
       case 'resume':
         steps.push({ op });
         break;
@@ -123,6 +125,10 @@ export async function runProbeScript(vm: Vm, steps: ProbeStep[], print: (line: s
       case 'pause':
         await vm.pause();
         print(`pause: vCPUs stopped in ${ms()}`);
+        break;
+      case 'suspend':
+        await vm.suspend();
+        print(`suspend: vCPUs stopped and memory strategies applied in ${ms()}`);
         break;
       case 'resume':
         await vm.resume();

@@ -16,18 +16,25 @@ export type RamBackingNeed =
   | 'any';
 
 /** A host resource that only one strategy of a VM may drive. */
-export type ExclusiveResource = 'free-page-reporting' | 'userfaultfd' | 'ram-backing';
+export type ExclusiveResource = 'free-page-reporting' | 'userfaultfd' | 'ram-backing' | 'suspend-image';
 
 /** What a strategy sees of guest RAM. */
 export interface StrategyRam {
   /** Host address of the guest RAM mapping. */
   readonly hostAddr: number;
+  /**
+   * A zero-copy view of [offset, offset+length) of the mapping, valid while the VM lives; a range
+   * must not cross a 1 GiB boundary (views are per 1 GiB chunk).
+   */
+  view(offset: number, length: number): Buffer;
   /** Size of the mapping in bytes. */
   readonly sizeBytes: number;
   /** madvise over a range of the mapping (offsets into it). */
   advise(offset: number, length: number, advice: number, name: string): void;
   /** Drops the host pages behind a guest-physical range (page-aligned). */
   discard(gpa: number, length: number): void;
+  /** Drops the host pages behind [offset, offset+length) of the mapping (page-aligned). */
+  discardHost(offset: number, length: number): void;
 }
 
 /** Passed to every hook. */

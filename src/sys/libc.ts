@@ -26,6 +26,7 @@ const fns = define({
   mmap: { library: libc, retType: U64, paramsType: [U64, U64, I32, I32, I32, I64], errno: true },
   munmap: { library: libc, retType: I32, paramsType: [U64, U64], errno: true },
   madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
+  mincore: { library: libc, retType: I32, paramsType: [U64, U64, U64], errno: true },
   // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
   // an address into something createExternalBuffer accepts.
   memset: { library: libc, retType: DataType.External, paramsType: [U64, I32, U64] },
@@ -80,6 +81,14 @@ export function munmap(addr: number, length: number): void {
 /** madvise(2). */
 export function madvise(addr: number, length: number, advice: number, name: string): void {
   check(`madvise(${name})`, fns.madvise([addr, length, advice]) as ErrnoResult<number>);
+}
+
+/**
+ * mincore(2): which pages of [addr, addr+length) are resident. `vecAddr` is native memory of at
+ * least length/4096 bytes; bit 0 of each byte is set for a resident page.
+ */
+export function mincore(addr: number, length: number, vecAddr: number): void {
+  check('mincore', fns.mincore([addr, length, vecAddr]) as ErrnoResult<number>);
 }
 
 /**

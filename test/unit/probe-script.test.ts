@@ -12,6 +12,10 @@ describe('pvisor run --guest probe: step parsing', () => {
     ]);
   });
 
+  it('suspend and resume are steps', () => {
+    expect(parseProbeScript(['suspend, resume'])).toEqual([{ op: 'suspend' }, { op: 'resume' }]);
+  });
+
   it('defaults: repetitive content, seed 1, whole-working-set release', () => {
     expect(parseProbeScript(['fill 1GiB, release'])).toEqual([{ op: 'fill', sizeMiB: 1024, content: 'repetitive', seed: 1 }, { op: 'release' }]);
   });

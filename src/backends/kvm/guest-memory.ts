@@ -180,11 +180,28 @@ export class GuestMemory {
    * host gets the memory back. Page-aligned ranges only.
    */
   discard(gpa: number, len: number): void {
-    const off = this.offsetOrThrow(gpa, len);
-    if (off % C.PAGE_SIZE !== 0 || len % C.PAGE_SIZE !== 0) throw new GuestAddressError(gpa, len, 'not page-aligned');
+    this.discardHost(this.offsetOrThrow(gpa, len), len);
+  }
+
+  /** {@link discard} by offset into the host mapping. */
+  discardHost(offset: number, len: number): void {
+    if (offset % C.PAGE_SIZE !== 0 || len % C.PAGE_SIZE !== 0 || offset < 0 || offset + len > this.sizeBytes) {
+      throw new RangeError(`host range +0x${offset.toString(16)}+0x${len.toString(16)} is not page-aligned inside guest RAM`);
+    }
     // DONTNEED frees private anonymous pages; a shared file backing needs REMOVE (punch a hole).
-    if (this.backing.kind === 'shared-fd') this.advise(off, len, C.MADV_REMOVE, 'MADV_REMOVE');
-    else this.advise(off, len, C.MADV_DONTNEED, 'MADV_DONTNEED');
+    if (this.backing.kind === 'shared-fd') this.advise(offset, len, C.MADV_REMOVE, 'MADV_REMOVE');
+    else this.advise(offset, len, C.MADV_DONTNEED, 'MADV_DONTNEED');
+  }
+
+  /** A zero-copy view of [offset, offset+len) of the host mapping; it must not cross a 1 GiB chunk. */
+  hostView(offset: number, len: number): Buffer {
+    if (!this.mapped) throw new GuestCrashError('memory-unmapped', 'guest RAM is no longer mapped');
+    const chunk = Math.floor(offset / CHUNK_BYTES);
+    const inChunk = offset - chunk * CHUNK_BYTES;
+    if (offset < 0 || len < 0 || offset + len > this.sizeBytes || inChunk + len > CHUNK_BYTES) {
+      throw new RangeError(`host range +0x${offset.toString(16)}+0x${len.toString(16)} is not inside one view chunk`);
+    }
+    return this.chunks[chunk].subarray(inChunk, inChunk + len);
   }
 
   /** Unmaps guest RAM. Views become invalid: the VM must be stopped first. */

@@ -1,0 +1,85 @@
+// Offload on real guest pages: suspend writes RAM out and drops it, resume brings it back and
+// verifies it; a broken backing file never reaches the guest. Needs /dev/kvm.
+import { existsSync, readFileSync, renameSync, rmSync, statSync, truncateSync, writeFileSync } from 'node:fs';
+import { BackingFileError, KsmAdvice, Offload, Vm } from '../../src';
+import { hexOf } from '../probe-digest';
+
+const MiB = 2 ** 20;
+
+async function withOffloadVm(body: (vm: Vm, offload: Offload) => Promise<void>): Promise<void> {
+  const offload = new Offload();
+  // KsmAdvice too: offload works on the default private anonymous RAM.
+  const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies: [new KsmAdvice(), offload] });
+  try {
+    await vm.probe.fill({ sizeMiB: 64, content: 'random', seed: 21 });
+    await body(vm, offload);
+  } finally {
+    vm.stop();
+  }
+}
+
+const expected = hexOf({ content: 'random', seed: 21, sizeBytes: 64 * MiB, rewrites: [] });
+
+describe('Offload', () => {
+  it('suspend drops at least 99% of resident guest RAM; resume restores every byte', () =>
+    withOffloadVm(async (vm, offload) => {
+      const before = vm.memoryUsage().guestRamRssBytes;
+      await vm.suspend();
+      expect(vm.state).toBe('suspended');
+      const during = vm.memoryUsage();
+      expect(during.guestRamRssBytes).toBeLessThanOrEqual(before * 0.01);
+      const path = offload.backingPath!;
+      expect(statSync(path).mode & 0o777).toBe(0o600);
+      const st = during.strategies.find((s) => s.strategy === 'offload')!;
+      expect(st.figures.pagesWritten).toBeGreaterThanOrEqual((64 * MiB) / 4096);
+      expect(st.figures.bytesOnDisk).toBeLessThan(before + MiB);
+      await vm.resume();
+      expect(vm.state).toBe('running');
+      expect((await vm.probe.digest()).hex).toBe(expected);
+      expect(existsSync(path)).toBe(false);
+    }));
+
+  it('a corrupted byte is refused; the VM stays suspended and resumes once the file is right', () =>
+    withOffloadVm(async (vm, offload) => {
+      await vm.suspend();
+      const path = offload.backingPath!;
+      const original = readFileSync(path);
+      const corrupt = Buffer.from(original);
+      const at = 0x400000 + 12345; // inside the working set
+      corrupt[at] ^= 0xff;
+      writeFileSync(path, corrupt);
+      await expect(vm.resume()).rejects.toThrow(BackingFileError);
+      await expect(vm.resume()).rejects.toThrow(/CRC32 mismatch/);
+      expect(vm.state).toBe('suspended');
+      expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB); // nothing half-loaded stays
+      writeFileSync(path, original);
+      await vm.resume();
+      expect((await vm.probe.digest()).hex).toBe(expected);
+    }));
+
+  it('a truncated or missing file is refused without losing the VM', () =>
+    withOffloadVm(async (vm, offload) => {
+      await vm.suspend();
+      const path = offload.backingPath!;
+      const original = readFileSync(path);
+      truncateSync(path, 8 * MiB);
+      await expect(vm.resume()).rejects.toThrow(/truncated/);
+      renameSync(path, `${path}.away`);
+      await expect(vm.resume()).rejects.toThrow(/missing/);
+      expect(vm.state).toBe('suspended');
+      writeFileSync(path, original);
+      await vm.resume();
+      expect((await vm.probe.digest()).hex).toBe(expected);
+      rmSync(`${path}.away`);
+    }));
+
+  it('the backing file is removed when a suspended VM stops', async () => {
+    let path = '';
+    await withOffloadVm(async (vm, offload) => {
+      await vm.suspend();
+      path = offload.backingPath!;
+      expect(existsSync(path)).toBe(true);
+    });
+    expect(existsSync(path)).toBe(false);
+  });
+});
