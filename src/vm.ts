@@ -261,8 +261,20 @@ export class Vm extends EventEmitter<VmEvents> {
    */
   async suspend(): Promise<void> {
     this.requireState('running', 'paused');
-    if (this._state === 'running') await this.machine.pause();
-    for (const s of this.strategies) await s.suspend?.(this.strategyContext);
+    const wasRunning = this._state === 'running';
+    if (wasRunning) await this.machine.pause();
+    const done: MemoryStrategy[] = [];
+    try {
+      for (const s of this.strategies) {
+        await s.suspend?.(this.strategyContext);
+        done.push(s);
+      }
+    } catch (e) {
+      // Undo what the strategies before the failing one did, so the VM is as it was.
+      for (const s of done.reverse()) await s.resume?.(this.strategyContext);
+      if (wasRunning) this.machine.resume();
+      throw e;
+    }
     this.setState('suspended');
   }
 

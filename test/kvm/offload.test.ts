@@ -73,6 +73,18 @@ describe('Offload', () => {
       rmSync(`${path}.away`);
     }));
 
+  it('a suspend that cannot write its file fails and leaves the VM running as it was', async () => {
+    const vm = await Vm.start({ guest: 'probe', memory: '128MiB', vcpus: 1, strategies: [new Offload({ dir: '/nonexistent/pvisor' })] });
+    try {
+      await vm.probe.fill({ sizeMiB: 8, content: 'random', seed: 21 });
+      await expect(vm.suspend()).rejects.toThrow(/ENOENT/);
+      expect(vm.state).toBe('running');
+      expect((await vm.probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 21, sizeBytes: 8 * MiB, rewrites: [] }));
+    } finally {
+      vm.stop();
+    }
+  });
+
   it('the backing file is removed when a suspended VM stops', async () => {
     let path = '';
     await withOffloadVm(async (vm, offload) => {
