@@ -7,6 +7,7 @@ export const O_RDWR = 0o2;
 export const O_CLOEXEC = 0o2000000;
 
 // <asm-generic/mman-common.h>, <linux/mman.h>
+export const PROT_NONE = 0x0;
 export const PROT_READ = 0x1;
 export const PROT_WRITE = 0x2;
 export const MAP_SHARED = 0x01;

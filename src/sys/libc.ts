@@ -25,6 +25,7 @@ const fns = define({
   ioctl: { library: libc, retType: I32, paramsType: [I32, U64, U64], errno: true },
   mmap: { library: libc, retType: U64, paramsType: [U64, U64, I32, I32, I32, I64], errno: true },
   munmap: { library: libc, retType: I32, paramsType: [U64, U64], errno: true },
+  mprotect: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
   madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
   mincore: { library: libc, retType: I32, paramsType: [U64, U64, U64], errno: true },
   // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
@@ -76,6 +77,11 @@ export function mmap(addr: number, length: number, prot: number, flags: number, 
 /** munmap(2). */
 export function munmap(addr: number, length: number): void {
   check('munmap', fns.munmap([addr, length]) as ErrnoResult<number>);
+}
+
+/** mprotect(2). */
+export function mprotect(addr: number, length: number, prot: number): void {
+  check('mprotect', fns.mprotect([addr, length, prot]) as ErrnoResult<number>);
 }
 
 /** madvise(2). */

@@ -13,6 +13,11 @@ describe('several VMs and crash isolation', () => {
       expect(da.hex).toBe(hexOf({ content: 'random', seed: 1, sizeBytes: 16 * MiB, rewrites: [] }));
       expect(db.hex).toBe(hexOf({ content: 'random', seed: 2, sizeBytes: 16 * MiB, rewrites: [] }));
       expect(a.memoryUsage().vmsInProcess).toBe(2);
+      // Each VM's figure is its own RAM only (adjacent RAM mappings must not be counted together).
+      for (const vm of [a, b]) {
+        expect(vm.memoryUsage().guestRamPssBytes).toBeGreaterThan(16 * MiB);
+        expect(vm.memoryUsage().guestRamPssBytes).toBeLessThan(17 * MiB);
+      }
     } finally {
       a.stop();
       b.stop();

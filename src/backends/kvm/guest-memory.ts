@@ -8,7 +8,7 @@
  */
 import { GuestCrashError } from '../../errors';
 import * as C from '../../sys/constants';
-import { madvise, mmap, munmap, viewAt } from '../../sys/libc';
+import { madvise, mmap, mprotect, munmap, viewAt } from '../../sys/libc';
 import type { VmFd } from './ioctls';
 
 /** Start of the MMIO hole below 4 GiB. */
@@ -56,18 +56,27 @@ export class GuestMemory {
    */
   static map(sizeBytes: number, backing: RamBacking = { kind: 'anonymous' }): GuestMemory {
     const prot = C.PROT_READ | C.PROT_WRITE;
+    // One inaccessible guard page after guest RAM: two VMs' RAM mappings have the same flags, and
+    // the kernel would merge adjacent ones into one VMA, mixing their per-mapping smaps figures.
+    const span = sizeBytes + C.PAGE_SIZE;
     let addr: number;
     switch (backing.kind) {
       case 'anonymous':
         // NORESERVE: guest RAM is capacity, not a commitment; pages are allocated on first touch.
-        addr = mmap(0, sizeBytes, prot, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE, -1, 0, `guest RAM (${sizeBytes} bytes)`);
+        addr = mmap(0, span, prot, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE, -1, 0, `guest RAM (${sizeBytes} bytes)`);
         break;
       case 'shared-fd':
-        addr = mmap(0, sizeBytes, prot, C.MAP_SHARED | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (shared file)');
+        addr = mmap(0, span, prot, C.MAP_SHARED | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (shared file)');
         break;
       case 'private-fd':
-        addr = mmap(0, sizeBytes, prot, C.MAP_PRIVATE | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (private file)');
+        addr = mmap(0, span, prot, C.MAP_PRIVATE | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (private file)');
         break;
+    }
+    try {
+      mprotect(addr + sizeBytes, C.PAGE_SIZE, C.PROT_NONE);
+    } catch (e) {
+      munmap(addr, span);
+      throw e;
     }
     const mem = new GuestMemory(addr, sizeBytes, backing);
     // A fork (e.g. child_process) must not copy-on-write guest RAM.
@@ -209,7 +218,7 @@ export class GuestMemory {
     if (!this.mapped) return;
     this.mapped = false;
     this.chunks.length = 0;
-    munmap(this.hostAddr, this.sizeBytes);
+    munmap(this.hostAddr, this.sizeBytes + C.PAGE_SIZE);
   }
 }
 
