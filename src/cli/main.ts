@@ -46,9 +46,15 @@ async function cmdRun(argv: string[]): Promise<number> {
       'vm-ram-dedup': { type: 'boolean', default: false },
       'vm-idle-release': { type: 'boolean', default: false },
       'vm-offload': { type: 'boolean', default: false },
+      'vm-ram-compression': { type: 'boolean', default: false },
+      'vm-cold-ram-compression': { type: 'boolean', default: false },
     },
     strict: true,
   });
+  // The reference CLI's compression flags are accepted by name so that scripts get a clear answer.
+  for (const flag of ['vm-ram-compression', 'vm-cold-ram-compression'] as const) {
+    if (values[flag]) throw new InvalidOptionError(`--${flag}`, 'not yet available in this version of pvisor (CompressedOffload and ColdCompression are in progress)');
+  }
   if (!command.length) throw new InvalidOptionError('command', 'nothing to run: give it after --, e.g. pvisor run -- uname -a');
   const vcpus = Number(values.vcpus);
   const guest = values.guest as GuestKind;

@@ -1,0 +1,21 @@
+// The CLI refuses what it cannot do before any VM starts: no KVM needed.
+import { spawnSync } from 'node:child_process';
+import { join } from 'node:path';
+
+const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
+const pvisor = (...args: string[]) => spawnSync(process.execPath, [main, ...args], { encoding: 'utf8' });
+
+describe('pvisor run option checks', () => {
+  it.each(['--vm-ram-compression', '--vm-cold-ram-compression'])('%s says plainly that it is not available yet', (flag) => {
+    const r = pvisor('run', '--guest', 'probe', flag, '--', 'digest');
+    expect(r.stderr).toMatch(new RegExp(`pvisor: ${flag}: not yet available`));
+    expect(r.stderr).not.toMatch(/starting/);
+    expect(r.status).toBe(125);
+  });
+
+  it('an unknown option is a usage error', () => {
+    const r = pvisor('run', '--memroy', '1G', '--', 'digest');
+    expect(r.stderr).toMatch(/Unknown option '--memroy'/);
+    expect(r.status).toBe(125);
+  });
+});
