@@ -334,11 +334,6 @@ export class Vm extends EventEmitter<VmEvents> {
   static liveGuestRam(): { start: number; length: number }[] {
     return [...live].map((vm) => ({ start: vm.machine.memory.hostAddr, length: vm.machine.memory.sizeBytes }));
   }
-
-  /** @internal Exit counts by reason (for the bench). */
-  exitCounts(): Map<string, number> {
-    return this.machine.exitCounts;
-  }
 }
 
 let probeImage: Buffer | undefined;

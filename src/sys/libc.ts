@@ -61,12 +61,6 @@ export function ioctl(fd: number, request: number, arg: number, name: string): n
   return check(`ioctl(${name})`, fns.ioctl([fd, request, arg]) as ErrnoResult<number>);
 }
 
-/** ioctl(2) that may fail with an expected errno: returns -errno instead of throwing. */
-export function ioctlRaw(fd: number, request: number, arg: number): number {
-  const r = fns.ioctl([fd, request, arg]) as ErrnoResult<number>;
-  return r.value < 0 ? -r.errnoCode : r.value;
-}
-
 /** mmap(2); returns the address. */
 export function mmap(addr: number, length: number, prot: number, flags: number, fd: number, offset: number, what: string): number {
   const r = fns.mmap([addr, length, prot, flags, fd, offset]) as ErrnoResult<number>;

@@ -139,14 +139,6 @@ export class VcpuFd {
     ioctl(this.fd, C.KVM_SET_REGS, s.addr, 'KVM_SET_REGS');
   }
 
-  getRegs(): Regs {
-    const s = scratchStruct(C.KVM_REGS_SIZE);
-    ioctl(this.fd, C.KVM_GET_REGS, s.addr, 'KVM_GET_REGS');
-    const out = {} as Regs;
-    for (const [name, idx] of Object.entries(C.KVM_REGS)) out[name as keyof Regs] = Number(s.view.readBigUInt64LE(idx * 8));
-    return out;
-  }
-
   /** Reads the current sregs, applies `sregs` on top, writes them back. */
   setSregs(sregs: Sregs): void {
     const s = scratchStruct(C.KVM_SREGS_SIZE);

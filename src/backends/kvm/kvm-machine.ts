@@ -59,7 +59,7 @@ interface Vcpu {
 /** A running (or paused) KVM VM. */
 export class KvmMachine {
   readonly memory: GuestMemory;
-  readonly balloon: VirtioBalloon;
+  private readonly balloon: VirtioBalloon;
   private readonly console: VirtioConsole;
   private readonly serial: Serial8250;
   private readonly pio = new IoBus('pio');
@@ -70,8 +70,6 @@ export class KvmMachine {
   private pauseWaiters: (() => void)[] = [];
   private ended = false;
   private heldAgentBytes: Buffer[] = [];
-  /** Exits handled since creation, by reason name. */
-  readonly exitCounts = new Map<string, number>();
 
   private constructor(
     private readonly kvm: Kvm,
@@ -259,16 +257,11 @@ export class KvmMachine {
     }
   }
 
-  private count(name: string): void {
-    this.exitCounts.set(name, (this.exitCounts.get(name) ?? 0) + 1);
-  }
-
   private handleExit(v: Vcpu): VcpuAction {
     const run = v.fd.run;
     const reason = run.readUInt32LE(C.KVM_RUN_EXIT_REASON);
     switch (reason) {
       case C.KVM_EXIT_IO: {
-        this.count('io');
         const out = run[C.KVM_RUN_IO_DIRECTION] === C.KVM_EXIT_IO_OUT;
         const size = run[C.KVM_RUN_IO_SIZE];
         const port = run.readUInt16LE(C.KVM_RUN_IO_PORT);
@@ -289,7 +282,6 @@ export class KvmMachine {
         return action;
       }
       case C.KVM_EXIT_MMIO: {
-        this.count('mmio');
         const addr = Number(run.readBigUInt64LE(C.KVM_RUN_MMIO_PHYS_ADDR));
         const len = run.readUInt32LE(C.KVM_RUN_MMIO_LEN);
         const isWrite = run[C.KVM_RUN_MMIO_IS_WRITE] !== 0;

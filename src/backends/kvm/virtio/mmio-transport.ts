@@ -15,12 +15,10 @@ const MAX_QUEUE_SIZE = 256;
 /** VIRTIO_F_VERSION_1, bit 32: the modern interface, the only one pvisor speaks. */
 export const VIRTIO_F_VERSION_1 = 2n ** 32n;
 
-const STATUS_ACKNOWLEDGE = 1;
-const STATUS_DRIVER = 2;
+// Device status bits the transport acts on (virtio 1.x, 2.1).
 const STATUS_DRIVER_OK = 4;
 const STATUS_FEATURES_OK = 8;
 const STATUS_NEEDS_RESET = 64;
-const STATUS_FAILED = 128;
 
 const enum Reg {
   MagicValue = 0x000,
@@ -193,11 +191,6 @@ export class MmioTransport {
       this.onDeviceError(`virtio device ${this.device.deviceId}: ${(e as Error).message}`);
     }
   }
-
-  /** Status bits, for tests and diagnostics. */
-  get deviceStatus(): number {
-    return this.status;
-  }
 }
 
 function setLow(addr: number, value: number): number {
@@ -207,5 +200,3 @@ function setLow(addr: number, value: number): number {
 function setHigh(addr: number, value: number): number {
   return (value >>> 0) * 2 ** 32 + (addr % 2 ** 32);
 }
-
-export { STATUS_ACKNOWLEDGE, STATUS_DRIVER, STATUS_DRIVER_OK, STATUS_FAILED, STATUS_FEATURES_OK };
