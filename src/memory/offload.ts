@@ -56,8 +56,9 @@ export class Offload implements MemoryStrategy {
     const fd = openSync(this.path, constants.O_RDWR | constants.O_CREAT | constants.O_EXCL | constants.O_TRUNC, 0o600);
     const pieces: Piece[] = [];
     let zeroPages = 0;
+    // The vCPUs are stopped and agent traffic is held: the resident set cannot change until resume.
+    const runs = residentRuns(ctx.ram);
     try {
-      const runs = residentRuns(ctx.ram);
       for (const run of runs) {
         for (let off = run.offset; off < run.offset + run.length; ) {
           const end = Math.min(run.offset + run.length, (Math.floor(off / PIECE_BYTES) + 1) * PIECE_BYTES);
@@ -85,7 +86,7 @@ export class Offload implements MemoryStrategy {
     }
     closeSync(fd);
     // Only now that every page is on disk: drop what was resident.
-    for (const run of residentRuns(ctx.ram)) ctx.ram.discardHost(run.offset, run.length);
+    for (const run of runs) ctx.ram.discardHost(run.offset, run.length);
     this.pieces = pieces;
     this.figures.pagesWritten = pieces.reduce((n, p) => n + p.length / PAGE_SIZE, 0);
     this.figures.zeroPagesSkipped = zeroPages;
@@ -106,7 +107,8 @@ export class Offload implements MemoryStrategy {
     const loaded: Piece[] = [];
     try {
       const need = pieces.length ? pieces[pieces.length - 1].offset + pieces[pieces.length - 1].length : 0;
-      if (fstatSync(fd).size < need) throw new BackingFileError(path, `the backing file is truncated (${fstatSync(fd).size} bytes, ${need} needed); the VM stays suspended`);
+      const size = fstatSync(fd).size;
+      if (size < need) throw new BackingFileError(path, `the backing file is truncated (${size} bytes, ${need} needed); the VM stays suspended`);
       for (const piece of pieces) {
         const view = ctx.ram.view(piece.offset, piece.length);
         loaded.push(piece);
