@@ -260,6 +260,12 @@ mount -t tmpfs -o mode=1777 shm /dev/shm
 mount -o bind /dev $R/dev
 mount -t proc proc $R/proc
 mount -t sysfs sysfs $R/sys
+# Group memory (pvisor bench memory) reads a cgroup's charge: mount the cgroup v1 memory
+# controller where these machines have it.
+if mount -t tmpfs -o mode=0755 cgroup $R/sys/fs/cgroup && mkdir -p $R/sys/fs/cgroup/memory &&
+  mount -t cgroup -o memory memory $R/sys/fs/cgroup/memory; then :; else
+  echo "nested-kvm (L1): no cgroup v1 memory controller; group memory will read n/a"
+fi
 mount -t tmpfs -o mode=1777 tmp $R/tmp
 mount -t tmpfs -o mode=0700 root $R/root
 mount -t tmpfs -o mode=0755 run $R/run
