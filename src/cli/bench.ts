@@ -134,11 +134,16 @@ export async function cmdBench(argv: string[]): Promise<number> {
   switch (what) {
     case 'vmm':
       return benchVmm(rest);
+    case 'memory':
+    case 'memory-cell': {
+      const { cmdBenchMemory } = await import('./bench-memory');
+      return cmdBenchMemory(rest, what === 'memory-cell');
+    }
     case 'vmm-memory-case':
       process.stdout.write(JSON.stringify(await memoryCaseChild(Number(rest[0]))));
       return 0;
     default:
-      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n');
+      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--json FILE]\n');
       return 2;
   }
 }

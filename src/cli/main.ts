@@ -26,6 +26,9 @@ Usage:
              digest, release [OFFSET SIZE], idle, memory, pause, suspend, resume, sleep MS
   pvisor bench vmm [--runs N] [--json FILE]
       Start-to-ready time, exits per second against a native C loop, the VMM's memory per VM.
+  pvisor bench memory [--modes LIST] [--contents repetitive,random] [--backing-dir DIR] [--json FILE]
+      The reference study's Tables 1 and 2: each cell a fresh 512 MiB VM in its own process and
+      cgroup, resident (group PSS), guest RAM PSS, group memory, offload costs, the study beside.
   pvisor help | --help
 `;
 

@@ -1,0 +1,315 @@
+/**
+ * `pvisor bench memory`: Tables 1 and 2 of the reference study, measured on pvisor.
+ *
+ * Every cell is a fresh 512 MiB / 2 vCPU probe VM in a process of its own (the product group, as
+ * `pvisor run` would be) inside a memory cgroup made for the cell. The VM fills a 64 MiB working
+ * set (repetitive or random), applies the mode's operation, and 5 s later the parent reads:
+ * resident = PSS summed over the group's processes, guest RAM PSS (from inside the cell), and the
+ * group's charged memory. For offload modes the same cell then measures Table 2: the task
+ * (digest, rewrite 100%, digest) timed before the offload, and resume + the same task after it;
+ * the digest after resume must equal the one before the offload or the cell fails.
+ */
+import { spawn } from 'node:child_process';
+import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { createInterface } from 'node:readline';
+import { parseArgs } from 'node:util';
+import { InvalidOptionError } from '../errors';
+import { IdleRelease } from '../memory/idle-release';
+import { Offload } from '../memory/offload';
+import type { MemoryStrategy, StrategyStats } from '../memory/strategy';
+import { parseSize } from '../units';
+import { Vm } from '../vm';
+import { CellCgroup } from './cell-cgroup';
+import { GOALS, STUDY_TABLE1, STUDY_TABLE2, savingPercent, studyRowOf, type PerContent } from './study-figures';
+
+const MiB = 2 ** 20;
+const STUDY_WORKING_SET_MIB = 64;
+const READ_AFTER_MS = 5000;
+const SEEDS = { repetitive: 1, random: 42 } as const;
+type Content = keyof typeof SEEDS;
+
+/** A mode of Table 1: the strategies a VM starts with and what is done after the fill. */
+interface Mode {
+  name: string;
+  strategies(backingDir: string): MemoryStrategy[];
+  operation: 'none' | 'release' | 'suspend';
+}
+
+const MODES: Mode[] = [
+  { name: 'default', strategies: () => [], operation: 'none' },
+  { name: 'idle-release', strategies: () => [new IdleRelease()], operation: 'release' },
+  { name: 'offload', strategies: (dir) => [new Offload({ dir })], operation: 'suspend' },
+];
+
+/** What the parent sends a cell, as JSON on its command line. */
+interface CellConfig {
+  mode: string;
+  content: Content;
+  workingSetMiB: number;
+  backingDir: string;
+}
+
+/** One cell's results. */
+interface CellResult {
+  mode: string;
+  content: Content;
+  /** Resident: PSS of every process of the cell's group, 5 s after the operation. */
+  groupPssBytes: number;
+  /** PSS of the guest RAM mapping alone. */
+  guestRamPssBytes: number;
+  /** The cgroup's charge (includes page cache); null when no cgroup could be made. */
+  groupMemoryBytes: number | null;
+  /** Time of the operation (release request, suspend), ms. */
+  operationMs: number;
+  /** Offload modes: the task before the offload, resume + task after it, ms. */
+  taskMs?: number;
+  resumeAndTaskMs?: number;
+  /** Offload modes: the backing's allocated size after suspend, bytes. */
+  backingBytes?: number;
+  strategies: StrategyStats[];
+}
+
+const progress = (line: string) => process.stderr.write(`bench: ${line}\n`);
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+/** The task of Table 2 on the probe guest; returns its time and the first digest. */
+async function task(vm: Vm): Promise<{ ms: number; firstDigest: string }> {
+  const t0 = performance.now();
+  const first = await vm.probe.digest();
+  await vm.probe.rewrite({ fraction: 1 });
+  await vm.probe.digest();
+  return { ms: performance.now() - t0, firstDigest: first.hex };
+}
+
+/** Runs inside the cell's process: one fresh VM, talking to the parent by lines of JSON. */
+async function cellChild(config: CellConfig): Promise<void> {
+  const mode = MODES.find((m) => m.name === config.mode);
+  if (!mode) throw new Error(`unknown mode ${config.mode}`);
+  const say = (msg: object) => process.stdout.write(`${JSON.stringify(msg)}\n`);
+  const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
+  const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies: mode.strategies(config.backingDir) });
+  try {
+    await vm.probe.fill({ sizeMiB: config.workingSetMiB, content: config.content, seed: SEEDS[config.content] });
+    say({ event: 'filled' });
+    let taskMs: number | undefined;
+    let digestBefore: string | undefined;
+    if (mode.operation === 'suspend') {
+      taskMs = (await task(vm)).ms;
+      digestBefore = (await vm.probe.digest()).hex;
+    }
+    const t0 = performance.now();
+    if (mode.operation === 'release') await vm.probe.release();
+    if (mode.operation === 'suspend') await vm.suspend();
+    const operationMs = performance.now() - t0;
+    say({ event: 'operated', operationMs });
+    await sleep(READ_AFTER_MS);
+    const usage = vm.memoryUsage();
+    say({ event: 'reading', guestRamPssBytes: usage.guestRamPssBytes, strategies: usage.strategies, operationMs, taskMs });
+    await lines.next(); // the parent has read the group's figures
+    let resumeAndTaskMs: number | undefined;
+    if (mode.operation === 'suspend') {
+      const t1 = performance.now();
+      await vm.resume();
+      const after = await task(vm);
+      resumeAndTaskMs = performance.now() - t1;
+      if (after.firstDigest !== digestBefore) throw new Error(`digest after resume ${after.firstDigest} != ${digestBefore} before the offload`);
+    }
+    say({ event: 'done', resumeAndTaskMs, strategies: vm.memoryUsage().strategies });
+  } finally {
+    vm.stop();
+  }
+}
+
+/** Runs one cell in a fresh process and cgroup; resolves with its results. */
+async function runCell(config: CellConfig, label: string): Promise<CellResult> {
+  const cgroup = CellCgroup.create(`pvisor-bench-${process.pid}-${config.mode}-${config.content}`);
+  const node = process.execPath;
+  const args = [join(__dirname, 'main.js'), 'bench', 'memory-cell', JSON.stringify(config)];
+  const [cmd, argv] = typeof cgroup === 'string' ? [node, args] : cgroup.wrap(node, args);
+  const child = spawn(cmd, argv, { stdio: ['pipe', 'pipe', 'pipe'] });
+  let stderr = '';
+  child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+  const exited = new Promise<number>((resolve) => child.on('close', (code) => resolve(code ?? 1)));
+  const result: Partial<CellResult> = { mode: config.mode, content: config.content };
+  try {
+    for await (const line of createInterface({ input: child.stdout })) {
+      const msg = JSON.parse(line) as Record<string, unknown>;
+      if (msg.event === 'filled') progress(`${label}: ${config.workingSetMiB} MiB filled`);
+      if (msg.event === 'operated') progress(`${label}: operation took ${(msg.operationMs as number).toFixed(1)} ms; reading in ${READ_AFTER_MS / 1000} s`);
+      if (msg.event === 'reading') {
+        // Read the group from outside while the cell waits, so that reading costs the cell nothing.
+        result.groupPssBytes = typeof cgroup === 'string' ? processPss(child.pid!) : cgroup.pssBytes();
+        result.groupMemoryBytes = typeof cgroup === 'string' ? null : cgroup.memoryBytes();
+        result.guestRamPssBytes = msg.guestRamPssBytes as number;
+        result.operationMs = msg.operationMs as number;
+        result.taskMs = msg.taskMs as number | undefined;
+        result.strategies = msg.strategies as StrategyStats[];
+        result.backingBytes = backingBytesOf(result.strategies);
+        child.stdin.write('continue\n');
+      }
+      if (msg.event === 'done') {
+        result.resumeAndTaskMs = msg.resumeAndTaskMs as number | undefined;
+        child.stdin.end();
+      }
+    }
+    const code = await exited;
+    if (code !== 0 || result.groupPssBytes === undefined) throw new Error(`cell ${label} failed (exit ${code}): ${stderr.trim()}`);
+    return result as CellResult;
+  } finally {
+    child.kill('SIGKILL');
+    await exited;
+    if (typeof cgroup !== 'string') cgroup.remove();
+  }
+}
+
+function processPss(pid: number): number {
+  const m = /^Pss:\s+(\d+) kB/m.exec(readFileSync(`/proc/${pid}/smaps_rollup`, 'utf8'));
+  return m ? Number(m[1]) * 1024 : 0;
+}
+
+function backingBytesOf(strategies: StrategyStats[]): number | undefined {
+  const s = strategies.find((x) => 'bytesOnDisk' in x.figures);
+  return s?.figures.bytesOnDisk;
+}
+
+/** Formats ours beside the study's figure: `35.6 (study 35.6)`. */
+function beside(ours: number | null | undefined, study: number | undefined, digits = 1): string {
+  const o = ours === null || ours === undefined ? 'n/a' : ours.toFixed(digits);
+  return study === undefined ? o : `${o} (${study.toFixed(1)})`;
+}
+
+function printTable(rows: string[][]): void {
+  const width = rows[0].map((_, i) => Math.max(...rows.map((r) => r[i].length)));
+  for (const r of rows) process.stdout.write(`${r.map((c, i) => c.padEnd(width[i])).join(' | ')}\n`);
+  process.stdout.write('\n');
+}
+
+async function benchMemory(argv: string[]): Promise<number> {
+  const { values } = parseArgs({
+    args: argv,
+    options: {
+      json: { type: 'string' },
+      modes: { type: 'string', default: MODES.map((m) => m.name).join(',') },
+      contents: { type: 'string', default: 'repetitive,random' },
+      'backing-dir': { type: 'string', default: join(tmpdir(), 'pvisor-bench-backing') },
+      // The study's cells use 64 MiB; a smaller set makes a quick check (the study's figures then
+      // do not compare).
+      'working-set': { type: 'string', default: `${STUDY_WORKING_SET_MIB}MiB` },
+    },
+  });
+  const modes = values.modes.split(',').map((name) => {
+    const m = MODES.find((x) => x.name === name);
+    if (!m) throw new InvalidOptionError('--modes', `unknown mode ${name}; modes: ${MODES.map((x) => x.name).join(', ')}`);
+    return m;
+  });
+  if (!modes.some((m) => m.name === 'default')) modes.unshift(MODES[0]); // savings need the baseline
+  const contents = values.contents.split(',') as Content[];
+  for (const c of contents) if (!(c in SEEDS)) throw new InvalidOptionError('--contents', `unknown working set ${c}; use repetitive,random`);
+  const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
+  if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1) throw new InvalidOptionError('--working-set', 'expected whole MiB, at least 1MiB');
+  if (workingSetMiB !== STUDY_WORKING_SET_MIB) progress(`warning: the study's cells use ${STUDY_WORKING_SET_MIB} MiB; with ${workingSetMiB} MiB its figures do not compare`);
+  const backingDir = resolve(values['backing-dir']);
+  mkdirSync(backingDir, { recursive: true });
+  const fsType = filesystemOf(backingDir);
+  if (fsType === 'tmpfs') progress(`warning: ${backingDir} is on tmpfs, so offloaded pages stay in RAM (as shmem); use --backing-dir on a disk`);
+  const probe = CellCgroup.create(`pvisor-bench-${process.pid}-probe`);
+  if (typeof probe === 'string') progress(`group memory will read n/a: ${probe}`);
+  else probe.remove();
+
+  const cells: CellResult[] = [];
+  const total = modes.length * contents.length;
+  for (const mode of modes) {
+    for (const content of contents) {
+      const label = `[${cells.length + 1}/${total}] ${mode.name} ${content}`;
+      progress(`${label}: fresh VM`);
+      cells.push(await runCell({ mode: mode.name, content, workingSetMiB, backingDir }, label));
+    }
+  }
+
+  const find = (mode: string, content: Content) => cells.find((c) => c.mode === mode && c.content === content);
+  const pick = (p: PerContent | undefined, c: Content) => p?.[c];
+  process.stdout.write(`Table 1: one 512 MiB VM, ${workingSetMiB} MiB working set, read ${READ_AFTER_MS / 1000} s after the operation (MiB; the study's figure in brackets)\n`);
+  const t1: string[][] = [['mode', 'working set', 'resident (group PSS)', 'guest RAM PSS', 'saving %', 'group memory']];
+  for (const c of cells) {
+    const study = STUDY_TABLE1[studyRowOf(c.mode)];
+    const base = find('default', c.content)!;
+    const saving = c.mode === 'default' ? undefined : savingPercent(base.groupPssBytes, c.groupPssBytes);
+    t1.push([
+      c.mode,
+      c.content,
+      beside(c.groupPssBytes / MiB, pick(study?.residentMiB, c.content)),
+      (c.guestRamPssBytes / MiB).toFixed(1),
+      c.mode === 'default' ? 'baseline' : beside(saving, pick(study?.savingPercent, c.content)),
+      beside(c.groupMemoryBytes === null ? null : c.groupMemoryBytes / MiB, pick(study?.groupMiB, c.content)),
+    ]);
+  }
+  printTable(t1);
+
+  const offloads = cells.filter((c) => c.resumeAndTaskMs !== undefined);
+  if (offloads.length) {
+    process.stdout.write('Table 2: cost of offload (ms; task = digest, rewrite 100%, digest of the working set; study in brackets)\n');
+    const t2: string[][] = [['mode', 'working set', 'task without offload', 'resume + task after', 'added', 'offload operation', 'backing MiB']];
+    for (const c of offloads) {
+      const study = STUDY_TABLE2[studyRowOf(c.mode)];
+      t2.push([
+        c.mode,
+        c.content,
+        beside(c.taskMs, pick(study?.taskMs, c.content)),
+        beside(c.resumeAndTaskMs, pick(study?.resumeAndTaskMs, c.content)),
+        beside(c.resumeAndTaskMs! - c.taskMs!, pick(study?.addedMs, c.content)),
+        beside(c.operationMs, pick(study?.operationMs, c.content)),
+        beside(c.backingBytes === undefined ? undefined : c.backingBytes / MiB, pick(study?.backingMiB, c.content)),
+      ]);
+    }
+    printTable(t2);
+  }
+
+  process.stdout.write("Goals of issue 4 (figure: ours vs bound)\n");
+  const goals: string[][] = [['goal', 'mode', 'working set', 'ours', 'bound', 'met']];
+  const goalResults: object[] = [];
+  for (const g of GOALS) {
+    for (const c of cells.filter((x) => g.modes.includes(x.mode))) {
+      const base = find('default', c.content)!;
+      const ours = {
+        operationMs: c.operationMs,
+        addedMs: c.resumeAndTaskMs === undefined ? undefined : c.resumeAndTaskMs - c.taskMs!,
+        backingMiB: c.backingBytes === undefined ? undefined : c.backingBytes / MiB,
+        savingPercent: savingPercent(base.groupPssBytes, c.groupPssBytes),
+        groupPssMiB: c.groupPssBytes / MiB,
+      }[g.key];
+      if (ours === undefined) continue;
+      const bound = g.bound[c.content];
+      const met = g.kind === 'max' ? ours <= bound : ours >= bound;
+      goals.push([g.figure, c.mode, c.content, ours.toFixed(1), `${g.kind === 'max' ? '<=' : '>='} ${bound}`, met ? 'yes' : 'NO']);
+      goalResults.push({ goal: g.figure, mode: c.mode, content: c.content, ours, bound, kind: g.kind, met });
+    }
+  }
+  printTable(goals);
+  process.stdout.write(`Backing files in ${backingDir} (${fsType}). Resident and group memory are never added together.\n`);
+
+  const json = { setup: { memoryMiB: 512, vcpus: 2, workingSetMiB, readAfterMs: READ_AFTER_MS, backingDir, backingFilesystem: fsType }, cells, goals: goalResults };
+  if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
+  else process.stdout.write(`${JSON.stringify(json)}\n`);
+  return 0;
+}
+
+/** The filesystem type holding `dir`, from /proc/mounts (longest mount point that contains it). */
+function filesystemOf(dir: string): string {
+  let best = { point: '', type: 'unknown' };
+  for (const line of readFileSync('/proc/mounts', 'utf8').split('\n')) {
+    const [, point, type] = line.split(' ');
+    if (point && (dir === point || dir.startsWith(point.endsWith('/') ? point : `${point}/`)) && point.length > best.point.length) best = { point, type };
+  }
+  return best.type;
+}
+
+/** Entry of `pvisor bench memory` and of its internal cell command. */
+export async function cmdBenchMemory(argv: string[], cell: boolean): Promise<number> {
+  if (cell) {
+    await cellChild(JSON.parse(argv[0]) as CellConfig);
+    return 0;
+  }
+  return benchMemory(argv);
+}

@@ -1,0 +1,103 @@
+/**
+ * The reference study's published figures (../shared/reference/memory-study.md, N=1 per cell) and
+ * the goals issue 4 sets against them, so the bench can print them beside pvisor's own.
+ */
+
+/** A figure per working set, as the study prints it (repetitive / random). */
+export interface PerContent {
+  repetitive: number;
+  random: number;
+}
+
+/** Table 1: one 512 MiB VM, MiB. */
+export interface StudyTable1Row {
+  residentMiB: PerContent;
+  /** Saving against `default`, percent; undefined for the baseline itself. */
+  savingPercent?: PerContent;
+  groupMiB: PerContent;
+}
+
+/** Table 1 of the study by mode name. Cold compression is listed although pvisor lacks it yet. */
+export const STUDY_TABLE1: Record<string, StudyTable1Row> = {
+  default: { residentMiB: { repetitive: 181.4, random: 179.4 }, groupMiB: { repetitive: 223.6, random: 223.8 } },
+  'idle-release': {
+    residentMiB: { repetitive: 118.4, random: 122.6 },
+    savingPercent: { repetitive: 34.7, random: 31.7 },
+    groupMiB: { repetitive: 223.3, random: 223.7 },
+  },
+  'cold-compression': {
+    residentMiB: { repetitive: 147.2, random: 212.1 },
+    savingPercent: { repetitive: 18.9, random: -18.2 },
+    groupMiB: { repetitive: 131.2, random: 195.8 },
+  },
+  offload: {
+    residentMiB: { repetitive: 35.6, random: 35.8 },
+    savingPercent: { repetitive: 80.4, random: 80.0 },
+    groupMiB: { repetitive: 19.4, random: 19.2 },
+  },
+  'compressed-offload': {
+    residentMiB: { repetitive: 39.8, random: 39.5 },
+    savingPercent: { repetitive: 78.1, random: 78.0 },
+    groupMiB: { repetitive: 24.6, random: 24.4 },
+  },
+};
+
+/** Table 2: cost of offload, ms and MiB. */
+export interface StudyTable2Row {
+  taskMs: PerContent;
+  resumeAndTaskMs: PerContent;
+  addedMs: PerContent;
+  operationMs: PerContent;
+  backingMiB: PerContent;
+}
+
+/** Table 2 of the study by mode name. */
+export const STUDY_TABLE2: Record<string, StudyTable2Row> = {
+  offload: {
+    taskMs: { repetitive: 276.5, random: 320.1 },
+    resumeAndTaskMs: { repetitive: 432.4, random: 498.2 },
+    addedMs: { repetitive: 155.9, random: 178.1 },
+    operationMs: { repetitive: 44.1, random: 98.1 },
+    backingMiB: { repetitive: 186.4, random: 186.3 },
+  },
+  'compressed-offload': {
+    taskMs: { repetitive: 276.5, random: 320.1 },
+    resumeAndTaskMs: { repetitive: 1730.3, random: 766.2 },
+    addedMs: { repetitive: 1453.8, random: 446.1 },
+    operationMs: { repetitive: 739.4, random: 904.0 },
+    backingMiB: { repetitive: 15.5, random: 146.0 },
+  },
+};
+
+/** Which study row a pvisor mode is compared with (a lazy offload is still an offload). */
+export function studyRowOf(mode: string): string {
+  return mode.startsWith('offload') ? 'offload' : mode;
+}
+
+/** A goal of issue 4: a bound on one figure of one mode, per working set. */
+export interface Goal {
+  /** What is measured, in words. */
+  figure: string;
+  /** Modes it applies to. */
+  modes: string[];
+  /** The figure's key in a bench cell. */
+  key: 'operationMs' | 'addedMs' | 'backingMiB' | 'savingPercent' | 'groupPssMiB';
+  /** `max`: ours must be <= bound; `min`: ours must be >= bound. */
+  kind: 'max' | 'min';
+  bound: PerContent;
+}
+
+/** The goals of issue 4 ("benchmark figures, report them in the closing note"). */
+export const GOALS: Goal[] = [
+  { figure: 'offload operation, ms', modes: ['offload', 'offload-lazy'], key: 'operationMs', kind: 'max', bound: { repetitive: 20, random: 20 } },
+  { figure: 'added task time after offload, ms', modes: ['offload', 'offload-lazy'], key: 'addedMs', kind: 'max', bound: { repetitive: 50, random: 50 } },
+  { figure: 'compressed backing, MiB', modes: ['compressed-offload'], key: 'backingMiB', kind: 'max', bound: { repetitive: 2, random: 70 } },
+  { figure: 'compressed added task time, ms', modes: ['compressed-offload'], key: 'addedMs', kind: 'max', bound: { repetitive: 150, random: 150 } },
+  { figure: 'idle release saving, %', modes: ['idle-release'], key: 'savingPercent', kind: 'min', bound: { repetitive: 60, random: 60 } },
+  { figure: 'whole VM after offload, own process, MiB', modes: ['offload', 'offload-lazy'], key: 'groupPssMiB', kind: 'max', bound: { repetitive: 35.6, random: 35.6 } },
+];
+
+/** Saving % as the study defines it: from unrounded readings, against the same working set's default. */
+export function savingPercent(defaultBytes: number, modeBytes: number): number {
+  return ((defaultBytes - modeBytes) / defaultBytes) * 100;
+}

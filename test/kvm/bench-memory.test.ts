@@ -1,0 +1,59 @@
+// `pvisor bench memory` as a user runs it: cells in their own processes and cgroups, real KVM.
+import { spawnSync } from 'node:child_process';
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+
+const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
+const MiB = 2 ** 20;
+
+interface Cell {
+  mode: string;
+  groupPssBytes: number;
+  guestRamPssBytes: number;
+  groupMemoryBytes: number | null;
+  backingBytes?: number;
+  taskMs?: number;
+  resumeAndTaskMs?: number;
+}
+
+describe('pvisor bench memory', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'pvisor-bench-test-'));
+  afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+  it('measures each mode in a fresh process and prints the study beside it', () => {
+    const json = join(dir, 'out.json');
+    const r = spawnSync(
+      process.execPath,
+      [main, 'bench', 'memory', '--modes', 'default,offload', '--contents', 'random', '--working-set', '8MiB', '--backing-dir', join(dir, 'backing'), '--json', json],
+      { encoding: 'utf8' },
+    );
+    expect(r.stderr).toMatch(/\[2\/2\] offload random: operation took/);
+    expect(r.status).toBe(0);
+    expect(r.stdout).toMatch(/^default\s+\| random\s+\| [\d.]+ \(179\.4\)/m);
+    expect(r.stdout).toMatch(/^offload\s+\| random\s+\| [\d.]+ \(320\.1\)\s+\| [\d.]+ \(498\.2\)/m);
+    const cells = (JSON.parse(readFileSync(json, 'utf8')) as { cells: Cell[] }).cells;
+    const [base, off] = cells;
+    expect(base.mode).toBe('default');
+    expect(base.guestRamPssBytes).toBeGreaterThanOrEqual(8 * MiB);
+    // The group's PSS holds the guest RAM plus the whole Node process around it.
+    expect(base.groupPssBytes).toBeGreaterThan(base.guestRamPssBytes + 10 * MiB);
+    expect(off.mode).toBe('offload');
+    expect(off.guestRamPssBytes).toBeLessThanOrEqual(base.guestRamPssBytes * 0.01);
+    expect(off.groupPssBytes).toBeLessThan(base.groupPssBytes - 7 * MiB);
+    expect(off.backingBytes).toBeGreaterThanOrEqual(8 * MiB);
+    expect(off.resumeAndTaskMs).toBeGreaterThan(0);
+    // Where a memory cgroup can be made (root, v1 or v2 controller), group memory is read.
+    const canCgroup = existsSync('/sys/fs/cgroup/memory/memory.usage_in_bytes') || existsSync('/sys/fs/cgroup/cgroup.controllers');
+    if (canCgroup && process.getuid?.() === 0) expect(base.groupMemoryBytes).toBeGreaterThan(8 * MiB);
+    // Backing files are gone once the cells end.
+    expect(readdirSync(join(dir, 'backing'))).toEqual([]);
+  });
+
+  it('rejects an unknown mode before starting anything', () => {
+    const r = spawnSync(process.execPath, [main, 'bench', 'memory', '--modes', 'telepathy'], { encoding: 'utf8' });
+    expect(r.stderr).toMatch(/unknown mode telepathy/);
+    expect(r.stderr).not.toMatch(/fresh VM/);
+    expect(r.status).toBe(125);
+  });
+});
