@@ -2,10 +2,10 @@
  * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
  */
 import { createHash } from 'node:crypto';
-import { readFileSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
 import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
-import type { KvmMachine } from './backends/kvm/kvm-machine';
+import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
 import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError, type BackingFileError } from './errors';
 import { ProbeGuest } from './guest/probe-client';
 import { nativePrebuild } from './native';
@@ -29,6 +29,12 @@ export interface VmOptions {
    * benches drive. Default `linux`.
    */
   guest?: GuestKind;
+  /** Linux guest: path of a bzImage to boot instead of the shipped kernel. */
+  kernel?: string;
+  /** Linux guest: path of an initramfs instead of the shipped one (its /init must be pvisor's agent). */
+  initrd?: string;
+  /** Linux guest: words appended to the kernel command line. */
+  kernelArgs?: string;
   /** How long to wait for the guest agent to say hello. Default 60000 ms. */
   bootTimeoutMs?: number;
   /** A name for logs and the CLI. Default: `vm-<n>`. */
@@ -125,17 +131,15 @@ export class Vm extends EventEmitter<VmEvents> {
     const strategies = [...(options.strategies ?? [])];
     validateComposition(strategies);
     const host = checkKvmHost();
-    if (guest === 'linux') {
-      requireKernelModeGuests(host, 'linux');
-      throw new PvisorError('PVISOR_GUEST_UNAVAILABLE', 'the Linux guest is not shipped in this version of pvisor yet; use guest: "probe"');
-    }
+    if (guest === 'linux') requireKernelModeGuests(host, 'linux');
+    const boot = guest === 'linux' ? loadLinuxGuest(options) : ({ kind: 'probe', image: loadProbeImage() } as const);
 
     const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest, strategies);
-    await vm.boot(host.devicePath, loadProbeImage(), bootTimeoutMs);
+    await vm.boot(host.devicePath, boot, bootTimeoutMs);
     return vm;
   }
 
-  private async boot(kvmPath: string, probeImage: Buffer, bootTimeoutMs: number): Promise<void> {
+  private async boot(kvmPath: string, boot: MachineBoot, bootTimeoutMs: number): Promise<void> {
     // Loaded here, not at the top: importing pvisor must not load native code until a VM starts.
     const { KvmMachine } = await import('./backends/kvm/kvm-machine');
     this.agent = new AgentClient(
@@ -149,7 +153,7 @@ export class Vm extends EventEmitter<VmEvents> {
       {
         memoryBytes: this.memoryBytes,
         vcpus: this.vcpus,
-        probeImage,
+        boot,
         freePageSink: reporter && ((gpa, len) => reporter.freePagesReported!(this.strategyContext, gpa, len)),
       },
       {
@@ -340,12 +344,40 @@ let probeImage: Buffer | undefined;
 
 /** The shipped probe image, checked against its checksum file. */
 function loadProbeImage(): Buffer {
-  if (probeImage) return probeImage;
-  const path = nativePrebuild('probe.bin');
+  probeImage ??= loadShipped('probe.bin');
+  return probeImage;
+}
+
+/** A shipped guest artifact, checked against its checksum file. */
+function loadShipped(name: string): Buffer {
+  const path = nativePrebuild(name);
   const image = readFileSync(path);
   const expected = readFileSync(`${path}.sha256`, 'utf8').split(/\s+/)[0];
   const actual = createHash('sha256').update(image).digest('hex');
   if (actual !== expected) throw new GuestCrashError('corrupt-image', `${path} does not match its checksum (${actual} != ${expected}); reinstall pvisor`);
-  probeImage = image;
   return image;
+}
+
+/**
+ * The kernel command line every Linux guest gets: console on the UART, and a reboot or panic
+ * ends the VM (a triple fault the VMM sees) instead of hanging it.
+ */
+const LINUX_CMDLINE = 'console=ttyS0 reboot=t panic=-1 quiet';
+
+/** The Linux guest's kernel and initramfs: the user's files or the shipped ones. */
+function loadLinuxGuest(options: VmOptions): MachineBoot {
+  const read = (what: 'kernel' | 'initrd', path: string) => {
+    try {
+      return readFileSync(path);
+    } catch (e) {
+      throw new InvalidOptionError(what, `cannot read ${path}: ${(e as Error).message}`);
+    }
+  };
+  if (!options.kernel && !existsSync(nativePrebuild('vmlinuz'))) {
+    throw new PvisorError('PVISOR_GUEST_UNAVAILABLE', 'the Linux guest is not shipped in this version of pvisor yet; use guest: "probe" or give kernel and initrd');
+  }
+  const kernel = options.kernel ? read('kernel', options.kernel) : loadShipped('vmlinuz');
+  const initrd = options.initrd ? read('initrd', options.initrd) : loadShipped('initramfs.cpio.gz');
+  const cmdline = [LINUX_CMDLINE, options.kernelArgs ?? ''].join(' ').trim();
+  return { kind: 'linux', kernel, initrd, cmdline };
 }

@@ -45,6 +45,14 @@ export const KVM_SET_REGS = 0x4090ae82; // _IOW(KVMIO, 0x82, struct kvm_regs)
 export const KVM_GET_SREGS = 0x8138ae83; // _IOR(KVMIO, 0x83, struct kvm_sregs)
 export const KVM_SET_SREGS = 0x4138ae84; // _IOW(KVMIO, 0x84, struct kvm_sregs)
 export const KVM_SET_CPUID2 = 0x4008ae90; // _IOW(KVMIO, 0x90, struct kvm_cpuid2)
+export const KVM_CREATE_IRQCHIP = 0xae60;
+export const KVM_IRQ_LINE = 0x4008ae61; // _IOW(KVMIO, 0x61, struct kvm_irq_level)
+export const KVM_CREATE_PIT2 = 0x4040ae77; // _IOW(KVMIO, 0x77, struct kvm_pit_config)
+export const KVM_GET_LAPIC = 0x8400ae8e; // _IOR(KVMIO, 0x8e, struct kvm_lapic_state)
+export const KVM_SET_LAPIC = 0x4400ae8f; // _IOW(KVMIO, 0x8f, struct kvm_lapic_state)
+export const KVM_PIT_SPEAKER_DUMMY = 1;
+export const KVM_PIT_CONFIG_SIZE = 64;
+export const KVM_LAPIC_STATE_SIZE = 1024;
 
 // <linux/kvm.h>: capabilities
 export const KVM_CAP_USER_MEMORY = 3;

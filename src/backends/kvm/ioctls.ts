@@ -71,6 +71,26 @@ export class VmFd {
     ioctl(this.fd, C.KVM_SET_TSS_ADDR, addr, 'KVM_SET_TSS_ADDR');
   }
 
+  /** The in-kernel PIC, I/O APIC and local APICs (before any vCPU is created). */
+  createIrqchip(): void {
+    ioctl(this.fd, C.KVM_CREATE_IRQCHIP, 0, 'KVM_CREATE_IRQCHIP');
+  }
+
+  /** The in-kernel i8254 timer; the speaker port is left to userspace, which ignores it. */
+  createPit2(): void {
+    const s = scratchStruct(C.KVM_PIT_CONFIG_SIZE);
+    s.view.writeUInt32LE(C.KVM_PIT_SPEAKER_DUMMY, 0);
+    ioctl(this.fd, C.KVM_CREATE_PIT2, s.addr, 'KVM_CREATE_PIT2');
+  }
+
+  /** Drives interrupt line (GSI) `irq` of the in-kernel irqchip. */
+  irqLine(irq: number, level: 0 | 1): void {
+    const s = scratchStruct(8);
+    s.view.writeUInt32LE(irq, 0);
+    s.view.writeUInt32LE(level, 4);
+    ioctl(this.fd, C.KVM_IRQ_LINE, s.addr, 'KVM_IRQ_LINE');
+  }
+
   createVcpu(index: number, mmapSize: number): VcpuFd {
     const fd = ioctl(this.fd, C.KVM_CREATE_VCPU, index, 'KVM_CREATE_VCPU');
     try {
@@ -171,6 +191,19 @@ export class VcpuFd {
   }
 
   /** Sets the CPUID the guest sees (raw kvm_cpuid2 bytes). */
+  /** The local APIC's register page (struct kvm_lapic_state), a copy. */
+  getLapic(): Buffer {
+    const s = scratchStruct(C.KVM_LAPIC_STATE_SIZE);
+    ioctl(this.fd, C.KVM_GET_LAPIC, s.addr, 'KVM_GET_LAPIC');
+    return Buffer.from(s.view.subarray(0, C.KVM_LAPIC_STATE_SIZE));
+  }
+
+  setLapic(state: Buffer): void {
+    const s = scratchStruct(C.KVM_LAPIC_STATE_SIZE);
+    state.copy(s.view, 0, 0, C.KVM_LAPIC_STATE_SIZE);
+    ioctl(this.fd, C.KVM_SET_LAPIC, s.addr, 'KVM_SET_LAPIC');
+  }
+
   setCpuid(cpuid2: Buffer): void {
     const s = scratchStruct(cpuid2.length);
     cpuid2.copy(s.view);

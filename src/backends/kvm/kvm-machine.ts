@@ -4,13 +4,14 @@
  */
 import { GuestCrashError, PvisorError, SystemCallError } from '../../errors';
 import * as C from '../../sys/constants';
-import { Serial8250, COM1_BASE, COM1_PORTS } from './devices/serial';
+import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS } from './devices/serial';
 import { ProbePorts, PROBE_PORTS_BASE, PROBE_PORTS_COUNT } from './devices/probe-ports';
 import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
 import { VirtioConsole } from './devices/virtio-console';
 import { GuestMemory, type RamBacking } from './guest-memory';
 import { IoBus, type VcpuAction } from './io-bus';
 import { Kvm, VmFd, VcpuFd } from './ioctls';
+import { cpuidForVcpu, loadLinux, setupLapic, setupLinuxBootVcpu } from './linux-boot';
 import { loadProbe, setupProbeVcpu } from './probe-boot';
 import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
 import { MmioTransport, VIRTIO_MMIO_SIZE } from './virtio/mmio-transport';
@@ -22,6 +23,9 @@ loadVcpuRunner();
 export const CONSOLE_MMIO_BASE = 0xd0000000;
 /** MMIO address of the free page reporting device (virtio-balloon). */
 export const BALLOON_MMIO_BASE = 0xd0001000;
+/** Interrupt lines of the virtio devices (ISA IRQs the MP table routes to the I/O APIC). */
+const CONSOLE_IRQ = 5;
+const BALLOON_IRQ = 6;
 /** Identity-map/TSS pages Intel VMX wants somewhere unused in the guest-physical space. */
 const TSS_GPA = 0xfffbd000;
 
@@ -37,12 +41,21 @@ export interface MachineHooks {
   onDeviceError(message: string): void;
 }
 
+/** What the machine boots. */
+export type MachineBoot =
+  /** The probe guest's flat image, entered at CPL3; it polls, so no interrupt controller. */
+  | { kind: 'probe'; image: Buffer }
+  /**
+   * A Linux bzImage with an in-kernel irqchip and PIT; the machine appends its devices to
+   * `cmdline` (virtio_mmio.device=...).
+   */
+  | { kind: 'linux'; kernel: Buffer; initrd?: Buffer; cmdline: string };
+
 /** What to build. */
 export interface MachineConfig {
   memoryBytes: number;
   vcpus: number;
-  /** The probe guest's flat image. */
-  probeImage: Buffer;
+  boot: MachineBoot;
   ramBacking?: RamBacking;
   /** What happens to ranges the guest reports free; undefined: the balloon does not offer reporting. */
   freePageSink?: FreePageSink;
@@ -70,6 +83,9 @@ export class KvmMachine {
   private pauseWaiters: (() => void)[] = [];
   private ended = false;
   private heldAgentBytes: Buffer[] = [];
+  private readonly linux: boolean;
+  /** The guest's last console lines, to say why a Linux guest ended. */
+  private readonly recentConsole: string[] = [];
 
   private constructor(
     private readonly kvm: Kvm,
@@ -81,27 +97,61 @@ export class KvmMachine {
     this.memory = GuestMemory.map(config.memoryBytes, config.ramBacking);
     try {
       this.memory.register(vm);
-      this.serial = new Serial8250((line) => this.hooks.onConsole(line));
+      const linux = (this.linux = config.boot.kind === 'linux');
+      if (linux) {
+        vm.createIrqchip();
+        vm.createPit2();
+      }
+      // Edge-triggered ISA lines: a pulse per event (the probe polls and needs none).
+      const pulse = (irq: number) => (linux ? () => {
+        this.vm.irqLine(irq, 1);
+        this.vm.irqLine(irq, 0);
+      } : () => {});
+      this.serial = new Serial8250((line) => {
+        this.recentConsole.push(line);
+        if (this.recentConsole.length > 50) this.recentConsole.shift();
+        this.hooks.onConsole(line);
+      }, pulse(COM1_IRQ));
       this.pio.add(COM1_BASE, COM1_PORTS, { read: (o) => this.serial.read(o), write: (o, _s, v) => this.serial.write(o, v) });
-      this.pio.add(PROBE_PORTS_BASE, PROBE_PORTS_COUNT, new ProbePorts());
+      if (!linux) this.pio.add(PROBE_PORTS_BASE, PROBE_PORTS_COUNT, new ProbePorts());
 
-      this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), () => {}, deviceError);
+      const transports: MmioTransport[] = [];
+      const used = (i: number) => () => transports[i]?.signalUsed();
+      this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), used(0), deviceError);
       const reporting = config.freePageSink !== undefined;
-      this.balloon = new VirtioBalloon(this.memory, config.freePageSink ?? (() => {}), () => {}, deviceError, reporting);
-      for (const [base, dev] of [[CONSOLE_MMIO_BASE, this.console], [BALLOON_MMIO_BASE, this.balloon]] as const) {
-        const t = new MmioTransport(base, dev, this.memory, () => {}, deviceError);
+      this.balloon = new VirtioBalloon(this.memory, config.freePageSink ?? (() => {}), used(1), deviceError, reporting);
+      const devices = [[CONSOLE_MMIO_BASE, CONSOLE_IRQ, this.console], [BALLOON_MMIO_BASE, BALLOON_IRQ, this.balloon]] as const;
+      for (const [base, irq, dev] of devices) {
+        const t = new MmioTransport(base, dev, this.memory, pulse(irq), deviceError);
+        transports.push(t);
         this.mmio.add(base, VIRTIO_MMIO_SIZE, { read: (o, s) => t.read(o, s), write: (o, s, v) => t.write(o, s, v) });
       }
 
-      loadProbe(this.memory, config.probeImage, { consoleMmio: CONSOLE_MMIO_BASE, balloonMmio: BALLOON_MMIO_BASE, vcpuCount: config.vcpus });
+      const boot = config.boot;
+      const entry = boot.kind === 'linux'
+        ? loadLinux(this.memory, {
+          kernel: boot.kernel,
+          initrd: boot.initrd,
+          vcpus: config.vcpus,
+          cmdline: [boot.cmdline, ...devices.map(([base, irq]) => `virtio_mmio.device=${VIRTIO_MMIO_SIZE}@0x${base.toString(16)}:${irq}`)].join(' '),
+        })
+        : undefined;
+      if (boot.kind === 'probe') loadProbe(this.memory, boot.image, { consoleMmio: CONSOLE_MMIO_BASE, balloonMmio: BALLOON_MMIO_BASE, vcpuCount: config.vcpus });
       this.runner = new VcpuRunner((rec) => this.onRecord(rec));
       const mmapSize = kvm.vcpuMmapSize();
       const cpuid = kvm.supportedCpuid();
       for (let i = 0; i < config.vcpus; i++) {
         const fd = vm.createVcpu(i, mmapSize);
         this.vcpus.push({ fd, state: 'created', seenUsedIndex: 0 });
-        fd.setCpuid(cpuid);
-        setupProbeVcpu(fd, i);
+        if (entry) {
+          fd.setCpuid(cpuidForVcpu(cpuid, i));
+          setupLapic(fd);
+          // Application processors stay in wait-for-SIPI inside KVM until the kernel starts them.
+          if (i === 0) setupLinuxBootVcpu(fd, entry);
+        } else {
+          fd.setCpuid(cpuid);
+          setupProbeVcpu(fd, i);
+        }
         this.runner.start(i, fd.fd, fd.runAddr);
       }
     } catch (e) {
@@ -293,8 +343,14 @@ export class KvmMachine {
         run.writeUIntLE(dev.device.read(dev.offset, len) >>> 0 & (2 ** (8 * len) - 1), C.KVM_RUN_MMIO_DATA, len);
         return { kind: 'continue' };
       }
-      case C.KVM_EXIT_SHUTDOWN:
-        return { kind: 'crash', reason: 'shutdown', message: 'the guest shut down unexpectedly (a triple fault: an exception it could not handle)' };
+      case C.KVM_EXIT_SHUTDOWN: {
+        if (!this.linux) return { kind: 'crash', reason: 'shutdown', message: 'the guest shut down unexpectedly (a triple fault: an exception it could not handle)' };
+        // reboot=t panic=-1: a reboot, a power-off and a panic all end in a triple fault.
+        const panic = this.recentConsole.find((l) => l.includes('Kernel panic'));
+        return panic
+          ? { kind: 'crash', reason: 'kernel-panic', message: `the guest kernel panicked: ${panic.trim()}` }
+          : { kind: 'crash', reason: 'shutdown', message: 'the guest kernel shut down (reboot or power-off)' };
+      }
       case C.KVM_EXIT_INTERNAL_ERROR:
         return { kind: 'crash', reason: 'internal-error', message: `KVM internal error, suberror ${run.readUInt32LE(C.KVM_RUN_INTERNAL_SUBERROR)} (e.g. an instruction KVM cannot emulate)` };
       case C.KVM_EXIT_FAIL_ENTRY:
