@@ -7,6 +7,7 @@ import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
 import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError, type BackingFileError } from './errors';
+import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { nativePrebuild } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
@@ -100,6 +101,7 @@ export class Vm extends EventEmitter<VmEvents> {
   private machine!: KvmMachine;
   private agent!: AgentClient;
   private _probe: ProbeGuest | undefined;
+  private _linux: LinuxGuest | undefined;
   private hello: ((f: Frame) => void) | undefined;
   private endError: PvisorError | undefined;
   private readonly strategies: readonly MemoryStrategy[];
@@ -205,7 +207,8 @@ export class Vm extends EventEmitter<VmEvents> {
       this.stop();
       throw e;
     }
-    this._probe = new ProbeGuest(this.agent);
+    if (this.guest === 'probe') this._probe = new ProbeGuest(this.agent);
+    else this._linux = new LinuxGuest(this.agent);
     this.setState('running');
   }
 
@@ -244,6 +247,34 @@ export class Vm extends EventEmitter<VmEvents> {
   get probe(): ProbeGuest {
     if (!this._probe) throw new VmStateError(`vm.probe needs guest: "probe" (this VM runs ${this.guest})`);
     return this._probe;
+  }
+
+  private get linuxGuest(): LinuxGuest {
+    if (!this._linux) throw new VmStateError(`this needs guest: "linux" (this VM runs ${this.guest})`);
+    return this._linux;
+  }
+
+  /**
+   * Runs a command in the Linux guest to its end: a string runs under `/bin/sh -c`, an array is
+   * the argv. Resolves with its exit status and output; several may run at once.
+   */
+  exec(command: Command, options?: ExecOptions): Promise<ExecResult> {
+    return this.linuxGuest.exec(command, options);
+  }
+
+  /** Starts a command in the Linux guest; its output streams, stdin can be written, it can be killed. */
+  spawn(command: Command, options?: SpawnOptions): GuestProcess {
+    return this.linuxGuest.spawn(command, options);
+  }
+
+  /** Files of the Linux guest. */
+  get files(): GuestFiles {
+    return this.linuxGuest.files;
+  }
+
+  /** The Linux guest's own memory figures (/proc/meminfo). */
+  guestMemInfo(): Promise<GuestMemInfo> {
+    return this.linuxGuest.memInfo();
   }
 
   private requireState(...states: VmState[]): void {

@@ -15,6 +15,7 @@ interface Pending {
   op: number;
   resolve(payload: Buffer): void;
   reject(error: Error): void;
+  onChunk?: (flags: number, payload: Buffer) => void;
   timer?: NodeJS.Timeout;
 }
 
@@ -22,6 +23,15 @@ interface Pending {
 export interface RequestOptions {
   /** Reject with {@link TimeoutError} after this long; default: no timeout. */
   timeoutMs?: number;
+  /** Receives the request's stream chunks (type 3) before its final frame. */
+  onChunk?: (flags: number, payload: Buffer) => void;
+}
+
+/** A request in flight: its id names it in later requests (a process handle, for instance). */
+export interface StartedRequest {
+  id: number;
+  /** The final response's payload, or the guest's error. */
+  done: Promise<Buffer>;
 }
 
 /** Requests to, and events from, one guest agent. */
@@ -59,7 +69,10 @@ export class AgentClient {
       if (f.type === FrameType.Error) this.onProtocolError(`guest error for request ${f.id}: ${errorText(f.payload)}`);
       return;
     }
-    if (f.type === FrameType.StreamChunk) return; // streams arrive with the Linux agent
+    if (f.type === FrameType.StreamChunk) {
+      p.onChunk?.(f.flags, f.payload);
+      return;
+    }
     this.pending.delete(f.id);
     if (p.timer) clearTimeout(p.timer);
     if (f.type === FrameType.Response) p.resolve(f.payload);
@@ -71,11 +84,16 @@ export class AgentClient {
 
   /** Sends a request and resolves with the response payload. */
   request(op: number, payload: Buffer = Buffer.alloc(0), options: RequestOptions = {}): Promise<Buffer> {
-    if (this.closedWith) return Promise.reject(this.closedWith);
+    return this.start(op, payload, options).done;
+  }
+
+  /** Sends a request and returns its id at once, with a promise of its final frame. */
+  start(op: number, payload: Buffer = Buffer.alloc(0), options: RequestOptions = {}): StartedRequest {
     const id = this.nextId;
+    if (this.closedWith) return { id, done: Promise.reject(this.closedWith) };
     this.nextId = this.nextId >= 0xffffffff ? 1 : this.nextId + 1;
-    return new Promise<Buffer>((resolve, reject) => {
-      const p: Pending = { op, resolve, reject };
+    const done = new Promise<Buffer>((resolve, reject) => {
+      const p: Pending = { op, resolve, reject, onChunk: options.onChunk };
       if (options.timeoutMs !== undefined) {
         p.timer = setTimeout(() => {
           this.pending.delete(id);
@@ -85,6 +103,7 @@ export class AgentClient {
       this.pending.set(id, p);
       this.send(encodeFrame({ type: FrameType.Request, id, op, payload }));
     });
+    return { id, done };
   }
 
   /** Fails every outstanding and future request with `error`. */

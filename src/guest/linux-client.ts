@@ -1,0 +1,280 @@
+/**
+ * The host side of the Linux guest agent's ops (docs/agent-protocol.md): run processes with
+ * streamed output, stdin and signals; read and write files; guest memory figures.
+ */
+import { constants as osConstants } from 'node:os';
+import { Readable } from 'node:stream';
+import { InvalidOptionError, TimeoutError } from '../errors';
+import type { AgentClient } from '../protocol/agent-client';
+import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
+
+const enum LinuxOp {
+  Exec = 0x0201,
+  StdinWrite = 0x0202,
+  StdinClose = 0x0203,
+  Kill = 0x0204,
+  FileRead = 0x0210,
+  FileWrite = 0x0211,
+  MemInfo = 0x0220,
+  DropCaches = 0x0221,
+}
+
+const CHUNK_STDOUT = 1;
+const CHUNK_STDERR = 2;
+const CHUNK_STARTED = 4;
+const EXEC_STDIN = 1;
+const WRITE_APPEND = 1;
+const WRITE_MKDIRS = 2;
+/** Data per STDIN_WRITE / FILE_WRITE frame, well inside the 1 MiB payload limit. */
+const DATA_PER_FRAME = 512 * 1024;
+
+/** A command: an argv array, or a string that `/bin/sh -c` runs. */
+export type Command = string | readonly string[];
+
+/** Options of {@link Vm.spawn}. */
+export interface SpawnOptions {
+  /** Variables added to (or overriding) the guest's base environment (PATH, HOME). */
+  env?: Record<string, string>;
+  /** Working directory in the guest. Default `/`. */
+  cwd?: string;
+  /** Keep stdin open for {@link GuestProcess.write}. Default false: stdin is /dev/null. */
+  stdin?: boolean;
+}
+
+/** Options of {@link Vm.exec}. */
+export interface ExecOptions {
+  env?: Record<string, string>;
+  cwd?: string;
+  /** Bytes given to the command's stdin, which is then closed. */
+  stdin?: string | Uint8Array;
+  /** Kill the command (SIGKILL) and reject with TimeoutError after this long. */
+  timeoutMs?: number;
+  /** Aborting kills the command (SIGKILL) and rejects with the signal's reason. */
+  signal?: AbortSignal;
+}
+
+/** How a process ended. */
+export interface ExitStatus {
+  /** Exit code, or null when a signal ended it. */
+  exitCode: number | null;
+  /** The signal that ended it, e.g. `SIGKILL`, or null. */
+  signal: NodeJS.Signals | null;
+}
+
+/** What {@link Vm.exec} resolves to. */
+export interface ExecResult extends ExitStatus {
+  stdout: string;
+  stderr: string;
+}
+
+/** Guest memory figures from /proc/meminfo, bytes. */
+export interface GuestMemInfo {
+  totalBytes: number;
+  freeBytes: number;
+  availableBytes: number;
+  cachedBytes: number;
+}
+
+const signalNames = Object.fromEntries(Object.entries(osConstants.signals).map(([name, n]) => [n, name])) as Record<number, NodeJS.Signals>;
+
+function str(s: string, what: string): Buffer {
+  const bytes = Buffer.from(s, 'utf8');
+  if (bytes.includes(0)) throw new InvalidOptionError(what, 'must not contain NUL bytes');
+  const len = Buffer.alloc(4);
+  len.writeUInt32LE(bytes.length, 0);
+  return Buffer.concat([len, bytes]);
+}
+
+function u32s(...values: number[]): Buffer {
+  const b = Buffer.alloc(4 * values.length);
+  values.forEach((v, i) => b.writeUInt32LE(v >>> 0, 4 * i));
+  return b;
+}
+
+function signalNumber(signal: NodeJS.Signals | number): number {
+  const n = typeof signal === 'number' ? signal : osConstants.signals[signal];
+  if (!Number.isInteger(n) || n < 1 || n > 64) throw new InvalidOptionError('signal', `unknown signal ${String(signal)}`);
+  return n;
+}
+
+/** A process running in the guest. */
+export class GuestProcess {
+  /** The command's standard output. */
+  readonly stdout = new Readable({ read() {} });
+  /** The command's standard error. */
+  readonly stderr = new Readable({ read() {} });
+  /** The guest pid, once the program has started. */
+  readonly pid: Promise<number>;
+  /** Resolves when the process has ended and its output is complete; rejects if it never started. */
+  readonly exited: Promise<ExitStatus>;
+  private stdinQueue: Promise<unknown> = Promise.resolve();
+  /** The EXEC's request id, which names the process in STDIN_WRITE, STDIN_CLOSE and KILL. */
+  private readonly handle: number;
+
+  /** @internal */
+  constructor(
+    private readonly agent: AgentClient,
+    argvPayload: Buffer,
+  ) {
+    let started!: (pid: number) => void;
+    this.pid = new Promise((resolve) => (started = resolve));
+    const req = agent.start(LinuxOp.Exec, argvPayload, {
+      onChunk: (flags, payload) => {
+        if (flags === CHUNK_STARTED) started(payload.readUInt32LE(0));
+        else if (flags === CHUNK_STDOUT) this.stdout.push(payload);
+        else if (flags === CHUNK_STDERR) this.stderr.push(payload);
+      },
+    });
+    this.handle = req.id;
+    this.exited = req.done.then(
+      (r) => {
+        this.stdout.push(null);
+        this.stderr.push(null);
+        const code = r.readInt32LE(0);
+        const sig = r.readInt32LE(4);
+        return sig ? { exitCode: null, signal: signalNames[sig] ?? (`SIG${sig}` as NodeJS.Signals) } : { exitCode: code, signal: null };
+      },
+      (e: Error) => {
+        this.stdout.destroy(e);
+        this.stderr.destroy(e);
+        throw e;
+      },
+    );
+    // A caller that only awaits `exited` must not see an unhandled rejection from `pid`.
+    this.exited.catch(() => {});
+  }
+
+  /** Writes to the process's stdin (spawned with `stdin: true`); resolves once it is in the pipe. */
+  write(data: string | Uint8Array): Promise<void> {
+    const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
+    const next = this.stdinQueue.then(async () => {
+      for (let off = 0; off < bytes.length || off === 0; off += DATA_PER_FRAME) {
+        await this.agent.request(LinuxOp.StdinWrite, Buffer.concat([u32s(this.handle), bytes.subarray(off, off + DATA_PER_FRAME)]));
+        if (bytes.length === 0) break;
+      }
+    });
+    this.stdinQueue = next.catch(() => {});
+    return next;
+  }
+
+  /** Closes stdin after everything written so far; the process then reads EOF. */
+  end(): Promise<void> {
+    const next = this.stdinQueue.then(async () => {
+      await this.agent.request(LinuxOp.StdinClose, u32s(this.handle));
+    });
+    this.stdinQueue = next.catch(() => {});
+    return next;
+  }
+
+  /** Sends a signal to the process and everything it started (its process group). */
+  async kill(signal: NodeJS.Signals | number = 'SIGTERM'): Promise<void> {
+    await this.agent.request(LinuxOp.Kill, u32s(this.handle, signalNumber(signal)));
+  }
+}
+
+/** Processes, files and memory figures of a Linux guest. */
+export class LinuxGuest {
+  /** Files in the guest. */
+  readonly files: GuestFiles;
+
+  /** @internal */
+  constructor(private readonly agent: AgentClient) {
+    this.files = new GuestFiles(agent);
+  }
+
+  /** Starts a command and returns at once; output streams as it comes. */
+  spawn(command: Command, options: SpawnOptions = {}): GuestProcess {
+    const argv = typeof command === 'string' ? ['/bin/sh', '-c', command] : [...command];
+    if (!argv.length || !argv[0]) throw new InvalidOptionError('command', 'empty command');
+    const env = Object.entries(options.env ?? {}).map(([k, v]) => {
+      if (!k || k.includes('=')) throw new InvalidOptionError('env', `bad variable name ${JSON.stringify(k)}`);
+      return `${k}=${v}`;
+    });
+    const payload = Buffer.concat([
+      u32s(options.stdin ? EXEC_STDIN : 0, argv.length, env.length, 0),
+      str(options.cwd ?? '', 'cwd'),
+      ...argv.map((a) => str(a, 'command')),
+      ...env.map((e) => str(e, 'env')),
+    ]);
+    if (payload.length > MAX_PAYLOAD_BYTES) throw new InvalidOptionError('command', 'command line and environment exceed 1 MiB');
+    return new GuestProcess(this.agent, payload);
+  }
+
+  /** Runs a command to its end and collects its output. */
+  async exec(command: Command, options: ExecOptions = {}): Promise<ExecResult> {
+    options.signal?.throwIfAborted();
+    const p = this.spawn(command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined });
+    const out: Buffer[] = [];
+    const err: Buffer[] = [];
+    p.stdout.on('data', (b: Buffer) => out.push(b));
+    p.stderr.on('data', (b: Buffer) => err.push(b));
+    if (options.stdin !== undefined) {
+      p.write(options.stdin).then(() => p.end()).catch(() => {
+        // The command may exit without reading its stdin (EPIPE): its exit status says enough.
+      });
+    }
+    let stop: Error | undefined;
+    const killFor = (e: Error) => {
+      stop ??= e;
+      p.kill('SIGKILL').catch(() => {});
+    };
+    const timer = options.timeoutMs === undefined ? undefined : setTimeout(() => killFor(new TimeoutError(`command did not finish within ${options.timeoutMs} ms; it was killed`)), options.timeoutMs);
+    const onAbort = () => killFor(options.signal!.reason instanceof Error ? options.signal!.reason : new Error('aborted'));
+    options.signal?.addEventListener('abort', onAbort, { once: true });
+    try {
+      const status = await p.exited;
+      if (stop) throw stop;
+      return { ...status, stdout: Buffer.concat(out).toString('utf8'), stderr: Buffer.concat(err).toString('utf8') };
+    } finally {
+      if (timer) clearTimeout(timer);
+      options.signal?.removeEventListener('abort', onAbort);
+    }
+  }
+
+  /** MemTotal, MemFree, MemAvailable and Cached of the guest's /proc/meminfo. */
+  async memInfo(): Promise<GuestMemInfo> {
+    const r = await this.agent.request(LinuxOp.MemInfo);
+    const kb = (i: number) => Number(r.readBigUInt64LE(8 * i)) * 1024;
+    return { totalBytes: kb(0), freeBytes: kb(1), availableBytes: kb(2), cachedBytes: kb(3) };
+  }
+
+  /**
+   * Drops the guest's clean page cache (and dentries/inodes); with IdleRelease the freed pages go
+   * back to the host about 2 s later through free page reporting.
+   */
+  async dropCaches(): Promise<void> {
+    await this.agent.request(LinuxOp.DropCaches, u32s(3));
+  }
+}
+
+/** Reading and writing guest files. */
+export class GuestFiles {
+  /** @internal */
+  constructor(private readonly agent: AgentClient) {}
+
+  /** The whole content of a regular file. */
+  async read(path: string): Promise<Buffer> {
+    const parts: Buffer[] = [];
+    const r = await this.agent.request(LinuxOp.FileRead, str(path, 'path'), { onChunk: (_f, p) => parts.push(Buffer.from(p)) });
+    const data = Buffer.concat(parts);
+    const total = Number(r.readBigUInt64LE(0));
+    if (total !== data.length) throw new Error(`guest said ${total} bytes but sent ${data.length} for ${path}`);
+    return data;
+  }
+
+  /**
+   * Creates or replaces a file with `data` (mode default 0644), creating missing parent
+   * directories. Large files go in several frames, sent at once and applied in order.
+   */
+  async write(path: string, data: string | Uint8Array, options: { mode?: number } = {}): Promise<void> {
+    const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
+    const p = str(path, 'path');
+    const sends: Promise<Buffer>[] = [];
+    for (let off = 0; off === 0 || off < bytes.length; off += DATA_PER_FRAME) {
+      const flags = WRITE_MKDIRS | (off > 0 ? WRITE_APPEND : 0);
+      sends.push(this.agent.request(LinuxOp.FileWrite, Buffer.concat([u32s(flags, options.mode ?? 0o644), p, bytes.subarray(off, off + DATA_PER_FRAME)])));
+      if (!bytes.length) break;
+    }
+    await Promise.all(sends);
+  }
+}
