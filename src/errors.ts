@@ -92,6 +92,26 @@ export class TimeoutError extends PvisorError {
   }
 }
 
+/** The CLI found no running VM of that id: no control socket, or one whose process has gone. */
+export class VmNotFoundError extends PvisorError {
+  /** The VM id asked for. */
+  readonly vmId: string;
+  constructor(vmId: string, message: string) {
+    super('PVISOR_VM_NOT_FOUND', message);
+    this.vmId = vmId;
+  }
+}
+
+/** A VM's control socket could not be used: refused access, a malformed answer, a broken connection. */
+export class ControlSocketError extends PvisorError {
+  /** The socket's path. */
+  readonly socketPath: string;
+  constructor(socketPath: string, message: string, options?: { cause?: unknown }) {
+    super('PVISOR_CONTROL_SOCKET', `${socketPath}: ${message}`, options);
+    this.socketPath = socketPath;
+  }
+}
+
 const ERRNO_NAMES: Record<number, string> = {
   1: 'EPERM', 2: 'ENOENT', 4: 'EINTR', 5: 'EIO', 9: 'EBADF', 11: 'EAGAIN', 12: 'ENOMEM', 13: 'EACCES',
   14: 'EFAULT', 16: 'EBUSY', 17: 'EEXIST', 19: 'ENODEV', 22: 'EINVAL', 24: 'EMFILE', 25: 'ENOTTY',

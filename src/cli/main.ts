@@ -3,27 +3,41 @@
  * The `pvisor` command.
  */
 import { parseArgs } from 'node:util';
-import { InvalidOptionError, PvisorError } from '../errors';
+import { InvalidOptionError, PvisorError, VmNotFoundError } from '../errors';
 import { IdleRelease } from '../memory/idle-release';
 import { KsmAdvice } from '../memory/ksm-advice';
 import { Offload } from '../memory/offload';
+import type { MemoryStrategy } from '../memory/strategy';
 import { parseSize } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { parseProbeScript, runProbeScript } from './probe-script';
+import { RunControl } from './run-control';
 
 const HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 
 Usage:
-  pvisor run [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
+  pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
+      --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
+        listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
+        /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.
-      --vm-offload: suspend writes resident guest RAM to a backing file and drops it.
+      --vm-offload: suspend writes resident guest RAM to a backing file and drops it (the default).
       With --guest probe, CMD is a list of probe steps, e.g.
         pvisor run --guest probe -- fill 64MiB random 42, digest, memory
       Steps: fill SIZE [repetitive|random] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
-             digest, release [OFFSET SIZE], idle, memory, pause, suspend, resume, sleep MS
+             digest, release [OFFSET SIZE], idle, memory, pause, suspend, resume,
+             sleep SECONDS (or 500ms, 2m), wait (last step: until pvisor stop ID or a signal)
+  pvisor suspend ID [--vm-offload] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
+      Pauses the VM started by pvisor run --name ID; with --vm-offload its RAM goes to disk too.
+  pvisor resume ID [--vm-load] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
+      Lets it run again; RAM that a suspend offloaded is loaded back and verified first.
+  pvisor stop ID [--vm-socket PATH] [--json]
+      Stops the VM; its run ends.
+  pvisor ps [--json]
+      Live VMs: id, state, guest RAM resident, memory, bytes on disk, pid.
   pvisor bench vmm [--runs N] [--json FILE]
       Start-to-ready time, exits per second against a native C loop, the VMM's memory per VM.
   pvisor bench memory [--modes LIST] [--contents repetitive,random] [--backing-dir DIR] [--json FILE]
@@ -34,6 +48,8 @@ Usage:
 
 /** Exit status when pvisor itself fails (bad options, host unsupported, guest crash). */
 const EXIT_PVISOR_ERROR = 125;
+/** Exit status of suspend/resume/stop when no VM of that id is running. */
+const EXIT_NO_SUCH_VM = 2;
 
 async function cmdRun(argv: string[]): Promise<number> {
   const dash = argv.indexOf('--');
@@ -51,6 +67,8 @@ async function cmdRun(argv: string[]): Promise<number> {
       'vm-offload': { type: 'boolean', default: false },
       'vm-ram-compression': { type: 'boolean', default: false },
       'vm-cold-ram-compression': { type: 'boolean', default: false },
+      name: { type: 'string' },
+      'vm-socket': { type: 'string' },
     },
     strict: true,
   });
@@ -63,24 +81,42 @@ async function cmdRun(argv: string[]): Promise<number> {
   const guest = values.guest as GuestKind;
   const memory = parseSize('memory', values.memory);
   const steps = guest === 'probe' ? parseProbeScript(command) : undefined;
-  process.stderr.write(`pvisor: starting a ${values.memory} ${guest} VM with ${vcpus} vCPU(s)...\n`);
-  const t0 = performance.now();
-  const strategies = [];
+  const strategies: MemoryStrategy[] = [];
   if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
   if (values['vm-idle-release']) strategies.push(new IdleRelease());
   if (values['vm-offload']) strategies.push(new Offload());
-  const vm = await Vm.start({ memory, vcpus, guest, strategies });
+  // `pvisor suspend ID --vm-offload` must work on any VM, as in the reference CLI: Offload costs
+  // nothing until a suspend, so it is composed unless another suspend-image strategy was chosen.
+  if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload());
+  // Claim the id before booting, so that a taken id fails without starting anything.
+  const control = await RunControl.open({ name: values.name, socketPath: values['vm-socket'], guest, memoryBytes: memory, vcpus });
   try {
-    if (values.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
-    vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));
-    process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms\n`);
-    if (steps) {
-      await runProbeScript(vm, steps, (line) => process.stdout.write(`${line}\n`));
-      return 0;
+    process.stderr.write(`pvisor: VM ${control.id}, control socket ${control.socketPath}\n`);
+    process.stderr.write(`pvisor: starting a ${values.memory} ${guest} VM with ${vcpus} vCPU(s)...\n`);
+    const t0 = performance.now();
+    const vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies });
+    control.attach(vm);
+    try {
+      if (values.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
+      vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));
+      process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms\n`);
+      if (steps) {
+        try {
+          await runProbeScript(vm, steps, (line) => process.stdout.write(`${line}\n`));
+        } catch (e) {
+          // Stopped from outside (pvisor stop, a signal) before the steps were done: not a failure of pvisor.
+          if (!control.stopCause) throw e;
+          process.stderr.write(`pvisor: ${vm.name} was stopped (${control.stopCause}) before its steps finished\n`);
+          return control.stopExitCode;
+        }
+        return 0;
+      }
+      throw new InvalidOptionError('guest', 'only the probe guest runs commands in this version');
+    } finally {
+      vm.stop();
     }
-    throw new InvalidOptionError('guest', 'only the probe guest runs commands in this version');
   } finally {
-    vm.stop();
+    control.close();
   }
 }
 
@@ -89,6 +125,16 @@ async function main(argv: string[]): Promise<number> {
   switch (cmd) {
     case 'run':
       return cmdRun(rest);
+    case 'suspend':
+    case 'resume':
+    case 'stop': {
+      const { cmdControl } = await import('./control-commands');
+      return cmdControl(cmd, rest);
+    }
+    case 'ps': {
+      const { cmdPs } = await import('./control-commands');
+      return cmdPs(rest);
+    }
     case 'bench': {
       const { cmdBench } = await import('./bench');
       return cmdBench(rest);
@@ -108,6 +154,10 @@ async function main(argv: string[]): Promise<number> {
 main(process.argv.slice(2)).then(
   (code) => process.exit(code),
   (e: unknown) => {
+    if (e instanceof VmNotFoundError) {
+      process.stderr.write(`pvisor: ${e.message}\n`);
+      process.exit(EXIT_NO_SUCH_VM);
+    }
     if (e instanceof PvisorError) process.stderr.write(`pvisor: ${e.message}\n`);
     else if (e instanceof Error && 'code' in e && String(e.code).startsWith('ERR_PARSE_ARGS')) process.stderr.write(`pvisor: ${e.message}\n\n${HELP}`);
     else process.stderr.write(`pvisor: unexpected error: ${e instanceof Error ? e.stack : String(e)}\n`);

@@ -2,7 +2,7 @@
  * `pvisor run --guest probe -- OPS`: the probe guest's "command" is a list of its operations,
  * separated by commas or `;`, e.g. `fill 64MiB random 42, digest, release, memory`.
  */
-import { InvalidOptionError } from '../errors';
+import { InvalidOptionError, VmStateError, type PvisorError } from '../errors';
 import { parseSize } from '../units';
 import type { Vm } from '../vm';
 
@@ -18,9 +18,10 @@ export type ProbeStep =
   | { op: 'pause' }
   | { op: 'suspend' }
   | { op: 'resume' }
-  | { op: 'sleep'; ms: number };
+  | { op: 'sleep'; ms: number }
+  | { op: 'wait' };
 
-const USAGE = 'fill SIZE [repetitive|random] [SEED] | rewrite PERCENT% [SEED] | touch SIZE [ROUNDS] | digest | release [OFFSET SIZE] | idle | memory | pause | suspend | resume | sleep MS';
+const USAGE = 'fill SIZE [repetitive|random] [SEED] | rewrite PERCENT% [SEED] | touch SIZE [ROUNDS] | digest | release [OFFSET SIZE] | idle | memory | pause | suspend | resume | sleep SECONDS[s|ms|m] | wait (last)';
 
 function mib(option: string, text: string | undefined): number {
   if (text === undefined) throw new InvalidOptionError(option, `missing size; steps are: ${USAGE}`);
@@ -31,6 +32,14 @@ function int(option: string, text: string | undefined, fallback: number): number
   if (text === undefined) return fallback;
   if (!/^\d+$/.test(text)) throw new InvalidOptionError(option, `expected a whole number, got ${JSON.stringify(text)}`);
   return Number(text);
+}
+
+/** `sleep 30` is 30 s, as in the shell; `500ms`, `1.5s` and `2m` say their unit. */
+function duration(text: string | undefined): number {
+  if (text === undefined) return 1000;
+  const m = /^(\d+(?:\.\d+)?)(ms|s|m)?$/.exec(text);
+  if (!m) throw new InvalidOptionError('sleep', `expected a duration such as 30, 1.5s, 500ms or 2m, got ${JSON.stringify(text)}`);
+  return Math.round(Number(m[1]) * { ms: 1, s: 1000, m: 60000 }[m[2] ?? 's']!);
 }
 
 /** Parses the words after `--` into steps. */
@@ -58,7 +67,10 @@ export function parseProbeScript(words: string[]): ProbeStep[] {
         steps.push(args.length ? { op, offsetMiB: mib('release', args[0]), sizeMiB: mib('release', args[1]) } : { op });
         break;
       case 'sleep':
-        steps.push({ op, ms: int('sleep', args[0], 1000) });
+        steps.push({ op, ms: duration(args[0]) });
+        break;
+      case 'wait':
+        steps.push({ op });
         break;
       case 'digest':
       case 'idle':
@@ -73,6 +85,8 @@ export function parseProbeScript(words: string[]): ProbeStep[] {
     }
   }
   if (!steps.length) throw new InvalidOptionError('probe steps', `nothing to run; steps are: ${USAGE}`);
+  // After `wait` the VM has been stopped: a step behind it could never run.
+  if (steps.slice(0, -1).some((s) => s.op === 'wait')) throw new InvalidOptionError('wait', 'must be the last step: it lasts until the VM is stopped');
   return steps;
 }
 
@@ -135,9 +149,43 @@ export async function runProbeScript(vm: Vm, steps: ProbeStep[], print: (line: s
         print(`resume: running in ${ms()}`);
         break;
       case 'sleep':
-        await new Promise((r) => setTimeout(r, s.ms));
+        await sleepWhileAlive(vm, s.ms);
         print(`sleep: ${s.ms} ms`);
         break;
+      case 'wait': {
+        const end = await untilEnded(vm);
+        if (end.error) throw end.error;
+        print(`wait: ${vm.name} was stopped after ${ms()}`);
+        break;
+      }
     }
+  }
+}
+
+/** Resolves when the VM has ended (by `vm.stop()`, `pvisor stop`, a signal or a crash). */
+function untilEnded(vm: Vm): Promise<{ error?: PvisorError }> {
+  if (vm.state === 'stopped' || vm.state === 'crashed') return Promise.resolve({ error: vm.error });
+  return new Promise((resolve) => vm.once('exit', ({ error }) => resolve({ error })));
+}
+
+/**
+ * Sleeps `ms`, but ends at once with an error if the VM ends meanwhile, so that a run stopped from
+ * outside does not sit out its sleep. (Steps that talk to the guest need nothing of the kind: while
+ * the VM is paused or suspended from outside their requests are held until it resumes, and a stop
+ * fails them.)
+ */
+async function sleepWhileAlive(vm: Vm, ms: number): Promise<void> {
+  let timer: NodeJS.Timeout | undefined;
+  let onExit: (() => void) | undefined;
+  try {
+    await new Promise<void>((resolve, reject) => {
+      timer = setTimeout(resolve, ms);
+      onExit = () => reject(new VmStateError(`${vm.name} stopped during sleep`));
+      if (vm.state === 'stopped' || vm.state === 'crashed') onExit();
+      else vm.once('exit', onExit);
+    });
+  } finally {
+    clearTimeout(timer);
+    if (onExit) vm.off('exit', onExit);
   }
 }

@@ -1,5 +1,7 @@
 // The CLI refuses what it cannot do before any VM starts: no KVM needed.
 import { spawnSync } from 'node:child_process';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 
 const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
@@ -16,6 +18,41 @@ describe('pvisor run option checks', () => {
   it('an unknown option is a usage error', () => {
     const r = pvisor('run', '--memroy', '1G', '--', 'digest');
     expect(r.stderr).toMatch(/Unknown option '--memroy'/);
+    expect(r.status).toBe(125);
+  });
+});
+
+describe('pvisor suspend/resume/stop/ps without a VM', () => {
+  let dir: string;
+  beforeAll(() => {
+    dir = mkdtempSync(join(tmpdir(), 'pvisor-rt-'));
+  });
+  afterAll(() => rmSync(dir, { recursive: true, force: true }));
+  const cli = (...args: string[]) => spawnSync(process.execPath, [main, ...args], { encoding: 'utf8', env: { ...process.env, PVISOR_RUNTIME_DIR: dir } });
+
+  it.each(['suspend', 'resume', 'stop'])('%s of an unknown id names it and exits 2', (cmd) => {
+    const r = cli(cmd, 'NOPE', ...(cmd === 'suspend' ? ['--vm-offload'] : []));
+    expect(r.stderr).toMatch(/pvisor: no VM named NOPE is running/);
+    expect(r.stdout).toBe('');
+    expect(r.status).toBe(2);
+  });
+
+  it('an id and a different job id are refused', () => {
+    const r = cli('suspend', 'A', '--vm-job-id', 'B');
+    expect(r.stderr).toMatch(/vm-job-id: "B" is not the VM id given/);
+    expect(r.status).toBe(125);
+  });
+
+  it('ps with no VM prints only its header', () => {
+    const r = cli('ps');
+    expect(r.stdout.trim().split('\n')).toEqual([expect.stringMatching(/^ID\s+STATE\s+GUEST RAM RESIDENT/)]);
+    expect(r.status).toBe(0);
+  });
+
+  it('a bad --name fails before a VM starts', () => {
+    const r = cli('run', '--guest', 'probe', '--name', '../x', '--', 'digest');
+    expect(r.stderr).toMatch(/name: "..\/x" is not a VM id/);
+    expect(r.stderr).not.toMatch(/starting/);
     expect(r.status).toBe(125);
   });
 });

@@ -16,6 +16,18 @@ describe('pvisor run --guest probe: step parsing', () => {
     expect(parseProbeScript(['suspend, resume'])).toEqual([{ op: 'suspend' }, { op: 'resume' }]);
   });
 
+  it('sleep counts seconds as the shell does, or says its unit; wait ends the script', () => {
+    expect(parseProbeScript(['sleep 30, sleep 1.5s, sleep 500ms, sleep 2m, wait'])).toEqual([
+      { op: 'sleep', ms: 30000 },
+      { op: 'sleep', ms: 1500 },
+      { op: 'sleep', ms: 500 },
+      { op: 'sleep', ms: 120000 },
+      { op: 'wait' },
+    ]);
+    expect(() => parseProbeScript(['wait, digest'])).toThrow(/wait: must be the last step/);
+    expect(() => parseProbeScript(['sleep 3h'])).toThrow(InvalidOptionError);
+  });
+
   it('defaults: repetitive content, seed 1, whole-working-set release', () => {
     expect(parseProbeScript(['fill 1GiB, release'])).toEqual([{ op: 'fill', sizeMiB: 1024, content: 'repetitive', seed: 1 }, { op: 'release' }]);
   });

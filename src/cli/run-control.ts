@@ -1,0 +1,183 @@
+/**
+ * `pvisor run`'s end of the control socket: claims the VM's id, answers status, suspend, resume
+ * and stop against the running {@link Vm}, and turns SIGINT/SIGTERM into a clean stop. The
+ * protocol is documented in ./control-socket.ts.
+ */
+import { randomBytes } from 'node:crypto';
+import { InvalidOptionError, VmStateError } from '../errors';
+import type { GuestKind, Vm } from '../vm';
+import {
+  ControlServer,
+  ensureRuntimeDir,
+  errorPayload,
+  idOfSocket,
+  runtimeDir,
+  socketPathFor,
+  validateVmId,
+  type ControlHandler,
+  type ControlMemory,
+  type ControlRequest,
+  type ControlVmInfo,
+} from './control-socket';
+
+/** What ended a run from outside its steps. */
+export type StopCause = 'pvisor stop' | 'SIGINT' | 'SIGTERM';
+
+/** What the run is about to start (for answers while it boots). */
+export interface RunDescription {
+  /** `--name`; default: a short generated id. */
+  name?: string;
+  /** `--vm-socket`; default: `<runtime dir>/<id>.sock`. */
+  socketPath?: string;
+  guest: GuestKind;
+  memoryBytes: number;
+  vcpus: number;
+}
+
+const SIGNAL_EXIT: Record<StopCause, number> = {
+  // `pvisor stop` is a polite SIGTERM, as `docker stop` is.
+  'pvisor stop': 128 + 15,
+  SIGINT: 128 + 2,
+  SIGTERM: 128 + 15,
+};
+
+/** The control socket and signal handling of one `pvisor run`. */
+export class RunControl {
+  private vm: Vm | undefined;
+  /** Control operations run one at a time: two suspends at once would pause twice. */
+  private queue: Promise<unknown> = Promise.resolve();
+  private cause: StopCause | undefined;
+  private readonly onSignal = (signal: NodeJS.Signals) => this.requestStop(signal as StopCause);
+
+  private constructor(
+    /** The VM's id. */
+    readonly id: string,
+    private readonly server: ControlServer,
+    private readonly description: RunDescription,
+  ) {
+    process.on('SIGINT', this.onSignal);
+    process.on('SIGTERM', this.onSignal);
+  }
+
+  /**
+   * Claims the id's socket before the VM boots, so that a taken id fails without starting anything.
+   */
+  static async open(description: RunDescription): Promise<RunControl> {
+    const explicit = description.socketPath;
+    let id = description.name !== undefined ? validateVmId(description.name) : explicit ? validateVmId(idOfSocket(explicit), 'vm-socket') : generateId();
+    for (let attempt = 0; ; attempt++) {
+      // A socket path given by the user is used as it is; the default directory is made private.
+      const path = explicit ?? socketPathFor(id);
+      if (!explicit) ensureRuntimeDir(runtimeDir());
+      try {
+        const self: { control?: RunControl } = {};
+        const server = await ControlServer.listen(path, id, (r) => self.control!.handle(r));
+        self.control = new RunControl(id, server, description);
+        return self.control;
+      } catch (e) {
+        // A generated id that happens to be taken: draw another.
+        const generated = description.name === undefined && !explicit;
+        if (!(generated && e instanceof InvalidOptionError && attempt < 3)) throw e;
+        id = generateId();
+      }
+    }
+  }
+
+  /** The socket's path. */
+  get socketPath(): string {
+    return this.server.path;
+  }
+
+  /** The VM has booted: requests now act on it. */
+  attach(vm: Vm): void {
+    this.vm = vm;
+  }
+
+  /** Why the VM was stopped from outside, if it was. */
+  get stopCause(): StopCause | undefined {
+    return this.cause;
+  }
+
+  /** The run's exit status after a stop from outside its steps. */
+  get stopExitCode(): number {
+    return this.cause ? SIGNAL_EXIT[this.cause] : 0;
+  }
+
+  /** Stops listening, removes the socket and gives signals back their default meaning. */
+  close(): void {
+    process.off('SIGINT', this.onSignal);
+    process.off('SIGTERM', this.onSignal);
+    this.server.close();
+  }
+
+  private requestStop(cause: StopCause): void {
+    this.cause ??= cause;
+    if (!this.vm) {
+      // Still booting: nothing of the guest's is worth keeping, and a boot cannot be cut short.
+      process.stderr.write(`pvisor: ${this.id}: ${cause} while booting; exiting\n`);
+      this.close();
+      process.exit(SIGNAL_EXIT[cause]);
+    }
+    const vm = this.vm;
+    // After any suspend or resume in progress: stopping unmaps guest RAM under a strategy's feet.
+    this.enqueue(async () => vm.stop());
+  }
+
+  private enqueue<T>(op: () => Promise<T>): Promise<T> {
+    const run = this.queue.then(op);
+    this.queue = run.catch(() => {});
+    return run;
+  }
+
+  private readonly handle: ControlHandler = (request: ControlRequest) =>
+    this.enqueue(async () => {
+      const vm = this.vm;
+      if (!vm) return { response: { ok: false, error: errorPayload(new VmStateError(`${this.id} is starting`)), vm: this.info() } };
+      try {
+        switch (request.op) {
+          case 'status':
+            return { response: { ok: true, vm: this.info(), memory: this.memory() } };
+          case 'suspend':
+          case 'resume': {
+            const before = this.memory();
+            const t0 = performance.now();
+            if (request.op === 'resume') await vm.resume();
+            else if (request.offload) await vm.suspend();
+            else await vm.pause();
+            const tookMs = Math.round((performance.now() - t0) * 10) / 10;
+            return { response: { ok: true, vm: this.info(), before, memory: this.memory(), tookMs } };
+          }
+          case 'stop':
+            return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop('pvisor stop') };
+        }
+      } catch (e) {
+        return { response: { ok: false, error: errorPayload(e), vm: this.info(), memory: this.memory() } };
+      }
+    });
+
+  private info(): ControlVmInfo {
+    const d = this.description;
+    return { id: this.id, pid: process.pid, state: this.vm?.state ?? 'starting', guest: d.guest, memoryBytes: d.memoryBytes, vcpus: d.vcpus };
+  }
+
+  private memory(): ControlMemory | undefined {
+    const vm = this.vm;
+    if (!vm || vm.state === 'stopped' || vm.state === 'crashed' || vm.state === 'starting') return undefined;
+    const u = vm.memoryUsage();
+    let bytesOnDisk = 0;
+    for (const s of u.strategies) bytesOnDisk += s.figures.bytesOnDisk ?? 0;
+    return {
+      guestRamResidentBytes: u.guestRamPssBytes,
+      guestRamRssBytes: u.guestRamRssBytes,
+      processPssBytes: u.processPssBytes,
+      bytesOnDisk,
+      strategies: u.strategies,
+    };
+  }
+}
+
+/** Six hex digits: short to type, and a clash (checked) is rare among the VMs of one user. */
+function generateId(): string {
+  return randomBytes(3).toString('hex');
+}
+

@@ -1,0 +1,169 @@
+// pvisor suspend/resume/stop/ps from another process, against a VM started by pvisor run: real KVM,
+// real processes, the control socket between them. Needs /dev/kvm.
+import { execFile, spawn, type ChildProcess } from 'node:child_process';
+import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { hexOf } from '../probe-digest';
+
+const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
+
+interface Run {
+  child: ChildProcess;
+  out: () => string;
+  err: () => string;
+  exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
+  /** Resolves when stdout (or stderr) matches. */
+  waitFor(pattern: RegExp, stream?: 'out' | 'err'): Promise<void>;
+}
+
+describe('pvisor suspend/resume/stop/ps on a VM started by pvisor run', () => {
+  let dir: string;
+  let env: NodeJS.ProcessEnv;
+  let runs: Run[];
+
+  beforeEach(() => {
+    dir = mkdtempSync(join(tmpdir(), 'pvisor-cli-control-'));
+    // The runtime directory and the Offload backing files of these runs, both watched by the tests.
+    env = { ...process.env, PVISOR_RUNTIME_DIR: join(dir, 'run'), TMPDIR: dir };
+    runs = [];
+  });
+  afterEach(() => {
+    for (const r of runs) if (r.child.exitCode === null && r.child.signalCode === null) r.child.kill('SIGKILL');
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  function start(...args: string[]): Run {
+    const child = spawn(process.execPath, [main, 'run', ...args], { env, stdio: ['ignore', 'pipe', 'pipe'] });
+    let out = '';
+    let err = '';
+    const waiters: (() => void)[] = [];
+    const poke = () => waiters.forEach((w) => w());
+    child.stdout!.setEncoding('utf8').on('data', (d: string) => ((out += d), poke()));
+    child.stderr!.setEncoding('utf8').on('data', (d: string) => ((err += d), poke()));
+    const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) => child.on('exit', (code, signal) => (poke(), resolve({ code, signal }))));
+    const run: Run = {
+      child,
+      out: () => out,
+      err: () => err,
+      exited,
+      waitFor: (pattern, stream = 'out') =>
+        new Promise((resolve, reject) => {
+          const check = () => {
+            if (pattern.test(stream === 'out' ? out : err)) resolve();
+            else if (child.exitCode !== null || child.signalCode !== null) reject(new Error(`run ended before ${pattern}: stdout ${out} stderr ${err}`));
+            else return false;
+            return true;
+          };
+          if (!check()) waiters.push(() => void check());
+        }),
+    };
+    runs.push(run);
+    return run;
+  }
+
+  const pvisor = (...args: string[]) =>
+    new Promise<{ status: number; stdout: string; stderr: string }>((resolve) => {
+      execFile(process.execPath, [main, ...args], { env, encoding: 'utf8' }, (error, stdout, stderr) => {
+        resolve({ status: error ? Number((error as { code?: number }).code ?? 1) : 0, stdout, stderr });
+      });
+    });
+
+  const socketOf = (id: string) => join(dir, 'run', `${id}.sock`);
+  const ramFiles = () => readdirSync(dir).filter((f) => f.endsWith('.ram'));
+  const mib = (text: string) => {
+    const m = /^([\d.]+) (KiB|MiB)$/.exec(text);
+    if (!m) throw new Error(`not a size: ${text}`);
+    return Number(m[1]) * (m[2] === 'KiB' ? 1024 : 2 ** 20);
+  };
+
+  it('suspend --vm-offload drops guest RAM, ps shows it, resume --vm-load brings it back intact', async () => {
+    // Steps that reach the guest while it is suspended wait for the resume: the sleep only has to
+    // outlast the suspend's start, and 45 s is generous even inside the nested harness.
+    const run = start('--guest', 'probe', '--name', 'T1', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 16MiB random 7, digest, sleep 45, digest');
+    await run.waitFor(/^digest: /m);
+    expect(run.err()).toContain(`pvisor: VM T1, control socket ${socketOf('T1')}`);
+
+    const s = await pvisor('suspend', 'T1', '--vm-offload');
+    expect(s.stderr).toBe('');
+    expect(s.status).toBe(0);
+    const m = /^T1 suspended in [\d.]+ ms: guest RAM resident (.+) -> (.+), (.+) on disk$/m.exec(s.stdout);
+    expect(m).not.toBeNull();
+    const [before, after, onDisk] = [mib(m![1]), mib(m![2]), mib(m![3])];
+    expect(before).toBeGreaterThanOrEqual(16 * 2 ** 20);
+    expect(after).toBeLessThanOrEqual(before / 100);
+    expect(onDisk).toBeGreaterThanOrEqual(16 * 2 ** 20);
+    expect(ramFiles()).toHaveLength(1);
+
+    const ps = await pvisor('ps');
+    expect(ps.status).toBe(0);
+    expect(ps.stdout).toMatch(new RegExp(`^T1\\s+suspended\\s+\\d+ KiB\\s+64\\.0 MiB\\s+[\\d.]+ MiB\\s+${run.child.pid}$`, 'm'));
+
+    const r = await pvisor('resume', 'T1', '--vm-load');
+    expect(r.stderr).toBe('');
+    expect(r.stdout).toMatch(/^T1 resumed in [\d.]+ ms: guest RAM resident \d+ KiB -> 1\d\.\d MiB, loaded back and verified$/m);
+    expect(r.status).toBe(0);
+
+    const end = await run.exited;
+    expect(run.err()).not.toMatch(/error/i);
+    expect(end.code).toBe(0);
+    const digests = [...run.out().matchAll(/^digest: ([0-9a-f]{16}) over 16\.0 MiB/gm)].map((d) => d[1]);
+    expect(digests).toEqual([hexOf({ content: 'random', seed: 7, sizeBytes: 16 * 2 ** 20, rewrites: [] }), digests[0]]);
+    expect(existsSync(socketOf('T1'))).toBe(false);
+    expect(ramFiles()).toEqual([]);
+  }, 300000);
+
+  it('wrong id, wrong state and a taken id are clear errors that leave the VM alone; pvisor stop ends a wait', async () => {
+    const run = start('--guest', 'probe', '--name', 'T2', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 16MiB random 9, wait');
+    await run.waitFor(/^fill: /m);
+
+    const nope = await pvisor('suspend', 'NOPE', '--vm-offload');
+    expect(nope.stderr).toMatch(/^pvisor: no VM named NOPE is running/);
+    expect(nope.status).toBe(2);
+
+    const early = await pvisor('resume', 'T2', '--vm-load');
+    expect(early.stderr).toMatch(/^pvisor: resume T2 failed: T2 is running; this needs it paused or suspended/);
+    expect(early.stdout).toBe('');
+    expect(early.status).toBe(125);
+
+    const twice = await pvisor('run', '--guest', 'probe', '--name', 'T2', '--', 'digest');
+    expect(twice.stderr).toMatch(/pvisor: name: a VM named T2 is already running/);
+    expect(twice.stderr).not.toMatch(/starting/);
+    expect(twice.status).toBe(125);
+
+    // The VM went on as it was: running, its working set still resident, its socket still there.
+    const ps = await pvisor('ps', '--json');
+    const rows = JSON.parse(ps.stdout) as { id: string; response: { vm: { state: string }; memory: { guestRamResidentBytes: number } } }[];
+    expect(rows.map((r) => [r.id, r.response.vm.state])).toEqual([['T2', 'running']]);
+    expect(rows[0].response.memory.guestRamResidentBytes).toBeGreaterThanOrEqual(16 * 2 ** 20);
+
+    const stop = await pvisor('stop', 'T2');
+    expect(stop.stdout).toMatch(/^T2 stopped \(it was running/m);
+    expect(stop.status).toBe(0);
+    const end = await run.exited;
+    expect(end.code).toBe(0);
+    expect(run.out()).toMatch(/^wait: T2 was stopped after/m);
+    expect(existsSync(socketOf('T2'))).toBe(false);
+    expect((await pvisor('ps')).stdout).not.toMatch(/T2/);
+  }, 300000);
+
+  it('SIGTERM stops a suspended VM cleanly: the run exits, its socket and backing file are gone', async () => {
+    const run = start('--guest', 'probe', '--name', 'T3', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 16MiB random 3, sleep 600, digest');
+    await run.waitFor(/^fill: /m);
+    const s = await pvisor('suspend', 'T3', '--vm-offload');
+    expect(s.status).toBe(0);
+    expect(ramFiles()).toHaveLength(1);
+
+    const t0 = Date.now();
+    run.child.kill('SIGTERM');
+    const end = await run.exited;
+    expect(Date.now() - t0).toBeLessThan(60000); // not the 600 s sleep
+    expect(end.code).toBe(143);
+    expect(run.err()).toMatch(/pvisor: T3 was stopped \(SIGTERM\) before its steps finished/);
+    expect(existsSync(socketOf('T3'))).toBe(false);
+    expect(ramFiles()).toEqual([]);
+    const after = await pvisor('resume', 'T3');
+    expect(after.stderr).toMatch(/no VM named T3 is running/);
+    expect(after.status).toBe(2);
+  }, 300000);
+});

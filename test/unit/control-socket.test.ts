@@ -1,0 +1,141 @@
+// The control socket's protocol and file handling, over real Unix sockets (no KVM: the VM side is a
+// handler that answers from a fixed state, which is all the socket module sees of a VM).
+import { spawnSync } from 'node:child_process';
+import { lstatSync, mkdirSync, mkdtempSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { createConnection } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import {
+  ControlServer,
+  controlRequest,
+  ensureRuntimeDir,
+  parseRequest,
+  probeSocket,
+  runtimeDir,
+  validateVmId,
+  type ControlHandler,
+  type ControlRequest,
+} from '../../src/cli/control-socket';
+import { ControlSocketError, InvalidOptionError, VmNotFoundError } from '../../src/errors';
+
+const vm = { id: 'T', pid: process.pid, state: 'running' as const, guest: 'probe' as const, memoryBytes: 2 ** 26, vcpus: 1 };
+
+describe('control socket', () => {
+  let dir: string;
+  beforeEach(() => {
+    dir = mkdtempSync(join(tmpdir(), 'pvisor-ctl-'));
+  });
+  afterEach(() => rmSync(dir, { recursive: true, force: true }));
+
+  it('finds its directory by the documented order', () => {
+    expect(runtimeDir({ PVISOR_RUNTIME_DIR: '/a', XDG_RUNTIME_DIR: '/b' }, 1000)).toBe('/a');
+    expect(runtimeDir({ XDG_RUNTIME_DIR: '/run/user/1000' }, 1000)).toBe('/run/user/1000/pvisor');
+    expect(runtimeDir({}, 0)).toBe('/run/pvisor');
+    expect(runtimeDir({}, 1000)).toBe('/tmp/pvisor-1000');
+  });
+
+  it('creates the directory 0700 and refuses one others may write to', () => {
+    const d = join(dir, 'a', 'pvisor');
+    const umask = process.umask(0o022);
+    try {
+      ensureRuntimeDir(d);
+    } finally {
+      process.umask(umask);
+    }
+    expect(statSync(d).mode & 0o777).toBe(0o700);
+    const open = join(dir, 'open');
+    mkdirSync(open, { mode: 0o777 });
+    spawnSync('chmod', ['1777', open]);
+    expect(() => ensureRuntimeDir(open)).toThrow(/may be written by others/);
+    writeFileSync(join(dir, 'file'), '');
+    expect(() => ensureRuntimeDir(join(dir, 'file'))).toThrow();
+  });
+
+  it('ids are file names, nothing more', () => {
+    expect(validateVmId('T1')).toBe('T1');
+    expect(validateVmId('job-42.attempt_3')).toBe('job-42.attempt_3');
+    for (const bad of ['', '../x', '.hidden', 'a/b', 'a b', 'x'.repeat(65), '-rf']) expect(() => validateVmId(bad)).toThrow(InvalidOptionError);
+  });
+
+  it('parses requests and refuses malformed ones with a typed error', () => {
+    expect(parseRequest('{"op":"suspend","offload":true}')).toEqual({ op: 'suspend', offload: true });
+    expect(parseRequest('{"op":"suspend"}')).toEqual({ op: 'suspend', offload: false });
+    expect(parseRequest('{"op":"status"}')).toEqual({ op: 'status' });
+    for (const bad of ['', 'suspend', '{"op":"explode"}', 'null', '{"op":"suspend","offload":"yes"}']) expect(() => parseRequest(bad)).toThrow(InvalidOptionError);
+  });
+
+  it('answers each request line with one line, in order; a malformed line gets an error answer', async () => {
+    const seen: ControlRequest[] = [];
+    const handler: ControlHandler = async (r) => {
+      seen.push(r);
+      // The first answer takes longest: order must still hold.
+      if (r.op === 'status') await new Promise((res) => setTimeout(res, 50));
+      return { response: { ok: true, vm: { ...vm, state: r.op === 'suspend' ? 'suspended' : 'running' } } };
+    };
+    const path = join(dir, 'T.sock');
+    const server = await ControlServer.listen(path, 'T', handler);
+    try {
+      expect(lstatSync(path).isSocket()).toBe(true);
+      const lines = await new Promise<string[]>((resolve, reject) => {
+        const c = createConnection(path);
+        let text = '';
+        c.setEncoding('utf8');
+        c.on('data', (d: string) => {
+          text += d;
+          const got = text.split('\n').filter(Boolean);
+          if (got.length === 3) {
+            c.destroy();
+            resolve(got);
+          }
+        });
+        c.on('error', reject);
+        c.write('{"op":"status"}\n{"op":"susp');
+        setTimeout(() => c.write('end","offload":true}\nnot json\n'), 10);
+      });
+      const answers = lines.map((l) => JSON.parse(l));
+      expect(answers[0]).toMatchObject({ ok: true, vm: { state: 'running' } });
+      expect(answers[1]).toMatchObject({ ok: true, vm: { state: 'suspended' } });
+      expect(answers[2]).toMatchObject({ ok: false, error: { code: 'PVISOR_INVALID_OPTION' } });
+      expect(seen).toEqual([{ op: 'status' }, { op: 'suspend', offload: true }]);
+      await expect(controlRequest(path, 'T', { op: 'resume' }, 5000)).resolves.toMatchObject({ ok: true });
+    } finally {
+      server.close();
+    }
+    expect(() => lstatSync(path)).toThrow(/ENOENT/);
+  });
+
+  it('a live id is refused; a stale socket (its process killed) is replaced', async () => {
+    const path = join(dir, 'T.sock');
+    const handler: ControlHandler = async () => ({ response: { ok: true, vm } });
+    const first = await ControlServer.listen(path, 'T', handler);
+    try {
+      await expect(ControlServer.listen(path, 'T', handler)).rejects.toThrow(/a VM named T is already running/);
+      await expect(probeSocket(path)).resolves.toBe('live');
+    } finally {
+      first.close();
+    }
+    // A process that dies by SIGKILL leaves its socket file behind.
+    const r = spawnSync(process.execPath, ['-e', `require('net').createServer().listen(${JSON.stringify(path)}, () => process.kill(process.pid, 'SIGKILL'))`]);
+    expect(r.signal).toBe('SIGKILL');
+    expect(lstatSync(path).isSocket()).toBe(true);
+    await expect(probeSocket(path)).resolves.toBe('stale');
+    await expect(controlRequest(path, 'T', { op: 'status' }, 5000)).rejects.toThrow(VmNotFoundError);
+    const second = await ControlServer.listen(path, 'T', handler);
+    try {
+      await expect(controlRequest(path, 'T', { op: 'status' }, 5000)).resolves.toMatchObject({ ok: true, vm: { id: 'T' } });
+    } finally {
+      second.close();
+    }
+  });
+
+  it('a file that is not a socket is left alone and named', async () => {
+    const path = join(dir, 'T.sock');
+    writeFileSync(path, 'mine');
+    await expect(ControlServer.listen(path, 'T', async () => ({ response: { ok: true, vm } }))).rejects.toThrow(ControlSocketError);
+    expect(statSync(path).size).toBe(4);
+  });
+
+  it('no socket at all: VmNotFoundError naming the id', async () => {
+    await expect(controlRequest(join(dir, 'NOPE.sock'), 'NOPE', { op: 'status' }, 5000)).rejects.toThrow(/no VM named NOPE is running/);
+  });
+});
