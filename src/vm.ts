@@ -283,34 +283,66 @@ export class Vm extends EventEmitter<VmEvents> {
     }
   }
 
+  /**
+   * Runs pause, suspend and resume one at a time (the CLI's control socket and a script may ask
+   * at once): each starts from the state the previous one left.
+   */
+  private inTransition = false;
+  private lifecycle: Promise<void> = Promise.resolve();
+  private transition<T>(op: () => Promise<T>): Promise<T> {
+    const run = this.lifecycle.then(async () => {
+      this.inTransition = true;
+      try {
+        return await op();
+      } finally {
+        this.inTransition = false;
+      }
+    });
+    this.lifecycle = run.then(() => {}, () => {});
+    return run;
+  }
+
+  /** After an await inside a transition: the VM may have been stopped meanwhile. */
+  private checkNotEnded(what: string): void {
+    if (this._state === 'stopped' || this._state === 'crashed') throw new VmStateError(`${this.name} was ${this._state} during ${what}`);
+  }
+
   /** Stops every vCPU; guest memory stays as it is. Requests wait until {@link resume}. */
-  async pause(): Promise<void> {
-    this.requireState('running');
-    await this.machine.pause();
-    if (this._state === 'running') this.setState('paused');
+  pause(): Promise<void> {
+    return this.transition(async () => {
+      this.requireState('running');
+      await this.machine.pause();
+      this.checkNotEnded('pause');
+      this.setState('paused');
+    });
   }
 
   /**
    * Stops every vCPU, then lets each memory strategy act on the idle RAM in composition order
    * (Offload writes it out and drops it). Resolve it with {@link resume}.
    */
-  async suspend(): Promise<void> {
-    this.requireState('running', 'paused');
-    const wasRunning = this._state === 'running';
-    if (wasRunning) await this.machine.pause();
-    const done: MemoryStrategy[] = [];
-    try {
-      for (const s of this.strategies) {
-        await s.suspend?.(this.strategyContext);
-        done.push(s);
+  suspend(): Promise<void> {
+    return this.transition(async () => {
+      this.requireState('running', 'paused');
+      const wasRunning = this._state === 'running';
+      if (wasRunning) await this.machine.pause();
+      const done: MemoryStrategy[] = [];
+      try {
+        for (const s of this.strategies) {
+          this.checkNotEnded('suspend');
+          await s.suspend?.(this.strategyContext);
+          done.push(s);
+        }
+      } catch (e) {
+        if (this._state === 'stopped' || this._state === 'crashed') throw e;
+        // Undo what the strategies before the failing one did, so the VM is as it was.
+        for (const s of done.reverse()) await s.resume?.(this.strategyContext);
+        if (wasRunning) this.machine.resume();
+        throw e;
       }
-    } catch (e) {
-      // Undo what the strategies before the failing one did, so the VM is as it was.
-      for (const s of done.reverse()) await s.resume?.(this.strategyContext);
-      if (wasRunning) this.machine.resume();
-      throw e;
-    }
-    this.setState('suspended');
+      this.checkNotEnded('suspend');
+      this.setState('suspended');
+    });
   }
 
   /**
@@ -318,23 +350,35 @@ export class Vm extends EventEmitter<VmEvents> {
    * and verifies what it took (in reverse order); if one fails, the VM stays suspended and the
    * error (e.g. a {@link BackingFileError}) is thrown.
    */
-  async resume(): Promise<void> {
-    this.requireState('paused', 'suspended');
-    if (this._state === 'suspended') {
-      for (const s of [...this.strategies].reverse()) await s.resume?.(this.strategyContext);
-    }
-    this.machine.resume();
-    this.setState('running');
+  resume(): Promise<void> {
+    return this.transition(async () => {
+      this.requireState('paused', 'suspended');
+      if (this._state === 'suspended') {
+        for (const s of [...this.strategies].reverse()) {
+          await s.resume?.(this.strategyContext);
+          this.checkNotEnded('resume');
+        }
+      }
+      this.machine.resume();
+      this.setState('running');
+    });
   }
 
-  /** Stops the VM and frees everything it holds. Safe to call more than once. */
+  /**
+   * Stops the VM and frees everything it holds. Safe to call more than once. During a suspend or
+   * resume, guest RAM is freed as soon as the strategy at work returns (it may be reading it).
+   */
   stop(): void {
     if (this._state === 'stopped' || this._state === 'crashed') return;
-    this.machine?.stop();
     live.delete(this);
-    this.closeStrategies();
     this.agent?.close();
     this.setState('stopped');
+    const teardown = () => {
+      this.machine?.stop();
+      this.closeStrategies();
+    };
+    if (this.inTransition) void this.lifecycle.then(teardown);
+    else teardown();
     this.emit('exit', { state: 'stopped' });
   }
 
