@@ -20,12 +20,14 @@
  * of vCPUs there stay pending until the VM ends (closing the userfaultfd releases them while the
  * VMM no longer handles their exits). A fault of the VMM's own thread there gets one zero page
  * instead, because that thread is the one that must read the report and end the VM.
- * When every piece is loaded the thread unregisters the range (pending hole faults then fill
+ * A loaded piece's range of the file is punched out (disk blocks and page cache go back as the
+ * guest's RAM comes back). When every piece is loaded the thread unregisters the range (pending hole faults then fill
  * normally), reports DONE and exits.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
 #include <pthread.h>
@@ -234,6 +236,9 @@ static int load_piece(struct pv_loader *l, uint32_t i) {
   }
   l->state[i] = LOADED;
   l->loaded++;
+  /* The piece now lives in guest RAM only: give its disk blocks and page cache back. Best effort
+   * (a filesystem without hole punching just keeps them until the file is removed). */
+  fallocate(l->file_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)p->offset, (off_t)p->length);
   return 0;
 }
 
@@ -313,7 +318,8 @@ static void free_loader(struct pv_loader *l) {
 
 /*
  * Registers guest RAM [base, base+size) with a new userfaultfd (MISSING mode) and starts the
- * thread that serves it from `file_fd` (duplicated; the caller keeps its own). `pieces` holds
+ * thread that serves it from `file_fd` (duplicated; the caller keeps its own; opened read-write so
+ * that loaded pieces can be punched out). `pieces` holds
  * `count` struct pv_piece in address order, none longer than 4 MiB. Faults of thread `main_tid`
  * (Node's) are never left pending. Returns NULL with errno set on failure, with nothing changed.
  */

@@ -7,7 +7,7 @@
  * reference system could not offload KSM-advised RAM).
  */
 import { randomBytes } from 'node:crypto';
-import { closeSync, constants, fstatSync, openSync, readSync, rmSync, writeSync } from 'node:fs';
+import { closeSync, constants, fstatSync, openSync, readSync, rmSync, statSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { crc32 } from 'node:zlib';
@@ -143,7 +143,8 @@ export class Offload implements MemoryStrategy {
     const path = this.path;
     if (!pieces || !path || this.loader) return;
     const t0 = performance.now();
-    const fd = openChecked(path, pieces);
+    // Lazy: read-write, so that the loader can punch out each piece once it is back in RAM.
+    const fd = openChecked(path, pieces, this.reload === 'lazy' ? constants.O_RDWR : constants.O_RDONLY);
     if (this.reload === 'lazy') {
       try {
         await this.startLazyLoad(ctx, fd, pieces, path);
@@ -221,6 +222,14 @@ export class Offload implements MemoryStrategy {
 
   stats(): StrategyStats {
     const lazy = this.loader?.figures() ?? this.lazyFigures;
+    if (this.loader && this.path) {
+      // Shrinks while pieces load: the loader punches each loaded piece out of the file.
+      try {
+        this.figures.bytesOnDisk = statSync(this.path).blocks * 512;
+      } catch {
+        // Removed under us: the next resume or suspend says so.
+      }
+    }
     const figures: Record<string, number> = { ...this.figures, reloadLazy: this.reload === 'lazy' ? 1 : 0, ...lazy };
     if (this.lastFullLoadMs !== undefined) figures.lastFullLoadMs = this.lastFullLoadMs;
     const notes = [`reload: ${this.reload}`];
@@ -238,10 +247,10 @@ export class Offload implements MemoryStrategy {
 }
 
 /** Opens the backing file for reading, checking it is there and long enough for every piece. */
-function openChecked(path: string, pieces: readonly Piece[]): number {
+function openChecked(path: string, pieces: readonly Piece[], flags: number): number {
   let fd: number;
   try {
-    fd = openSync(path, constants.O_RDONLY);
+    fd = openSync(path, flags);
   } catch (e) {
     throw new BackingFileError(path, 'the backing file is missing; the VM stays suspended', { cause: e });
   }

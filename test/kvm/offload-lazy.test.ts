@@ -52,6 +52,8 @@ describe('Offload, lazy reload', () => {
       expect(f.reloadLazy).toBe(1);
       expect(f.piecesLoadedLazily).toBeGreaterThanOrEqual(WS_MIB / 4); // pieces are at most 4 MiB
       expect(f.faultsServed).toBeGreaterThanOrEqual(f.piecesLoadedLazily);
+      // Each loaded piece is punched out of the file: what remains on disk is what nobody touched.
+      expect(f.bytesOnDisk).toBeLessThan(4 * MiB);
       // Pieces that nothing touched (e.g. the boot info page) are loaded on request.
       await offload.finishReload();
       expect(existsSync(path)).toBe(false);
