@@ -15,7 +15,7 @@ import { BackingFileError, InvalidOptionError } from '../errors';
 import { PAGE_SIZE } from '../sys/constants';
 import type { LazyLoader, LoaderEvent, LoaderFigures } from './lazy-loader';
 import { residentRuns } from './resident-pages';
-import type { MemoryStrategy, StrategyContext, StrategyStats } from './strategy';
+import type { ExclusiveResource, MemoryStrategy, StrategyContext, StrategyStats } from './strategy';
 
 /**
  * How {@link Offload} brings guest RAM back on resume.
@@ -48,7 +48,8 @@ const ZERO_PAGE = Buffer.alloc(PAGE_SIZE);
 export class Offload implements MemoryStrategy {
   readonly name = 'offload';
   readonly ramBacking = 'any' as const;
-  readonly exclusive = ['suspend-image'] as const;
+  /** `userfaultfd` too with lazy reload: one registration per range, one server of its faults. */
+  readonly exclusive: readonly ExclusiveResource[];
   /** How resume brings RAM back. */
   readonly reload: OffloadReload;
   private readonly dir: string;
@@ -70,6 +71,7 @@ export class Offload implements MemoryStrategy {
     const reload = options.reload ?? 'eager';
     if (reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('reload', `expected "eager" or "lazy", got ${JSON.stringify(reload)}`);
     this.reload = reload;
+    this.exclusive = reload === 'lazy' ? ['suspend-image', 'userfaultfd'] : ['suspend-image'];
   }
 
   /** Path of the backing file while the VM is suspended. */
