@@ -38,6 +38,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -45,6 +46,9 @@
 #define PAGE 4096ULL
 #define HOLE_BLOCK (64 * 1024ULL)
 #define MAX_PIECE (4 * 1024 * 1024ULL)
+/* The 4 MiB bounce buffer is freed after this long without a fault: a load that never finishes
+ * (a piece nobody touches) must not keep it resident. */
+#define BOUNCE_IDLE_MS 1000
 
 enum pv_record_kind {
   PV_REC_DONE = 1,  /* every piece is loaded and the range unregistered */
@@ -216,6 +220,16 @@ static void fail_piece(struct pv_loader *l, uint32_t i, int32_t err) {
 /* Reads, verifies and maps piece i whole. Returns 0, or -1 if it is bad (already reported). */
 static int load_piece(struct pv_loader *l, uint32_t i) {
   struct pv_piece *p = &l->pieces[i];
+  if (!l->bounce) {
+    /* mmap, not malloc: glibc's dynamic mmap threshold would move a freed 4 MiB block onto a heap
+     * that keeps it. */
+    void *b = mmap(NULL, MAX_PIECE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (b == MAP_FAILED) {
+      fail_piece(l, i, errno);
+      return -1;
+    }
+    l->bounce = b;
+  }
   uint64_t got = 0;
   while (got < p->length) {
     ssize_t n = pread(l->file_fd, l->bounce + got, p->length - got, (off_t)(p->offset + got));
@@ -288,7 +302,12 @@ static void *loader_main(void *arg) {
       return NULL;
     }
     struct pollfd pfd[2] = {{l->uffd, POLLIN, 0}, {l->wake_fd, POLLIN, 0}};
-    if (poll(pfd, 2, -1) < 0) continue;
+    int ready = poll(pfd, 2, l->bounce ? BOUNCE_IDLE_MS : -1);
+    if (ready == 0) {
+      munmap(l->bounce, MAX_PIECE);
+      l->bounce = NULL;
+    }
+    if (ready <= 0) continue;
     if (pfd[1].revents) {
       uint64_t n;
       if (read(l->wake_fd, &n, sizeof n) < 0) { /* EAGAIN: someone else drained it */
@@ -312,7 +331,7 @@ static void free_loader(struct pv_loader *l) {
   if (l->notify_fd >= 0) close(l->notify_fd);
   free(l->pieces);
   free(l->state);
-  free(l->bounce);
+  if (l->bounce) munmap(l->bounce, MAX_PIECE);
   free(l);
 }
 
@@ -335,8 +354,7 @@ struct pv_loader *pv_loader_start(uint64_t base, uint64_t size, int32_t file_fd,
   int err = 0;
   l->pieces = malloc(sizeof *l->pieces * (count ? count : 1));
   l->state = calloc(count ? count : 1, 1);
-  l->bounce = malloc(MAX_PIECE);
-  if (!l->pieces || !l->state || !l->bounce) {
+  if (!l->pieces || !l->state) {
     err = ENOMEM;
     goto fail;
   }
