@@ -31,6 +31,6 @@ export {
 export { IdleRelease } from './memory/idle-release';
 export { KsmAdvice } from './memory/ksm-advice';
 export { Offload } from './memory/offload';
-export type { OffloadOptions } from './memory/offload';
+export type { OffloadOptions, OffloadReload } from './memory/offload';
 export { StrategyConflictError } from './memory/strategy';
 export type { MemoryStrategy, StrategyContext, StrategyRam, StrategyStats, RamBackingNeed, ExclusiveResource } from './memory/strategy';

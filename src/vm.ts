@@ -106,6 +106,7 @@ export class Vm extends EventEmitter<VmEvents> {
   private endError: PvisorError | undefined;
   private readonly strategies: readonly MemoryStrategy[];
   private strategyContext!: StrategyContext;
+  private strategiesClosed = false;
 
   private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[]) {
     super();
@@ -163,6 +164,8 @@ export class Vm extends EventEmitter<VmEvents> {
         onAgentData: (bytes) => this.agent.receive(bytes),
         onCrash: (error) => this.onCrash(error),
         onDeviceError: (message) => this.emit('warning', message),
+        // Strategies close before vCPU threads are joined: a userfaultfd may hold one in a fault.
+        onEnding: () => this.closeStrategies(),
       },
       kvmPath,
     );
@@ -178,6 +181,7 @@ export class Vm extends EventEmitter<VmEvents> {
         discard: (gpa, length) => mem.discard(gpa, length),
         discardHost: (offset, length) => mem.discardHost(offset, length),
       },
+      fail: (error) => this.failByStrategy(error),
     };
     try {
       for (const s of this.strategies) s.map?.(this.strategyContext);
@@ -214,6 +218,13 @@ export class Vm extends EventEmitter<VmEvents> {
 
   private onAgentEvent(f: Frame): void {
     if (f.op === CommonOp.Hello) this.hello?.(f);
+  }
+
+  /** A strategy cannot go on: the VM ends as if the guest had crashed. */
+  private failByStrategy(error: PvisorError): void {
+    if (this._state === 'stopped' || this._state === 'crashed') return;
+    this.machine.stop();
+    this.onCrash(error);
   }
 
   private onCrash(error: PvisorError): void {
@@ -383,6 +394,8 @@ export class Vm extends EventEmitter<VmEvents> {
   }
 
   private closeStrategies(): void {
+    if (this.strategiesClosed) return;
+    this.strategiesClosed = true;
     for (const s of this.strategies) s.close?.();
   }
 

@@ -17,7 +17,8 @@ const HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 
 Usage:
   pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
-             [--vm-ram-dedup] [--vm-idle-release] [--vm-offload] -- CMD [ARGS...]
+             [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
+             -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
@@ -25,6 +26,8 @@ Usage:
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.
       --vm-offload: suspend writes resident guest RAM to a backing file and drops it (the default).
+      --vm-offload-reload: resume reads it all back first (eager, the default) or loads each
+        piece when first touched (lazy, userfaultfd).
       With --guest probe, CMD is a list of probe steps, e.g.
         pvisor run --guest probe -- fill 64MiB random 42, digest, memory
       Steps: fill SIZE [repetitive|random] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
@@ -65,6 +68,7 @@ async function cmdRun(argv: string[]): Promise<number> {
       'vm-ram-dedup': { type: 'boolean', default: false },
       'vm-idle-release': { type: 'boolean', default: false },
       'vm-offload': { type: 'boolean', default: false },
+      'vm-offload-reload': { type: 'string' },
       'vm-ram-compression': { type: 'boolean', default: false },
       'vm-cold-ram-compression': { type: 'boolean', default: false },
       name: { type: 'string' },
@@ -76,6 +80,9 @@ async function cmdRun(argv: string[]): Promise<number> {
   for (const flag of ['vm-ram-compression', 'vm-cold-ram-compression'] as const) {
     if (values[flag]) throw new InvalidOptionError(`--${flag}`, 'not yet available in this version of pvisor (CompressedOffload and ColdCompression are in progress)');
   }
+  const reload = values['vm-offload-reload'];
+  if (reload !== undefined && !values['vm-offload']) throw new InvalidOptionError('--vm-offload-reload', 'only goes with --vm-offload');
+  if (reload !== undefined && reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('--vm-offload-reload', `expected eager or lazy, got ${JSON.stringify(reload)}`);
   if (!command.length) throw new InvalidOptionError('command', 'nothing to run: give it after --, e.g. pvisor run -- uname -a');
   const vcpus = Number(values.vcpus);
   const guest = values.guest as GuestKind;
@@ -84,7 +91,7 @@ async function cmdRun(argv: string[]): Promise<number> {
   const strategies: MemoryStrategy[] = [];
   if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
   if (values['vm-idle-release']) strategies.push(new IdleRelease());
-  if (values['vm-offload']) strategies.push(new Offload());
+  if (values['vm-offload']) strategies.push(new Offload({ reload }));
   // `pvisor suspend ID --vm-offload` must work on any VM, as in the reference CLI: Offload costs
   // nothing until a suspend, so it is composed unless another suspend-image strategy was chosen.
   if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload());

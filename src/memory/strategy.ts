@@ -43,6 +43,13 @@ export interface StrategyContext {
   readonly vmName: string;
   /** Guest RAM. */
   readonly ram: StrategyRam;
+  /**
+   * Ends the VM as a crash with `error`, for a strategy that finds, while the guest runs, that it
+   * cannot go on (e.g. a corrupt piece met during a lazy reload). The VM emits `crash` and `exit`,
+   * pending requests fail with `error`, every strategy is closed; the host process goes on.
+   * Does nothing once the VM has ended.
+   */
+  fail(error: PvisorError): void;
 }
 
 /** Figures a strategy reports about itself, printed by the CLI and the bench as they are. */
@@ -73,7 +80,11 @@ export interface MemoryStrategy {
   resume?(ctx: StrategyContext): Promise<void>;
   /** What the strategy has done so far. */
   stats(ctx: StrategyContext): StrategyStats;
-  /** The VM is stopping: release files, descriptors, helpers. */
+  /**
+   * The VM is ending: release files, descriptors, helpers. Called once, after the VM has stopped
+   * handling vCPU exits and before vCPU threads are joined and guest RAM is unmapped, so a
+   * strategy that can hold a vCPU in a fault (userfaultfd) must let it go here.
+   */
   close?(): void;
 }
 

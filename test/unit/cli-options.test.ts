@@ -15,6 +15,16 @@ describe('pvisor run option checks', () => {
     expect(r.status).toBe(125);
   });
 
+  it('--vm-offload-reload needs --vm-offload and eager or lazy', () => {
+    const alone = pvisor('run', '--guest', 'probe', '--vm-offload-reload', 'lazy', '--', 'digest');
+    expect(alone.stderr).toMatch(/--vm-offload-reload: only goes with --vm-offload/);
+    expect(alone.status).toBe(125);
+    const bad = pvisor('run', '--guest', 'probe', '--vm-offload', '--vm-offload-reload', 'sometimes', '--', 'digest');
+    expect(bad.stderr).toMatch(/--vm-offload-reload: expected eager or lazy, got "sometimes"/);
+    expect(bad.stderr).not.toMatch(/starting/);
+    expect(bad.status).toBe(125);
+  });
+
   it('an unknown option is a usage error', () => {
     const r = pvisor('run', '--memroy', '1G', '--', 'digest');
     expect(r.stderr).toMatch(/Unknown option '--memroy'/);

@@ -39,6 +39,12 @@ export interface MachineHooks {
   onCrash(error: PvisorError): void;
   /** A device saw a malformed request; the request was refused and the guest goes on. */
   onDeviceError(message: string): void;
+  /**
+   * The machine is ending (stop or crash): called once, when exits are no longer handled but
+   * before vCPU threads are joined and guest RAM is unmapped. Whatever can hold a vCPU thread
+   * outside KVM_RUN's reach (a userfaultfd fault) must release it here, or the join would hang.
+   */
+  onEnding?(): void;
 }
 
 /** What the machine boots. */
@@ -216,6 +222,7 @@ export class KvmMachine {
   stop(): void {
     if (this.ended) return;
     this.ended = true;
+    this.hooks.onEnding?.();
     this.release();
     for (const w of this.pauseWaiters.splice(0)) w();
   }

@@ -1,0 +1,148 @@
+// Offload with lazy reload on real guest pages: resume returns before RAM is back, a native thread
+// loads each piece on its first touch through userfaultfd, checks its CRC32, and a broken piece
+// ends the VM instead of reaching the guest. Needs /dev/kvm.
+import { existsSync, readdirSync, readFileSync, readlinkSync, renameSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { BackingFileError, Offload, PvisorError, Vm } from '../../src';
+import { hexOf } from '../probe-digest';
+
+const MiB = 2 ** 20;
+const WS_MIB = 32;
+const SEED = 33;
+const expected = hexOf({ content: 'random', seed: SEED, sizeBytes: WS_MIB * MiB, rewrites: [] });
+
+async function withLazyVm(body: (vm: Vm, offload: Offload) => Promise<void>): Promise<void> {
+  const offload = new Offload({ reload: 'lazy' });
+  const vm = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 2, strategies: [offload] });
+  try {
+    await vm.probe.fill({ sizeMiB: WS_MIB, content: 'random', seed: SEED });
+    await body(vm, offload);
+  } finally {
+    vm.stop();
+  }
+}
+
+const figures = (vm: Vm) => vm.memoryUsage().strategies.find((s) => s.strategy === 'offload')!.figures;
+const fdTargets = () =>
+  readdirSync('/proc/self/fd').map((fd) => {
+    try {
+      return readlinkSync(`/proc/self/fd/${fd}`);
+    } catch {
+      return ''; // closed while listing
+    }
+  });
+const threads = () => readdirSync('/proc/self/task').length;
+const tick = () => new Promise((r) => setTimeout(r, 50));
+
+describe('Offload, lazy reload', () => {
+  it('resume returns before RAM is back; first touches load it, every byte right; the file goes once all is loaded', () =>
+    withLazyVm(async (vm, offload) => {
+      const before = vm.memoryUsage().guestRamRssBytes;
+      expect(before).toBeGreaterThanOrEqual(WS_MIB * MiB);
+      await vm.suspend();
+      const path = offload.backingPath!;
+      await vm.resume();
+      expect(vm.state).toBe('running');
+      // The guest idles polling its queues: only the pieces it touches are back.
+      const right = vm.memoryUsage().guestRamRssBytes;
+      expect(right).toBeLessThan((WS_MIB * MiB) / 4);
+      expect(existsSync(path)).toBe(true);
+      expect((await vm.probe.digest()).hex).toBe(expected);
+      expect(vm.memoryUsage().guestRamRssBytes).toBeGreaterThanOrEqual(WS_MIB * MiB);
+      const f = figures(vm);
+      expect(f.reloadLazy).toBe(1);
+      expect(f.piecesLoadedLazily).toBeGreaterThanOrEqual(WS_MIB / 4); // pieces are at most 4 MiB
+      expect(f.faultsServed).toBeGreaterThanOrEqual(f.piecesLoadedLazily);
+      // Each loaded piece is punched out of the file: what remains on disk is what nobody touched.
+      expect(f.bytesOnDisk).toBeLessThan(4 * MiB);
+      // Pieces that nothing touched (e.g. the boot info page) are loaded on request.
+      await offload.finishReload();
+      expect(existsSync(path)).toBe(false);
+      expect(offload.backingPath).toBeUndefined();
+      const done = figures(vm);
+      expect(done.lastFullLoadMs).toBeGreaterThan(0);
+      expect(done.bytesOnDisk).toBe(0);
+      expect((await vm.probe.digest()).hex).toBe(expected);
+    }));
+
+  it('suspending again during an unfinished lazy load loads the rest first, losing nothing', () =>
+    withLazyVm(async (vm, offload) => {
+      await vm.suspend();
+      const first = offload.backingPath!;
+      await vm.resume();
+      await vm.suspend(); // nothing of the working set has been touched since the resume
+      expect(existsSync(first)).toBe(true); // the same path, written anew
+      expect(figures(vm).pagesWritten).toBeGreaterThanOrEqual((WS_MIB * MiB) / 4096);
+      expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB);
+      await vm.resume();
+      expect((await vm.probe.digest()).hex).toBe(expected);
+    }));
+
+  it('a truncated or missing file is refused, the VM stays suspended and stops cleanly', () =>
+    withLazyVm(async (vm, offload) => {
+      await vm.suspend();
+      const path = offload.backingPath!;
+      const fdsBefore = fdTargets().length;
+      truncateSync(path, 8 * MiB);
+      await expect(vm.resume()).rejects.toThrow(BackingFileError);
+      await expect(vm.resume()).rejects.toThrow(/truncated/);
+      renameSync(path, `${path}.away`);
+      await expect(vm.resume()).rejects.toThrow(/missing/);
+      expect(vm.state).toBe('suspended');
+      expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB);
+      expect(fdTargets().length).toBe(fdsBefore); // no loader was left behind
+      expect(fdTargets().some((t) => /userfaultfd/.test(t))).toBe(false);
+      vm.stop();
+      expect(vm.state).toBe('stopped');
+      rmSync(`${path}.away`);
+    }));
+
+  it('a corrupt piece ends the VM with a BackingFileError at first touch; the guest never gets its bytes', () =>
+    withLazyVm(async (vm, offload) => {
+      await vm.suspend();
+      const path = offload.backingPath!;
+      const data = readFileSync(path);
+      data[0x400000 + 8 * MiB + 4321] ^= 0x5a; // inside the working set, third piece
+      writeFileSync(path, data);
+      const crashes: PvisorError[] = [];
+      vm.on('crash', (e) => crashes.push(e));
+      await vm.resume(); // lazy: nothing is read yet
+      expect(vm.state).toBe('running');
+      // The digest reads that piece: the request must fail, not answer with a wrong digest.
+      const err = await vm.probe.digest().then(
+        (d) => new Error(`the digest answered ${d.hex}`),
+        (e: unknown) => e,
+      );
+      expect(err).toBeInstanceOf(BackingFileError);
+      expect((err as Error).message).toMatch(/CRC32 mismatch/);
+      expect(vm.state).toBe('crashed');
+      expect(crashes).toHaveLength(1);
+      expect(crashes[0]).toBe(vm.error);
+      expect(crashes[0]).toBeInstanceOf(BackingFileError);
+      expect(existsSync(path)).toBe(false);
+      expect(fdTargets().some((t) => /userfaultfd/.test(t))).toBe(false);
+    }));
+
+  it('stopping during an unfinished lazy load neither hangs nor leaks; the file is removed', async () => {
+    const threadsBefore = threads();
+    const fdsBefore = fdTargets().length;
+    let path = '';
+    let digest: Promise<unknown> | undefined;
+    await withLazyVm(async (vm, offload) => {
+      await vm.suspend();
+      path = offload.backingPath!;
+      await vm.resume();
+      expect(fdTargets().filter((t) => /userfaultfd/.test(t))).toHaveLength(1);
+      expect(threads()).toBe(threadsBefore + 3); // 2 vCPUs and the loader
+      digest = vm.probe.digest().catch((e: unknown) => e); // vCPUs fault their way through
+      await new Promise((r) => setTimeout(r, 20));
+      expect(figures(vm).lastFullLoadMs).toBeUndefined();
+      vm.stop();
+    });
+    expect(await digest).toBeInstanceOf(PvisorError);
+    expect(existsSync(path)).toBe(false);
+    await tick(); // the closed sockets' handles go on the next tick
+    expect(threads()).toBe(threadsBefore);
+    expect(fdTargets().some((t) => /userfaultfd/.test(t))).toBe(false);
+    expect(fdTargets().length).toBeLessThanOrEqual(fdsBefore + 1); // Node may open its own once
+  });
+});
