@@ -41,6 +41,7 @@ const MODES: Mode[] = [
   { name: 'default', strategies: () => [], operation: 'none' },
   { name: 'idle-release', strategies: () => [new IdleRelease()], operation: 'release' },
   { name: 'offload', strategies: (dir) => [new Offload({ dir })], operation: 'suspend' },
+  { name: 'offload-lazy', strategies: (dir) => [new Offload({ dir, reload: 'lazy' })], operation: 'suspend' },
 ];
 
 /** What the parent sends a cell, as JSON on its command line. */

@@ -7,12 +7,13 @@
  * reference system could not offload KSM-advised RAM).
  */
 import { randomBytes } from 'node:crypto';
-import { closeSync, constants, fstatSync, openSync, readSync, rmSync, statSync, writeSync } from 'node:fs';
+import { closeSync, constants, fdatasync, fstatSync, openSync, readSync, rmSync, statSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { crc32 } from 'node:zlib';
 import { BackingFileError, InvalidOptionError } from '../errors';
 import { PAGE_SIZE } from '../sys/constants';
+import { dropFileCache } from '../sys/libc';
 import type { LazyLoader, LoaderEvent, LoaderFigures } from './lazy-loader';
 import { residentRuns } from './resident-pages';
 import type { ExclusiveResource, MemoryStrategy, StrategyContext, StrategyStats } from './strategy';
@@ -110,9 +111,11 @@ export class Offload implements MemoryStrategy {
         for (let off = run.offset; off < run.offset + run.length; ) {
           const end = Math.min(run.offset + run.length, (Math.floor(off / PIECE_BYTES) + 1) * PIECE_BYTES);
           // Split the piece around zero pages, which stay unwritten (holes read back as zeros).
+          // One view per piece, compared page by page in place: no object per page.
+          const chunk = ctx.ram.view(off, end - off);
           let start = -1;
           for (let p = off; p <= end; p += PAGE_SIZE) {
-            const zero = p === end || ctx.ram.view(p, PAGE_SIZE).equals(ZERO_PAGE);
+            const zero = p === end || chunk.compare(ZERO_PAGE, 0, PAGE_SIZE, p - off, p - off + PAGE_SIZE) === 0;
             if (zero && p < end) zeroPages++;
             if (!zero && start < 0) start = p;
             else if (zero && start >= 0) {
@@ -131,8 +134,13 @@ export class Offload implements MemoryStrategy {
       rmSync(this.path, { force: true });
       throw e;
     }
-    closeSync(fd);
-    // Only now that every page is on disk: drop what was resident.
+    // The written pages sit in the page cache, charged to this VM's group: once written back,
+    // let the kernel drop them. In the background, so the suspend does not wait for the disk.
+    fdatasync(fd, (err) => {
+      if (!err) dropFileCache(fd);
+      closeSync(fd);
+    });
+    // Only now that every page is in the file: drop what was resident.
     for (const run of runs) ctx.ram.discardHost(run.offset, run.length);
     this.pieces = pieces;
     this.figures.pagesWritten = pieces.reduce((n, p) => n + p.length / PAGE_SIZE, 0);

@@ -28,10 +28,15 @@ const fns = define({
   mprotect: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
   madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
   mincore: { library: libc, retType: I32, paramsType: [U64, U64, U64], errno: true },
+  // Returns the error number itself (not -1 and errno).
+  posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
   // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
   // an address into something createExternalBuffer accepts.
   memset: { library: libc, retType: DataType.External, paramsType: [U64, I32, U64] },
 });
+
+/** POSIX_FADV_DONTNEED from <fcntl.h>. */
+const POSIX_FADV_DONTNEED = 4;
 
 /** mmap's MAP_FAILED, (void *)-1, as ffi-rs hands back a U64 (rounded to a double). */
 const MAP_FAILED_MIN = 2 ** 63;
@@ -97,4 +102,12 @@ export function mincore(addr: number, length: number, vecAddr: number): void {
  */
 export function viewAt(addr: number, length: number): Buffer {
   return createExternalBuffer(fns.memset([addr, 0, 0]), length);
+}
+
+/**
+ * Asks the kernel to drop a file's clean pages from the page cache (posix_fadvise DONTNEED).
+ * Advice only: pages still dirty stay, and a failure is not an error worth surfacing.
+ */
+export function dropFileCache(fd: number): void {
+  fns.posix_fadvise([fd, 0, 0, POSIX_FADV_DONTNEED]);
 }
