@@ -32,5 +32,7 @@ export { IdleRelease } from './memory/idle-release';
 export { KsmAdvice } from './memory/ksm-advice';
 export { Offload } from './memory/offload';
 export type { OffloadOptions, OffloadReload } from './memory/offload';
+export { CompressedOffload } from './memory/compressed-offload';
+export type { CompressedOffloadOptions } from './memory/compressed-offload';
 export { StrategyConflictError } from './memory/strategy';
 export type { MemoryStrategy, StrategyContext, StrategyRam, StrategyStats, RamBackingNeed, ExclusiveResource } from './memory/strategy';

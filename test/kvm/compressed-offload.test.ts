@@ -1,0 +1,115 @@
+// CompressedOffload on real guest pages: suspend compresses resident RAM into a frame file and
+// drops it, resume verifies every frame before it reaches guest RAM; a broken file never does.
+// Needs /dev/kvm.
+import { existsSync, readFileSync, renameSync, rmSync, statSync, truncateSync, writeFileSync } from 'node:fs';
+import { BackingFileError, CompressedOffload, KsmAdvice, Offload, StrategyConflictError, Vm } from '../../src';
+import { FrameFileReader } from '../../src/memory/frame-file';
+import { hexOf } from '../probe-digest';
+
+const MiB = 2 ** 20;
+const SIZE_MIB = 32;
+
+async function withVm(content: 'repetitive' | 'random', body: (vm: Vm, co: CompressedOffload, digest: string) => Promise<void>): Promise<void> {
+  const co = new CompressedOffload();
+  // KsmAdvice too: compressed offload works on the default private anonymous RAM.
+  const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies: [new KsmAdvice(), co] });
+  try {
+    await vm.probe.fill({ sizeMiB: SIZE_MIB, content, seed: 5 });
+    await body(vm, co, hexOf({ content, seed: 5, sizeBytes: SIZE_MIB * MiB, rewrites: [] }));
+  } finally {
+    vm.stop();
+  }
+}
+
+const figures = (vm: Vm) => vm.memoryUsage().strategies.find((s) => s.strategy === 'compressed-offload')!.figures;
+
+/** Flips one byte in the middle of the stored bytes of the first frame of `kind`. */
+function corruptFrame(path: string, kind: 'raw' | 'zstd'): number {
+  const r = FrameFileReader.open(path);
+  const index = r.entries.findIndex((e) => e.kind === kind);
+  const e = r.entries[index];
+  r.close();
+  const bytes = readFileSync(path);
+  bytes[e.fileOffset + Math.floor(e.storedLength / 2)] ^= 0x10;
+  writeFileSync(path, bytes);
+  return index;
+}
+
+describe('CompressedOffload', () => {
+  it('repetitive: the backing is a small fraction of the working set, every byte comes back; a corrupt, truncated or missing file is refused without losing the VM', () =>
+    withVm('repetitive', async (vm, co, digest) => {
+      const before = vm.memoryUsage().guestRamRssBytes;
+      await vm.suspend();
+      const path = co.backingPath!;
+      expect(statSync(path).mode & 0o777).toBe(0o600);
+      expect(vm.memoryUsage().guestRamRssBytes).toBeLessThanOrEqual(before * 0.01);
+      const f = figures(vm);
+      expect(f.bytesOnDisk).toBeLessThan((SIZE_MIB * MiB) / 20);
+      expect(f.bytesUncompressed).toBeGreaterThanOrEqual(SIZE_MIB * MiB);
+      expect(f.framesZstd).toBeGreaterThanOrEqual(SIZE_MIB);
+      expect(f.compressionRatio).toBeGreaterThan(20);
+      await vm.resume();
+      expect((await vm.probe.digest()).hex).toBe(digest);
+      expect(existsSync(path)).toBe(false);
+      expect(figures(vm).lastResumeMs).toBeGreaterThan(0);
+
+      await vm.suspend();
+      const original = readFileSync(co.backingPath!);
+      const index = corruptFrame(co.backingPath!, 'zstd');
+      const err = await vm.resume().catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(BackingFileError);
+      expect((err as Error).message).toMatch(new RegExp(`frame ${index} \\(guest offset 0x[0-9a-f]+, zstd\\) (is corrupt|cannot be decoded)`));
+      expect(vm.state).toBe('suspended');
+      expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB); // nothing half-loaded stays
+      truncateSync(co.backingPath!, Math.floor(original.length / 2));
+      await expect(vm.resume()).rejects.toThrow(/truncated/);
+      renameSync(co.backingPath!, `${co.backingPath}.away`);
+      await expect(vm.resume()).rejects.toThrow(/missing/);
+      expect(vm.state).toBe('suspended');
+      rmSync(`${co.backingPath}.away`);
+      writeFileSync(co.backingPath!, original);
+      await vm.resume();
+      expect((await vm.probe.digest()).hex).toBe(digest);
+    }));
+
+  it('random: frames are stored raw, a corrupt raw frame is refused, every byte comes back; the file is removed on stop', async () => {
+    let path = '';
+    await withVm('random', async (vm, co, digest) => {
+      await vm.suspend();
+      path = co.backingPath!;
+      const f = figures(vm);
+      expect(f.framesRaw).toBeGreaterThanOrEqual(SIZE_MIB);
+      expect(f.bytesOnDisk).toBeGreaterThanOrEqual(SIZE_MIB * MiB);
+      const original = readFileSync(path);
+      const index = corruptFrame(path, 'raw');
+      await expect(vm.resume()).rejects.toThrow(new RegExp(`frame ${index} .*raw\\) is corrupt \\(CRC32 mismatch\\)`));
+      expect(vm.state).toBe('suspended');
+      writeFileSync(path, original);
+      await vm.resume();
+      expect((await vm.probe.digest()).hex).toBe(digest);
+      await vm.suspend();
+      path = co.backingPath!;
+      expect(existsSync(path)).toBe(true);
+    });
+    expect(existsSync(path)).toBe(false);
+  });
+
+  it('a suspend that cannot write its file fails and leaves the VM running as it was', async () => {
+    const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1, strategies: [new CompressedOffload({ dir: '/nonexistent/pvisor' })] });
+    try {
+      await vm.probe.fill({ sizeMiB: 4, content: 'random', seed: 3 });
+      await expect(vm.suspend()).rejects.toThrow(/ENOENT/);
+      expect(vm.state).toBe('running');
+      expect((await vm.probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 3, sizeBytes: 4 * MiB, rewrites: [] }));
+    } finally {
+      vm.stop();
+    }
+  });
+
+  it('cannot be combined with Offload: refused before anything is allocated', async () => {
+    const err = await Vm.start({ guest: 'probe', strategies: [new Offload(), new CompressedOffload()] }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(StrategyConflictError);
+    expect((err as StrategyConflictError).strategies).toEqual(['offload', 'compressed-offload']);
+    expect((err as Error).message).toMatch(/both drive suspend-image/);
+  });
+});
