@@ -16,6 +16,7 @@ import { join, resolve } from 'node:path';
 import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
+import { CompressedOffload } from '../memory/compressed-offload';
 import { IdleRelease } from '../memory/idle-release';
 import { Offload } from '../memory/offload';
 import type { MemoryStrategy, StrategyStats } from '../memory/strategy';
@@ -42,6 +43,7 @@ const MODES: Mode[] = [
   { name: 'idle-release', strategies: () => [new IdleRelease()], operation: 'release' },
   { name: 'offload', strategies: (dir) => [new Offload({ dir })], operation: 'suspend' },
   { name: 'offload-lazy', strategies: (dir) => [new Offload({ dir, reload: 'lazy' })], operation: 'suspend' },
+  { name: 'compressed-offload', strategies: (dir) => [new CompressedOffload({ dir })], operation: 'suspend' },
 ];
 
 /** What the parent sends a cell, as JSON on its command line. */

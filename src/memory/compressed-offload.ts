@@ -14,6 +14,7 @@ import { InvalidOptionError, type BackingFileError } from '../errors';
 import { PAGE_SIZE } from '../sys/constants';
 import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from './frame-file';
 import type { FramePool } from './frame-pool';
+import { releaseFileCache } from './page-cache';
 import { residentRuns, type PageRun } from './resident-pages';
 import type { Offload } from './offload';
 import type { MemoryStrategy, StrategyContext, StrategyRam, StrategyStats } from './strategy';
@@ -120,6 +121,7 @@ export class CompressedOffload implements MemoryStrategy {
     }
     // Only now that every frame is in the file: drop the units (a superset of what was resident).
     for (const e of written.entries) ram.discardHost(e.guestOffset, e.length);
+    releaseFileCache(this.path);
     this.image = { path: this.path, header, entries: written.entries };
     const count = (kind: FrameEntry['kind']) => written.entries.filter((e) => e.kind === kind).length;
     const uncompressed = written.entries.reduce((n, e) => n + e.length, 0);

@@ -7,14 +7,14 @@
  * reference system could not offload KSM-advised RAM).
  */
 import { randomBytes } from 'node:crypto';
-import { closeSync, constants, fdatasync, fstatSync, openSync, readSync, rmSync, statSync, writeSync } from 'node:fs';
+import { closeSync, constants, fstatSync, openSync, readSync, rmSync, statSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { crc32 } from 'node:zlib';
 import { BackingFileError, InvalidOptionError } from '../errors';
 import { PAGE_SIZE } from '../sys/constants';
-import { dropFileCache } from '../sys/libc';
 import type { LazyLoader, LoaderEvent, LoaderFigures } from './lazy-loader';
+import { releaseFileCache } from './page-cache';
 import { residentRuns } from './resident-pages';
 import type { ExclusiveResource, MemoryStrategy, StrategyContext, StrategyStats } from './strategy';
 
@@ -134,12 +134,8 @@ export class Offload implements MemoryStrategy {
       rmSync(this.path, { force: true });
       throw e;
     }
-    // The written pages sit in the page cache, charged to this VM's group: once written back,
-    // let the kernel drop them. In the background, so the suspend does not wait for the disk.
-    fdatasync(fd, (err) => {
-      if (!err) dropFileCache(fd);
-      closeSync(fd);
-    });
+    closeSync(fd);
+    releaseFileCache(this.path);
     // Only now that every page is in the file: drop what was resident.
     for (const run of runs) ctx.ram.discardHost(run.offset, run.length);
     this.pieces = pieces;
