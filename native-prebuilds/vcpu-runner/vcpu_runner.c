@@ -116,6 +116,9 @@ static void *vcpu_main(void *arg) {
     int ret = ioctl(v->fd, KVM_RUN_IOCTL, 0);
     int err = ret < 0 ? errno : 0;
     if (v->group->stopping) break;
+    /* An application processor leaving wait-for-SIPI in the in-kernel APIC: KVM_RUN returns
+       -EAGAIN and wants to be called again (as QEMU and Firecracker do). */
+    if (ret < 0 && err == EAGAIN) continue;
     if (ret == 0) report(v, PV_REC_EXIT, 0, 0);
     else if (err == EINTR) report(v, PV_REC_INTERRUPTED, ret, err);
     else report(v, PV_REC_ERROR, ret, err);
