@@ -2,6 +2,7 @@
 /**
  * The `pvisor` command.
  */
+import { constants as osConstants } from 'node:os';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError, VmNotFoundError } from '../errors';
 import { IdleRelease } from '../memory/idle-release';
@@ -19,8 +20,10 @@ const HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 Usage:
   pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
-             [--vm-ram-compression] -- CMD [ARGS...]
+             [--vm-ram-compression] [--kernel BZIMAGE] [--initrd CPIO] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
+      The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
+      shell. --kernel/--initrd boot your own instead of the shipped ones.
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
@@ -75,11 +78,15 @@ async function cmdRun(argv: string[]): Promise<number> {
       'vm-cold-ram-compression': { type: 'boolean', default: false },
       name: { type: 'string' },
       'vm-socket': { type: 'string' },
+      kernel: { type: 'string' },
+      initrd: { type: 'string' },
+      rootfs: { type: 'string' },
     },
     strict: true,
   });
   // The reference CLI's cold compression flag is accepted by name so that scripts get a clear answer.
   if (values['vm-cold-ram-compression']) throw new InvalidOptionError('--vm-cold-ram-compression', 'not yet available in this version of pvisor (ColdCompression is in progress)');
+  if (values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'not yet available in this version of pvisor (virtio-blk is in progress); the guest runs from its initramfs');
   const reload = values['vm-offload-reload'];
   if (reload !== undefined && !values['vm-offload']) throw new InvalidOptionError('--vm-offload-reload', 'only goes with --vm-offload');
   if (reload !== undefined && reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('--vm-offload-reload', `expected eager or lazy, got ${JSON.stringify(reload)}`);
@@ -87,6 +94,7 @@ async function cmdRun(argv: string[]): Promise<number> {
   const vcpus = Number(values.vcpus);
   const guest = values.guest as GuestKind;
   const memory = parseSize('memory', values.memory);
+  if (guest === 'probe' && (values.kernel !== undefined || values.initrd !== undefined)) throw new InvalidOptionError('--kernel', '--kernel and --initrd are for the Linux guest');
   const steps = guest === 'probe' ? parseProbeScript(command) : undefined;
   const strategies: MemoryStrategy[] = [];
   if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
@@ -102,7 +110,7 @@ async function cmdRun(argv: string[]): Promise<number> {
     process.stderr.write(`pvisor: VM ${control.id}, control socket ${control.socketPath}\n`);
     process.stderr.write(`pvisor: starting a ${values.memory} ${guest} VM with ${vcpus} vCPU(s)...\n`);
     const t0 = performance.now();
-    const vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies });
+    const vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies, kernel: values.kernel, initrd: values.initrd });
     control.attach(vm);
     try {
       if (values.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
@@ -119,12 +127,31 @@ async function cmdRun(argv: string[]): Promise<number> {
         }
         return 0;
       }
-      throw new InvalidOptionError('guest', 'only the probe guest runs commands in this version');
+      return await runCommand(vm, command, control);
     } finally {
       vm.stop();
     }
   } finally {
     control.close();
+  }
+}
+
+/**
+ * Runs CMD in the Linux guest with its output streamed to ours; the exit status is CMD's, or
+ * 128 + the signal that killed it, as a shell reports it.
+ */
+async function runCommand(vm: Vm, command: string[], control: RunControl): Promise<number> {
+  const proc = vm.spawn(command);
+  proc.stdout.pipe(process.stdout);
+  proc.stderr.pipe(process.stderr);
+  try {
+    const status = await proc.exited;
+    if (status.signal) return 128 + (osConstants.signals[status.signal] ?? 0);
+    return status.exitCode ?? 1;
+  } catch (e) {
+    if (!control.stopCause) throw e;
+    process.stderr.write(`pvisor: ${vm.name} was stopped (${control.stopCause}) before the command finished\n`);
+    return control.stopExitCode;
   }
 }
 
