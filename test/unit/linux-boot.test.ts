@@ -1,6 +1,7 @@
 import { InvalidOptionError } from '../../src/errors';
 import { cpuidForVcpu, e820Map, parseBzImage } from '../../src/backends/kvm/linux-boot';
 import { buildMpTable, MPTABLE_GPA } from '../../src/backends/kvm/mptable';
+import { CmosRtc } from '../../src/backends/kvm/devices/cmos-rtc';
 
 /** A bzImage-shaped buffer: setup header fields as boot.rst places them. */
 function fakeBzImage(o: { protocol?: number; xloadflags?: number; loadflags?: number; setupSects?: number; size?: number } = {}): Buffer {
@@ -80,5 +81,18 @@ describe('per-vCPU CPUID', () => {
     expect(out.readUInt32LE(8 + 16)).toBe(0x03020800);
     expect(out.readUInt32LE(48 + 28)).toBe(3);
     expect(cpuid.readUInt32LE(8 + 16)).toBe(0x00020800); // the shared copy is untouched
+  });
+});
+
+describe('CMOS RTC', () => {
+  it("gives the host's UTC time in BCD, with no update in progress", () => {
+    const rtc = new CmosRtc(() => new Date(Date.UTC(2026, 10, 29, 14, 7, 59)));
+    const reg = (i: number) => {
+      rtc.write(0, i | 0x80); // NMI-mask bit set, as Linux writes it
+      return rtc.read(1);
+    };
+    expect([reg(0x00), reg(0x02), reg(0x04), reg(0x07), reg(0x08), reg(0x09), reg(0x32)]).toEqual([0x59, 0x07, 0x14, 0x29, 0x11, 0x26, 0x20]);
+    expect(reg(0x0a) & 0x80).toBe(0); // update-in-progress clear
+    expect(reg(0x0b) & 0x04).toBe(0); // BCD mode
   });
 });

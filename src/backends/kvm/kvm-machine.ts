@@ -4,6 +4,7 @@
  */
 import { GuestCrashError, PvisorError, SystemCallError } from '../../errors';
 import * as C from '../../sys/constants';
+import { CmosRtc, CMOS_BASE, CMOS_PORTS } from './devices/cmos-rtc';
 import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS } from './devices/serial';
 import { ProbePorts, PROBE_PORTS_BASE, PROBE_PORTS_COUNT } from './devices/probe-ports';
 import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
@@ -120,6 +121,10 @@ export class KvmMachine {
       }, pulse(COM1_IRQ));
       this.pio.add(COM1_BASE, COM1_PORTS, { read: (o) => this.serial.read(o), write: (o, _s, v) => this.serial.write(o, v) });
       if (!linux) this.pio.add(PROBE_PORTS_BASE, PROBE_PORTS_COUNT, new ProbePorts());
+      else {
+        const rtc = new CmosRtc();
+        this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
+      }
 
       const transports: MmioTransport[] = [];
       const used = (i: number) => () => transports[i]?.signalUsed();
