@@ -64,6 +64,8 @@ interface CellResult {
   guestRamPssBytes: number;
   /** The cgroup's charge (includes page cache); null when no cgroup could be made. */
   groupMemoryBytes: number | null;
+  /** Of the group's charge, page cache (e.g. a backing file not yet dropped); null without a cgroup. */
+  groupPageCacheBytes: number | null;
   /** Time of the operation (release request, suspend), ms. */
   operationMs: number;
   /** Offload modes: the task before the offload, resume + task after it, ms. */
@@ -145,6 +147,7 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
         // Read the group from outside while the cell waits, so that reading costs the cell nothing.
         result.groupPssBytes = typeof cgroup === 'string' ? processPss(child.pid!) : cgroup.pssBytes();
         result.groupMemoryBytes = typeof cgroup === 'string' ? null : cgroup.memoryBytes();
+        result.groupPageCacheBytes = typeof cgroup === 'string' ? null : cgroup.pageCacheBytes();
         result.guestRamPssBytes = msg.guestRamPssBytes as number;
         result.operationMs = msg.operationMs as number;
         result.taskMs = msg.taskMs as number | undefined;

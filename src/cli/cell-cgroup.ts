@@ -56,6 +56,13 @@ export class CellCgroup {
     return Number(readFileSync(join(this.path, this.usageFile), 'utf8').trim());
   }
 
+  /** Of {@link memoryBytes}, the page cache (v1 `cache`, v2 `file` in memory.stat). */
+  pageCacheBytes(): number {
+    const stat = readFileSync(join(this.path, 'memory.stat'), 'utf8');
+    const m = /^(?:cache|file) (\d+)$/m.exec(stat);
+    return m ? Number(m[1]) : 0;
+  }
+
   /** PSS summed over every process in the group: the study's "resident". */
   pssBytes(): number {
     let sum = 0;
