@@ -16,7 +16,8 @@
  * with the kernel's reboot=t / panic=-1 ends the VM where the VMM sees it.
  *
  * Not PID 1 (for debugging on a host): `agent CHANNEL` serves CHANNEL (a tty or pty) and skips
- * the system setup.
+ * the system setup. As PID 1, `pvisor.channel=PATH` on the kernel command line picks another
+ * channel than /dev/hvc0 (a virtio-serial port such as /dev/vport0p1, which is not a tty).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -726,6 +727,25 @@ static void parse_input(void) {
 }
 
 /* ---- start-up ---- */
+/* Copies the value of NAME=VALUE from the kernel command line into out; 0 if absent or too long. */
+static int cmdline_param(const char *name, char *out, size_t outlen) {
+  char cmd[4096] = {0};
+  FILE *f = fopen("/proc/cmdline", "re");
+  if (!f) return 0;
+  char *ok = fgets(cmd, sizeof cmd, f);
+  fclose(f);
+  size_t nl = strlen(name);
+  for (char *h = ok ? cmd : NULL; h && (h = strstr(h, name)); h += nl) {
+    if ((h != cmd && h[-1] != ' ') || h[nl] != '=') continue;
+    size_t l = strcspn(h + nl + 1, " \n");
+    if (l == 0 || l >= outlen) return 0;
+    memcpy(out, h + nl + 1, l);
+    out[l] = 0;
+    return 1;
+  }
+  return 0;
+}
+
 static void setup_system(void) {
   /* initramfs is not covered by DEVTMPFS_MOUNT: mount /dev ourselves (EBUSY: already there) */
   mkdir("/dev", 0755);
@@ -756,22 +776,8 @@ static void setup_system(void) {
     if (symlink(links[i][0], links[i][1]) && errno != EEXIST) logmsg("symlink %s: %s", links[i][1], strerror(errno));
   }
   /* hostname: pvisor.hostname=NAME on the kernel command line, else "pvisor" */
-  char cmd[4096] = {0}, name[65] = "pvisor";
-  FILE *f = fopen("/proc/cmdline", "re");
-  if (f) {
-    if (fgets(cmd, sizeof cmd, f)) {
-      char *h = strstr(cmd, "pvisor.hostname=");
-      if (h && (h == cmd || h[-1] == ' ')) {
-        h += 16;
-        size_t l = strcspn(h, " \n");
-        if (l > 0 && l < sizeof name) {
-          memcpy(name, h, l);
-          name[l] = 0;
-        }
-      }
-    }
-    fclose(f);
-  }
+  char name[65] = "pvisor";
+  cmdline_param("pvisor.hostname", name, sizeof name);
   if (sethostname(name, strlen(name))) logmsg("sethostname: %s", strerror(errno));
   if (chdir("/")) die("chdir /");
   umask(022);
@@ -790,8 +796,13 @@ static int open_channel(const char *path) {
 
 int main(int argc, char **argv) {
   is_init = getpid() == 1;
-  const char *path = argc > 1 ? argv[1] : "/dev/hvc0";
   if (is_init) setup_system();
+  /* the channel: argv[1] (debugging), else pvisor.channel=PATH on the kernel command line (a
+   * test harness may use a multiport virtio-serial port such as /dev/vport0p1), else /dev/hvc0 */
+  static char chanpath[256] = "/dev/hvc0";
+  if (argc > 1) snprintf(chanpath, sizeof chanpath, "%s", argv[1]);
+  else if (is_init) cmdline_param("pvisor.channel", chanpath, sizeof chanpath);
+  const char *path = chanpath;
   signal(SIGPIPE, SIG_IGN); /* a child closing its stdin must give EPIPE, not kill the agent */
 
   /* SIGCHLD through a signalfd, so reaping is one more fd in the poll loop */
