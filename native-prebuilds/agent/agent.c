@@ -1,0 +1,896 @@
+/*
+ * pvisor's Linux guest agent: /init (PID 1) of the shipped initramfs.
+ *
+ * It prepares the minimal userspace (mounts, hostname), opens the agent channel (the virtio
+ * console /dev/hvc0, a tty put in raw mode), announces itself with the HELLO event and then
+ * serves agent protocol v1 (docs/probe-guest.md for framing, docs/agent-protocol.md for the
+ * Linux ops) from one poll() loop: processes with streamed stdout/stderr and stdin, signals,
+ * files, memory figures.
+ *
+ * Memory is bounded on every path: the agent stops reading the channel while its output queue
+ * holds more than OUT_STOP_INPUT bytes, and stops reading children's pipes and files while it
+ * holds more than OUT_STOP_STREAMS, so a host that does not read makes children block in
+ * write(), never makes the agent grow.
+ *
+ * PID 1 must never exit (the kernel would panic): on a fatal error the agent reboots, which
+ * with the kernel's reboot=t / panic=-1 ends the VM where the VMM sees it.
+ *
+ * Not PID 1 (for debugging on a host): `agent CHANNEL` serves CHANNEL (a tty or pty) and skips
+ * the system setup. As PID 1, `pvisor.channel=PATH` on the kernel command line picks another
+ * channel than /dev/hvc0 (a virtio-serial port such as /dev/vport0p1, which is not a tty).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/sysinfo.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- protocol constants (docs/probe-guest.md, docs/agent-protocol.md) ---- */
+#define HDR 16
+#define MAX_PAYLOAD (1u << 20)
+#define CHUNK_MAX (64u << 10) /* stream chunks carry at most 64 KiB */
+
+enum { T_REQUEST = 1, T_RESPONSE = 2, T_CHUNK = 3, T_ERROR = 4, T_EVENT = 5 };
+enum {
+  OP_HELLO = 0x0001,
+  OP_PING = 0x0002,
+  OP_EXEC = 0x0201,
+  OP_STDIN_WRITE = 0x0202,
+  OP_STDIN_CLOSE = 0x0203,
+  OP_KILL = 0x0204,
+  OP_FILE_READ = 0x0210,
+  OP_FILE_WRITE = 0x0211,
+  OP_MEMINFO = 0x0220,
+  OP_DROP_CACHES = 0x0221,
+  OP_SHUTDOWN = 0x0230,
+};
+enum { E_UNSUPPORTED = 1, E_BADARG = 2, E_BADFRAME = 5, E_OS = 6, E_NOPROC = 7, E_BUSY = 8 };
+enum { CH_STDOUT = 1, CH_STDERR = 2, CH_STARTED = 4 };
+enum { EXEC_STDIN = 1 };
+enum { FW_APPEND = 1, FW_MKDIRS = 2 };
+
+#define GUEST_KIND_LINUX 2
+#define MAX_PROCS 1024
+
+/* Output queue thresholds (see the header comment). */
+#define OUT_STOP_STREAMS (256u << 10)
+#define OUT_STOP_INPUT (2u << 20)
+
+/* ---- small helpers ---- */
+static void logmsg(const char *fmt, ...) {
+  char line[512];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(line, sizeof line - 1, fmt, ap);
+  va_end(ap);
+  if (n < 0) return;
+  if ((size_t)n > sizeof line - 2) n = sizeof line - 2;
+  line[n++] = '\n';
+  ssize_t ignored = write(2, "pvisor-agent: ", 14);
+  ignored = write(2, line, (size_t)n);
+  (void)ignored;
+}
+
+static int is_init;
+
+/* PID 1 may not exit: reboot instead, so the VMM sees the VM end. */
+static void __attribute__((noreturn)) die(const char *what) {
+  logmsg("fatal: %s: %s", what, strerror(errno));
+  if (is_init) {
+    sync();
+    reboot(RB_AUTOBOOT);
+    for (;;) pause();
+  }
+  exit(1);
+}
+
+static void *xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  if (!p) die("malloc");
+  return p;
+}
+
+static uint32_t rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+static void wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i); }
+static void wr64(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> 8 * i); }
+
+static void set_nonblock(int fd) {
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) die("fcntl O_NONBLOCK");
+}
+
+/* A byte queue: data lives at p[head, head+len). */
+struct buf {
+  uint8_t *p;
+  size_t head, len, cap;
+};
+
+static uint8_t *buf_reserve(struct buf *b, size_t n) {
+  if (b->head + b->len + n > b->cap) {
+    if (b->head) {
+      memmove(b->p, b->p + b->head, b->len);
+      b->head = 0;
+    }
+    if (b->len + n > b->cap) {
+      size_t cap = b->cap ? b->cap : 65536;
+      while (cap < b->len + n) cap *= 2;
+      uint8_t *p = realloc(b->p, cap);
+      if (!p) die("realloc");
+      b->p = p;
+      b->cap = cap;
+    }
+  }
+  return b->p + b->head + b->len;
+}
+
+static void buf_consume(struct buf *b, size_t n) {
+  b->head += n;
+  b->len -= n;
+  if (!b->len) b->head = 0;
+}
+
+/* ---- the channel ---- */
+static int chan = -1;
+static struct buf out, in;
+
+/* Queues one frame; the payload is the concatenation of two parts (either may be empty). */
+static void send_frame(int type, uint32_t id, uint16_t op, uint16_t flags, const void *a, size_t alen, const void *b, size_t blen) {
+  size_t plen = alen + blen;
+  uint8_t *h = buf_reserve(&out, HDR + plen);
+  h[0] = 0x50;
+  h[1] = 0x56;
+  h[2] = 1;
+  h[3] = (uint8_t)type;
+  wr32(h + 4, id);
+  wr16(h + 8, op);
+  wr16(h + 10, flags);
+  wr32(h + 12, (uint32_t)plen);
+  if (alen) memcpy(h + HDR, a, alen);
+  if (blen) memcpy(h + HDR + alen, b, blen);
+  out.len += HDR + plen;
+}
+
+/* Stream chunks are read straight into the output queue: chunk_space() reserves room for a
+ * header and CHUNK_MAX bytes, chunk_commit() writes the header once the length is known. */
+static uint8_t *chunk_space(void) { return buf_reserve(&out, HDR + CHUNK_MAX) + HDR; }
+
+static void chunk_commit(uint32_t id, uint16_t op, uint16_t flags, size_t n) {
+  uint8_t *h = out.p + out.head + out.len;
+  h[0] = 0x50;
+  h[1] = 0x56;
+  h[2] = 1;
+  h[3] = T_CHUNK;
+  wr32(h + 4, id);
+  wr16(h + 8, op);
+  wr16(h + 10, flags);
+  wr32(h + 12, (uint32_t)n);
+  out.len += HDR + n;
+}
+
+static void respond(uint32_t id, uint16_t op, const void *p, size_t n) { send_frame(T_RESPONSE, id, op, 0, p, n, NULL, 0); }
+
+static void send_error(uint32_t id, uint16_t op, uint32_t code, const char *fmt, ...) {
+  char text[600];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(text, sizeof text, fmt, ap);
+  va_end(ap);
+  if (n < 0) n = 0;
+  if ((size_t)n >= sizeof text) n = sizeof text - 1;
+  uint8_t c[4];
+  wr32(c, code);
+  send_frame(T_ERROR, id, op, 0, c, 4, text, (size_t)n);
+}
+
+/* An OS error: code 6, text "ENAME: description: context" so the host can map the name. */
+static void send_os_error(uint32_t id, uint16_t op, int err, const char *context) {
+  const char *name = strerrorname_np(err);
+  send_error(id, op, E_OS, "%s: %s: %s", name ? name : "E?", strerror(err), context);
+}
+
+static void flush_out(void) {
+  while (out.len) {
+    ssize_t n = write(chan, out.p + out.head, out.len);
+    if (n > 0) {
+      buf_consume(&out, (size_t)n);
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    die("write to the agent channel");
+  }
+}
+
+/* ---- processes ---- */
+struct proc {
+  uint32_t id; /* the EXEC request id: the process handle */
+  pid_t pid;
+  int in_fd, out_fd, err_fd;
+  int reaped, status;
+  /* one STDIN_WRITE at a time: its data and request id */
+  uint8_t *wdata;
+  size_t wlen, woff;
+  uint32_t wreq;
+  int wpending;
+  uint32_t close_req; /* a STDIN_CLOSE waiting for the pending write */
+  int close_pending;
+  struct proc *next;
+};
+static struct proc *procs;
+static int nprocs;
+
+static struct proc *find_proc(uint32_t id) {
+  for (struct proc *p = procs; p; p = p->next)
+    if (p->id == id) return p;
+  return NULL;
+}
+
+static void close_fd(int *fd) {
+  if (*fd >= 0) close(*fd);
+  *fd = -1;
+}
+
+/* The environment every child starts from; EXEC's entries override or extend it. */
+static const char *const base_env[] = {
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME=/root",
+    NULL,
+};
+
+/* Reads a u32-length-prefixed string; NULL when it overruns the payload or holds a NUL. */
+static char *take_str(const uint8_t **p, const uint8_t *end) {
+  if ((size_t)(end - *p) < 4) return NULL;
+  uint32_t n = rd32(*p);
+  if (n > (size_t)(end - *p) - 4) return NULL;
+  const uint8_t *s = *p + 4;
+  if (memchr(s, 0, n)) return NULL;
+  char *r = xmalloc(n + 1);
+  memcpy(r, s, n);
+  r[n] = 0;
+  *p = s + n;
+  return r;
+}
+
+static void free_strv(char **v) {
+  if (!v) return;
+  for (char **q = v; *q; q++) free(*q);
+  free(v);
+}
+
+/* Builds the child's environment: base_env, then each KEY=VALUE replacing a same-named entry. */
+static char **make_env(char **req, uint32_t n) {
+  size_t nbase = sizeof base_env / sizeof *base_env - 1;
+  char **env = xmalloc((nbase + n + 1) * sizeof *env);
+  size_t cnt = 0;
+  for (size_t i = 0; i < nbase; i++) env[cnt++] = strdup(base_env[i]);
+  for (uint32_t i = 0; i < n; i++) {
+    size_t klen = (size_t)(strchr(req[i], '=') - req[i]) + 1;
+    size_t j;
+    for (j = 0; j < cnt; j++)
+      if (!strncmp(env[j], req[i], klen)) break;
+    if (j < cnt) free(env[j]);
+    else cnt++;
+    env[j] = strdup(req[i]);
+  }
+  env[cnt] = NULL;
+  for (size_t i = 0; i < cnt; i++)
+    if (!env[i]) die("strdup");
+  return env;
+}
+
+extern char **environ;
+
+/*
+ * EXEC {u32 flags, u32 argc, u32 envc, u32 reserved, str cwd, str argv[argc], str env[envc]}
+ * (str = u32 length + bytes). Forks, and reports exec failure synchronously through a
+ * close-on-exec pipe (as posix_spawn does), so a missing program is an error frame, not an exit.
+ */
+static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
+  const uint8_t *end = p + n;
+  if (n < 16) return send_error(id, OP_EXEC, E_BADARG, "EXEC payload shorter than 16 bytes");
+  uint32_t flags = rd32(p), argc = rd32(p + 4), envc = rd32(p + 8);
+  p += 16;
+  if (argc == 0) return send_error(id, OP_EXEC, E_BADARG, "EXEC needs argv[0]");
+  /* every string costs at least its 4-byte length: bounds both counts by the payload */
+  if ((uint64_t)argc + envc + 1 > (n - 16) / 4) return send_error(id, OP_EXEC, E_BADARG, "EXEC counts exceed the payload");
+  if (find_proc(id)) return send_error(id, OP_EXEC, E_BADARG, "request id %u already names a process", id);
+  if (nprocs >= MAX_PROCS) return send_error(id, OP_EXEC, E_BUSY, "%d processes already running", MAX_PROCS);
+
+  char *cwd = take_str(&p, end);
+  char **argv = calloc(argc + 1, sizeof *argv), **reqenv = calloc(envc + 1, sizeof *reqenv);
+  if (!argv || !reqenv) die("calloc");
+  int ok = cwd != NULL;
+  for (uint32_t i = 0; ok && i < argc; i++) ok = (argv[i] = take_str(&p, end)) != NULL;
+  for (uint32_t i = 0; ok && i < envc; i++) ok = (reqenv[i] = take_str(&p, end)) != NULL && strchr(reqenv[i], '=') && reqenv[i][0] != '=';
+  if (!ok) {
+    free(cwd);
+    free_strv(argv);
+    free_strv(reqenv);
+    return send_error(id, OP_EXEC, E_BADARG, "EXEC strings malformed (overrun, NUL inside, or env entry without KEY=)");
+  }
+  char **env = make_env(reqenv, envc);
+  free_strv(reqenv);
+
+  int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pfail[2] = {-1, -1};
+  if (((flags & EXEC_STDIN) && pipe2(pin, O_CLOEXEC)) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC) || pipe2(pfail, O_CLOEXEC)) {
+    int e = errno;
+    int *all[] = {pin, pout, perr, pfail};
+    for (int i = 0; i < 4; i++) close_fd(&all[i][0]), close_fd(&all[i][1]);
+    send_os_error(id, OP_EXEC, e, "pipe");
+    goto out_free;
+  }
+  pid_t pid = fork();
+  if (pid == 0) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL); /* ignored dispositions survive exec: give the child the default */
+    setsid();                 /* its own process group, so KILL reaches what it starts too */
+    int in_fd = pin[0] >= 0 ? pin[0] : open("/dev/null", O_RDONLY);
+    int fail[2] = {0, 0};
+    if (in_fd < 0 || dup2(in_fd, 0) < 0 || dup2(pout[1], 1) < 0 || dup2(perr[1], 2) < 0) fail[1] = 1;
+    else if (chdir(cwd[0] ? cwd : "/")) fail[1] = 2;
+    else {
+      environ = env;
+      execvp(argv[0], argv);
+      fail[1] = 3;
+    }
+    fail[0] = errno;
+    ssize_t ignored = write(pfail[1], fail, sizeof fail);
+    (void)ignored;
+    _exit(127);
+  }
+  int e = errno;
+  close_fd(&pin[0]);
+  close(pout[1]);
+  close(perr[1]);
+  close(pfail[1]);
+  if (pid < 0) {
+    close_fd(&pin[1]);
+    close(pout[0]);
+    close(perr[0]);
+    close(pfail[0]);
+    send_os_error(id, OP_EXEC, e, "fork");
+    goto out_free;
+  }
+  int fail[2];
+  ssize_t got;
+  do got = read(pfail[0], fail, sizeof fail);
+  while (got < 0 && errno == EINTR);
+  close(pfail[0]);
+  if (got == (ssize_t)sizeof fail) {
+    waitpid(pid, NULL, 0);
+    close_fd(&pin[1]);
+    close(pout[0]);
+    close(perr[0]);
+    send_os_error(id, OP_EXEC, fail[0], fail[1] == 2 ? cwd : fail[1] == 3 ? argv[0] : "child stdio");
+    goto out_free;
+  }
+  struct proc *pr = calloc(1, sizeof *pr);
+  if (!pr) die("calloc");
+  pr->id = id;
+  pr->pid = pid;
+  pr->in_fd = pin[1];
+  pr->out_fd = pout[0];
+  pr->err_fd = perr[0];
+  if (pr->in_fd >= 0) set_nonblock(pr->in_fd);
+  set_nonblock(pr->out_fd);
+  set_nonblock(pr->err_fd);
+  pr->next = procs;
+  procs = pr;
+  nprocs++;
+  uint8_t started[4];
+  wr32(started, (uint32_t)pid);
+  send_frame(T_CHUNK, id, OP_EXEC, CH_STARTED, started, 4, NULL, 0);
+out_free:
+  free(cwd);
+  free_strv(argv);
+  free_strv(env);
+}
+
+/* Writes as much pending stdin as the pipe takes; answers the write when all of it is in. */
+static void stdin_progress(struct proc *pr) {
+  while (pr->wpending && pr->woff < pr->wlen) {
+    ssize_t n = write(pr->in_fd, pr->wdata + pr->woff, pr->wlen - pr->woff);
+    if (n > 0) {
+      pr->woff += (size_t)n;
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    send_os_error(pr->wreq, OP_STDIN_WRITE, errno, "stdin");
+    pr->wpending = 0;
+    free(pr->wdata);
+    pr->wdata = NULL;
+    close_fd(&pr->in_fd); /* EPIPE: the child closed its stdin for good */
+    break;
+  }
+  if (pr->wpending) {
+    uint8_t r[8];
+    wr64(r, pr->wlen);
+    respond(pr->wreq, OP_STDIN_WRITE, r, 8);
+    pr->wpending = 0;
+    free(pr->wdata);
+    pr->wdata = NULL;
+  }
+  if (pr->close_pending) {
+    close_fd(&pr->in_fd);
+    respond(pr->close_req, OP_STDIN_CLOSE, NULL, 0);
+    pr->close_pending = 0;
+  }
+}
+
+static struct proc *proc_arg(uint32_t id, uint16_t op, const uint8_t *p, size_t n, size_t need) {
+  if (n < need) {
+    send_error(id, op, E_BADARG, "payload shorter than %zu bytes", need);
+    return NULL;
+  }
+  struct proc *pr = find_proc(rd32(p));
+  if (!pr) send_error(id, op, E_NOPROC, "no running process %u", rd32(p));
+  return pr;
+}
+
+/* STDIN_WRITE {u32 process, data...} -> {u64 bytesWritten} once the pipe has taken all of it. */
+static void op_stdin_write(uint32_t id, const uint8_t *p, size_t n) {
+  struct proc *pr = proc_arg(id, OP_STDIN_WRITE, p, n, 4);
+  if (!pr) return;
+  if (pr->in_fd < 0 || pr->close_pending) return send_error(id, OP_STDIN_WRITE, E_NOPROC, "stdin of process %u is closed", pr->id);
+  if (pr->wpending) return send_error(id, OP_STDIN_WRITE, E_BUSY, "a STDIN_WRITE to process %u is still pending", pr->id);
+  pr->wlen = n - 4;
+  pr->woff = 0;
+  pr->wdata = xmalloc(pr->wlen);
+  memcpy(pr->wdata, p + 4, pr->wlen);
+  pr->wreq = id;
+  pr->wpending = 1;
+  stdin_progress(pr);
+}
+
+/* STDIN_CLOSE {u32 process} -> {} after any pending write went in. */
+static void op_stdin_close(uint32_t id, const uint8_t *p, size_t n) {
+  struct proc *pr = proc_arg(id, OP_STDIN_CLOSE, p, n, 4);
+  if (!pr) return;
+  if (pr->in_fd < 0 || pr->close_pending) return send_error(id, OP_STDIN_CLOSE, E_NOPROC, "stdin of process %u is closed", pr->id);
+  pr->close_req = id;
+  pr->close_pending = 1;
+  stdin_progress(pr);
+}
+
+/* KILL {u32 process, u32 signal} -> {}: signals the process group the child leads. */
+static void op_kill(uint32_t id, const uint8_t *p, size_t n) {
+  struct proc *pr = proc_arg(id, OP_KILL, p, n, 8);
+  if (!pr) return;
+  uint32_t sig = rd32(p + 4);
+  if (sig == 0 || sig >= (uint32_t)NSIG) return send_error(id, OP_KILL, E_BADARG, "bad signal %u", sig);
+  /* ESRCH: the group is gone (exited, pipes not yet drained): nothing left to signal */
+  if (kill(-pr->pid, (int)sig) && errno != ESRCH) return send_os_error(id, OP_KILL, errno, "kill");
+  respond(id, OP_KILL, NULL, 0);
+}
+
+/* Reaps every child: ours are marked exited, orphans reparented to PID 1 just disappear. */
+static void reap(void) {
+  int status;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    for (struct proc *pr = procs; pr; pr = pr->next)
+      if (pr->pid == pid && !pr->reaped) {
+        pr->reaped = 1;
+        pr->status = status;
+      }
+  }
+}
+
+/* The EXEC request ends (response {i32 exitCode, i32 signal}) once both pipes hit EOF and the child is reaped. */
+static void finish_procs(void) {
+  for (struct proc **pp = &procs; *pp;) {
+    struct proc *pr = *pp;
+    if (!pr->reaped || pr->out_fd >= 0 || pr->err_fd >= 0) {
+      pp = &pr->next;
+      continue;
+    }
+    if (pr->wpending) send_error(pr->wreq, OP_STDIN_WRITE, E_NOPROC, "process %u exited before reading its stdin", pr->id);
+    if (pr->close_pending) respond(pr->close_req, OP_STDIN_CLOSE, NULL, 0);
+    uint8_t r[8];
+    int code = WIFEXITED(pr->status) ? WEXITSTATUS(pr->status) : -1;
+    int sig = WIFSIGNALED(pr->status) ? WTERMSIG(pr->status) : 0;
+    wr32(r, (uint32_t)code);
+    wr32(r + 4, (uint32_t)sig);
+    respond(pr->id, OP_EXEC, r, 8);
+    close_fd(&pr->in_fd);
+    free(pr->wdata);
+    *pp = pr->next;
+    free(pr);
+    nprocs--;
+  }
+}
+
+/* Moves up to one chunk from a child's pipe to the output queue; closes the pipe at EOF. */
+static void pump_pipe(struct proc *pr, int *fd, uint16_t stream) {
+  ssize_t n = read(*fd, chunk_space(), CHUNK_MAX);
+  if (n > 0) chunk_commit(pr->id, OP_EXEC, stream, (size_t)n);
+  else if (n == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(fd);
+}
+
+/* ---- files ---- */
+struct fread_ {
+  uint32_t id;
+  int fd;
+  uint64_t total;
+  struct fread_ *next;
+};
+static struct fread_ *reads;
+
+/* FILE_READ {u32 pathLen, path} -> chunks (flags 1) of <= 64 KiB, then {u64 totalBytes}. */
+static void op_file_read(uint32_t id, const uint8_t *p, size_t n) {
+  const uint8_t *end = p + n;
+  char *path = take_str(&p, end);
+  if (!path || !path[0]) {
+    free(path);
+    return send_error(id, OP_FILE_READ, E_BADARG, "FILE_READ path malformed");
+  }
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st)) {
+    send_os_error(id, OP_FILE_READ, errno, path);
+  } else if (!S_ISREG(st.st_mode)) {
+    send_os_error(id, OP_FILE_READ, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, path);
+  } else {
+    struct fread_ *r = calloc(1, sizeof *r);
+    if (!r) die("calloc");
+    r->id = id;
+    r->fd = fd;
+    r->next = reads;
+    reads = r;
+    fd = -1;
+  }
+  if (fd >= 0) close(fd);
+  free(path);
+}
+
+/* Reads one chunk of every open FILE_READ (while the output queue has room). */
+static void pump_reads(void) {
+  for (struct fread_ **rp = &reads; *rp && out.len < OUT_STOP_STREAMS;) {
+    struct fread_ *r = *rp;
+    ssize_t n = read(r->fd, chunk_space(), CHUNK_MAX);
+    if (n > 0) {
+      chunk_commit(r->id, OP_FILE_READ, CH_STDOUT, (size_t)n);
+      r->total += (uint64_t)n;
+      rp = &r->next;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) send_os_error(r->id, OP_FILE_READ, errno, "read");
+    else {
+      uint8_t t[8];
+      wr64(t, r->total);
+      respond(r->id, OP_FILE_READ, t, 8);
+    }
+    close(r->fd);
+    *rp = r->next;
+    free(r);
+  }
+}
+
+static int mkdir_parents(char *path) {
+  for (char *s = path + 1; (s = strchr(s, '/')); s++) {
+    *s = 0;
+    int rc = mkdir(path, 0755);
+    *s = '/';
+    if (rc && errno != EEXIST) return -1;
+  }
+  return 0;
+}
+
+/*
+ * FILE_WRITE {u32 flags, u32 mode, u32 pathLen, path, data...} -> {u64 bytesWritten}.
+ * Without APPEND it creates or truncates the file and sets its mode (0 means 0644); with APPEND
+ * it appends. Files larger than one frame are a create frame followed by APPEND frames: each
+ * frame is complete on its own, so the agent keeps no state between them.
+ */
+static void op_file_write(uint32_t id, const uint8_t *p, size_t n) {
+  const uint8_t *end = p + n;
+  if (n < 12) return send_error(id, OP_FILE_WRITE, E_BADARG, "FILE_WRITE payload shorter than 12 bytes");
+  uint32_t flags = rd32(p), mode = rd32(p + 4) & 07777;
+  p += 8;
+  char *path = take_str(&p, end);
+  if (!path || !path[0]) {
+    free(path);
+    return send_error(id, OP_FILE_WRITE, E_BADARG, "FILE_WRITE path malformed");
+  }
+  if (!mode) mode = 0644;
+  int fd = -1;
+  if ((flags & FW_MKDIRS) && mkdir_parents(path)) goto fail;
+  fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY | ((flags & FW_APPEND) ? O_APPEND : O_TRUNC), mode);
+  if (fd < 0) goto fail;
+  if (!(flags & FW_APPEND) && fchmod(fd, mode)) goto fail; /* exact mode, whatever the umask or an old file said */
+  size_t len = (size_t)(end - p);
+  for (size_t off = 0; off < len;) {
+    ssize_t w = write(fd, p + off, len - off);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) goto fail;
+    off += (size_t)w;
+  }
+  if (close(fd)) {
+    fd = -1;
+    goto fail;
+  }
+  uint8_t r[8];
+  wr64(r, len);
+  respond(id, OP_FILE_WRITE, r, 8);
+  free(path);
+  return;
+fail:;
+  int e = errno;
+  if (fd >= 0) close(fd);
+  send_os_error(id, OP_FILE_WRITE, e, path);
+  free(path);
+}
+
+/* MEMINFO {} -> {u64 memTotalKb, u64 memFreeKb, u64 memAvailableKb, u64 cachedKb} from /proc/meminfo. */
+static void op_meminfo(uint32_t id) {
+  static const char *const keys[4] = {"MemTotal:", "MemFree:", "MemAvailable:", "Cached:"};
+  uint64_t v[4] = {0};
+  int found = 0;
+  FILE *f = fopen("/proc/meminfo", "re");
+  if (!f) return send_os_error(id, OP_MEMINFO, errno, "/proc/meminfo");
+  char line[256];
+  while (fgets(line, sizeof line, f))
+    for (int i = 0; i < 4; i++) {
+      size_t kl = strlen(keys[i]);
+      if (!strncmp(line, keys[i], kl)) {
+        v[i] = strtoull(line + kl, NULL, 10);
+        found |= 1 << i;
+      }
+    }
+  fclose(f);
+  if (found != 15) return send_error(id, OP_MEMINFO, E_OS, "/proc/meminfo lacks a field");
+  uint8_t r[32];
+  for (int i = 0; i < 4; i++) wr64(r + 8 * i, v[i]);
+  respond(id, OP_MEMINFO, r, 32);
+}
+
+/* DROP_CACHES {u32 what: 1 page cache, 2 slab, 3 both} -> {} (after sync, as the kernel docs advise). */
+static void op_drop_caches(uint32_t id, const uint8_t *p, size_t n) {
+  if (n < 4 || rd32(p) < 1 || rd32(p) > 3) return send_error(id, OP_DROP_CACHES, E_BADARG, "DROP_CACHES wants {u32 1..3}");
+  sync();
+  int fd = open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
+  char c[2] = {(char)('0' + rd32(p)), '\n'};
+  if (fd < 0 || write(fd, c, 2) != 2) {
+    int e = errno;
+    if (fd >= 0) close(fd);
+    return send_os_error(id, OP_DROP_CACHES, e, "/proc/sys/vm/drop_caches");
+  }
+  close(fd);
+  respond(id, OP_DROP_CACHES, NULL, 0);
+}
+
+/* SHUTDOWN {} -> {} then the VM ends (reboot(2); the kernel's reboot=t makes that a VM exit). */
+static void op_shutdown(uint32_t id) {
+  respond(id, OP_SHUTDOWN, NULL, 0);
+  for (int i = 0; i < 100 && out.len; i++) { /* give the response 1 s to leave */
+    flush_out();
+    if (out.len) poll(&(struct pollfd){.fd = chan, .events = POLLOUT}, 1, 10);
+  }
+  sync();
+  if (is_init) reboot(RB_AUTOBOOT);
+  exit(0);
+}
+
+static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n) {
+  switch (op) {
+  case OP_PING: return respond(id, op, p, n);
+  case OP_EXEC: return op_exec(id, p, n);
+  case OP_STDIN_WRITE: return op_stdin_write(id, p, n);
+  case OP_STDIN_CLOSE: return op_stdin_close(id, p, n);
+  case OP_KILL: return op_kill(id, p, n);
+  case OP_FILE_READ: return op_file_read(id, p, n);
+  case OP_FILE_WRITE: return op_file_write(id, p, n);
+  case OP_MEMINFO: return op_meminfo(id);
+  case OP_DROP_CACHES: return op_drop_caches(id, p, n);
+  case OP_SHUTDOWN: return op_shutdown(id);
+  default: return send_error(id, op, E_UNSUPPORTED, "unsupported op 0x%04x", op);
+  }
+}
+
+/* Serves every complete frame in the input buffer. */
+static void parse_input(void) {
+  while (in.len >= HDR) {
+    const uint8_t *h = in.p + in.head;
+    uint32_t plen = rd32(h + 12);
+    if (h[0] != 0x50 || h[1] != 0x56 || h[2] != 1 || plen > MAX_PAYLOAD) {
+      /* resynchronise: drop everything buffered (as the probe does) */
+      send_error(0, 0, E_BADFRAME, "bad frame header (magic, version or length)");
+      buf_consume(&in, in.len);
+      return;
+    }
+    if (in.len < HDR + plen) return;
+    uint32_t id = rd32(h + 4);
+    uint16_t op = rd16(h + 8);
+    if (h[3] != T_REQUEST) send_error(id, op, E_BADFRAME, "frame type %u is not a request", h[3]);
+    else handle_request(id, op, h + HDR, plen);
+    buf_consume(&in, HDR + plen);
+  }
+}
+
+/* ---- start-up ---- */
+/* Copies the value of NAME=VALUE from the kernel command line into out; 0 if absent or too long. */
+static int cmdline_param(const char *name, char *out, size_t outlen) {
+  char cmd[4096] = {0};
+  FILE *f = fopen("/proc/cmdline", "re");
+  if (!f) return 0;
+  char *ok = fgets(cmd, sizeof cmd, f);
+  fclose(f);
+  size_t nl = strlen(name);
+  for (char *h = ok ? cmd : NULL; h && (h = strstr(h, name)); h += nl) {
+    if ((h != cmd && h[-1] != ' ') || h[nl] != '=') continue;
+    size_t l = strcspn(h + nl + 1, " \n");
+    if (l == 0 || l >= outlen) return 0;
+    memcpy(out, h + nl + 1, l);
+    out[l] = 0;
+    return 1;
+  }
+  return 0;
+}
+
+static void setup_system(void) {
+  /* initramfs is not covered by DEVTMPFS_MOUNT: mount /dev ourselves (EBUSY: already there) */
+  mkdir("/dev", 0755);
+  if (mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755") && errno != EBUSY) logmsg("mount /dev: %s", strerror(errno));
+  /* the kernel had no /dev/console to give us: fill fds 0-2 so later fds never land there */
+  int fd;
+  while ((fd = open("/dev/null", O_RDWR)) >= 0 && fd < 3) {}
+  if (fd > 2) close(fd);
+  static const struct {
+    const char *src, *dir, *type, *opts;
+    unsigned long flags;
+    mode_t mode;
+  } m[] = {
+      {"proc", "/proc", "proc", NULL, MS_NOSUID | MS_NODEV | MS_NOEXEC, 0555},
+      {"sysfs", "/sys", "sysfs", NULL, MS_NOSUID | MS_NODEV | MS_NOEXEC, 0555},
+      {"devpts", "/dev/pts", "devpts", "mode=0620,ptmxmode=0666", MS_NOSUID | MS_NOEXEC, 0755},
+      {"tmpfs", "/dev/shm", "tmpfs", "mode=1777", MS_NOSUID | MS_NODEV, 01777},
+      {"tmpfs", "/tmp", "tmpfs", "mode=1777", MS_NOSUID | MS_NODEV, 01777},
+      {"tmpfs", "/run", "tmpfs", "mode=0755", MS_NOSUID | MS_NODEV, 0755},
+  };
+  for (size_t i = 0; i < sizeof m / sizeof *m; i++) {
+    mkdir(m[i].dir, m[i].mode);
+    if (mount(m[i].src, m[i].dir, m[i].type, m[i].flags, m[i].opts)) logmsg("mount %s: %s", m[i].dir, strerror(errno));
+  }
+  static const char *const links[][2] = {{"/proc/self/fd", "/dev/fd"}, {"/proc/self/fd/0", "/dev/stdin"}, {"/proc/self/fd/1", "/dev/stdout"}, {"/proc/self/fd/2", "/dev/stderr"}, {"pts/ptmx", "/dev/ptmx"}};
+  for (size_t i = 0; i < sizeof links / sizeof *links; i++) {
+    if (i == 4) unlink(links[i][1]); /* devtmpfs' own ptmx node belongs to the initial devpts, not ours */
+    if (symlink(links[i][0], links[i][1]) && errno != EEXIST) logmsg("symlink %s: %s", links[i][1], strerror(errno));
+  }
+  /* hostname: pvisor.hostname=NAME on the kernel command line, else "pvisor" */
+  char name[65] = "pvisor";
+  cmdline_param("pvisor.hostname", name, sizeof name);
+  if (sethostname(name, strlen(name))) logmsg("sethostname: %s", strerror(errno));
+  if (chdir("/")) die("chdir /");
+  umask(022);
+}
+
+/* Opens the channel, waiting for the device (virtio ports may appear after init starts). */
+static int open_channel(const char *path) {
+  for (int i = 0; i < 1000; i++) {
+    int fd = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC | O_NONBLOCK);
+    if (fd >= 0) return fd;
+    if (errno != ENOENT && errno != ENXIO && errno != ENODEV) break;
+    nanosleep(&(struct timespec){.tv_nsec = 10 * 1000 * 1000}, NULL);
+  }
+  die(path);
+}
+
+int main(int argc, char **argv) {
+  is_init = getpid() == 1;
+  if (is_init) setup_system();
+  /* the channel: argv[1] (debugging), else pvisor.channel=PATH on the kernel command line (a
+   * test harness may use a multiport virtio-serial port such as /dev/vport0p1), else /dev/hvc0 */
+  static char chanpath[256] = "/dev/hvc0";
+  if (argc > 1) snprintf(chanpath, sizeof chanpath, "%s", argv[1]);
+  else if (is_init) cmdline_param("pvisor.channel", chanpath, sizeof chanpath);
+  const char *path = chanpath;
+  signal(SIGPIPE, SIG_IGN); /* a child closing its stdin must give EPIPE, not kill the agent */
+
+  /* SIGCHLD through a signalfd, so reaping is one more fd in the poll loop */
+  sigset_t chld;
+  sigemptyset(&chld);
+  sigaddset(&chld, SIGCHLD);
+  if (sigprocmask(SIG_BLOCK, &chld, NULL)) die("sigprocmask");
+  int sfd = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
+  if (sfd < 0) die("signalfd");
+
+  chan = open_channel(path);
+  struct termios t;
+  if (isatty(chan)) {
+    /* raw: binary-clean both ways, no echo, no line editing, no flow control characters */
+    if (tcgetattr(chan, &t)) die("tcgetattr");
+    cfmakeraw(&t);
+    t.c_cc[VMIN] = 1;
+    t.c_cc[VTIME] = 0;
+    if (tcsetattr(chan, TCSANOW, &t)) die("tcsetattr");
+    tcflush(chan, TCIFLUSH);
+  }
+
+  struct sysinfo si;
+  if (sysinfo(&si)) die("sysinfo");
+  uint8_t hello[32] = {0};
+  wr32(hello, 1);
+  wr32(hello + 4, GUEST_KIND_LINUX);
+  wr64(hello + 8, (uint64_t)si.totalram * si.mem_unit);
+  /* wsBase / wsLimit stay 0: the Linux guest has no probe working set */
+  send_frame(T_EVENT, 0, OP_HELLO, 0, hello, sizeof hello, NULL, 0);
+  logmsg("ready on %s", path);
+
+  struct pollfd *pfd = NULL;
+  struct proc **pproc = NULL;
+  size_t pcap = 0;
+  for (;;) {
+    flush_out();
+    size_t need = 2 + 3 * (size_t)nprocs;
+    if (need > pcap) {
+      pcap = need * 2;
+      pfd = realloc(pfd, pcap * sizeof *pfd);
+      pproc = realloc(pproc, pcap * sizeof *pproc);
+      if (!pfd || !pproc) die("realloc");
+    }
+    int streams = out.len < OUT_STOP_STREAMS;
+    pfd[0] = (struct pollfd){.fd = chan, .events = (short)((out.len ? POLLOUT : 0) | (out.len < OUT_STOP_INPUT ? POLLIN : 0))};
+    pfd[1] = (struct pollfd){.fd = sfd, .events = POLLIN};
+    size_t np = 2;
+    for (struct proc *pr = procs; pr; pr = pr->next) {
+      if (streams && pr->out_fd >= 0) pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->out_fd, .events = POLLIN};
+      if (streams && pr->err_fd >= 0) pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->err_fd, .events = POLLIN};
+      if (pr->in_fd >= 0 && pr->wpending) pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->in_fd, .events = POLLOUT};
+    }
+    int rc = poll(pfd, np, reads && streams ? 0 : -1);
+    if (rc < 0 && errno != EINTR) die("poll");
+    if (rc < 0) continue;
+
+    if (pfd[1].revents) {
+      struct signalfd_siginfo ssi;
+      while (read(sfd, &ssi, sizeof ssi) > 0) {}
+      reap();
+    }
+    for (size_t i = 2; i < np; i++) {
+      if (!pfd[i].revents) continue;
+      struct proc *pr = pproc[i];
+      if (pfd[i].fd == pr->out_fd) pump_pipe(pr, &pr->out_fd, CH_STDOUT);
+      else if (pfd[i].fd == pr->err_fd) pump_pipe(pr, &pr->err_fd, CH_STDERR);
+      else if (pfd[i].fd == pr->in_fd) stdin_progress(pr);
+    }
+    pump_reads();
+    if (pfd[0].revents & POLLOUT) flush_out();
+    if (pfd[0].revents & POLLIN) {
+      for (;;) {
+        uint8_t *dst = buf_reserve(&in, 65536);
+        ssize_t n = read(chan, dst, 65536);
+        if (n > 0) {
+          in.len += (size_t)n;
+          if (in.len >= HDR + MAX_PAYLOAD + 65536) break; /* serve before reading more */
+          continue;
+        }
+        if (n == 0 || errno == EAGAIN || errno == EINTR) break;
+        die("read from the agent channel");
+      }
+      parse_input();
+    } else if (pfd[0].revents & (POLLHUP | POLLERR)) {
+      /* nobody on the host end (a tty hang-up): do not spin */
+      nanosleep(&(struct timespec){.tv_nsec = 50 * 1000 * 1000}, NULL);
+    }
+    finish_procs();
+  }
+}
