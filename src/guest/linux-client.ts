@@ -135,8 +135,10 @@ export class GuestProcess {
         return sig ? { exitCode: null, signal: signalNames[sig] ?? (`SIG${sig}` as NodeJS.Signals) } : { exitCode: code, signal: null };
       },
       (e: Error) => {
-        this.stdout.destroy(e);
-        this.stderr.destroy(e);
+        // Closed without an error: a stream 'error' nobody listens to would throw in the host
+        // process. Why the process ended is `exited`'s rejection.
+        this.stdout.destroy();
+        this.stderr.destroy();
         throw e;
       },
     );
