@@ -16,6 +16,7 @@ import { join, resolve } from 'node:path';
 import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
+import { processResident } from '../memory-usage';
 import { CompressedOffload } from '../memory/compressed-offload';
 import { IdleRelease } from '../memory/idle-release';
 import { Offload } from '../memory/offload';
@@ -145,7 +146,7 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
       if (msg.event === 'operated') progress(`${label}: operation took ${(msg.operationMs as number).toFixed(1)} ms; reading in ${READ_AFTER_MS / 1000} s`);
       if (msg.event === 'reading') {
         // Read the group from outside while the cell waits, so that reading costs the cell nothing.
-        result.groupPssBytes = typeof cgroup === 'string' ? processPss(child.pid!) : cgroup.pssBytes();
+        result.groupPssBytes = typeof cgroup === 'string' ? processResident(child.pid!).pssBytes : cgroup.pssBytes();
         result.groupMemoryBytes = typeof cgroup === 'string' ? null : cgroup.memoryBytes();
         result.groupPageCacheBytes = typeof cgroup === 'string' ? null : cgroup.pageCacheBytes();
         result.guestRamPssBytes = msg.guestRamPssBytes as number;
@@ -168,11 +169,6 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
     await exited;
     if (typeof cgroup !== 'string') cgroup.remove();
   }
-}
-
-function processPss(pid: number): number {
-  const m = /^Pss:\s+(\d+) kB/m.exec(readFileSync(`/proc/${pid}/smaps_rollup`, 'utf8'));
-  return m ? Number(m[1]) * 1024 : 0;
 }
 
 function backingBytesOf(strategies: StrategyStats[]): number | undefined {
