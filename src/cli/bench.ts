@@ -143,7 +143,7 @@ export async function cmdBench(argv: string[]): Promise<number> {
       process.stdout.write(JSON.stringify(await memoryCaseChild(Number(rest[0]))));
       return 0;
     default:
-      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--json FILE]\n');
+      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--shared-vms N] [--json FILE]\n');
       return 2;
   }
 }

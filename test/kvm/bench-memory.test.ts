@@ -25,14 +25,21 @@ describe('pvisor bench memory', () => {
     const json = join(dir, 'out.json');
     const r = spawnSync(
       process.execPath,
-      [main, 'bench', 'memory', '--modes', 'default,offload', '--contents', 'random', '--working-set', '8MiB', '--backing-dir', join(dir, 'backing'), '--json', json],
+      [main, 'bench', 'memory', '--modes', 'default,offload', '--contents', 'random', '--working-set', '8MiB', '--shared-vms', '2', '--backing-dir', join(dir, 'backing'), '--json', json],
       { encoding: 'utf8' },
     );
     expect(r.stderr).toMatch(/\[2\/2\] offload random: operation took/);
     expect(r.status).toBe(0);
     expect(r.stdout).toMatch(/^default\s+\| random\s+\| [\d.]+ \(179\.4\)/m);
     expect(r.stdout).toMatch(/^offload\s+\| random\s+\| [\d.]+ \(320\.1\)\s+\| [\d.]+ \(498\.2\)/m);
-    const cells = (JSON.parse(readFileSync(json, 'utf8')) as { cells: Cell[] }).cells;
+    const out = JSON.parse(readFileSync(json, 'utf8')) as { cells: Cell[]; sharedProcess: Cell & { vms: number } };
+    const cells = out.cells;
+    // Two offloaded VMs in one process: their guest RAM is gone. (Their PSS is not compared with
+    // the lone VM's: the node binary's share moves with every other node process on the host.)
+    expect(out.sharedProcess.vms).toBe(2);
+    expect(out.sharedProcess.guestRamPssBytes).toBeLessThanOrEqual(2 * 8 * MiB * 0.01);
+    expect(out.sharedProcess.groupPssBytes).toBeGreaterThan(10 * MiB);
+    expect(r.stdout).toMatch(/^2 offloaded VMs in one process \(random\): group PSS [\d.]+ MiB, [\d.]+ MiB per VM/m);
     const [base, off] = cells;
     expect(base.mode).toBe('default');
     expect(base.guestRamPssBytes).toBeGreaterThanOrEqual(8 * MiB);
