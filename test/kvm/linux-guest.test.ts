@@ -61,7 +61,8 @@ describe('Linux guest', () => {
     const before = vm.memoryUsage().guestRamPssBytes;
     expect((await vm.exec(['dd', 'if=/dev/zero', 'of=/tmp/fill', 'bs=1M', 'count=48'])).exitCode).toBe(0);
     const filled = vm.memoryUsage().guestRamPssBytes;
-    expect(filled - before).toBeGreaterThan(40 * MiB);
+    // Most of the 48 MiB is new to the host (pages the guest freed earlier may be reused).
+    expect(filled - before).toBeGreaterThan(32 * MiB);
     expect((await vm.exec(['rm', '/tmp/fill'])).exitCode).toBe(0);
     // The balloon reports freed 4 MiB blocks about 2 s later; under emulation give it longer.
     let now = filled;
