@@ -5,4 +5,5 @@ module.exports = {
   roots: ['<rootDir>/dist/test'],
   testMatch: ['**/*.test.js'],
   testTimeout: 120000,
+  reporters: ['default', '<rootDir>/scripts/jest-progress-reporter.js'],
 };
