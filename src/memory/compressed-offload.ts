@@ -6,12 +6,11 @@
  * small worker pool started for the operation; the main thread only copies frames between guest
  * RAM and the workers' shared buffers and does the file I/O.
  */
-import { randomBytes } from 'node:crypto';
 import { rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import { InvalidOptionError, type BackingFileError } from '../errors';
 import { PAGE_SIZE } from '../sys/constants';
+import { backingFilePath } from './backing-file';
 import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from './frame-file';
 import type { FramePool } from './frame-pool';
 import { releaseFileCache } from './page-cache';
@@ -97,7 +96,7 @@ export class CompressedOffload implements MemoryStrategy {
   async suspend(ctx: StrategyContext): Promise<void> {
     const t0 = performance.now();
     const ram = ctx.ram;
-    this.path ??= join(this.dir, `pvisor-${ctx.vmName}-${process.pid}-${randomBytes(4).toString('hex')}.zframes`);
+    this.path ??= backingFilePath(this.dir, ctx.vmName, 'zframes');
     const header: FrameFileHeader = { frameBytes: this.frameBytes, guestRamBytes: ram.sizeBytes };
     // The vCPUs are stopped and agent traffic is held: the resident set cannot change until resume.
     const units = residentUnits(residentRuns(ram), this.frameBytes);

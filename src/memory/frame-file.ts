@@ -7,10 +7,11 @@
  *
  * Pure logic over real files and byte buffers: no ffi-rs, so the compression workers load it too.
  */
-import { closeSync, constants, fstatSync, openSync, readSync, rmSync, writeSync } from 'node:fs';
+import { closeSync, constants, fstatSync, openSync, readSync, rmSync } from 'node:fs';
 import { crc32 } from 'node:zlib';
 import type { CCtx, DCtx } from 'zstd-napi/binding';
 import { BackingFileError } from '../errors';
+import { createBackingFile, writeFully } from './backing-file';
 
 /** `PVZFRAME`: the first and last 8 bytes of every frame file. */
 export const FRAME_FILE_MAGIC = Buffer.from('PVZFRAME', 'latin1');
@@ -170,7 +171,7 @@ export class FrameFileWriter {
   private closed = false;
 
   constructor(readonly path: string, readonly header: FrameFileHeader) {
-    this.fd = openSync(path, constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL, 0o600);
+    this.fd = createBackingFile(path);
     try {
       this.writeAt(encodeHeader(header), 0);
     } catch (e) {
@@ -220,12 +221,7 @@ export class FrameFileWriter {
   }
 
   private writeAt(data: Uint8Array, position: number): void {
-    let done = 0;
-    while (done < data.length) {
-      const n = writeSync(this.fd, data, done, data.length - done, position + done);
-      if (n <= 0) throw new BackingFileError(this.path, `write failed at offset ${position + done}`);
-      done += n;
-    }
+    writeFully(this.fd, data, position, this.path);
   }
 }
 

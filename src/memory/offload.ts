@@ -6,13 +6,12 @@
  * lazy-loader.ts). Works on the default private anonymous RAM, so it combines with KsmAdvice (the
  * reference system could not offload KSM-advised RAM).
  */
-import { randomBytes } from 'node:crypto';
-import { closeSync, constants, fstatSync, openSync, readSync, rmSync, statSync, writeSync } from 'node:fs';
+import { closeSync, constants, fstatSync, openSync, readSync, rmSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import { crc32 } from 'node:zlib';
 import { BackingFileError, InvalidOptionError } from '../errors';
 import { PAGE_SIZE } from '../sys/constants';
+import { backingFilePath, createBackingFile, writeFully } from './backing-file';
 import type { LazyLoader, LoaderEvent, LoaderFigures } from './lazy-loader';
 import { releaseFileCache } from './page-cache';
 import { residentRuns } from './resident-pages';
@@ -99,9 +98,8 @@ export class Offload implements MemoryStrategy {
     // A lazy load still in progress: everything comes back first, then RAM goes out as usual.
     if (this.loader) await this.finishLoading();
     const t0 = performance.now();
-    this.path ??= join(this.dir, `pvisor-${ctx.vmName}-${process.pid}-${randomBytes(4).toString('hex')}.ram`);
-    // 0600 and O_EXCL: the file holds the guest's memory; nobody else may read or pre-create it.
-    const fd = openSync(this.path, constants.O_RDWR | constants.O_CREAT | constants.O_EXCL | constants.O_TRUNC, 0o600);
+    this.path ??= backingFilePath(this.dir, ctx.vmName, 'ram');
+    const fd = createBackingFile(this.path, constants.O_RDWR);
     const pieces: Piece[] = [];
     let zeroPages = 0;
     // The vCPUs are stopped and agent traffic is held: the resident set cannot change until resume.
@@ -120,7 +118,7 @@ export class Offload implements MemoryStrategy {
             if (!zero && start < 0) start = p;
             else if (zero && start >= 0) {
               const view = ctx.ram.view(start, p - start);
-              writeAll(fd, view, start, this.path);
+              writeFully(fd, view, start, this.path);
               pieces.push({ offset: start, length: p - start, crc: crc32(view) });
               start = -1;
             }
@@ -270,12 +268,3 @@ function openChecked(path: string, pieces: readonly Piece[], flags: number): num
 }
 
 const roundMs = (ms: number) => Math.round(ms * 10) / 10;
-
-function writeAll(fd: number, data: Buffer, position: number, path: string): void {
-  let done = 0;
-  while (done < data.length) {
-    const n = writeSync(fd, data, done, data.length - done, position + done);
-    if (n <= 0) throw new BackingFileError(path, `write failed at offset ${position + done}`);
-    done += n;
-  }
-}
