@@ -16,7 +16,7 @@ import type { FramePool } from './frame-pool';
 import { releaseFileCache } from './page-cache';
 import { residentRuns, type PageRun } from './resident-pages';
 import type { Offload } from './offload';
-import type { MemoryStrategy, StrategyContext, StrategyRam, StrategyStats } from './strategy';
+import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats } from './strategy';
 
 /** Options of {@link CompressedOffload}. */
 export interface CompressedOffloadOptions {
@@ -218,4 +218,3 @@ function copyNonZeroPages(frame: Buffer, ram: StrategyRam, guestOffset: number):
   }
 }
 
-const roundMs = (ms: number) => Math.round(ms * 10) / 10;

@@ -15,7 +15,7 @@ import { backingFilePath, createBackingFile, writeFully } from './backing-file';
 import type { LazyLoader, LoaderEvent, LoaderFigures } from './lazy-loader';
 import { releaseFileCache } from './page-cache';
 import { residentRuns } from './resident-pages';
-import type { ExclusiveResource, MemoryStrategy, StrategyContext, StrategyStats } from './strategy';
+import { roundMs, type ExclusiveResource, type MemoryStrategy, type StrategyContext, type StrategyStats } from './strategy';
 
 /**
  * How {@link Offload} brings guest RAM back on resume.
@@ -267,4 +267,3 @@ function openChecked(path: string, pieces: readonly Piece[], flags: number): num
   return fd;
 }
 
-const roundMs = (ms: number) => Math.round(ms * 10) / 10;

@@ -62,6 +62,11 @@ export interface StrategyStats {
   notes: string[];
 }
 
+/** A duration for {@link StrategyStats.figures}: milliseconds to a tenth. */
+export function roundMs(ms: number): number {
+  return Math.round(ms * 10) / 10;
+}
+
 /** The interface of every memory strategy. */
 export interface MemoryStrategy {
   /** A short stable name, e.g. `ksm-advice`, used in errors and figures. */
