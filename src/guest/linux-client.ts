@@ -91,6 +91,13 @@ function u32s(...values: number[]): Buffer {
   return b;
 }
 
+/** `bytes` cut into frame-sized chunks; at least one, so that empty data is still sent once. */
+function frameChunks(bytes: Buffer): Buffer[] {
+  const chunks = [bytes.subarray(0, DATA_PER_FRAME)];
+  for (let off = DATA_PER_FRAME; off < bytes.length; off += DATA_PER_FRAME) chunks.push(bytes.subarray(off, off + DATA_PER_FRAME));
+  return chunks;
+}
+
 function signalNumber(signal: NodeJS.Signals | number): number {
   const n = typeof signal === 'number' ? signal : osConstants.signals[signal];
   if (!Number.isInteger(n) || n < 1 || n > 64) throw new InvalidOptionError('signal', `unknown signal ${String(signal)}`);
@@ -150,10 +157,7 @@ export class GuestProcess {
   write(data: string | Uint8Array): Promise<void> {
     const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
     const next = this.stdinQueue.then(async () => {
-      for (let off = 0; off < bytes.length || off === 0; off += DATA_PER_FRAME) {
-        await this.agent.request(LinuxOp.StdinWrite, Buffer.concat([u32s(this.handle), bytes.subarray(off, off + DATA_PER_FRAME)]));
-        if (bytes.length === 0) break;
-      }
+      for (const chunk of frameChunks(bytes)) await this.agent.request(LinuxOp.StdinWrite, Buffer.concat([u32s(this.handle), chunk]));
     });
     this.stdinQueue = next.catch(() => {});
     return next;
@@ -271,12 +275,9 @@ export class GuestFiles {
   async write(path: string, data: string | Uint8Array, options: { mode?: number } = {}): Promise<void> {
     const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
     const p = str(path, 'path');
-    const sends: Promise<Buffer>[] = [];
-    for (let off = 0; off === 0 || off < bytes.length; off += DATA_PER_FRAME) {
-      const flags = WRITE_MKDIRS | (off > 0 ? WRITE_APPEND : 0);
-      sends.push(this.agent.request(LinuxOp.FileWrite, Buffer.concat([u32s(flags, options.mode ?? 0o644), p, bytes.subarray(off, off + DATA_PER_FRAME)])));
-      if (!bytes.length) break;
-    }
-    await Promise.all(sends);
+    await Promise.all(frameChunks(bytes).map((chunk, i) => {
+      const flags = WRITE_MKDIRS | (i > 0 ? WRITE_APPEND : 0);
+      return this.agent.request(LinuxOp.FileWrite, Buffer.concat([u32s(flags, options.mode ?? 0o644), p, chunk]));
+    }));
   }
 }
