@@ -1,23 +1,52 @@
 /**
- * virtio-console (device id 3), single port, no multiport: pvisor's agent channel. Bytes the
- * guest transmits go to `onData`; bytes the host sends wait in a queue until the guest posts
- * receive buffers.
+ * virtio-console (device id 3): pvisor's agent channel, one port. Bytes the guest transmits go to
+ * `onData`; bytes the host sends wait in a queue until the guest posts receive buffers.
+ *
+ * The device offers VIRTIO_CONSOLE_F_MULTIPORT so that Linux sees the port as a generic
+ * virtio-serial port (/dev/vport0p0), not as a console (/dev/hvc0): the hvc console path sends
+ * at most 4 KiB per request and then spins with interrupts off until the host has consumed it,
+ * which costs an exit per 4 KiB and keeps a vCPU busy while the VMM works; a generic port sends
+ * up to 32 KiB per request and never waits for the host. The probe guest does not negotiate
+ * multiport and gets the plain two-queue console.
  */
 import type { GuestMemory } from '../guest-memory';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import type { SplitQueue } from '../virtio/queue';
 
+/** VIRTIO_CONSOLE_F_MULTIPORT (<linux/virtio_console.h>). */
+const VIRTIO_CONSOLE_F_MULTIPORT = 1n << 1n;
+
+// Queues with multiport and max_nr_ports = 1: port 0's receive and transmit queues, then the
+// control queues (device-to-driver, driver-to-device).
 const RECEIVEQ = 0;
 const TRANSMITQ = 1;
+const CONTROL_RECEIVEQ = 2;
+const CONTROL_TRANSMITQ = 3;
+
+// Control messages, struct virtio_console_control { le32 id; le16 event; le16 value; }.
+const DEVICE_READY = 0;
+const DEVICE_ADD = 1;
+const PORT_READY = 3;
+const PORT_OPEN = 6;
+const PORT_NAME = 7;
+const CONTROL_BYTES = 8;
+
+/** The port's name, as the guest sees it in /sys/class/virtio-ports/vport0p0/name. */
+const PORT_NAME_TEXT = 'pvisor.agent';
+/** The port's device node in a Linux guest: virtio device 0 (the first on the command line), port 0. */
+export const AGENT_PORT_PATH = '/dev/vport0p0';
 
 /** The agent channel's device model. */
 export class VirtioConsole implements VirtioDevice {
   readonly deviceId = 3;
-  readonly queueCount = 2;
-  readonly features = VIRTIO_F_VERSION_1;
+  readonly queueCount = 4;
+  readonly features = VIRTIO_F_VERSION_1 | VIRTIO_CONSOLE_F_MULTIPORT;
   private rx: SplitQueue | null = null;
   private tx: SplitQueue | null = null;
+  private controlRx: SplitQueue | null = null;
+  private controlTx: SplitQueue | null = null;
   private outbox: Buffer[] = [];
+  private controlOutbox: Buffer[] = [];
 
   /**
    * @param onData bytes from the guest
@@ -33,18 +62,28 @@ export class VirtioConsole implements VirtioDevice {
     private readonly onError: (message: string) => void,
   ) {}
 
-  readConfig(): number {
-    return 0;
+  readConfig(off: number, len: number): number {
+    // struct virtio_console_config { le16 cols; le16 rows; le32 max_nr_ports; le32 emerg_wr; }
+    return off === 4 && len === 4 ? 1 : 0;
   }
 
-  activate(queues: (SplitQueue | null)[]): void {
+  maxQueueSize(index: number): number {
+    // Linux fills every receive queue with page-sized buffers up front; control messages are few.
+    return index === CONTROL_RECEIVEQ || index === CONTROL_TRANSMITQ ? 16 : 256;
+  }
+
+  activate(queues: (SplitQueue | null)[], acked: bigint): void {
     this.rx = queues[RECEIVEQ];
     this.tx = queues[TRANSMITQ];
+    const multiport = (acked & VIRTIO_CONSOLE_F_MULTIPORT) !== 0n;
+    this.controlRx = multiport ? queues[CONTROL_RECEIVEQ] : null;
+    this.controlTx = multiport ? queues[CONTROL_TRANSMITQ] : null;
     this.flush();
   }
 
   reset(): void {
-    this.rx = this.tx = null;
+    this.rx = this.tx = this.controlRx = this.controlTx = null;
+    this.controlOutbox = [];
   }
 
   /** The receive queue's used index, as the guest will see it. */
@@ -61,9 +100,17 @@ export class VirtioConsole implements VirtioDevice {
   notify(index: number): void {
     if (index === TRANSMITQ) this.drainTransmit();
     else if (index === RECEIVEQ) this.flush();
+    else if (index === CONTROL_TRANSMITQ) this.readControl();
+    else if (index === CONTROL_RECEIVEQ) this.flushControl();
   }
 
   private readonly queueError = (message: string) => this.onError(`virtio-console: ${message}`);
+
+  private signal(q: SplitQueue, usedBefore: number): boolean {
+    if (q.usedIndex === usedBefore) return false;
+    if (q.interruptWanted) this.onUsed();
+    return true;
+  }
 
   private drainTransmit(): void {
     const tx = this.tx;
@@ -76,36 +123,98 @@ export class VirtioConsole implements VirtioDevice {
       tx.push(chain.head, 0);
       this.onData(parts.length === 1 ? parts[0] : Buffer.concat(parts));
     }
-    if (tx.usedIndex !== usedBefore) this.onUsed();
+    this.signal(tx, usedBefore);
   }
 
   private flush(): void {
     const rx = this.rx;
-    if (!rx || !this.outbox.length) return;
+    if (!rx) return;
     const usedBefore = rx.usedIndex;
-    let chain;
-    while (this.outbox.length && (chain = rx.popValid(this.queueError))) {
-      let written = 0;
-      for (const d of chain.descriptors) {
-        if (!d.writable) continue;
-        let room = d.len;
-        let at = d.gpa;
-        while (room > 0 && this.outbox.length) {
-          const head = this.outbox[0];
-          const n = Math.min(room, head.length);
-          this.mem.write(at, head.subarray(0, n));
-          at += n;
-          room -= n;
-          written += n;
-          if (n === head.length) this.outbox.shift();
-          else this.outbox[0] = head.subarray(n);
-        }
+    for (;;) {
+      let chain;
+      while (this.outbox.length && (chain = rx.popValid(this.queueError))) rx.push(chain.head, this.fill(chain.descriptors, this.outbox));
+      // Notifications of new receive buffers matter only while bytes wait for one: the guest
+      // re-posts a buffer after each read, and each notification is an exit.
+      rx.setNotifications(this.outbox.length > 0);
+      if (!this.outbox.length || !rx.hasAvailable()) break;
+    }
+    if (this.signal(rx, usedBefore)) this.onDelivered();
+  }
+
+  /** Copies queued bytes into a chain's writable buffers; returns the bytes written. */
+  private fill(descriptors: { gpa: number; len: number; writable: boolean }[], queue: Buffer[]): number {
+    let written = 0;
+    for (const d of descriptors) {
+      if (!d.writable) continue;
+      let room = d.len;
+      let at = d.gpa;
+      while (room > 0 && queue.length) {
+        const head = queue[0];
+        const n = Math.min(room, head.length);
+        this.mem.write(at, head.subarray(0, n));
+        at += n;
+        room -= n;
+        written += n;
+        if (n === head.length) queue.shift();
+        else queue[0] = head.subarray(n);
       }
-      rx.push(chain.head, written);
     }
-    if (rx.usedIndex !== usedBefore) {
-      this.onUsed();
-      this.onDelivered();
+    return written;
+  }
+
+  /** The driver's control messages: the port handshake (virtio 1.x, 5.3.6.2). */
+  private readControl(): void {
+    const q = this.controlTx;
+    if (!q) return;
+    const usedBefore = q.usedIndex;
+    let chain;
+    while ((chain = q.popValid(this.queueError))) {
+      const d = chain.descriptors.find((x) => !x.writable);
+      q.push(chain.head, 0);
+      if (!d || d.len < CONTROL_BYTES) {
+        this.queueError(`control message of ${d?.len ?? 0} bytes, expected ${CONTROL_BYTES}`);
+        continue;
+      }
+      const msg = this.mem.read(d.gpa, CONTROL_BYTES);
+      const id = msg.readUInt32LE(0);
+      const event = msg.readUInt16LE(4);
+      const value = msg.readUInt16LE(6);
+      if (event === DEVICE_READY && value === 1) this.control(0, DEVICE_ADD, 1);
+      else if (event === PORT_READY && id === 0 && value === 1) {
+        this.control(0, PORT_NAME, 1, PORT_NAME_TEXT);
+        // The host side of the port is always open: until it says so, Linux refuses writes.
+        this.control(0, PORT_OPEN, 1);
+      }
+      // Other messages (the guest opening or closing the port) need no answer.
     }
+    this.signal(q, usedBefore);
+  }
+
+  private control(id: number, event: number, value: number, text = ''): void {
+    const msg = Buffer.alloc(CONTROL_BYTES + Buffer.byteLength(text));
+    msg.writeUInt32LE(id, 0);
+    msg.writeUInt16LE(event, 4);
+    msg.writeUInt16LE(value, 6);
+    msg.write(text, CONTROL_BYTES);
+    this.controlOutbox.push(msg);
+    this.flushControl();
+  }
+
+  /** One control message per buffer, never split. */
+  private flushControl(): void {
+    const q = this.controlRx;
+    if (!q) return;
+    const usedBefore = q.usedIndex;
+    let chain;
+    while (this.controlOutbox.length && (chain = q.popValid(this.queueError))) {
+      const room = chain.descriptors.reduce((n, d) => n + (d.writable ? d.len : 0), 0);
+      if (room < this.controlOutbox[0].length) {
+        q.push(chain.head, 0);
+        this.queueError(`control buffer of ${room} bytes is too small`);
+        continue;
+      }
+      q.push(chain.head, this.fill(chain.descriptors, [this.controlOutbox.shift()!]));
+    }
+    this.signal(q, usedBefore);
   }
 }

@@ -12,6 +12,9 @@ const MAGIC = 0x74726976; // "virt"
 const VENDOR_ID = 0x5056; // "PV"
 const MAX_QUEUE_SIZE = 256;
 
+/** Offset of the QueueNotify register, which a KVM ioeventfd may take over. */
+export const VIRTIO_MMIO_QUEUE_NOTIFY = 0x050;
+
 /** VIRTIO_F_VERSION_1, bit 32: the modern interface, the only one pvisor speaks. */
 export const VIRTIO_F_VERSION_1 = 2n ** 32n;
 
@@ -53,6 +56,8 @@ export interface VirtioDevice {
   readonly queueCount: number;
   /** Feature bits offered (including VIRTIO_F_VERSION_1). */
   readonly features: bigint;
+  /** The largest size queue `index` may have (default {@link MAX_QUEUE_SIZE}). */
+  maxQueueSize?(index: number): number;
   /** Bytes of the device config space, read at offset `off`. */
   readConfig(off: number, len: number): number;
   /** The driver set DRIVER_OK; `queues[i]` is null for a queue it did not make ready. */
@@ -97,10 +102,24 @@ export class MmioTransport {
     return Array.from({ length: this.device.queueCount }, () => ({ num: 0, ready: false, desc: 0, driver: 0, device: 0 }));
   }
 
+  private maxQueueSize(index: number): number {
+    return this.device.maxQueueSize?.(index) ?? MAX_QUEUE_SIZE;
+  }
+
   /** Signals "used buffers" to the driver (interrupt status bit 0). */
   signalUsed(): void {
     this.interruptStatus |= 1;
     this.onInterrupt();
+  }
+
+  /** The driver notified queue `index` (a QueueNotify write, or its ioeventfd). */
+  notify(index: number): void {
+    if (this.active && index < this.queues.length) this.device.notify(index);
+  }
+
+  /** Queues the device has, for whoever registers an ioeventfd per queue. */
+  get queueCount(): number {
+    return this.device.queueCount;
   }
 
   read(off: number, len: number): number {
@@ -114,7 +133,7 @@ export class MmioTransport {
       case Reg.VendorId: return VENDOR_ID;
       case Reg.DeviceFeatures:
         return this.deviceFeaturesSel > 1 ? 0 : Number((this.device.features >> BigInt(32 * this.deviceFeaturesSel)) & 0xffffffffn);
-      case Reg.QueueNumMax: return q ? MAX_QUEUE_SIZE : 0;
+      case Reg.QueueNumMax: return q ? this.maxQueueSize(this.queueSel) : 0;
       case Reg.QueueReady: return q?.ready ? 1 : 0;
       case Reg.InterruptStatus: return this.interruptStatus;
       case Reg.Status: return this.status;
@@ -144,9 +163,7 @@ export class MmioTransport {
       case Reg.QueueDriverHigh: if (q) q.driver = setHigh(q.driver, value); break;
       case Reg.QueueDeviceLow: if (q) q.device = setLow(q.device, value); break;
       case Reg.QueueDeviceHigh: if (q) q.device = setHigh(q.device, value); break;
-      case Reg.QueueNotify:
-        if (this.active && value < this.queues.length) this.device.notify(value);
-        break;
+      case Reg.QueueNotify: this.notify(value); break;
       case Reg.InterruptAck: this.interruptStatus &= ~value; break;
       case Reg.Status: this.writeStatus(value); break;
       default: break;
@@ -178,9 +195,10 @@ export class MmioTransport {
 
   private activate(): void {
     try {
-      const queues = this.queues.map((q) => {
+      const queues = this.queues.map((q, i) => {
         if (!q.ready) return null;
-        if (q.num === 0 || q.num > MAX_QUEUE_SIZE || (q.num & (q.num - 1)) !== 0) throw new QueueError(`queue size ${q.num} is not a power of two <= ${MAX_QUEUE_SIZE}`);
+        const max = this.maxQueueSize(i);
+        if (q.num === 0 || q.num > max || (q.num & (q.num - 1)) !== 0) throw new QueueError(`queue ${i} size ${q.num} is not a power of two <= ${max}`);
         return new SplitQueue(this.mem, { size: q.num, descGpa: q.desc, availGpa: q.driver, usedGpa: q.device });
       });
       this.device.activate(queues, this.driverFeatures);

@@ -8,6 +8,10 @@ import type { GuestMemory } from '../guest-memory';
 const VIRTQ_DESC_F_NEXT = 1;
 const VIRTQ_DESC_F_WRITE = 2;
 const VIRTQ_DESC_F_INDIRECT = 4;
+/** avail.flags: the driver does not want an interrupt when buffers are used. */
+const VIRTQ_AVAIL_F_NO_INTERRUPT = 1;
+/** used.flags: the device does not want a notification when buffers are made available. */
+const VIRTQ_USED_F_NO_NOTIFY = 1;
 
 /** One buffer of a chain. */
 export interface Descriptor {
@@ -49,6 +53,21 @@ export class SplitQueue {
   /** The used index as last published to the driver. */
   get usedIndex(): number {
     return this.nextUsed;
+  }
+
+  /**
+   * Whether the device wants the driver to notify it of new available buffers (used.flags). A
+   * device that has nothing to put in them turns notifications off: each one is a VM exit.
+   * After turning them back on, check {@link hasAvailable} again: the driver may have added a
+   * buffer in between without notifying.
+   */
+  setNotifications(wanted: boolean): void {
+    this.mem.writeU16(this.config.usedGpa, wanted ? 0 : VIRTQ_USED_F_NO_NOTIFY);
+  }
+
+  /** Whether the driver wants an interrupt for buffers returned used (avail.flags). */
+  get interruptWanted(): boolean {
+    return (this.mem.readU16(this.config.availGpa) & VIRTQ_AVAIL_F_NO_INTERRUPT) === 0;
   }
 
   /** True if the driver has made a chain available that the device has not taken. */

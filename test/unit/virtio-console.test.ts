@@ -1,0 +1,134 @@
+import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
+import { GuestMemory } from '../../src/backends/kvm/guest-memory';
+import { SplitQueue } from '../../src/backends/kvm/virtio/queue';
+
+// The agent channel as Linux's virtio_console driver drives it with multiport: real guest memory,
+// rings and buffers written the way the driver writes them. No KVM needed.
+const SIZE = 16;
+const MULTIPORT = 1n << 1n;
+const VERSION_1 = 1n << 32n;
+
+class DriverQueue {
+  private availIdx = 0;
+  private seenUsed = 0;
+  private nextDesc = 0;
+  readonly queue: SplitQueue;
+  constructor(private readonly mem: GuestMemory, private readonly base: number) {
+    this.queue = new SplitQueue(mem, { size: SIZE, descGpa: base, availGpa: base + 0x400, usedGpa: base + 0x800 });
+  }
+  /** Offers one buffer at `gpa` (device-writable if `writable`). */
+  offer(gpa: number, len: number, writable: boolean): void {
+    const d = this.nextDesc++ % SIZE;
+    this.mem.writeU64(this.base + 16 * d, gpa);
+    this.mem.writeU32(this.base + 16 * d + 8, len);
+    this.mem.writeU16(this.base + 16 * d + 12, writable ? 2 : 0);
+    this.mem.writeU16(this.base + 0x400 + 4 + 2 * (this.availIdx % SIZE), d);
+    this.availIdx++;
+    this.mem.writeU16(this.base + 0x400 + 2, this.availIdx);
+  }
+  /** Used elements since the last call: [descriptor, written length]. */
+  used(): [number, number][] {
+    const out: [number, number][] = [];
+    const idx = this.mem.readU16(this.base + 0x800 + 2);
+    while (this.seenUsed !== idx) {
+      const e = this.base + 0x800 + 4 + 8 * (this.seenUsed % SIZE);
+      out.push([this.mem.readU32(e), this.mem.readU32(e + 4)]);
+      this.seenUsed = (this.seenUsed + 1) & 0xffff;
+    }
+    return out;
+  }
+  get usedFlags(): number {
+    return this.mem.readU16(this.base + 0x800);
+  }
+  set noInterrupt(on: boolean) {
+    this.mem.writeU16(this.base + 0x400, on ? 1 : 0);
+  }
+}
+
+function control(id: number, event: number, value: number): Buffer {
+  const b = Buffer.alloc(8);
+  b.writeUInt32LE(id, 0);
+  b.writeUInt16LE(event, 4);
+  b.writeUInt16LE(value, 6);
+  return b;
+}
+
+describe('virtio-console, multiport agent channel', () => {
+  let mem: GuestMemory;
+  let dev: VirtioConsole;
+  let fromGuest: Buffer[];
+  let interrupts: number;
+  let errors: string[];
+  let q: DriverQueue[];
+
+  beforeEach(() => {
+    mem = GuestMemory.map(1024 * 1024);
+    fromGuest = [];
+    interrupts = 0;
+    errors = [];
+    dev = new VirtioConsole(mem, (b) => fromGuest.push(b), () => {}, () => interrupts++, (m) => errors.push(m));
+    q = [0, 1, 2, 3].map((i) => new DriverQueue(mem, 0x10000 * (i + 1)));
+    expect(dev.features & MULTIPORT).toBe(MULTIPORT);
+    expect(dev.readConfig(4, 4)).toBe(1); // max_nr_ports
+    dev.activate(q.map((x) => x.queue), VERSION_1 | MULTIPORT);
+  });
+  afterEach(() => mem.unmap());
+
+  /** The driver sends a control message and collects the device's answers. */
+  function say(msg: Buffer): Buffer[] {
+    for (let i = 0; i < 4; i++) q[2].offer(0x80000 + 0x100 * i, 64, true);
+    mem.write(0x90000, msg);
+    q[3].offer(0x90000, msg.length, false);
+    dev.notify(3);
+    expect(q[3].used()).toHaveLength(1);
+    return q[2].used().map(([d, len]) => Buffer.from(mem.read(0x80000 + 0x100 * (d % 4), len)));
+  }
+
+  it('adds port 0, names it and opens the host side when the driver asks', () => {
+    expect(say(control(0xffffffff, 0, 1))).toEqual([control(0, 1, 1)]); // DEVICE_READY -> DEVICE_ADD 0
+    const answers = say(control(0, 3, 1)); // PORT_READY 0
+    expect(answers[0].subarray(0, 8)).toEqual(control(0, 7, 1)); // PORT_NAME
+    expect(answers[0].subarray(8).toString()).toBe('pvisor.agent');
+    expect(answers[1]).toEqual(control(0, 6, 1)); // PORT_OPEN: the host is listening
+    expect(errors).toEqual([]);
+  });
+
+  it('refuses a short control message and goes on', () => {
+    mem.write(0x90000, Buffer.alloc(4));
+    q[3].offer(0x90000, 4, false);
+    dev.notify(3);
+    expect(q[3].used()).toHaveLength(1);
+    expect(errors.join()).toMatch(/control message of 4 bytes/);
+    expect(say(control(0xffffffff, 0, 1))).toEqual([control(0, 1, 1)]);
+  });
+
+  it('carries bytes both ways and asks for receive notifications only while bytes wait', () => {
+    mem.write(0xa0000, Buffer.from('from the guest'));
+    q[1].offer(0xa0000, 14, false);
+    dev.notify(1);
+    expect(Buffer.concat(fromGuest).toString()).toBe('from the guest');
+
+    dev.send(Buffer.from('x'.repeat(100)));
+    expect(q[0].usedFlags).toBe(0); // waiting for a buffer: notify me
+    q[0].offer(0xb0000, 64, true);
+    dev.notify(0);
+    expect(q[0].used()).toEqual([[0, 64]]);
+    expect(q[0].usedFlags).toBe(0); // 36 bytes still wait
+    q[0].offer(0xb1000, 64, true);
+    dev.notify(0);
+    expect(q[0].used()).toEqual([[1, 36]]);
+    expect(q[0].usedFlags).toBe(1); // nothing waits: no notifications needed
+    expect(mem.read(0xb0000, 64).toString() + mem.read(0xb1000, 36).toString()).toBe('x'.repeat(100));
+  });
+
+  it('raises no interrupt when the driver turned them off, and one when it wants them', () => {
+    q[1].noInterrupt = true;
+    q[1].offer(0xa0000, 1, false);
+    dev.notify(1);
+    expect(interrupts).toBe(0);
+    q[1].noInterrupt = false;
+    q[1].offer(0xa0000, 1, false);
+    dev.notify(1);
+    expect(interrupts).toBe(1);
+  });
+});
