@@ -13,6 +13,10 @@
  * Kicking a vCPU out of KVM_RUN: kvm_run.immediate_exit = 1, then pthread_kill with a real-time
  * signal whose handler does nothing; KVM_RUN returns -EINTR (immediate_exit alone does not
  * interrupt a running vCPU). The signal is unblocked only in vCPU threads.
+ *
+ * Watched eventfds (KVM ioeventfds: a guest's queue notifications that KVM completes without
+ * leaving the kernel) are read by one more thread per group, which reports each as a NOTIFY record
+ * on the same socket, tagged with the number the caller chose; Node cannot poll an eventfd itself.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -21,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -35,6 +40,7 @@ enum pv_record_kind {
   PV_REC_INTERRUPTED = 2, /* KVM_RUN returned -EINTR (kicked, or a stray signal) */
   PV_REC_ERROR = 3,       /* KVM_RUN failed with another errno */
   PV_REC_STOPPED = 4,     /* the thread left its loop and will exit */
+  PV_REC_NOTIFY = 5,      /* a watched eventfd fired; `index` is its tag */
 };
 
 struct pv_record {
@@ -59,6 +65,10 @@ struct pv_group {
   int node_fd;   /* Node's end, handed out by pv_group_create */
   volatile int stopping;
   struct pv_vcpu vcpus[PV_MAX_VCPUS];
+  int epoll_fd;  /* the watched eventfds, -1 until the first pv_group_watch */
+  int wake_fd;   /* eventfd in the epoll set that tells the watcher to leave */
+  pthread_t watcher;
+  int watching;
 };
 
 static int kick_signal(void) { return SIGRTMIN + 3; }
@@ -77,12 +87,12 @@ static void install_handler(void) {
   if (sigaction(kick_signal(), &sa, NULL) != 0) handler_error = errno;
 }
 
-static void report(struct pv_vcpu *v, uint32_t kind, int32_t ret, int32_t err) {
-  struct pv_record rec = {(uint32_t)v->index, kind, ret, err};
+static void send_record(struct pv_group *g, uint32_t index, uint32_t kind, int32_t ret, int32_t err) {
+  struct pv_record rec = {index, kind, ret, err};
   const char *p = (const char *)&rec;
   size_t left = sizeof rec;
   while (left > 0) {
-    ssize_t n = send(v->group->notify_fd, p, left, MSG_NOSIGNAL);
+    ssize_t n = send(g->notify_fd, p, left, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
       return; /* Node closed its end: the VM is being torn down */
@@ -90,6 +100,10 @@ static void report(struct pv_vcpu *v, uint32_t kind, int32_t ret, int32_t err) {
     p += n;
     left -= (size_t)n;
   }
+}
+
+static void report(struct pv_vcpu *v, uint32_t kind, int32_t ret, int32_t err) {
+  send_record(v->group, (uint32_t)v->index, kind, ret, err);
 }
 
 static void wait_go(struct pv_vcpu *v) {
@@ -146,7 +160,59 @@ struct pv_group *pv_group_create(void) {
   }
   g->notify_fd = sv[0];
   g->node_fd = sv[1];
+  g->epoll_fd = -1;
+  g->wake_fd = -1;
   return g;
+}
+
+static void *watcher_main(void *arg) {
+  struct pv_group *g = arg;
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, NULL);
+  struct epoll_event ev[16];
+  for (;;) {
+    int n = epoll_wait(g->epoll_fd, ev, 16, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+      int fd = (int)(ev[i].data.u64 >> 32);
+      uint32_t tag = (uint32_t)ev[i].data.u64;
+      if (fd == g->wake_fd) return NULL;
+      uint64_t count;
+      /* Reset the eventfd; several notifications since the last read are one record: the
+         device drains its whole queue each time. */
+      if (read(fd, &count, sizeof count) == sizeof count) send_record(g, tag, PV_REC_NOTIFY, 0, 0);
+    }
+  }
+}
+
+/*
+ * Watches eventfd `fd` (non-blocking, owned by the caller, kept open until pv_group_destroy):
+ * each time it fires, a NOTIFY record with index = `tag` arrives on the socket.
+ */
+int32_t pv_group_watch(struct pv_group *g, int32_t fd, int32_t tag) {
+  if (g->epoll_fd < 0) {
+    g->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    if (g->epoll_fd < 0) return -errno;
+    g->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    struct epoll_event wake = {.events = EPOLLIN, .data.u64 = (uint64_t)(uint32_t)g->wake_fd << 32};
+    if (g->wake_fd < 0 || epoll_ctl(g->epoll_fd, EPOLL_CTL_ADD, g->wake_fd, &wake) != 0) return -errno;
+  }
+  struct epoll_event ev = {.events = EPOLLIN, .data.u64 = ((uint64_t)(uint32_t)fd << 32) | (uint32_t)tag};
+  if (epoll_ctl(g->epoll_fd, EPOLL_CTL_ADD, fd, &ev) != 0) return -errno;
+  if (!g->watching) {
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    int rc = pthread_create(&g->watcher, &attr, watcher_main, g);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) return -rc;
+    g->watching = 1;
+  }
+  return 0;
 }
 
 /* Node's end of the record socket; Node owns it (closes it) from then on. */
@@ -215,6 +281,14 @@ void pv_group_destroy(struct pv_group *g) {
     pthread_join(v->thread, NULL);
     close(v->go_fd);
   }
+  if (g->watching) {
+    uint64_t one = 1;
+    while (write(g->wake_fd, &one, sizeof one) < 0 && errno == EINTR) {
+    }
+    pthread_join(g->watcher, NULL);
+  }
+  if (g->wake_fd >= 0) close(g->wake_fd);
+  if (g->epoll_fd >= 0) close(g->epoll_fd);
   close(g->notify_fd);
   free(g);
 }

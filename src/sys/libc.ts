@@ -28,6 +28,7 @@ const fns = define({
   mprotect: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
   madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
   mincore: { library: libc, retType: I32, paramsType: [U64, U64, U64], errno: true },
+  eventfd: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
   // Returns the error number itself (not -1 and errno).
   posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
   // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
@@ -51,6 +52,18 @@ function check(call: string, r: ErrnoResult<number>, detail?: string): number {
 /** open(2); throws {@link SystemCallError} naming the path. */
 export function openFile(path: string, flags: number, mode = 0): number {
   return check('open', fns.open([path, flags, mode]) as ErrnoResult<number>, path);
+}
+
+/** EFD_CLOEXEC and EFD_NONBLOCK from <sys/eventfd.h> (the O_ flags' values). */
+const EFD_CLOEXEC = 0o2000000;
+const EFD_NONBLOCK = 0o4000;
+
+/**
+ * A non-blocking, close-on-exec eventfd(2) (counter 0). Node writes one with fs.writeSync (an
+ * 8-byte count); it cannot poll one (see native-prebuilds/vcpu-runner for who reads them).
+ */
+export function createEventFd(): number {
+  return check('eventfd', fns.eventfd([0, EFD_CLOEXEC | EFD_NONBLOCK]) as ErrnoResult<number>);
 }
 
 /** close(2). */

@@ -91,6 +91,31 @@ export class VmFd {
     ioctl(this.fd, C.KVM_IRQ_LINE, s.addr, 'KVM_IRQ_LINE');
   }
 
+  /**
+   * KVM_IRQFD: a write to eventfd `fd` pulses GSI `gsi` (raise, then lower: an edge), inside the
+   * kernel, instead of two KVM_IRQ_LINE calls.
+   */
+  irqfd(fd: number, gsi: number): void {
+    const s = scratchStruct(C.KVM_IRQFD_SIZE);
+    s.view.writeUInt32LE(fd, 0);
+    s.view.writeUInt32LE(gsi, 4);
+    ioctl(this.fd, C.KVM_IRQFD, s.addr, 'KVM_IRQFD');
+  }
+
+  /**
+   * KVM_IOEVENTFD: a guest write of `value` (`len` bytes) to MMIO address `addr` signals eventfd
+   * `fd` and completes inside the kernel, with no exit to the VMM.
+   */
+  ioeventfd(fd: number, addr: number, len: number, value: number): void {
+    const s = scratchStruct(C.KVM_IOEVENTFD_SIZE);
+    s.view.writeBigUInt64LE(BigInt(value), 0);
+    s.view.writeBigUInt64LE(BigInt(addr), 8);
+    s.view.writeUInt32LE(len, 16);
+    s.view.writeInt32LE(fd, 20);
+    s.view.writeUInt32LE(C.KVM_IOEVENTFD_FLAG_DATAMATCH, 24);
+    ioctl(this.fd, C.KVM_IOEVENTFD, s.addr, 'KVM_IOEVENTFD');
+  }
+
   createVcpu(index: number, mmapSize: number): VcpuFd {
     const fd = ioctl(this.fd, C.KVM_CREATE_VCPU, index, 'KVM_CREATE_VCPU');
     try {

@@ -2,20 +2,22 @@
  * One KVM virtual machine: guest RAM, vCPU threads, the exit loop and the device models. It knows
  * nothing of the agent protocol or of memory strategies: `Vm` composes those on top.
  */
-import { GuestCrashError, PvisorError, SystemCallError } from '../../errors';
+import { writeSync } from 'node:fs';
+import { GuestCrashError, InvalidOptionError, PvisorError, SystemCallError } from '../../errors';
 import * as C from '../../sys/constants';
+import { closeFd, createEventFd } from '../../sys/libc';
 import { CmosRtc, CMOS_BASE, CMOS_PORTS } from './devices/cmos-rtc';
 import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS } from './devices/serial';
 import { ProbePorts, PROBE_PORTS_BASE, PROBE_PORTS_COUNT } from './devices/probe-ports';
 import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
-import { VirtioConsole } from './devices/virtio-console';
+import { AGENT_PORT_PATH, VirtioConsole } from './devices/virtio-console';
 import { GuestMemory, type RamBacking } from './guest-memory';
 import { IoBus, type VcpuAction } from './io-bus';
 import { Kvm, VmFd, VcpuFd } from './ioctls';
 import { cpuidForVcpu, loadLinux, setupLapic, setupLinuxBootVcpu } from './linux-boot';
 import { loadProbe, setupProbeVcpu } from './probe-boot';
 import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
-import { MmioTransport, VIRTIO_MMIO_SIZE } from './virtio/mmio-transport';
+import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE } from './virtio/mmio-transport';
 
 // Resolve the runner's native functions while this module loads, on the main thread.
 loadVcpuRunner();
@@ -27,6 +29,21 @@ export const BALLOON_MMIO_BASE = 0xd0001000;
 /** Interrupt lines of the virtio devices (ISA IRQs the MP table routes to the I/O APIC). */
 const CONSOLE_IRQ = 5;
 const BALLOON_IRQ = 6;
+/** An eventfd increment (a u64 of 1). */
+const EVENTFD_ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
+/** Notify-record tags: device index * QUEUES_PER_TAG + queue index. */
+const QUEUES_PER_TAG = 256;
+
+/**
+ * How virtio devices and a Linux guest signal each other:
+ * - `eventfd`: queue notifications through KVM ioeventfds (the guest's QueueNotify write completes
+ *   in the kernel; a native thread reports it) and interrupts through irqfds (one write(2));
+ * - `exit`: each QueueNotify write is an MMIO exit handled before the vCPU goes on, and each
+ *   interrupt is two KVM_IRQ_LINE calls.
+ * The probe guest polls and always uses exits.
+ */
+export type VirtioSignalling = 'eventfd' | 'exit';
+
 /** Identity-map/TSS pages Intel VMX wants somewhere unused in the guest-physical space. */
 const TSS_GPA = 0xfffbd000;
 
@@ -66,6 +83,8 @@ export interface MachineConfig {
   ramBacking?: RamBacking;
   /** What happens to ranges the guest reports free; undefined: the balloon does not offer reporting. */
   freePageSink?: FreePageSink;
+  /** Linux guest only; default from PVISOR_VIRTIO_SIGNALLING, else `eventfd`. */
+  signalling?: VirtioSignalling;
 }
 
 type VcpuState = 'created' | 'running' | 'held' | 'idle' | 'parked';
@@ -90,6 +109,11 @@ export class KvmMachine {
   private pauseWaiters: (() => void)[] = [];
   private ended = false;
   private heldAgentBytes: Buffer[] = [];
+  /** Queue notifications (record tags) that arrived while paused. */
+  private heldNotifies = new Set<number>();
+  private readonly transports: MmioTransport[] = [];
+  /** irqfds and ioeventfds, closed once the vCPU threads and the watcher are gone. */
+  private readonly eventFds: number[] = [];
   private readonly linux: boolean;
   /** The guest's last console lines, to say why a Linux guest ended. */
   private readonly recentConsole: string[] = [];
@@ -109,11 +133,20 @@ export class KvmMachine {
         vm.createIrqchip();
         vm.createPit2();
       }
+      const signalling = linux ? config.signalling ?? signallingFromEnv() : 'exit';
       // Edge-triggered ISA lines: a pulse per event (the probe polls and needs none).
-      const pulse = (irq: number) => (linux ? () => {
-        this.vm.irqLine(irq, 1);
-        this.vm.irqLine(irq, 0);
-      } : () => {});
+      const pulse = (irq: number): (() => void) => {
+        if (!linux) return () => {};
+        if (signalling === 'exit') {
+          return () => {
+            this.vm.irqLine(irq, 1);
+            this.vm.irqLine(irq, 0);
+          };
+        }
+        const fd = this.eventFd();
+        vm.irqfd(fd, irq);
+        return () => writeSync(fd, EVENTFD_ONE);
+      };
       this.serial = new Serial8250((line) => {
         this.recentConsole.push(line);
         if (this.recentConsole.length > 50) this.recentConsole.shift();
@@ -126,7 +159,7 @@ export class KvmMachine {
         this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
       }
 
-      const transports: MmioTransport[] = [];
+      const transports = this.transports;
       const used = (i: number) => () => transports[i]?.signalUsed();
       this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), used(0), deviceError);
       const reporting = config.freePageSink !== undefined;
@@ -144,7 +177,12 @@ export class KvmMachine {
           kernel: boot.kernel,
           initrd: boot.initrd,
           vcpus: config.vcpus,
-          cmdline: [boot.cmdline, ...devices.map(([base, irq]) => `virtio_mmio.device=${VIRTIO_MMIO_SIZE}@0x${base.toString(16)}:${irq}`)].join(' '),
+          cmdline: [
+            boot.cmdline,
+            ...devices.map(([base, irq]) => `virtio_mmio.device=${VIRTIO_MMIO_SIZE}@0x${base.toString(16)}:${irq}`),
+            // The agent's channel is the console device's generic port (see virtio-console.ts).
+            `pvisor.channel=${AGENT_PORT_PATH}`,
+          ].join(' '),
         })
         : undefined;
       if (boot.kind === 'probe') loadProbe(this.memory, boot.image, { consoleMmio: CONSOLE_MMIO_BASE, balloonMmio: BALLOON_MMIO_BASE, vcpuCount: config.vcpus });
@@ -164,6 +202,15 @@ export class KvmMachine {
           setupProbeVcpu(fd, i);
         }
         this.runner.start(i, fd.fd, fd.runAddr);
+      }
+      if (signalling === 'eventfd') {
+        transports.forEach((t, d) => {
+          for (let q = 0; q < t.queueCount; q++) {
+            const fd = this.eventFd();
+            vm.ioeventfd(fd, t.base + VIRTIO_MMIO_QUEUE_NOTIFY, 4, q);
+            this.runner.watch(fd, d * QUEUES_PER_TAG + q);
+          }
+        });
       }
     } catch (e) {
       this.releaseGuest(); // the VM and KVM fds are closed by create()
@@ -207,9 +254,12 @@ export class KvmMachine {
     });
   }
 
-  /** Lets paused vCPUs run again and delivers agent bytes held while paused. */
+  /** Lets paused vCPUs run again and delivers agent bytes and notifications held while paused. */
   resume(): void {
     this.pausing = false;
+    const notifies = [...this.heldNotifies];
+    this.heldNotifies.clear();
+    for (const tag of notifies) this.onRecord({ index: tag, kind: RecordKind.Notify, err: 0 });
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'held') this.continueVcpu(i);
     const held = this.heldAgentBytes;
     this.heldAgentBytes = [];
@@ -245,6 +295,7 @@ export class KvmMachine {
   /** Joins the vCPU threads before anything they use goes away: fds, kvm_run, guest RAM. */
   private releaseGuest(): void {
     this.runner?.destroy();
+    for (const fd of this.eventFds.splice(0)) closeFd(fd);
     for (const v of this.vcpus) v.fd.close();
     this.vcpus.length = 0;
     this.memory?.unmap();
@@ -254,6 +305,12 @@ export class KvmMachine {
     if (this.ended) return;
     this.stop();
     this.hooks.onCrash(error);
+  }
+
+  private eventFd(): number {
+    const fd = createEventFd();
+    this.eventFds.push(fd);
+    return fd;
   }
 
   private checkPaused(): void {
@@ -284,6 +341,12 @@ export class KvmMachine {
   private onRecord(rec: VcpuRecord): void {
     if (this.ended || rec.kind === RecordKind.Stopped) return;
     try {
+      if (rec.kind === RecordKind.Notify) {
+        // While paused, guest RAM belongs to the memory strategies: devices wait for resume.
+        if (this.pausing) this.heldNotifies.add(rec.index);
+        else this.transports[Math.floor(rec.index / QUEUES_PER_TAG)]?.notify(rec.index % QUEUES_PER_TAG);
+        return;
+      }
       let action: VcpuAction;
       if (rec.kind === RecordKind.Exit) action = this.handleExit(this.vcpus[rec.index]);
       else if (rec.kind === RecordKind.Interrupted) action = { kind: 'continue' };
@@ -371,4 +434,11 @@ export class KvmMachine {
         return { kind: 'crash', reason: 'unexpected-exit', message: `unexpected KVM exit ${C.KVM_EXIT_NAMES[reason] ?? reason}` };
     }
   }
+}
+
+function signallingFromEnv(): VirtioSignalling {
+  const v = process.env.PVISOR_VIRTIO_SIGNALLING;
+  if (v === undefined || v === '') return 'eventfd';
+  if (v === 'eventfd' || v === 'exit') return v;
+  throw new InvalidOptionError('PVISOR_VIRTIO_SIGNALLING', `must be "eventfd" or "exit", not "${v}"`);
 }

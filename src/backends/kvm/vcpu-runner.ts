@@ -19,6 +19,8 @@ export const enum RecordKind {
   Error = 3,
   /** The thread left its loop. */
   Stopped = 4,
+  /** A watched eventfd fired; `index` is the tag given to {@link VcpuRunner.watch}. */
+  Notify = 5,
 }
 
 /** One report from a vCPU thread. */
@@ -45,6 +47,7 @@ function bind() {
     pv_vcpu_start: { library: LIB, retType: I32, paramsType: [U64, I32, I32, U64] },
     pv_vcpu_go_fd: { library: LIB, retType: I32, paramsType: [U64, I32] },
     pv_vcpu_kick: { library: LIB, retType: I32, paramsType: [U64, I32] },
+    pv_group_watch: { library: LIB, retType: I32, paramsType: [U64, I32, I32] },
     pv_group_destroy: { library: LIB, retType: DataType.Void, paramsType: [U64] },
   });
 }
@@ -108,6 +111,15 @@ export class VcpuRunner {
   kick(index: number): void {
     const rc = fns!.pv_vcpu_kick([this.group, index]);
     if (rc < 0) throw new SystemCallError('pv_vcpu_kick', -rc);
+  }
+
+  /**
+   * Watches a non-blocking eventfd (kept open by the caller until {@link destroy}): each time it
+   * fires, a {@link RecordKind.Notify} record with index `tag` arrives.
+   */
+  watch(fd: number, tag: number): void {
+    const rc = fns!.pv_group_watch([this.group, fd, tag]);
+    if (rc < 0) throw new SystemCallError('pv_group_watch', -rc);
   }
 
   /** Stops and joins every thread (blocks briefly) and closes the socket. Idempotent. */
