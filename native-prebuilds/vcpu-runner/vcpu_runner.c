@@ -268,6 +268,9 @@ void pv_group_destroy(struct pv_group *g) {
   if (!g) return;
   g->stopping = 1;
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  /* Node reads no more records (it is in this call): a thread blocked in send() on a full socket
+     would never return, so shut the socket for sending; blocked and later sends fail at once. */
+  shutdown(g->notify_fd, SHUT_WR);
   for (int i = 0; i < PV_MAX_VCPUS; i++) {
     struct pv_vcpu *v = &g->vcpus[i];
     if (!v->started) continue;
