@@ -13,6 +13,17 @@ const VIRTQ_AVAIL_F_NO_INTERRUPT = 1;
 /** used.flags: the device does not want a notification when buffers are made available. */
 const VIRTQ_USED_F_NO_NOTIFY = 1;
 
+/**
+ * A full memory barrier between the device's stores to the rings and its next loads from them.
+ * x86 may let a later load pass an earlier store; the driver, on a vCPU thread, pairs this with
+ * its own barrier (virtio 1.x, 2.7.7 and 2.7.10). An atomic read-modify-write on shared memory is
+ * a locked instruction, which orders every earlier store before every later load.
+ */
+const FENCE = new Int32Array(new SharedArrayBuffer(4));
+function memoryBarrier(): void {
+  Atomics.add(FENCE, 0, 0);
+}
+
 /** One buffer of a chain. */
 export interface Descriptor {
   gpa: number;
@@ -63,10 +74,12 @@ export class SplitQueue {
    */
   setNotifications(wanted: boolean): void {
     this.mem.writeU16(this.config.usedGpa, wanted ? 0 : VIRTQ_USED_F_NO_NOTIFY);
+    memoryBarrier(); // the flag must be visible before hasAvailable() reads avail.idx
   }
 
   /** Whether the driver wants an interrupt for buffers returned used (avail.flags). */
   get interruptWanted(): boolean {
+    memoryBarrier(); // used.idx must be visible before avail.flags is read
     return (this.mem.readU16(this.config.availGpa) & VIRTQ_AVAIL_F_NO_INTERRUPT) === 0;
   }
 
