@@ -14,7 +14,8 @@ import { Vm } from '../vm';
 const MiB = 2 ** 20;
 const progress = (line: string) => process.stderr.write(`bench: ${line}\n`);
 
-function stats(xs: number[]): { min: number; median: number; max: number } {
+/** Min, median and max of some timings. */
+export function stats(xs: number[]): { min: number; median: number; max: number } {
   const s = [...xs].sort((a, b) => a - b);
   const mid = s.length >> 1;
   return { min: s[0], median: s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2, max: s[s.length - 1] };
@@ -128,54 +129,16 @@ async function benchVmm(argv: string[]): Promise<number> {
   return 0;
 }
 
-/**
- * The Linux guest: boot to agent-ready of fresh VMs, then exec round trips (`true`) on the last
- * one, and what its guest RAM costs the host once booted.
- */
-async function benchLinux(argv: string[]): Promise<number> {
-  const { values } = parseArgs({ args: argv, options: { runs: { type: 'string', default: '3' }, execs: { type: 'string', default: '20' }, json: { type: 'string' } } });
-  const runs = Number(values.runs);
-  const boots: number[] = [];
-  let vm: Vm | undefined;
-  for (let i = 0; i < runs; i++) {
-    vm?.stop();
-    const t0 = performance.now();
-    vm = await Vm.start({ memory: '512MiB', vcpus: 2, bootTimeoutMs: 300_000 });
-    boots.push(performance.now() - t0);
-    progress(`boot ${i + 1}/${runs}: agent ready in ${boots[i].toFixed(0)} ms`);
-  }
-  const execs: number[] = [];
-  try {
-    for (let i = 0; i < Number(values.execs); i++) {
-      const t0 = performance.now();
-      await vm!.exec(['true']);
-      execs.push(performance.now() - t0);
-    }
-    await sleep(5000);
-    const guestRamPssBytes = vm!.memoryUsage().guestRamPssBytes;
-    const boot = stats(boots);
-    const exec = stats(execs);
-    const ms = (x: { min: number; median: number; max: number }) => `${x.min.toFixed(1)} / ${x.median.toFixed(1)} / ${x.max.toFixed(1)}`;
-    process.stdout.write(`boot to agent ready, ms (min / median / max of ${runs}) | ${ms(boot)}\n`);
-    process.stdout.write(`exec round trip of true, ms (min / median / max of ${execs.length}) | ${ms(exec)}\n`);
-    process.stdout.write(`guest RAM PSS once booted, MiB | ${(guestRamPssBytes / MiB).toFixed(1)}\n`);
-    const json = { bootMs: boot, execMs: exec, guestRamPssBytes };
-    if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
-    else process.stdout.write(`${JSON.stringify(json)}\n`);
-  } finally {
-    vm?.stop();
-  }
-  return 0;
-}
-
 /** Entry of `pvisor bench`. */
 export async function cmdBench(argv: string[]): Promise<number> {
   const [what, ...rest] = argv;
   switch (what) {
     case 'vmm':
       return benchVmm(rest);
-    case 'linux':
+    case 'linux': {
+      const { benchLinux } = await import('./bench-linux');
       return benchLinux(rest);
+    }
     case 'memory':
     case 'memory-cell': {
       const { cmdBenchMemory } = await import('./bench-memory');
@@ -185,7 +148,7 @@ export async function cmdBench(argv: string[]): Promise<number> {
       process.stdout.write(JSON.stringify(await memoryCaseChild(Number(rest[0]))));
       return 0;
     default:
-      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--shared-vms N] [--json FILE]\n       pvisor bench linux [--runs N] [--execs N] [--json FILE]\n');
+      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--shared-vms N] [--json FILE]\n       pvisor bench linux [--runs N] [--execs N] [--file-mib N] [--signalling eventfd,exit] [--json FILE]\n');
       return 2;
   }
 }

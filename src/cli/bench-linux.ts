@@ -1,0 +1,119 @@
+/**
+ * `pvisor bench linux`: the Linux guest's boot to agent-ready, exec round trip and file transfer,
+ * for each way virtio devices can signal (KVM ioeventfd + irqfd, or an exit per notification and
+ * KVM_IRQ_LINE), interleaved run by run so that both see the same machine noise; and what the
+ * guest's RAM costs the host once booted.
+ */
+import { randomBytes } from 'node:crypto';
+import { writeFileSync } from 'node:fs';
+import { parseArgs } from 'node:util';
+import { InvalidOptionError } from '../errors';
+import { Vm } from '../vm';
+import { stats } from './bench';
+
+const MiB = 2 ** 20;
+const MODES = ['eventfd', 'exit'] as const;
+type Mode = (typeof MODES)[number];
+type Stats = ReturnType<typeof stats>;
+
+const progress = (line: string) => process.stderr.write(`bench: ${line}\n`);
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+const ms = (x: Stats) => `${x.min.toFixed(1)} / ${x.median.toFixed(1)} / ${x.max.toFixed(1)}`;
+
+interface ModeTimes {
+  boot: number[];
+  exec: number[];
+  write: number[];
+  read: number[];
+}
+
+/** One VM in `mode`: boot, `execs` round trips of `true`, one file written and read back. */
+async function oneRun(mode: Mode, execs: number, file: Buffer, t: ModeTimes, keep: boolean): Promise<Vm> {
+  process.env.PVISOR_VIRTIO_SIGNALLING = mode;
+  let t0 = performance.now();
+  const vm = await Vm.start({ memory: '512MiB', vcpus: 2, bootTimeoutMs: 300_000 });
+  t.boot.push(performance.now() - t0);
+  try {
+    for (let i = 0; i < execs; i++) {
+      t0 = performance.now();
+      await vm.exec(['true']);
+      t.exec.push(performance.now() - t0);
+    }
+    t0 = performance.now();
+    await vm.files.write('/tmp/bench-file', file);
+    t.write.push(performance.now() - t0);
+    t0 = performance.now();
+    const back = await vm.files.read('/tmp/bench-file');
+    t.read.push(performance.now() - t0);
+    if (!back.equals(file)) throw new Error(`${mode}: the file read back differs from the one written`);
+    await vm.exec(['rm', '/tmp/bench-file']);
+  } catch (e) {
+    vm.stop();
+    throw e;
+  }
+  if (!keep) vm.stop();
+  return vm;
+}
+
+/** Entry of `pvisor bench linux`. */
+export async function benchLinux(argv: string[]): Promise<number> {
+  const { values } = parseArgs({
+    args: argv,
+    options: {
+      runs: { type: 'string', default: '3' },
+      execs: { type: 'string', default: '20' },
+      'file-mib': { type: 'string', default: '10' },
+      signalling: { type: 'string', default: MODES.join(',') },
+      json: { type: 'string' },
+    },
+  });
+  const runs = Number(values.runs);
+  const execs = Number(values.execs);
+  const fileMib = Number(values['file-mib']);
+  for (const [name, v] of [['--runs', runs], ['--execs', execs], ['--file-mib', fileMib]] as const) {
+    if (!Number.isInteger(v) || v < 1) throw new InvalidOptionError(name, `wants a whole number >= 1, got ${v}`);
+  }
+  const modes = values.signalling!.split(',') as Mode[];
+  for (const m of modes) if (!MODES.includes(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${MODES.join(', ')}`);
+
+  const file = randomBytes(fileMib * MiB);
+  const times = new Map(modes.map((m) => [m, { boot: [], exec: [], write: [], read: [] } as ModeTimes]));
+  const before = process.env.PVISOR_VIRTIO_SIGNALLING;
+  let last: Vm | undefined;
+  try {
+    for (let r = 0; r < runs; r++) {
+      for (const m of modes) {
+        const t = times.get(m)!;
+        const keep = r === runs - 1 && m === modes[0];
+        const vm = await oneRun(m, execs, file, t, keep);
+        if (keep) last = vm;
+        progress(`run ${r + 1}/${runs} ${m}: ready in ${t.boot[r].toFixed(0)} ms, exec median ${stats(t.exec.slice(-execs)).median.toFixed(1)} ms, ${fileMib} MiB written in ${t.write[r].toFixed(0)} ms, read in ${t.read[r].toFixed(0)} ms`);
+      }
+    }
+    progress('guest RAM of the last VM, 5 s after its work');
+    await sleep(5000);
+    const guestRamPssBytes = last!.memoryUsage().guestRamPssBytes;
+
+    const result = Object.fromEntries(modes.map((m) => {
+      const t = times.get(m)!;
+      const mibps = (xs: number[]) => stats(xs.map((x) => fileMib / (x / 1000)));
+      return [m, { bootMs: stats(t.boot), execMs: stats(t.exec), writeMiBps: mibps(t.write), readMiBps: mibps(t.read) }];
+    }));
+    const rows: string[][] = [['figure (min / median / max)', ...modes.map((m) => (m === 'eventfd' ? 'ioeventfd + irqfd' : 'MMIO exit + KVM_IRQ_LINE'))]];
+    rows.push([`boot to agent ready, ms (${runs} runs)`, ...modes.map((m) => ms(result[m].bootMs))]);
+    rows.push([`exec round trip of true, ms (${runs * execs})`, ...modes.map((m) => ms(result[m].execMs))]);
+    rows.push([`host to guest file, ${fileMib} MiB, MiB/s`, ...modes.map((m) => ms(result[m].writeMiBps))]);
+    rows.push([`guest to host file, ${fileMib} MiB, MiB/s`, ...modes.map((m) => ms(result[m].readMiBps))]);
+    const width = rows[0].map((_, i) => Math.max(...rows.map((row) => row[i].length)));
+    for (const row of rows) process.stdout.write(`${row.map((c, i) => c.padEnd(width[i])).join(' | ')}\n`);
+    process.stdout.write(`guest RAM PSS once booted (${modes[0]}), MiB | ${(guestRamPssBytes / MiB).toFixed(1)}\n`);
+    const json = { runs, execs, fileMib, modes: result, guestRamPssBytes };
+    if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
+    else process.stdout.write(`${JSON.stringify(json)}\n`);
+  } finally {
+    last?.stop();
+    if (before === undefined) delete process.env.PVISOR_VIRTIO_SIGNALLING;
+    else process.env.PVISOR_VIRTIO_SIGNALLING = before;
+  }
+  return 0;
+}
