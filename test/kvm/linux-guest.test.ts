@@ -35,18 +35,14 @@ describe('Linux guest', () => {
     await expect(vm.exec(['/no/such/program'])).rejects.toThrow(/ENOENT/);
   });
 
-  // Issue 3 asks for 10 MiB. Under the nested harness a 10 MiB transfer wedged the whole L1 in 2
-  // of 4 CI runs (silent until the watchdog; jest's own timeout never fired), likely the guest's
-  // virtio-console busy-wait starving the VMM on the L1's single emulated CPU. Until that is found
-  // (issue 3 stays open on it), the suite moves 2 MiB: still several frames each way.
-  it('round-trips a multi-frame file byte for byte', async () => {
-    const data = randomBytes(2 * MiB);
+  it('round-trips a 10 MiB file byte for byte', async () => {
+    const data = randomBytes(10 * MiB);
     await vm.files.write('/tmp/blob', data);
     const sum = await vm.exec(['sha256sum', '/tmp/blob']);
     expect(sum.stdout.split(' ')[0]).toBe(createHash('sha256').update(data).digest('hex'));
     expect((await vm.files.read('/tmp/blob')).equals(data)).toBe(true);
     await vm.exec(['rm', '/tmp/blob']);
-  }, 300_000); // about 45 s under nested emulation: every 4 KiB buffer is an exit to the VMM
+  }, 120_000); // 5-10 s under nested emulation
 
   it('runs 8 commands at once', async () => {
     const runs = await Promise.all(Array.from({ length: 8 }, (_, i) => vm.exec(`sleep 0.2; echo ${i}`)));
@@ -59,6 +55,22 @@ describe('Linux guest', () => {
     await sleeper.kill('SIGTERM');
     expect(await sleeper.exited).toEqual({ exitCode: null, signal: 'SIGTERM' });
     expect((await vm.exec(['cat'], { stdin: 'hello from the host' })).stdout).toBe('hello from the host');
+  }, 60_000);
+
+  it('pause holds a running command and resume lets it finish with all its output', async () => {
+    const counter = vm.spawn('for i in $(seq 1 20); do echo $i; sleep 0.1; done');
+    let out = '';
+    counter.stdout.on('data', (b: Buffer) => (out += b.toString()));
+    await new Promise((r) => setTimeout(r, 700));
+    await vm.pause();
+    await new Promise((r) => setTimeout(r, 200)); // output the host already had may still be emitted
+    const atPause = out;
+    await new Promise((r) => setTimeout(r, 1000));
+    // Nothing moves while paused: queue notifications in flight wait for resume.
+    expect(out).toBe(atPause);
+    await vm.resume();
+    expect(await counter.exited).toEqual({ exitCode: 0, signal: null });
+    expect(out).toBe(`${Array.from({ length: 20 }, (_, i) => i + 1).join('\n')}\n`);
   }, 60_000);
 
   it('gives memory back through free page reporting once the guest frees it', async () => {
