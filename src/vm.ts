@@ -69,8 +69,9 @@ export interface RootfsOptions {
   path: string;
   /**
    * Attach it read-only: the guest sees a read-only disk and mounts it read-only, the host opens
-   * the file O_RDONLY. The image must then have been unmounted cleanly (its journal replayed, e.g.
-   * by `e2fsck -p`), because a read-only disk cannot replay it. Default false.
+   * the file O_RDONLY. The image must then have `/dev` and `/proc` directories (the agent cannot
+   * create mount points in it) and a clean journal (a VM that wrote to it and was stopped leaves
+   * one to replay: `e2fsck -p IMAGE` does), because a read-only disk cannot replay it. Default false.
    */
   readOnly?: boolean;
 }

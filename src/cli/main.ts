@@ -27,7 +27,8 @@ Usage:
       shell. --kernel/--initrd boot your own instead of the shipped ones.
       --rootfs IMAGE: CMD runs in this root filesystem (an ext4 image with the tools CMD needs,
         e.g. made with mke2fs -t ext4 -d DIR IMAGE 256M), attached read-write as /dev/vda;
-        --rootfs-readonly attaches it read-only (the image must be cleanly unmounted).
+        --rootfs-readonly attaches it read-only (the image needs /dev and /proc and a clean
+        journal: e2fsck -p IMAGE).
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
