@@ -1,5 +1,5 @@
 import { createHash, randomBytes } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { InvalidOptionError } from '../../src/errors';
@@ -180,6 +180,30 @@ describe('virtio-blk device', () => {
     fileUnchanged();
     expect(read(0, 512).bytes.equals(original.subarray(0, 512))).toBe(true);
     expect(errors.join('\n')).toMatch(/read-only/);
+  });
+
+  it('a file truncated under the VM fails reads past its new end, not the host', () => {
+    device();
+    truncateSync(image, 8 * 512);
+    expect(read(20, 512).status).toBe(VIRTIO_BLK_S_IOERR);
+    expect(errors.join('\n')).toMatch(/was it truncated/);
+    expect(read(2, 512).bytes.equals(original.subarray(1024, 1536))).toBe(true);
+  });
+
+  it('moves data across the 1 GiB seam between guest memory views', () => {
+    // A bigger guest (untouched pages cost nothing) whose data buffer straddles GPA 1 GiB.
+    mem.unmap();
+    mem = GuestMemory.map(2 ** 30 + 2 ** 20);
+    q = new SplitQueue(mem, { size: SIZE, descGpa: DESC, availGpa: AVAIL, usedGpa: USED });
+    device();
+    const seam = 2 ** 30 - 1024;
+    const r = submit([header(VIRTIO_BLK_T_IN, 4), data(4096, true, seam), status]);
+    expect(r).toEqual({ status: VIRTIO_BLK_S_OK, usedLen: 4097 });
+    expect(mem.read(seam, 4096).equals(original.subarray(4 * 512, 12 * 512))).toBe(true);
+    const payload = randomBytes(4096);
+    mem.write(seam, payload);
+    expect(submit([header(VIRTIO_BLK_T_OUT, 20), data(4096, false, seam), status]).status).toBe(VIRTIO_BLK_S_OK);
+    expect(readFileSync(image).subarray(20 * 512, 28 * 512).equals(payload)).toBe(true);
   });
 
   it('closes the image on reset and reopens it when the driver comes back', () => {

@@ -15,8 +15,9 @@
  *   RAM) or stops (guest RAM is unmapped: an async completion would write into freed memory);
  * - the cost is the event loop waiting on the host's page cache (microseconds) or, on a miss,
  *   the disk; a rootfs is read mostly at boot and by the commands it runs.
- * Writes go to the host's page cache; FLUSH is offered, so the guest's fsync/sync reach the disk
- * as fdatasync.
+ * Data moves straight between the file and guest RAM (readSync into a view of it), in pieces of
+ * at most 1 MiB. Writes go to the host's page cache; FLUSH is offered, so the guest's fsync/sync
+ * reach the disk as fdatasync.
  */
 import { closeSync, fdatasyncSync, fstatSync, openSync, readSync, writeSync, constants as fsConstants } from 'node:fs';
 import { InvalidOptionError } from '../../../errors';
@@ -52,8 +53,8 @@ const ID_BYTES = 20;
  * ring entries (header, data, status), so this keeps several requests in a 256-entry queue.
  */
 const SEG_MAX = 126;
-/** Largest piece moved through the bounce buffer at once (guest buffers may be much larger). */
-const BOUNCE_BYTES = 256 * 1024;
+/** Largest piece moved by one read or write call (a guest buffer may be much larger). */
+const PIECE_BYTES = 1024 * 1024;
 
 const REQUESTQ = 0;
 
@@ -89,7 +90,8 @@ export class VirtioBlk implements VirtioDevice {
   private readonly serial: Buffer;
   private fd: number | null;
   private queue: SplitQueue | null = null;
-  private readonly bounce = Buffer.alloc(BOUNCE_BYTES);
+  /** Only for a guest buffer that straddles two of GuestMemory's views (rare): made on first use. */
+  private bounce: Buffer | undefined;
 
   /**
    * Opens the image (O_RDWR, or O_RDONLY for a read-only disk); a file that cannot be opened or
@@ -208,24 +210,14 @@ export class VirtioBlk implements VirtioDevice {
       case VIRTIO_BLK_T_IN: {
         const offset = this.checkRange(sector, inBytes);
         if (outBytes) throw new RequestFailure(VIRTIO_BLK_S_IOERR, `read request carries ${outBytes} bytes of data`);
-        this.transfer(inData, offset, (buf, len, at) => {
-          const n = readSync(fd, buf, 0, len, at);
-          if (n !== len) throw new RequestFailure(VIRTIO_BLK_S_IOERR, `the image ended early at byte ${at + n} (was it truncated?)`);
-          return buf.subarray(0, len);
-        });
+        this.readToGuest(fd, inData, offset);
         return inBytes;
       }
       case VIRTIO_BLK_T_OUT: {
         if (this.disk.readOnly) throw new RequestFailure(VIRTIO_BLK_S_IOERR, 'write to a read-only disk');
         const offset = this.checkRange(sector, outBytes);
         if (inBytes) throw new RequestFailure(VIRTIO_BLK_S_IOERR, `write request offers ${inBytes} writable data bytes`);
-        this.transfer(outData, offset, undefined, (data, at) => {
-          for (let done = 0; done < data.length;) {
-            const n = writeSync(fd, data, done, data.length - done, at + done);
-            if (n <= 0) throw new RequestFailure(VIRTIO_BLK_S_IOERR, `${this.disk.path}: write made no progress at byte ${at + done}`);
-            done += n;
-          }
-        });
+        this.writeFromGuest(fd, outData, offset);
         return 0;
       }
       case VIRTIO_BLK_T_FLUSH:
@@ -252,25 +244,44 @@ export class VirtioBlk implements VirtioDevice {
     return Number(sector) * SECTOR_BYTES;
   }
 
-  /**
-   * Moves `segments` (guest memory) to or from the file at `offset`, through the bounce buffer
-   * in pieces of at most BOUNCE_BYTES: a guest buffer may be huge, the host's copy stays small.
-   */
-  private transfer(
-    segments: Segment[],
-    offset: number,
-    fromFile?: (buf: Buffer, len: number, at: number) => Buffer,
-    toFile?: (data: Buffer, at: number) => void,
-  ): void {
+  /** File bytes from `offset` on into the guest's buffers, read straight into guest RAM. */
+  private readToGuest(fd: number, segments: Segment[], offset: number): void {
     let at = offset;
-    for (const s of segments) {
-      for (let done = 0; done < s.len;) {
-        const n = Math.min(BOUNCE_BYTES, s.len - done);
-        if (fromFile) this.mem.write(s.gpa + done, fromFile(this.bounce, n, at));
-        else toFile!(this.mem.read(s.gpa + done, n), at);
+    for (const piece of pieces(segments)) {
+      const view = this.guestView(piece);
+      const target = view ?? (this.bounce ??= Buffer.allocUnsafe(PIECE_BYTES)).subarray(0, piece.len);
+      for (let done = 0; done < piece.len;) {
+        const n = readSync(fd, target, done, piece.len - done, at + done);
+        if (n <= 0) throw new RequestFailure(VIRTIO_BLK_S_IOERR, `${this.disk.path} ended at byte ${at + done}, inside the disk (was it truncated?)`);
         done += n;
-        at += n;
       }
+      if (!view) this.mem.write(piece.gpa, target);
+      at += piece.len;
+    }
+  }
+
+  /** The guest's buffers into the file from `offset` on. */
+  private writeFromGuest(fd: number, segments: Segment[], offset: number): void {
+    let at = offset;
+    for (const piece of pieces(segments)) {
+      const data = this.mem.read(piece.gpa, piece.len); // a view, or a copy across two views
+      for (let done = 0; done < piece.len;) {
+        const n = writeSync(fd, data, done, piece.len - done, at + done);
+        if (n <= 0) throw new RequestFailure(VIRTIO_BLK_S_IOERR, `${this.disk.path}: a write made no progress at byte ${at + done}`);
+        done += n;
+      }
+      at += piece.len;
+    }
+  }
+
+  /** A zero-copy view of guest RAM for a piece, or undefined where it straddles two views. */
+  private guestView(piece: Segment): Buffer | undefined {
+    const off = this.mem.hostOffset(piece.gpa, piece.len);
+    if (off < 0) return undefined; // not RAM: mem.write will refuse it (the queue checked already)
+    try {
+      return this.mem.hostView(off, piece.len);
+    } catch {
+      return undefined;
     }
   }
 
@@ -292,6 +303,13 @@ export class VirtioBlk implements VirtioDevice {
       this.mem.write(s.gpa, data.subarray(at, at + n));
       at += n;
     }
+  }
+}
+
+/** Segments cut into pieces of at most PIECE_BYTES, so no single call moves a huge buffer. */
+function* pieces(segments: Segment[]): Generator<Segment> {
+  for (const s of segments) {
+    for (let done = 0; done < s.len; done += PIECE_BYTES) yield { gpa: s.gpa + done, len: Math.min(PIECE_BYTES, s.len - done) };
   }
 }
 
