@@ -2,9 +2,10 @@
  * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
  */
 import { createHash } from 'node:crypto';
-import { existsSync, readFileSync } from 'node:fs';
+import { accessSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
 import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
+import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
 import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError, type BackingFileError } from './errors';
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type SpawnOptions } from './guest/linux-client';
@@ -36,6 +37,20 @@ export interface VmOptions {
   initrd?: string;
   /** Linux guest: words appended to the kernel command line. */
   kernelArgs?: string;
+  /**
+   * Linux guest: a root filesystem image for the commands to run in, attached as a virtio-blk
+   * disk (`/dev/vda`). The agent mounts it (ext4, or ext3/ext2), moves /dev, /proc, /sys, /tmp
+   * and /run into it and makes it `/`, so {@link Vm.exec} and {@link Vm.files} see its `/bin/sh`,
+   * its libraries and its files. A path (attached read-write) or {@link RootfsOptions}.
+   *
+   * The file is used in place: never truncated or grown; the guest's writes reach it as the guest
+   * writes them back (its `sync` flushes them to the host's disk). Its size must be a non-zero
+   * multiple of 512 bytes. Checked before anything boots: a missing, unreadable or badly sized
+   * file is an {@link InvalidOptionError} naming it. If the guest cannot mount it, the start
+   * rejects with a {@link GuestCrashError} carrying the agent's reason. Default: none (commands
+   * run in the shipped initramfs).
+   */
+  rootfs?: string | RootfsOptions;
   /** How long to wait for the guest agent to say hello. Default 60000 ms. */
   bootTimeoutMs?: number;
   /** A name for logs and the CLI. Default: `vm-<n>`. */
@@ -46,6 +61,19 @@ export interface VmOptions {
    * `StrategyConflictError` naming both strategies, before anything is allocated. Default none.
    */
   strategies?: readonly MemoryStrategy[];
+}
+
+/** A root filesystem image and how to attach it. See {@link VmOptions.rootfs}. */
+export interface RootfsOptions {
+  /** The image file (e.g. made with `mke2fs -t ext4 -d DIR rootfs.img 256M`). */
+  path: string;
+  /**
+   * Attach it read-only: the guest sees a read-only disk and mounts it read-only, the host opens
+   * the file O_RDONLY. The image must then have `/dev` and `/proc` directories (the agent cannot
+   * create mount points in it) and a clean journal (a VM that wrote to it and was stopped leaves
+   * one to replay: `e2fsck -p IMAGE` does), because a read-only disk cannot replay it. Default false.
+   */
+  readOnly?: boolean;
 }
 
 /**
@@ -130,19 +158,20 @@ export class Vm extends EventEmitter<VmEvents> {
     if (!Number.isInteger(vcpus) || vcpus < 1 || vcpus > 8) throw new InvalidOptionError('vcpus', `must be a whole number from 1 to 8, got ${vcpus}`);
     const guest = options.guest ?? 'linux';
     if (guest !== 'linux' && guest !== 'probe') throw new InvalidOptionError('guest', `expected "linux" or "probe", got ${JSON.stringify(guest)}`);
+    const disk = rootfsDisk(options.rootfs, guest);
     const bootTimeoutMs = options.bootTimeoutMs ?? 60000;
     const strategies = [...(options.strategies ?? [])];
     validateComposition(strategies);
     const host = checkKvmHost();
     if (guest === 'linux') requireKernelModeGuests(host, 'linux');
-    const boot = guest === 'linux' ? loadLinuxGuest(options) : ({ kind: 'probe', image: loadProbeImage() } as const);
+    const boot = guest === 'linux' ? loadLinuxGuest(options, disk) : ({ kind: 'probe', image: loadProbeImage() } as const);
 
     const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest, strategies);
-    await vm.boot(host.devicePath, boot, bootTimeoutMs);
+    await vm.boot(host.devicePath, boot, bootTimeoutMs, disk);
     return vm;
   }
 
-  private async boot(kvmPath: string, boot: MachineBoot, bootTimeoutMs: number): Promise<void> {
+  private async boot(kvmPath: string, boot: MachineBoot, bootTimeoutMs: number, disk: DiskConfig | undefined): Promise<void> {
     // Loaded here, not at the top: importing pvisor must not load native code until a VM starts.
     const { KvmMachine } = await import('./backends/kvm/kvm-machine');
     this.agent = new AgentClient(
@@ -158,6 +187,7 @@ export class Vm extends EventEmitter<VmEvents> {
         vcpus: this.vcpus,
         boot,
         freePageSink: reporter && ((gpa, len) => reporter.freePagesReported!(this.strategyContext, gpa, len)),
+        disk,
       },
       {
         onConsole: (line) => this.emit('console', line),
@@ -452,8 +482,34 @@ function loadShipped(name: string): Buffer {
  */
 const LINUX_CMDLINE = 'console=ttyS0 reboot=t panic=-1 quiet';
 
+/**
+ * The `rootfs` option checked before anything boots: a regular file the VMM can open as asked,
+ * of whole 512-byte sectors (virtio-blk's unit; a partial sector would be unreachable).
+ */
+function rootfsDisk(rootfs: VmOptions['rootfs'], guest: GuestKind): DiskConfig | undefined {
+  if (rootfs === undefined) return undefined;
+  const { path, readOnly = false } = typeof rootfs === 'string' ? { path: rootfs } : (rootfs ?? {}) as RootfsOptions;
+  if (typeof path !== 'string' || !path) throw new InvalidOptionError('rootfs', 'expected a path or { path, readOnly }');
+  if (typeof readOnly !== 'boolean') throw new InvalidOptionError('rootfs', `readOnly must be true or false, got ${JSON.stringify(readOnly)}`);
+  if (guest !== 'linux') throw new InvalidOptionError('rootfs', `only the Linux guest has a root filesystem (this VM runs the ${guest} guest)`);
+  let sizeBytes: number;
+  try {
+    const st = statSync(path);
+    if (!st.isFile()) throw new InvalidOptionError('rootfs', `${path} is not a regular file`);
+    sizeBytes = st.size;
+    accessSync(path, readOnly ? fsConstants.R_OK : fsConstants.R_OK | fsConstants.W_OK);
+  } catch (e) {
+    if (e instanceof InvalidOptionError) throw e;
+    throw new InvalidOptionError('rootfs', `cannot use ${path}${readOnly ? '' : ' read-write'}: ${(e as Error).message}`);
+  }
+  if (sizeBytes === 0 || sizeBytes % 512 !== 0) {
+    throw new InvalidOptionError('rootfs', `${path} is ${sizeBytes} bytes; a disk image must be a non-zero multiple of 512 bytes`);
+  }
+  return { path, readOnly };
+}
+
 /** The Linux guest's kernel and initramfs: the user's files or the shipped ones. */
-function loadLinuxGuest(options: VmOptions): MachineBoot {
+function loadLinuxGuest(options: VmOptions, disk: DiskConfig | undefined): MachineBoot {
   const read = (what: 'kernel' | 'initrd', path: string) => {
     try {
       return readFileSync(path);
@@ -466,6 +522,8 @@ function loadLinuxGuest(options: VmOptions): MachineBoot {
   }
   const kernel = options.kernel ? read('kernel', options.kernel) : loadShipped('vmlinuz');
   const initrd = options.initrd ? read('initrd', options.initrd) : loadShipped('initramfs.cpio.gz');
-  const cmdline = [LINUX_CMDLINE, options.kernelArgs ?? ''].join(' ').trim();
+  // The disk is the guest's only virtio-blk device, hence /dev/vda; the agent mounts it as `/`.
+  const rootfsArgs = disk ? `pvisor.rootfs=/dev/vda${disk.readOnly ? ' pvisor.rootfs_ro=1' : ''}` : '';
+  const cmdline = [LINUX_CMDLINE, rootfsArgs, options.kernelArgs ?? ''].filter(Boolean).join(' ').trim();
   return { kind: 'linux', kernel, initrd, cmdline };
 }

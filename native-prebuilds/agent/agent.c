@@ -22,6 +22,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -92,6 +93,7 @@ static int is_init;
 static void __attribute__((noreturn)) die(const char *what) {
   logmsg("fatal: %s: %s", what, strerror(errno));
   if (is_init) {
+    tcdrain(2); /* the console (8250) sends from a buffer: let the reason out before the VM ends */
     sync();
     reboot(RB_AUTOBOOT);
     for (;;) pause();
@@ -783,6 +785,60 @@ static void setup_system(void) {
   umask(022);
 }
 
+static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw) {
+  (void)st;
+  if (ftw->level > 0) (type == FTW_DP ? rmdir : unlink)(path); /* best effort: what stays costs RAM only */
+  return 0;
+}
+
+/*
+ * pvisor.rootfs=DEV on the kernel command line (pvisor.rootfs_ro=1: read-only): mounts DEV
+ * (ext4, else ext3/ext2) and makes it the root that the agent and every command see, as busybox's
+ * switch_root does: the mounts of setup_system() move into it, the initramfs' files are deleted
+ * (they would hold guest RAM for good), the new root is moved onto / and the agent chroots into it.
+ * A rootfs that cannot be used is fatal: the VM ends with the reason on the serial console, which
+ * the VMM reports.
+ */
+static void enter_rootfs(void) {
+  char dev[128], ro[8] = "0", what[300];
+  if (!cmdline_param("pvisor.rootfs", dev, sizeof dev)) return;
+  cmdline_param("pvisor.rootfs_ro", ro, sizeof ro);
+  unsigned long flags = strcmp(ro, "0") ? MS_RDONLY : 0;
+  /* the disk's node appears when its driver probes, normally before init runs */
+  for (int i = 0; i < 500 && access(dev, F_OK); i++) nanosleep(&(struct timespec){.tv_nsec = 10 * 1000 * 1000}, NULL);
+  mkdir("/rootfs", 0755);
+  static const char *const types[] = {"ext4", "ext3", "ext2"};
+  int err = 0;
+  size_t t;
+  for (t = 0; t < sizeof types / sizeof *types; t++) {
+    if (!mount(dev, "/rootfs", types[t], flags, NULL)) break;
+    if (!err) err = errno; /* ext4's answer is the telling one */
+  }
+  if (t == sizeof types / sizeof *types) {
+    errno = err;
+    snprintf(what, sizeof what, "cannot mount the rootfs %s (ext4, ext3 or ext2)%s%s", dev, flags ? " read-only" : "",
+             err == EINVAL ? " (no ext2/3/4 filesystem on it?)"
+             : flags && err == EROFS ? " (its journal needs a replay a read-only disk cannot do: run e2fsck -p on the image)" : "");
+    die(what);
+  }
+  static const struct {
+    const char *dir;
+    int needed; /* commands cannot run without it (the agent opens /dev/null, /dev/hvc0, /proc) */
+  } moves[] = {{"/dev", 1}, {"/proc", 1}, {"/sys", 0}, {"/tmp", 0}, {"/run", 0}};
+  for (size_t i = 0; i < sizeof moves / sizeof *moves; i++) {
+    char to[64];
+    snprintf(to, sizeof to, "/rootfs%s", moves[i].dir);
+    mkdir(to, 0755); /* a missing mount point is created (a read-only image must have it) */
+    if (!mount(moves[i].dir, to, NULL, MS_MOVE, NULL)) continue;
+    snprintf(what, sizeof what, "move %s into the rootfs %s (does the image have %s?)", moves[i].dir, dev, moves[i].dir);
+    if (moves[i].needed) die(what);
+    logmsg("%s: %s", what, strerror(errno));
+  }
+  /* FTW_MOUNT: stays on the initramfs, never reaches into /rootfs */
+  nftw("/", remove_entry, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+  if (chdir("/rootfs") || mount(".", "/", NULL, MS_MOVE, NULL) || chroot(".") || chdir("/")) die("switch to the rootfs");
+}
+
 /* Opens the channel, waiting for the device (virtio ports may appear after init starts). */
 static int open_channel(const char *path) {
   for (int i = 0; i < 1000; i++) {
@@ -796,7 +852,10 @@ static int open_channel(const char *path) {
 
 int main(int argc, char **argv) {
   is_init = getpid() == 1;
-  if (is_init) setup_system();
+  if (is_init) {
+    setup_system();
+    enter_rootfs();
+  }
   /* the channel: argv[1] (debugging), else pvisor.channel=PATH on the kernel command line (a
    * test harness may use a multiport virtio-serial port such as /dev/vport0p1), else /dev/hvc0 */
   static char chanpath[256] = "/dev/hvc0";

@@ -20,10 +20,15 @@ const HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 Usage:
   pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
-             [--vm-ram-compression] [--kernel BZIMAGE] [--initrd CPIO] -- CMD [ARGS...]
+             [--vm-ram-compression] [--kernel BZIMAGE] [--initrd CPIO]
+             [--rootfs IMAGE [--rootfs-readonly]] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
       shell. --kernel/--initrd boot your own instead of the shipped ones.
+      --rootfs IMAGE: CMD runs in this root filesystem (an ext4 image with the tools CMD needs,
+        e.g. made with mke2fs -t ext4 -d DIR IMAGE 256M), attached read-write as /dev/vda;
+        --rootfs-readonly attaches it read-only (the image needs /dev and /proc and a clean
+        journal: e2fsck -p IMAGE).
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
@@ -83,12 +88,13 @@ async function cmdRun(argv: string[]): Promise<number> {
       kernel: { type: 'string' },
       initrd: { type: 'string' },
       rootfs: { type: 'string' },
+      'rootfs-readonly': { type: 'boolean', default: false },
     },
     strict: true,
   });
   // The reference CLI's cold compression flag is accepted by name so that scripts get a clear answer.
   if (values['vm-cold-ram-compression']) throw new InvalidOptionError('--vm-cold-ram-compression', 'not yet available in this version of pvisor (ColdCompression is in progress)');
-  if (values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'not yet available in this version of pvisor (virtio-blk is in progress); the guest runs from its initramfs');
+  if (values['rootfs-readonly'] && values.rootfs === undefined) throw new InvalidOptionError('--rootfs-readonly', 'only goes with --rootfs IMAGE');
   const reload = values['vm-offload-reload'];
   if (reload !== undefined && !values['vm-offload']) throw new InvalidOptionError('--vm-offload-reload', 'only goes with --vm-offload');
   if (reload !== undefined && reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('--vm-offload-reload', `expected eager or lazy, got ${JSON.stringify(reload)}`);
@@ -97,6 +103,7 @@ async function cmdRun(argv: string[]): Promise<number> {
   const guest = values.guest as GuestKind;
   const memory = parseSize('memory', values.memory);
   if (guest === 'probe' && (values.kernel !== undefined || values.initrd !== undefined)) throw new InvalidOptionError('--kernel', '--kernel and --initrd are for the Linux guest');
+  if (guest === 'probe' && values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'is for the Linux guest');
   const steps = guest === 'probe' ? parseProbeScript(command) : undefined;
   const strategies: MemoryStrategy[] = [];
   if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
@@ -112,7 +119,8 @@ async function cmdRun(argv: string[]): Promise<number> {
     process.stderr.write(`pvisor: VM ${control.id}, control socket ${control.socketPath}\n`);
     process.stderr.write(`pvisor: starting a ${values.memory} ${guest} VM with ${vcpus} vCPU(s)...\n`);
     const t0 = performance.now();
-    const vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies, kernel: values.kernel, initrd: values.initrd });
+    const rootfs = values.rootfs === undefined ? undefined : { path: values.rootfs, readOnly: values['rootfs-readonly'] };
+    const vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies, kernel: values.kernel, initrd: values.initrd, rootfs });
     control.attach(vm);
     try {
       if (values.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));

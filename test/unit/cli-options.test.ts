@@ -32,6 +32,16 @@ describe('pvisor run option checks', () => {
     expect(r.status).toBe(125);
   });
 
+  it('--rootfs names a missing image before anything boots; --rootfs-readonly needs --rootfs', () => {
+    const r = pvisor('run', '--rootfs', '/no/such/rootfs.img', '--', 'true');
+    expect(r.stderr).toMatch(/pvisor: rootfs: cannot use \/no\/such\/rootfs\.img read-write: ENOENT/);
+    expect(r.stderr).not.toMatch(/ready in/);
+    expect(r.status).toBe(125);
+    const alone = pvisor('run', '--rootfs-readonly', '--', 'true');
+    expect(alone.stderr).toMatch(/--rootfs-readonly: only goes with --rootfs/);
+    expect(alone.status).toBe(125);
+  });
+
   it('an unknown option is a usage error', () => {
     const r = pvisor('run', '--memroy', '1G', '--', 'digest');
     expect(r.stderr).toMatch(/Unknown option '--memroy'/);

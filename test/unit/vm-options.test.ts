@@ -1,4 +1,7 @@
 // Vm.start validates its options and the host before allocating anything: no KVM needed.
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { HostUnsupportedError, InvalidOptionError, Vm } from '../../src';
 
 describe('bad input is rejected before anything is allocated', () => {
@@ -23,5 +26,31 @@ describe('bad input is rejected before anything is allocated', () => {
     } finally {
       delete process.env.PVISOR_KVM_DEVICE;
     }
+  });
+});
+
+describe('a bad rootfs is rejected before anything boots, naming the file', () => {
+  let dir: string;
+  beforeAll(() => {
+    dir = mkdtempSync(join(tmpdir(), 'pvisor-rootfs-opt-'));
+    writeFileSync(join(dir, 'empty.img'), '');
+    writeFileSync(join(dir, 'odd.img'), Buffer.alloc(1000));
+    writeFileSync(join(dir, 'good.img'), Buffer.alloc(4096));
+  });
+  afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+  it.each([
+    ['missing.img', /rootfs: cannot use .*missing\.img read-write: ENOENT/],
+    ['empty.img', /rootfs: .*empty\.img is 0 bytes; a disk image must be a non-zero multiple of 512 bytes/],
+    ['odd.img', /rootfs: .*odd\.img is 1000 bytes/],
+    ['.', /rootfs: .* is not a regular file/],
+  ])('%s', async (name, message) => {
+    const start = Vm.start({ rootfs: { path: join(dir, name), readOnly: true } });
+    await expect(start).rejects.toThrow(InvalidOptionError);
+    await expect(Vm.start({ rootfs: join(dir, name) })).rejects.toThrow(message);
+  });
+
+  it('the probe guest has no root filesystem', async () => {
+    await expect(Vm.start({ guest: 'probe', rootfs: join(dir, 'good.img') })).rejects.toThrow(/rootfs: only the Linux guest has a root filesystem/);
   });
 });

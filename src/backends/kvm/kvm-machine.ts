@@ -11,13 +11,14 @@ import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS } from './devices/serial';
 import { ProbePorts, PROBE_PORTS_BASE, PROBE_PORTS_COUNT } from './devices/probe-ports';
 import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
 import { AGENT_PORT_PATH, VirtioConsole } from './devices/virtio-console';
+import { VirtioBlk, type DiskConfig } from './devices/virtio-blk';
 import { GuestMemory, type RamBacking } from './guest-memory';
 import { IoBus, type VcpuAction } from './io-bus';
 import { Kvm, VmFd, VcpuFd } from './ioctls';
 import { cpuidForVcpu, loadLinux, setupLapic, setupLinuxBootVcpu } from './linux-boot';
 import { loadProbe, setupProbeVcpu } from './probe-boot';
 import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
-import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE } from './virtio/mmio-transport';
+import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type VirtioDevice } from './virtio/mmio-transport';
 
 // Resolve the runner's native functions while this module loads, on the main thread.
 loadVcpuRunner();
@@ -26,9 +27,12 @@ loadVcpuRunner();
 export const CONSOLE_MMIO_BASE = 0xd0000000;
 /** MMIO address of the free page reporting device (virtio-balloon). */
 export const BALLOON_MMIO_BASE = 0xd0001000;
+/** MMIO address of the optional disk (virtio-blk). */
+export const DISK_MMIO_BASE = 0xd0002000;
 /** Interrupt lines of the virtio devices (ISA IRQs the MP table routes to the I/O APIC). */
 const CONSOLE_IRQ = 5;
 const BALLOON_IRQ = 6;
+const DISK_IRQ = 7;
 /** An eventfd increment (a u64 of 1). */
 const EVENTFD_ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
 /** Notify-record tags: device index * QUEUES_PER_TAG + queue index. */
@@ -91,6 +95,8 @@ export interface MachineConfig {
   freePageSink?: FreePageSink;
   /** Linux guest only; default from PVISOR_VIRTIO_SIGNALLING, else `eventfd`. */
   signalling?: VirtioSignalling;
+  /** A disk (virtio-blk) after console and balloon: the guest's /dev/vda. */
+  disk?: DiskConfig;
 }
 
 type VcpuState = 'created' | 'running' | 'held' | 'idle' | 'parked';
@@ -106,6 +112,7 @@ export class KvmMachine {
   readonly memory: GuestMemory;
   private readonly balloon: VirtioBalloon;
   private readonly console: VirtioConsole;
+  private readonly disk: VirtioBlk | undefined;
   private readonly serial: Serial8250;
   private readonly pio = new IoBus('pio');
   private readonly mmio = new IoBus('mmio');
@@ -170,7 +177,12 @@ export class KvmMachine {
       this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), used(0), deviceError);
       const reporting = config.freePageSink !== undefined;
       this.balloon = new VirtioBalloon(this.memory, config.freePageSink ?? (() => {}), used(1), deviceError, reporting);
-      const devices = [[CONSOLE_MMIO_BASE, CONSOLE_IRQ, this.console], [BALLOON_MMIO_BASE, BALLOON_IRQ, this.balloon]] as const;
+      // The console stays first: the agent channel's name depends on its being virtio index 0.
+      const devices: [number, number, VirtioDevice][] = [[CONSOLE_MMIO_BASE, CONSOLE_IRQ, this.console], [BALLOON_MMIO_BASE, BALLOON_IRQ, this.balloon]];
+      if (config.disk) {
+        this.disk = new VirtioBlk(this.memory, config.disk, used(devices.length), deviceError);
+        devices.push([DISK_MMIO_BASE, DISK_IRQ, this.disk]);
+      }
       for (const [base, irq, dev] of devices) {
         const t = new MmioTransport(base, dev, this.memory, pulse(irq), deviceError);
         transports.push(t);
@@ -305,6 +317,7 @@ export class KvmMachine {
     for (const v of this.vcpus) v.fd.close();
     this.vcpus.length = 0;
     this.memory?.unmap();
+    this.disk?.close();
   }
 
   private crash(error: PvisorError): void {
@@ -428,9 +441,11 @@ export class KvmMachine {
         if (!this.linux) return { kind: 'crash', reason: 'shutdown', message: 'the guest shut down unexpectedly (a triple fault: an exception it could not handle)' };
         // reboot=t panic=-1: a reboot, a power-off and a panic all end in a triple fault.
         const panic = this.recentConsole.find((l) => l.includes('Kernel panic'));
-        return panic
-          ? { kind: 'crash', reason: 'kernel-panic', message: `the guest kernel panicked: ${panic.trim()}` }
-          : { kind: 'crash', reason: 'shutdown', message: 'the guest kernel shut down (reboot or power-off)' };
+        // The agent (PID 1) reboots on a fatal error (e.g. a rootfs it cannot mount) after saying why.
+        const agentFatal = [...this.recentConsole].reverse().find((l) => l.includes('pvisor-agent: fatal'));
+        if (panic) return { kind: 'crash', reason: 'kernel-panic', message: `the guest kernel panicked: ${panic.trim()}` };
+        if (agentFatal) return { kind: 'crash', reason: 'agent-fatal', message: `the guest agent ended the VM: ${agentFatal.trim()}` };
+        return { kind: 'crash', reason: 'shutdown', message: 'the guest kernel shut down (reboot or power-off)' };
       }
       case C.KVM_EXIT_INTERNAL_ERROR:
         return { kind: 'crash', reason: 'internal-error', message: `KVM internal error, suberror ${run.readUInt32LE(C.KVM_RUN_INTERNAL_SUBERROR)} (e.g. an instruction KVM cannot emulate)` };
