@@ -135,6 +135,10 @@ export class Vm extends EventEmitter<VmEvents> {
   private readonly strategies: readonly MemoryStrategy[];
   private strategyContext!: StrategyContext;
   private strategiesClosed = false;
+  /** A shutdown() asked the guest to end: its reboot is the VM's normal end, not a crash. */
+  private shuttingDown = false;
+  /** A writable rootfs is attached: ending it by a hard stop may lose what the guest has not written back. */
+  private writableDisk = false;
 
   private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[]) {
     super();
@@ -167,6 +171,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const boot = guest === 'linux' ? loadLinuxGuest(options, disk) : ({ kind: 'probe', image: loadProbeImage() } as const);
 
     const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest, strategies);
+    vm.writableDisk = disk !== undefined && !disk.readOnly;
     await vm.boot(host.devicePath, boot, bootTimeoutMs, disk);
     return vm;
   }
@@ -258,6 +263,14 @@ export class Vm extends EventEmitter<VmEvents> {
   }
 
   private onCrash(error: PvisorError): void {
+    if (this.shuttingDown && error instanceof GuestCrashError && error.reason === 'shutdown') {
+      live.delete(this);
+      this.closeStrategies();
+      this.agent.close();
+      this.setState('stopped');
+      this.emit('exit', { state: 'stopped' });
+      return;
+    }
     this.endError = error;
     live.delete(this);
     this.closeStrategies();
@@ -406,7 +419,9 @@ export class Vm extends EventEmitter<VmEvents> {
   }
 
   /**
-   * Stops the VM and frees everything it holds. Safe to call more than once. During a suspend or
+   * Stops the VM and frees everything it holds, at once: the guest gets no say, so writes a
+   * writable rootfs has not written back yet are lost ({@link shutdown} ends it cleanly first).
+   * Safe to call more than once. During a suspend or
    * resume, guest RAM is freed as soon as the strategy at work returns (it may be reading it).
    */
   stop(): void {
@@ -429,9 +444,34 @@ export class Vm extends EventEmitter<VmEvents> {
     for (const s of this.strategies) s.close?.();
   }
 
-  /** `await using vm = await Vm.start(...)` stops the VM at the end of the scope. */
-  async [Symbol.asyncDispose](): Promise<void> {
+  /**
+   * Ends a running Linux guest cleanly, then frees everything as {@link stop} does: the agent
+   * stops every process, remounts a writable {@link VmOptions.rootfs} read-only (so all that was
+   * written reaches the image, which then needs no journal replay) and reboots, which ends the VM.
+   * A guest that has not ended after `timeoutMs` (default 10000), a probe guest, and a VM that is
+   * not running are stopped at once instead. Resolves once the VM is stopped.
+   */
+  async shutdown(options: { timeoutMs?: number } = {}): Promise<void> {
+    if (this._state === 'stopped' || this._state === 'crashed') return;
+    if (this.guest !== 'linux' || this._state !== 'running' || this.inTransition) return this.stop();
+    this.shuttingDown = true;
+    const ended = new Promise<void>((resolve) => this.once('exit', () => resolve()));
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, options.timeoutMs ?? 10_000)));
+    // The guest may end before its answer leaves: the VM's end is what counts.
+    this.linuxGuest.shutdown().catch(() => {});
+    await Promise.race([ended, timeout]);
+    clearTimeout(timer);
     this.stop();
+  }
+
+  /**
+   * `await using vm = await Vm.start(...)` ends the VM at the end of the scope: {@link shutdown}
+   * when a writable rootfs is attached, else {@link stop}.
+   */
+  async [Symbol.asyncDispose](): Promise<void> {
+    if (this.writableDisk) await this.shutdown();
+    else this.stop();
   }
 
   /**

@@ -87,6 +87,8 @@ static void logmsg(const char *fmt, ...) {
   (void)ignored;
 }
 
+/* a writable rootfs is mounted on /: SHUTDOWN remounts it read-only first */
+static int in_rootfs;
 static int is_init;
 
 /* PID 1 may not exit: reboot instead, so the VMM sees the VM end. */
@@ -687,8 +689,17 @@ static void op_shutdown(uint32_t id) {
     flush_out();
     if (out.len) poll(&(struct pollfd){.fd = chan, .events = POLLOUT}, 1, 10);
   }
+  if (is_init) {
+    /* A clean end for a writable rootfs: every other process goes, then / is remounted read-only,
+     * which writes back everything and marks the filesystem clean (no journal replay, nothing
+     * lost). On the initramfs the remount fails harmlessly. */
+    kill(-1, SIGKILL);
+    for (int i = 0; i < 100 && waitpid(-1, NULL, WNOHANG) >= 0; i++) nanosleep(&(struct timespec){.tv_nsec = 10 * 1000 * 1000}, NULL);
+    sync();
+    if (in_rootfs && mount(NULL, "/", NULL, MS_REMOUNT | MS_RDONLY, NULL)) logmsg("remount the rootfs read-only: %s", strerror(errno));
+    reboot(RB_AUTOBOOT);
+  }
   sync();
-  if (is_init) reboot(RB_AUTOBOOT);
   exit(0);
 }
 
@@ -837,6 +848,7 @@ static void enter_rootfs(void) {
   /* FTW_MOUNT: stays on the initramfs, never reaches into /rootfs */
   nftw("/", remove_entry, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
   if (chdir("/rootfs") || mount(".", "/", NULL, MS_MOVE, NULL) || chroot(".") || chdir("/")) die("switch to the rootfs");
+  in_rootfs = !flags;
 }
 
 /* Opens the channel, waiting for the device (virtio ports may appear after init starts). */

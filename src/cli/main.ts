@@ -26,7 +26,8 @@ Usage:
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
       shell. --kernel/--initrd boot your own instead of the shipped ones.
       --rootfs IMAGE: CMD runs in this root filesystem (an ext4 image with the tools CMD needs,
-        e.g. made with mke2fs -t ext4 -d DIR IMAGE 256M), attached read-write as /dev/vda;
+        e.g. made with mke2fs -t ext4 -d DIR IMAGE 256M), attached read-write as /dev/vda and
+        shut down cleanly at the end, so what CMD wrote is in the image;
         --rootfs-readonly attaches it read-only (the image needs /dev and /proc and a clean
         journal: e2fsck -p IMAGE).
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
@@ -139,7 +140,9 @@ async function cmdRun(argv: string[]): Promise<number> {
       }
       return await runCommand(vm, command, control);
     } finally {
-      vm.stop();
+      // A writable rootfs must get everything CMD wrote; otherwise there is nothing to save.
+      if (rootfs && !rootfs.readOnly) await vm.shutdown();
+      else vm.stop();
     }
   } finally {
     control.close();

@@ -17,6 +17,7 @@ const enum LinuxOp {
   FileWrite = 0x0211,
   MemInfo = 0x0220,
   DropCaches = 0x0221,
+  Shutdown = 0x0230,
 }
 
 const CHUNK_STDOUT = 1;
@@ -248,6 +249,14 @@ export class LinuxGuest {
    * Drops the guest's clean page cache (and dentries/inodes); with IdleRelease the freed pages go
    * back to the host about 2 s later through free page reporting.
    */
+  /**
+   * Asks the agent to end the guest cleanly (stop every process, remount a writable rootfs
+   * read-only, reboot, which ends the VM). Resolves on the agent's answer, before the VM is gone.
+   */
+  async shutdown(): Promise<void> {
+    await this.agent.request(LinuxOp.Shutdown);
+  }
+
   async dropCaches(): Promise<void> {
     await this.agent.request(LinuxOp.DropCaches, u32s(3));
   }

@@ -87,6 +87,18 @@ describe('Linux guest with a rootfs image', () => {
     expect(sha(readFileSync(out))).toBe(sha(data));
   }, 300_000);
 
+  // After the stopped VM above, the image's journal needs a replay: the mount does it, and the
+  // CLI's clean shutdown must leave the image clean, with what CMD wrote (no sync of its own).
+  it('pvisor run with a writable rootfs ends the guest cleanly: what CMD wrote is in a clean image', () => {
+    const text = `written by CMD ${randomBytes(8).toString('hex')}`;
+    const r = spawnSync(process.execPath, [main, 'run', '--memory', '256MiB', '--vcpus', '1', '--rootfs', image, '--', 'sh', '-c', `echo ${text} > /from-cli`], { encoding: 'utf8', timeout: 200_000 });
+    expect({ status: r.status, stderr: r.status ? r.stderr : '' }).toEqual({ status: 0, stderr: '' });
+    expect(execFileSync('dumpe2fs', ['-h', image], { encoding: 'utf8', stdio: 'pipe' })).not.toMatch(/needs_recovery/);
+    const fsck = spawnSync('e2fsck', ['-fn', image], { encoding: 'utf8' });
+    expect({ status: fsck.status, output: fsck.stdout }).toEqual({ status: 0, output: fsck.stdout });
+    expect(execFileSync('debugfs', ['-R', 'cat /from-cli', image], { encoding: 'utf8', stdio: 'pipe' })).toBe(`${text}\n`);
+  }, 220_000);
+
   it('an image the guest cannot mount ends the start with the agent\'s reason', async () => {
     const junk = join(dir, 'junk.img');
     writeFileSync(junk, Buffer.alloc(MiB, 0x5a));
