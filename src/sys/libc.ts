@@ -29,6 +29,7 @@ const fns = define({
   madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
   mincore: { library: libc, retType: I32, paramsType: [U64, U64, U64], errno: true },
   eventfd: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
+  flock: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
   // Returns the error number itself (not -1 and errno).
   posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
   // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
@@ -64,6 +65,23 @@ const EFD_NONBLOCK = 0o4000;
  */
 export function createEventFd(): number {
   return check('eventfd', fns.eventfd([0, EFD_CLOEXEC | EFD_NONBLOCK]) as ErrnoResult<number>);
+}
+
+/** LOCK_SH, LOCK_EX and LOCK_NB from <sys/file.h>; EWOULDBLOCK from <errno.h>. */
+const LOCK_SH = 1;
+const LOCK_EX = 2;
+const LOCK_NB = 4;
+const EWOULDBLOCK = 11;
+
+/**
+ * flock(2) without waiting: an exclusive lock (a writer) or a shared one (readers). Returns false
+ * if another open file holds a conflicting lock; the lock goes with the fd's close.
+ */
+export function tryLockFile(fd: number, exclusive: boolean): boolean {
+  const r = fns.flock([fd, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB]) as ErrnoResult<number>;
+  if (r.value === 0) return true;
+  if (r.errnoCode === EWOULDBLOCK) return false;
+  return check('flock', r) === 0;
 }
 
 /** close(2). */

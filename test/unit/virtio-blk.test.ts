@@ -219,4 +219,21 @@ describe('virtio-blk device', () => {
     writeFileSync(join(dir, 'empty.img'), '');
     expect(() => new VirtioBlk(mem, { path: join(dir, 'empty.img'), readOnly: true }, onErr, onErr)).toThrow(/empty\.img/);
   });
+
+  it('a writer holds the image alone; readers share it', () => {
+    const other = (readOnly: boolean) => new VirtioBlk(mem, { path: image, readOnly }, () => {}, () => {});
+    device(false);
+    expect(() => other(true)).toThrow(/in use by another VM/);
+    expect(() => other(false)).toThrow(InvalidOptionError);
+    blk!.close();
+    const r1 = other(true);
+    const r2 = other(true);
+    try {
+      expect(() => other(false)).toThrow(/in use by another VM/);
+    } finally {
+      r1.close();
+      r2.close();
+    }
+    other(false).close(); // free again once the readers are gone
+  });
 });

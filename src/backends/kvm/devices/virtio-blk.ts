@@ -20,6 +20,7 @@
  * reach the disk as fdatasync.
  */
 import { closeSync, fdatasyncSync, fstatSync, openSync, readSync, writeSync, constants as fsConstants } from 'node:fs';
+import { tryLockFile } from '../../../sys/libc';
 import { InvalidOptionError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
@@ -123,11 +124,19 @@ export class VirtioBlk implements VirtioDevice {
   }
 
   private open(): number {
+    let fd: number;
     try {
-      return openSync(this.disk.path, (this.disk.readOnly ? fsConstants.O_RDONLY : fsConstants.O_RDWR));
+      fd = openSync(this.disk.path, (this.disk.readOnly ? fsConstants.O_RDONLY : fsConstants.O_RDWR));
     } catch (e) {
       throw new InvalidOptionError('rootfs', `cannot open ${this.disk.path}${this.disk.readOnly ? '' : ' for reading and writing'}: ${(e as Error).message}`);
     }
+    // Two guests mounting one ext4 image, one of them writing, corrupt it: a writer holds the
+    // image alone, readers share it (flock, as other VMMs lock their images).
+    if (!tryLockFile(fd, !this.disk.readOnly)) {
+      closeSync(fd);
+      throw new InvalidOptionError('rootfs', `${this.disk.path} is in use by another VM${this.disk.readOnly ? ' that writes to it' : ''} (it holds a lock on the file)`);
+    }
+    return fd;
   }
 
   readConfig(off: number, len: number): number {
