@@ -4,7 +4,7 @@
 // SVM gives a real /dev/kvm). Ends with one 'N passed, N failed' line over both runs.
 'use strict';
 const { spawnSync } = require('node:child_process');
-const { existsSync, mkdirSync, readFileSync, rmSync } = require('node:fs');
+const { existsSync, mkdirSync, readdirSync, readFileSync, rmSync } = require('node:fs');
 const { join } = require('node:path');
 const { kvmUsable, onKvm } = require('./kvm-host');
 
@@ -23,27 +23,57 @@ function run(cmd, args, label, env = {}) {
 const extra = process.argv.slice(2);
 if (run('npx', ['tsc', '-p', 'tsconfig.json'], 'build') !== 0) process.exit(1);
 
-const jest = (dir, out) => ['jest', '--ci', dir, '--json', `--outputFile=${join(resultsDir, out)}`, ...extra];
-const unitStatus = run('npx', jest('dist/test/unit', 'unit.json'), 'unit tests (this host)');
-const kvmStatus = run(
-  ...onKvm(['npx', ...jest('dist/test/kvm', 'kvm.json')]),
-  kvmUsable() ? "KVM tests (this host's /dev/kvm)" : 'KVM tests (no usable /dev/kvm here: nested KVM under QEMU)',
-  // jest prints a file's results when the file ends; under emulation a file takes minutes.
-  { PVISOR_NESTED_SILENCE_S: process.env.PVISOR_NESTED_SILENCE_S || '900' },
-);
+const jest = (paths, out) => ['jest', '--ci', ...paths, '--json', `--outputFile=${join(resultsDir, out)}`, ...extra];
+const unitStatus = run('npx', jest(['dist/test/unit'], 'unit.json'), 'unit tests (this host)');
+
+// KVM tests. Under the nested harness, the emulated L1 now and then wedges for good (it stops
+// dead, every process in it with it: a fault of QEMU's emulated SVM, seen with any test file).
+// The reporter's heartbeat keeps a slow test from looking silent, so the watchdog can be short;
+// when it fires (exit 124), the files that had not finished run once more in a fresh L1. A test
+// that fails is never rerun.
+const nested = !kvmUsable();
+const kvmFiles = readdirSync(join(root, 'dist', 'test', 'kvm')).filter((f) => f.endsWith('.test.js')).sort().map((f) => join(root, 'dist', 'test', 'kvm', f));
+const progressFile = join(resultsDir, 'kvm-progress.jsonl');
+let kvmStatus = 0;
+let remaining = kvmFiles;
+for (let attempt = 1; attempt <= (nested ? 2 : 1) && remaining.length; attempt++) {
+  kvmStatus = run(
+    ...onKvm(['npx', ...jest(remaining, `kvm-${attempt}.json`)]),
+    `${nested ? 'KVM tests (no usable /dev/kvm here: nested KVM under QEMU)' : "KVM tests (this host's /dev/kvm)"}${attempt > 1 ? `, attempt ${attempt}` : ''}`,
+    { PVISOR_NESTED_SILENCE_S: process.env.PVISOR_NESTED_SILENCE_S || '240', PVISOR_TEST_PROGRESS_FILE: progressFile },
+  );
+  if (!nested || kvmStatus !== 124) break;
+  const finished = new Set(progressLines().map((l) => l.file));
+  remaining = remaining.filter((f) => !finished.has(f));
+  if (remaining.length) console.log(`\nthe nested harness went silent (a wedged L1); ${remaining.length} file(s) had not finished: ${remaining.map((f) => f.split('/').pop()).join(', ')}`);
+}
+
+function progressLines() {
+  if (!existsSync(progressFile)) return [];
+  return readFileSync(progressFile, 'utf8').split('\n').filter(Boolean).map((l) => JSON.parse(l));
+}
 
 let passed = 0;
 let failed = 0;
-for (const f of ['unit.json', 'kvm.json']) {
-  const p = join(resultsDir, f);
-  if (!existsSync(p)) {
-    console.log(`no results from ${f}: that run did not finish`);
-    failed++;
-    continue;
-  }
-  const j = JSON.parse(readFileSync(p, 'utf8'));
+const unitResults = join(resultsDir, 'unit.json');
+if (existsSync(unitResults)) {
+  const j = JSON.parse(readFileSync(unitResults, 'utf8'));
   passed += j.numPassedTests;
   failed += j.numFailedTests + j.numRuntimeErrorTestSuites;
+} else {
+  console.log('no results from the unit tests: that run did not finish');
+  failed++;
+}
+// KVM results per file, from the reporter: a file counts once, from the attempt that finished it.
+const kvmDone = new Map(progressLines().map((l) => [l.file, l]));
+for (const l of kvmDone.values()) {
+  passed += l.passed;
+  failed += l.failed;
+}
+const unfinished = kvmFiles.filter((f) => !kvmDone.has(f));
+if (unfinished.length) {
+  console.log(`KVM test files that never finished: ${unfinished.map((f) => f.split('/').pop()).join(', ')}`);
+  failed += unfinished.length;
 }
 console.log(`\n${passed} passed, ${failed} failed`);
-process.exit(unitStatus === 0 && kvmStatus === 0 && failed === 0 && passed > 0 ? 0 : 1);
+process.exit(unitStatus === 0 && failed === 0 && passed > 0 ? 0 : 1);
