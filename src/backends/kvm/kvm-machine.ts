@@ -176,7 +176,7 @@ export class KvmMachine {
       const used = (i: number) => () => transports[i]?.signalUsed();
       this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), used(0), deviceError);
       const reporting = config.freePageSink !== undefined;
-      this.balloon = new VirtioBalloon(this.memory, config.freePageSink ?? (() => {}), used(1), deviceError, reporting);
+      this.balloon = new VirtioBalloon(config.freePageSink ?? (() => {}), used(1), deviceError, reporting);
       // The console stays first: the agent channel's name depends on its being virtio index 0.
       const devices: [number, number, VirtioDevice][] = [[CONSOLE_MMIO_BASE, CONSOLE_IRQ, this.console], [BALLOON_MMIO_BASE, BALLOON_IRQ, this.balloon]];
       if (config.disk) {

@@ -3,7 +3,6 @@
  * the guest hands back ranges it has freed, the host drops the pages behind them. No inflate or
  * deflate: pvisor never asks a guest to give memory up, it takes back what the guest freed.
  */
-import type { GuestMemory } from '../guest-memory';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import type { SplitQueue } from '../virtio/queue';
 
@@ -24,7 +23,6 @@ export class VirtioBalloon implements VirtioDevice {
   private reporting: SplitQueue | null = null;
 
   constructor(
-    private readonly mem: GuestMemory,
     private readonly sink: FreePageSink,
     private readonly onUsed: () => void,
     private readonly onError: (message: string) => void,
@@ -61,6 +59,6 @@ export class VirtioBalloon implements VirtioDevice {
       }
       q.push(chain.head, 0);
     }
-    if (q.usedIndex !== usedBefore) this.onUsed();
+    if (q.shouldInterrupt(usedBefore)) this.onUsed();
   }
 }

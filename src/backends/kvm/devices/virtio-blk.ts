@@ -172,7 +172,7 @@ export class VirtioBlk implements VirtioDevice {
     while ((chain = q.popValid((message) => this.onError(`virtio-blk: ${message}`)))) {
       q.push(chain.head, this.serve(chain.head, chain.descriptors));
     }
-    if (q.usedIndex !== usedBefore) this.onUsed();
+    if (q.shouldInterrupt(usedBefore)) this.onUsed();
   }
 
   /** Serves one request; returns the bytes written into its writable buffers (status included). */

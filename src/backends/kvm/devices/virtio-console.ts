@@ -106,10 +106,10 @@ export class VirtioConsole implements VirtioDevice {
 
   private readonly queueError = (message: string) => this.onError(`virtio-console: ${message}`);
 
+  /** Raises the interrupt if the driver wants it; true if chains were returned at all. */
   private signal(q: SplitQueue, usedBefore: number): boolean {
-    if (q.usedIndex === usedBefore) return false;
-    if (q.interruptWanted) this.onUsed();
-    return true;
+    if (q.shouldInterrupt(usedBefore)) this.onUsed();
+    return q.usedIndex !== usedBefore;
   }
 
   private drainTransmit(): void {

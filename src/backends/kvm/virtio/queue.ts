@@ -83,6 +83,14 @@ export class SplitQueue {
     return (this.mem.readU16(this.config.availGpa) & VIRTQ_AVAIL_F_NO_INTERRUPT) === 0;
   }
 
+  /**
+   * True if chains were returned used since the used index was `usedBefore` and the driver wants
+   * an interrupt for them. Each interrupt costs the guest two exits (status read, acknowledge).
+   */
+  shouldInterrupt(usedBefore: number): boolean {
+    return this.nextUsed !== usedBefore && this.interruptWanted;
+  }
+
   /** True if the driver has made a chain available that the device has not taken. */
   hasAvailable(): boolean {
     return this.mem.readU16(this.config.availGpa + 2) !== this.nextAvail;
