@@ -452,7 +452,9 @@ qemu_args=(
   # -smp 2 hung the whole L1 in 3 of ~140 L2 boots (QEMU 7.2 multi-threaded TCG with SVM);
   # -smp 1 worked 180 of 180 at the same speed.
   -smp 1 -m "$MEMORY"
-  -display none -monitor none -no-reboot
+  -display none -no-reboot
+  # The monitor answers only to the watchdog: where the L1's CPU is when it went silent.
+  -monitor "unix:$(qe "$RUN/monitor.sock"),server=on,wait=off"
   # The serial console goes to stdout and to a log file: the watchdog watches the log's size
   # (it also sees partial lines), and the log is shown when the L1 dies.
   -chardev "stdio,id=con,signal=off,logfile=$(qe "$RUN/console.log")" -serial chardev:con
@@ -540,6 +542,26 @@ while :; do
   if ((NOW - T0 > TIMEOUT_S * 1000)); then WHY="timeout: not finished after $TIMEOUT_S s"; break; fi
   if ((NOW - LAST > SILENCE_S * 1000)); then WHY="silence watchdog: no output for $SILENCE_S s"; break; fi
 done
+
+# Where the emulated CPU is, twice 2 s apart (a wedged L1 spinning, or halted with interrupts
+# off?), from QEMU's monitor: the key lines of `info registers`. Node is there: it runs us.
+cpu_state() {
+  node -e '
+    const sock = require("net").connect(process.argv[1]);
+    let out = "";
+    sock.on("data", (d) => (out += d));
+    sock.on("error", () => {});
+    const ask = () => sock.write("info registers\n");
+    setTimeout(ask, 300);
+    setTimeout(ask, 2300);
+    setTimeout(() => {
+      const keep = out.split(/\r?\n/).filter((l) => /^(RIP|CS |CR0|EFER)/.test(l));
+      for (const l of keep) process.stderr.write(`nested-kvm: L1 CPU: ${l.replace(/\s+/g, " ")}\n`);
+      process.exit(0);
+    }, 3000);
+  ' "$RUN/monitor.sock" 2>&1 >/dev/null | cat >&2 || true
+}
+[[ -n $WHY ]] && cpu_state
 
 if [[ -n $RC || -n $L1_ERROR ]]; then
   # The L1 reboots right after the marker and -no-reboot makes QEMU exit; give it a moment.
