@@ -459,7 +459,11 @@ qemu_args=(
   # (it also sees partial lines), and the log is shown when the L1 dies.
   -chardev "stdio,id=con,signal=off,logfile=$(qe "$RUN/console.log")" -serial chardev:con
   -kernel "$L1DIR/kernel" -initrd "$L1DIR/initramfs.cpio"
-  -append "console=ttyS0 quiet loglevel=1 panic=-1 nkvm_token=$TOKEN"
+  # A periodic tick from the local APIC (not TSC-deadline, not tickless): a wedged L1 was once
+  # seen halted with interrupts on and nothing pending, i.e. a one-shot timer interrupt had been
+  # lost (the emulated SVM, around exits from L2). A periodic timer re-arms itself, so a lost
+  # interrupt costs one tick, not the whole run.
+  -append "console=ttyS0 quiet loglevel=1 panic=-1 lapic=notscdeadline highres=off nohz=off nkvm_token=$TOKEN"
   -virtfs local,path=/usr,mount_tag=usr,security_model=none,readonly=on,multidevs=remap
   -virtfs local,path=/etc,mount_tag=etc,security_model=none,readonly=on,multidevs=remap
   -virtfs "local,path=$(qe "$REPO"),mount_tag=repo,security_model=none,multidevs=remap"
