@@ -279,14 +279,19 @@ export class GuestFiles {
 
   /**
    * Creates or replaces a file with `data` (mode default 0644), creating missing parent
-   * directories. Large files go in several frames, sent at once and applied in order.
+   * directories. Large files go in several frames, one at a time.
    */
   async write(path: string, data: string | Uint8Array, options: { mode?: number } = {}): Promise<void> {
     const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
     const p = str(path, 'path');
-    await Promise.all(frameChunks(bytes).map((chunk, i) => {
-      const flags = WRITE_MKDIRS | (i > 0 ? WRITE_APPEND : 0);
-      return this.agent.request(LinuxOp.FileWrite, Buffer.concat([u32s(flags, options.mode ?? 0o644), p, chunk]));
-    }));
+    // One frame in flight: a frame fits in the receive buffers the guest keeps posted, so the
+    // device needs no notification per re-posted 4 KiB buffer. Sent all at once, 10 MiB took
+    // 4.5-20 s in the nested harness (a notification and an interrupt per 4 KiB); one at a
+    // time, 0.9-3.3 s.
+    let i = 0;
+    for (const chunk of frameChunks(bytes)) {
+      const flags = WRITE_MKDIRS | (i++ > 0 ? WRITE_APPEND : 0);
+      await this.agent.request(LinuxOp.FileWrite, Buffer.concat([u32s(flags, options.mode ?? 0o644), p, chunk]));
+    }
   }
 }
