@@ -46,11 +46,11 @@ const QUEUES_PER_TAG = 256;
  *   interrupt is two KVM_IRQ_LINE calls.
  * The probe guest polls and always uses exits.
  *
- * `eventfd` is the default. Two runs of `pvisor bench linux` in the nested harness (3 fresh VMs of
- * each kind per run, medians): guest to host 6.2 vs 2.1 and 8.8 vs 3.9 MiB/s; host to guest 1.6
- * vs 0.3 and 0.8 vs 1.0 MiB/s (3 to 30 s for 10 MiB in both kinds, a spread not yet explained);
- * exec round trip 66 vs 80 and 47.7 vs 47.0 ms; boot level. `exit` stays only for
- * that comparison; under the nested harness it also wedged the whole L1 more often.
+ * `eventfd` is the default. `pvisor bench linux` in the nested harness (3 fresh VMs of each kind,
+ * medians), after files.write stopped flooding the console: guest to host 12.6 vs 3.4 MiB/s, host
+ * to guest 9.5 vs 7.6 MiB/s, exec round trip 50 vs 52 ms; boot to agent ready 5.9 vs 3.9 s (the
+ * boot median was 0.5-2 s slower with eventfd in all three full runs; not yet explained).
+ * `exit` stays only for that comparison; under the nested harness it also wedged the L1 more often.
  */
 export type VirtioSignalling = 'eventfd' | 'exit';
 
