@@ -39,20 +39,31 @@ const EVENTFD_ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
 const QUEUES_PER_TAG = 256;
 
 /**
- * How virtio devices and a Linux guest signal each other:
- * - `eventfd`: queue notifications through KVM ioeventfds (the guest's QueueNotify write completes
- *   in the kernel; a native thread reports it) and interrupts through irqfds (one write(2));
- * - `exit`: each QueueNotify write is an MMIO exit handled before the vCPU goes on, and each
- *   interrupt is two KVM_IRQ_LINE calls.
- * The probe guest polls and always uses exits.
- *
- * `eventfd` is the default. `pvisor bench linux` in the nested harness (3 fresh VMs of each kind,
- * medians), after files.write stopped flooding the console: guest to host 12.6 vs 3.4 MiB/s, host
- * to guest 9.5 vs 7.6 MiB/s, exec round trip 50 vs 52 ms; boot to agent ready 5.9 vs 3.9 s (the
- * boot median was 0.5-2 s slower with eventfd in all three full runs; not yet explained).
- * `exit` stays only for that comparison; under the nested harness it also wedged the L1 more often.
+ * How virtio devices and a Linux guest signal each other, two independent choices:
+ * - queue notifications: `ioeventfd` (the guest's QueueNotify write completes inside KVM; a native
+ *   thread reports it) or `exit` (an MMIO exit, handled before the vCPU goes on);
+ * - interrupts: `irqfd` (one write(2); KVM injects from a kernel worker) or `irq-line` (two
+ *   KVM_IRQ_LINE calls, injected at once).
+ * The probe guest polls and always uses exits and no interrupts. `PVISOR_VIRTIO_SIGNALLING`
+ * (e.g. `exit+irq-line`) overrides the default, which `pvisor bench linux` measures against the
+ * others.
  */
-export type VirtioSignalling = 'eventfd' | 'exit';
+export interface VirtioSignalling {
+  notify: 'ioeventfd' | 'exit';
+  interrupt: 'irqfd' | 'irq-line';
+}
+
+/**
+ * What pvisor uses unless told otherwise. `pvisor bench linux` in the nested harness, all four
+ * pairs interleaved, 3 fresh VMs each, medians (ioeventfd+irqfd / ioeventfd+irq-line /
+ * exit+irqfd / exit+irq-line): guest to host 7.5 / 14.8 / 5.3 / 3.9 MiB/s, host to guest
+ * 24.5 / 20.2 / 22.5 / 17.0 MiB/s, exec round trip 32 / 30 / 32 / 26 ms, boot to agent ready
+ * 5.0 / 5.6 / 4.9 / 3.9 s. An ioeventfd wins the bulk transfers (the guest's vCPU never stops for
+ * a notification); between irqfd and KVM_IRQ_LINE the figures are split and noisy, and an irqfd
+ * costs the event loop one write(2) instead of two ioctls through ffi-rs. Exits also wedged the
+ * nested harness's L1 more often.
+ */
+export const DEFAULT_SIGNALLING: VirtioSignalling = { notify: 'ioeventfd', interrupt: 'irqfd' };
 
 /** Identity-map/TSS pages Intel VMX wants somewhere unused in the guest-physical space. */
 const TSS_GPA = 0xfffbd000;
@@ -93,7 +104,7 @@ export interface MachineConfig {
   ramBacking?: RamBacking;
   /** What happens to ranges the guest reports free; undefined: the balloon does not offer reporting. */
   freePageSink?: FreePageSink;
-  /** Linux guest only; default from PVISOR_VIRTIO_SIGNALLING, else `eventfd`. */
+  /** Linux guest only; default from PVISOR_VIRTIO_SIGNALLING, else {@link DEFAULT_SIGNALLING}. */
   signalling?: VirtioSignalling;
   /** A disk (virtio-blk) after console and balloon: the guest's /dev/vda. */
   disk?: DiskConfig;
@@ -146,11 +157,11 @@ export class KvmMachine {
         vm.createIrqchip();
         vm.createPit2();
       }
-      const signalling = linux ? config.signalling ?? signallingFromEnv() : 'exit';
+      const signalling: VirtioSignalling = linux ? config.signalling ?? signallingFromEnv() : { notify: 'exit', interrupt: 'irq-line' };
       // Edge-triggered ISA lines: a pulse per event (the probe polls and needs none).
       const pulse = (irq: number): (() => void) => {
         if (!linux) return () => {};
-        if (signalling === 'exit') {
+        if (signalling.interrupt === 'irq-line') {
           return () => {
             this.vm.irqLine(irq, 1);
             this.vm.irqLine(irq, 0);
@@ -221,7 +232,7 @@ export class KvmMachine {
         }
         this.runner.start(i, fd.fd, fd.runAddr);
       }
-      if (signalling === 'eventfd') {
+      if (signalling.notify === 'ioeventfd') {
         transports.forEach((t, d) => {
           for (let q = 0; q < t.queueCount; q++) {
             const fd = this.eventFd();
@@ -457,9 +468,17 @@ export class KvmMachine {
   }
 }
 
+/** `NOTIFY+INTERRUPT`, e.g. `exit+irq-line`: the format of PVISOR_VIRTIO_SIGNALLING and the bench. */
+export function parseSignalling(text: string): VirtioSignalling | undefined {
+  const [notify, interrupt, extra] = text.split('+');
+  if (extra !== undefined || (notify !== 'ioeventfd' && notify !== 'exit') || (interrupt !== 'irqfd' && interrupt !== 'irq-line')) return undefined;
+  return { notify, interrupt };
+}
+
 function signallingFromEnv(): VirtioSignalling {
   const v = process.env.PVISOR_VIRTIO_SIGNALLING;
-  if (v === undefined || v === '') return 'eventfd';
-  if (v === 'eventfd' || v === 'exit') return v;
-  throw new InvalidOptionError('PVISOR_VIRTIO_SIGNALLING', `must be "eventfd" or "exit", not "${v}"`);
+  if (v === undefined || v === '') return DEFAULT_SIGNALLING;
+  const parsed = parseSignalling(v);
+  if (!parsed) throw new InvalidOptionError('PVISOR_VIRTIO_SIGNALLING', `must be NOTIFY+INTERRUPT with NOTIFY ioeventfd or exit and INTERRUPT irqfd or irq-line, not "${v}"`);
+  return parsed;
 }
