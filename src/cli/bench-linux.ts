@@ -10,15 +10,12 @@ import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
 import { parseSignalling } from '../backends/kvm/kvm-machine';
 import { Vm } from '../vm';
-import { stats } from './bench';
+import { printTable, progress, sleep, stats } from './bench';
 
 const MiB = 2 ** 20;
 const MODES = ['ioeventfd+irqfd', 'ioeventfd+irq-line', 'exit+irqfd', 'exit+irq-line'];
-type Mode = string;
 type Stats = ReturnType<typeof stats>;
 
-const progress = (line: string) => process.stderr.write(`bench: ${line}\n`);
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 const ms = (x: Stats) => `${x.min.toFixed(1)} / ${x.median.toFixed(1)} / ${x.max.toFixed(1)}`;
 
 interface ModeTimes {
@@ -29,7 +26,7 @@ interface ModeTimes {
 }
 
 /** One VM in `mode`: boot, `execs` round trips of `true`, one file written and read back. */
-async function oneRun(mode: Mode, execs: number, file: Buffer, t: ModeTimes, keep: boolean): Promise<Vm> {
+async function oneRun(mode: string, execs: number, file: Buffer, t: ModeTimes, keep: boolean): Promise<Vm> {
   process.env.PVISOR_VIRTIO_SIGNALLING = mode;
   let t0 = performance.now();
   const vm = await Vm.start({ memory: '512MiB', vcpus: 2, bootTimeoutMs: 300_000 });
@@ -74,7 +71,7 @@ export async function benchLinux(argv: string[]): Promise<number> {
   for (const [name, v] of [['--runs', runs], ['--execs', execs], ['--file-mib', fileMib]] as const) {
     if (!Number.isInteger(v) || v < 1) throw new InvalidOptionError(name, `wants a whole number >= 1, got ${v}`);
   }
-  const modes = values.signalling!.split(',') as Mode[];
+  const modes = values.signalling!.split(',');
   for (const m of modes) if (!parseSignalling(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${MODES.join(', ')}`);
 
   const file = randomBytes(fileMib * MiB);
@@ -105,8 +102,7 @@ export async function benchLinux(argv: string[]): Promise<number> {
     rows.push([`exec round trip of true, ms (${runs * execs})`, ...modes.map((m) => ms(result[m].execMs))]);
     rows.push([`host to guest file, ${fileMib} MiB, MiB/s`, ...modes.map((m) => ms(result[m].writeMiBps))]);
     rows.push([`guest to host file, ${fileMib} MiB, MiB/s`, ...modes.map((m) => ms(result[m].readMiBps))]);
-    const width = rows[0].map((_, i) => Math.max(...rows.map((row) => row[i].length)));
-    for (const row of rows) process.stdout.write(`${row.map((c, i) => c.padEnd(width[i])).join(' | ')}\n`);
+    printTable(rows);
     process.stdout.write(`guest RAM PSS once booted (${modes[0]}), MiB | ${(guestRamPssBytes / MiB).toFixed(1)}\n`);
     const json = { runs, execs, fileMib, modes: result, guestRamPssBytes };
     if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));

@@ -17,6 +17,7 @@ import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
 import { processResident } from '../memory-usage';
+import { printTable as printRows } from './bench';
 import { CompressedOffload } from '../memory/compressed-offload';
 import { IdleRelease } from '../memory/idle-release';
 import { Offload } from '../memory/offload';
@@ -193,8 +194,7 @@ function beside(ours: number | null | undefined, study: number | undefined, digi
 }
 
 function printTable(rows: string[][]): void {
-  const width = rows[0].map((_, i) => Math.max(...rows.map((r) => r[i].length)));
-  for (const r of rows) process.stdout.write(`${r.map((c, i) => c.padEnd(width[i])).join(' | ')}\n`);
+  printRows(rows);
   process.stdout.write('\n');
 }
 

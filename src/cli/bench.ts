@@ -12,7 +12,8 @@ import { processResident, rangeResident } from '../memory-usage';
 import { Vm } from '../vm';
 
 const MiB = 2 ** 20;
-const progress = (line: string) => process.stderr.write(`bench: ${line}\n`);
+/** A progress line on stderr (stdout carries the tables and JSON). */
+export const progress = (line: string) => process.stderr.write(`bench: ${line}\n`);
 
 /** Min, median and max of some timings. */
 export function stats(xs: number[]): { min: number; median: number; max: number } {
@@ -21,7 +22,12 @@ export function stats(xs: number[]): { min: number; median: number; max: number 
   return { min: s[0], median: s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2, max: s[s.length - 1] };
 }
 
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+export const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+/** Prints rows as a table on stdout, columns padded to their widest cell. */
+export function printTable(rows: string[][]): void {
+  printTable(rows);
+}
 
 /** Start-to-ready times of `runs` fresh probe VMs (512 MiB, 2 vCPUs), ms. */
 async function startTimes(runs: number): Promise<number[]> {
@@ -121,8 +127,7 @@ async function benchVmm(argv: string[]): Promise<number> {
     ['process PSS share per VM (incl. Node), 1 VM, MiB', f(one.processSharePerVmBytes), 'Firecracker <= 5 (no Node)'],
     ['process PSS share per VM (incl. Node), 4 VMs, MiB', f(four.processSharePerVmBytes), '-'],
   ];
-  const width = rows[0].map((_, i) => Math.max(...rows.map((r) => r[i].length)));
-  for (const r of rows) process.stdout.write(`${r.map((c, i) => c.padEnd(width[i])).join(' | ')}\n`);
+  printTable(rows);
   const json = { startToReadyMs: start, exitsPerSecond: { pvisor: rates.pvisor, native: rates.native, ratio: rates.pvisor / rates.native }, memory: [one, four] };
   if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
   else process.stdout.write(`${JSON.stringify(json)}\n`);
