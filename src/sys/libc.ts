@@ -59,6 +59,9 @@ export function openFile(path: string, flags: number, mode = 0): number {
 const EFD_CLOEXEC = 0o2000000;
 const EFD_NONBLOCK = 0o4000;
 
+/** What a write(2) to an eventfd adds to its counter: a little-endian u64 of 1. */
+export const EVENTFD_ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
+
 /**
  * A non-blocking, close-on-exec eventfd(2) (counter 0). Node writes one with fs.writeSync (an
  * 8-byte count); it cannot poll one (see native-prebuilds/vcpu-runner for who reads them).

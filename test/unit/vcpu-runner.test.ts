@@ -1,10 +1,9 @@
 import { writeSync } from 'node:fs';
 import { VcpuRunner, RecordKind, type VcpuRecord } from '../../src/backends/kvm/vcpu-runner';
-import { closeFd, createEventFd } from '../../src/sys/libc';
+import { closeFd, createEventFd, EVENTFD_ONE as ONE } from '../../src/sys/libc';
 
 // The runner's eventfd watcher (how ioeventfd notifications reach the event loop). Real native
 // threads, a real eventfd and socket; no KVM needed.
-const ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
 
 describe('vCPU runner, watched eventfds', () => {
   it('reports a fired eventfd as a NOTIFY record with its tag', async () => {

@@ -5,7 +5,7 @@
 import { writeSync } from 'node:fs';
 import { GuestCrashError, InvalidOptionError, PvisorError, SystemCallError } from '../../errors';
 import * as C from '../../sys/constants';
-import { closeFd, createEventFd } from '../../sys/libc';
+import { closeFd, createEventFd, EVENTFD_ONE } from '../../sys/libc';
 import { CmosRtc, CMOS_BASE, CMOS_PORTS } from './devices/cmos-rtc';
 import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS } from './devices/serial';
 import { ProbePorts, PROBE_PORTS_BASE, PROBE_PORTS_COUNT } from './devices/probe-ports';
@@ -33,8 +33,6 @@ export const DISK_MMIO_BASE = 0xd0002000;
 const CONSOLE_IRQ = 5;
 const BALLOON_IRQ = 6;
 const DISK_IRQ = 7;
-/** An eventfd increment (a u64 of 1). */
-const EVENTFD_ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
 /** Notify-record tags: device index * QUEUES_PER_TAG + queue index. */
 const QUEUES_PER_TAG = 256;
 

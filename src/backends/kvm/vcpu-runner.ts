@@ -8,6 +8,7 @@ import { Socket } from 'node:net';
 import { DataType, define, open } from 'ffi-rs';
 import { nativePrebuild } from '../../native';
 import { SystemCallError } from '../../errors';
+import { EVENTFD_ONE } from '../../sys/libc';
 
 /** What a vCPU thread reports. */
 export const enum RecordKind {
@@ -31,8 +32,6 @@ export interface VcpuRecord {
 }
 
 const RECORD_BYTES = 16;
-/** The eventfd increment that lets a vCPU thread go (a u64 of 1). */
-const GO = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
 const LIB = 'pvisor-vcpu';
 const U64 = DataType.U64;
 const I32 = DataType.I32;
@@ -104,7 +103,7 @@ export class VcpuRunner {
    * an ffi-rs call would cost several microseconds of marshalling each time.
    */
   go(index: number): void {
-    writeSync(this.goFds[index], GO);
+    writeSync(this.goFds[index], EVENTFD_ONE);
   }
 
   /** Forces vCPU `index` out of KVM_RUN; it reports {@link RecordKind.Interrupted}. */

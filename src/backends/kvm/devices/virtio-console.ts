@@ -11,7 +11,7 @@
  */
 import type { GuestMemory } from '../guest-memory';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
-import type { SplitQueue } from '../virtio/queue';
+import type { Descriptor, SplitQueue } from '../virtio/queue';
 
 /** VIRTIO_CONSOLE_F_MULTIPORT (<linux/virtio_console.h>). */
 const VIRTIO_CONSOLE_F_MULTIPORT = 1n << 1n;
@@ -142,7 +142,7 @@ export class VirtioConsole implements VirtioDevice {
   }
 
   /** Copies queued bytes into a chain's writable buffers; returns the bytes written. */
-  private fill(descriptors: { gpa: number; len: number; writable: boolean }[], queue: Buffer[]): number {
+  private fill(descriptors: Descriptor[], queue: Buffer[]): number {
     let written = 0;
     for (const d of descriptors) {
       if (!d.writable) continue;
