@@ -26,7 +26,8 @@ export const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 /** Prints rows as a table on stdout, columns padded to their widest cell. */
 export function printTable(rows: string[][]): void {
-  printTable(rows);
+  const width = rows[0].map((_, i) => Math.max(...rows.map((r) => r[i].length)));
+  for (const r of rows) process.stdout.write(`${r.map((c, i) => c.padEnd(width[i])).join(' | ')}\n`);
 }
 
 /** Start-to-ready times of `runs` fresh probe VMs (512 MiB, 2 vCPUs), ms. */
