@@ -1,8 +1,9 @@
 /*
  * The bench's native baseline: the smallest VMM loop that KVM allows, for comparing pvisor's
  * exits per second against. It runs the same kind of guest as the probe (64-bit, CPL3, identity
- * 2 MiB page, IOPL 3) doing `out %eax, $0x603` in a loop, and counts port-I/O exits handled by a
- * plain KVM_RUN loop on the main thread. `pvisor bench vmm` compiles and runs it in the same run.
+ * 2 MiB pages, IOPL 0) storing to the probe's doorbell register that the VMM ignores (GPA
+ * 0xD000F010, in no memory slot) in a loop, and counts the MMIO exits handled by a plain KVM_RUN
+ * loop on the main thread. MMIO, not port I/O, because kvm_pvm clears IOPL (as the probe does). `pvisor bench vmm` compiles and runs it in the same run.
  *
  * Usage: exit-loop COUNT   -> prints {"exits":N,"seconds":S}
  */
@@ -42,10 +43,15 @@ int main(int argc, char **argv) {
   uint64_t *pdpt = (uint64_t *)(mem + 0x3000), *pd = (uint64_t *)(mem + 0x4000);
   gdt[1] = 0x00209a0000000000ull; gdt[2] = 0x0000920000000000ull;
   gdt[3] = 0x0000f20000000000ull; gdt[4] = 0x0020fa0000000000ull;
-  pml4[0] = 0x3000 | 7; pdpt[0] = 0x4000 | 7; pd[0] = 0x87; pd[1] = 0x200000 | 0x87;
-  const uint8_t code[] = {0xba, 0x03, 0x06, 0x00, 0x00, /* mov $0x603, %edx */
-                          0xef,                         /* out %eax, (%dx) */
-                          0xeb, 0xfd};                  /* jmp back to out */
+  /* Identity map of [0, 4 GiB) in 2 MiB pages: the doorbell lives at 3.25 GiB. */
+  pml4[0] = 0x3000 | 7;
+  for (int g = 0; g < 4; g++) {
+    pdpt[g] = (0x4000 + 0x1000 * g) | 7;
+    for (int e = 0; e < 512; e++) pd[512 * g + e] = ((uint64_t)g << 30 | (uint64_t)e << 21) | 0x87;
+  }
+  const uint8_t code[] = {0xba, 0x10, 0xf0, 0x00, 0xd0, /* mov $0xD000F010, %edx */
+                          0x89, 0x02,                   /* mov %eax, (%rdx) */
+                          0xeb, 0xfc};                  /* jmp back to the store */
   memcpy(mem + 0x100000, code, sizeof code);
 
   int vcpu = ioctl(vm, KVM_CREATE_VCPU, 0);
@@ -62,7 +68,7 @@ int main(int argc, char **argv) {
   sregs.gdt.base = 0x1000; sregs.gdt.limit = 39; sregs.idt.base = 0; sregs.idt.limit = 0;
   sregs.cr0 = 0x80050033; sregs.cr3 = 0x2000; sregs.cr4 = 0x620; sregs.efer = 0x501;
   if (ioctl(vcpu, KVM_SET_SREGS, &sregs) < 0) die("KVM_SET_SREGS");
-  struct kvm_regs regs = {.rip = 0x100000, .rsp = 0x1f0000, .rflags = 0x3002};
+  struct kvm_regs regs = {.rip = 0x100000, .rsp = 0x1f0000, .rflags = 0x2};
   if (ioctl(vcpu, KVM_SET_REGS, &regs) < 0) die("KVM_SET_REGS");
 
   struct timespec t0, t1;
@@ -70,7 +76,7 @@ int main(int argc, char **argv) {
   long exits = 0;
   while (exits < count) {
     if (ioctl(vcpu, KVM_RUN, 0) < 0) die("KVM_RUN");
-    if (run->exit_reason != KVM_EXIT_IO || run->io.port != 0x603) {
+    if (run->exit_reason != KVM_EXIT_MMIO || run->mmio.phys_addr != 0xD000F010ull || !run->mmio.is_write) {
       fprintf(stderr, "unexpected exit %u\n", run->exit_reason);
       return 1;
     }

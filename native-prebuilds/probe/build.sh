@@ -29,6 +29,13 @@ $CC $CFLAGS -c probe.c -o "$tmp/probe.o"
 $CC $CFLAGS $LDFLAGS "$tmp/probe.o" -o "$tmp/probe.elf"
 $OBJCOPY -O binary "$tmp/probe.elf" "$tmp/probe.bin"
 
+# No port I/O anywhere in the code: kvm_pvm clears RFLAGS.IOPL, so `in`/`out` at CPL3 is a #GP
+# (a triple fault without an IDT). The probe talks to the VMM through its doorbell page instead.
+if objdump -d "$tmp/probe.elf" | grep -E $'\t(in|out|ins|outs)[bwl]?( |$)'; then
+    echo "build.sh: the probe must not use port I/O (see the doorbell page in docs/probe-guest.md)" >&2
+    exit 1
+fi
+
 size=$(wc -c < "$tmp/probe.bin")
 if [ "$size" -gt 524288 ]; then
     echo "build.sh: probe.bin is $size bytes (limit 512 KiB)" >&2

@@ -1,10 +1,13 @@
 /*
  * pvisor probe guest: a freestanding 64-bit program started by the VMM in long mode at CPL3.
- * Specification: docs/probe-guest.md (machine layout, ports, virtio-mmio, agent protocol v1).
+ * Specification: docs/probe-guest.md (machine layout, doorbell page, virtio-mmio, agent protocol v1).
  *
- * Constraints: CPL3, no IDT, interrupts off, never a privileged instruction. Port I/O works
- * because the VMM starts the probe with RFLAGS.IOPL = 3. Devices are driven by polling used
- * rings; the probe never takes an interrupt. SSE is only used by the content generators in
+ * Constraints: CPL3, no IDT, interrupts off, never a privileged instruction and no port I/O:
+ * paravirtualised KVM (kvm_pvm) clears RFLAGS.IOPL, so an `out` at CPL3 is a #GP there (and, with
+ * no IDT, a triple fault). Everything the probe tells the VMM directly (console bytes, idle, park,
+ * abort) is a 32-bit store to the doorbell page, an unbacked guest-physical page in the MMIO hole
+ * whose stores exit to the VMM as MMIO on every KVM. Devices are driven by polling used rings;
+ * the probe never takes an interrupt. SSE is only used by the content generators in
  * content.h (the VMM sets CR4.OSFXSR); the rest of the probe is general-registers-only.
  */
 #include <stddef.h>
@@ -38,14 +41,15 @@
 #define TXBUF_SIZE 4096u
 #define REPORT_CHUNK (4u * MIB)
 
-/* Ports. */
-#define PORT_COM1  0x3F8
-#define PORT_IDLE  0x600
-#define PORT_PARK  0x601
-#define PORT_ABORT 0x602
-#define PORT_IGNORED 0x603 /* claimed by no device: each write is a plain exit (EXIT_STORM) */
+/* The doorbell page (docs/probe-guest.md): 32-bit stores only. */
+#define DOORBELL       0xD000F000ull
+#define DB_CONSOLE     (DOORBELL + 0x00) /* low byte: a byte of console text */
+#define DB_IDLE        (DOORBELL + 0x04) /* park until the console receive used.idx moves */
+#define DB_PARK        (DOORBELL + 0x08) /* secondary vCPUs: park until the VM stops */
+#define DB_ABORT       (DOORBELL + 0x0C) /* value = abort reason */
+#define DB_IGNORED     (DOORBELL + 0x10) /* the VMM only resumes the vCPU (EXIT_STORM) */
 
-/* Abort reason codes (port 0x602). */
+/* Abort reason codes (doorbell ABORT). */
 #define ABORT_BOOTINFO        1u
 #define ABORT_BOOTINFO_VALUES 2u
 #define ABORT_CONSOLE_DEVICE  3u
@@ -79,6 +83,7 @@
 #define OP_RELEASE 0x0105
 #define OP_IDLE    0x0106
 #define OP_EXIT_STORM 0x0107
+#define OP_ZERO    0x0108
 #define OP_FAULT   0x01F0
 
 #define ERR_UNSUPPORTED   1u
@@ -143,13 +148,11 @@ __asm__(".section .text.entry,\"ax\",@progbits\n"
         "    mov %r8, %rdi\n"
         "    mov %r9, %rsi\n"
         "    call probe_main\n"
-        "1:  mov $0x602, %edx\n"
-        "    mov $0xFE, %eax\n"
-        "    out %eax, %dx\n"
+        "1:  mov $0xD000F00C, %edx\n" /* DB_ABORT */
+        "    movl $0xFE, (%rdx)\n"
         "    jmp 1b\n"
-        "2:  mov %edi, %eax\n"
-        "    mov $0x601, %edx\n"
-        "3:  out %eax, %dx\n"
+        "2:  mov $0xD000F008, %edx\n" /* DB_PARK */
+        "3:  mov %edi, (%rdx)\n"
         "    pause\n"
         "    jmp 3b\n"
         ".previous\n");
@@ -206,16 +209,6 @@ static size_t str_len(const char *s)
 
 static inline void cpu_relax(void) { __asm__ volatile("pause" ::: "memory"); }
 
-static inline void outb(uint16_t port, uint8_t v)
-{
-    __asm__ volatile("outb %0, %1" : : "a"(v), "Nd"(port) : "memory");
-}
-
-static inline void outl(uint16_t port, uint32_t v)
-{
-    __asm__ volatile("outl %0, %1" : : "a"(v), "Nd"(port) : "memory");
-}
-
 static inline uint64_t rdtsc(void)
 {
     uint32_t lo, hi;
@@ -258,7 +251,7 @@ static inline void wr64(uint8_t *p, uint64_t v) { __builtin_memcpy(p, &v, 8); }
 static void log_str(const char *s)
 {
     while (*s)
-        outb(PORT_COM1, (uint8_t)*s++);
+        mmio_write32(DB_CONSOLE, (uint8_t)*s++);
 }
 
 static void log_hex(uint64_t v)
@@ -285,7 +278,7 @@ __attribute__((noreturn)) static void guest_abort(uint32_t reason, const char *w
     log_str(why);
     log_str("\n");
     for (;;)
-        outl(PORT_ABORT, reason);
+        mmio_write32(DB_ABORT, reason);
 }
 
 /* ---------------------------------------------------------------- virtio */
@@ -623,6 +616,27 @@ static void op_rewrite(uint32_t id, const uint8_t *p, uint32_t len)
     respond_counted(id, OP_REWRITE, n, t1 - t0);
 }
 
+static void op_zero(uint32_t id, const uint8_t *p, uint32_t len)
+{
+    if (len < 16) {
+        respond_error(id, OP_ZERO, ERR_BAD_ARGUMENT, "ZERO: payload too short");
+        return;
+    }
+    uint64_t off = rd64(p), n = rd64(p + 8);
+    if ((off | n) % PAGE_SIZE) {
+        respond_error(id, OP_ZERO, ERR_BAD_ARGUMENT, "ZERO: offset or length not a multiple of 4 KiB");
+        return;
+    }
+    if (off > st.ws_bytes || n > st.ws_bytes - off) {
+        respond_error(id, OP_ZERO, ERR_BAD_ARGUMENT, "ZERO: range beyond the working set");
+        return;
+    }
+    uint64_t t0 = rdtsc();
+    memset((void *)(st.ws_base + off), 0, n);
+    uint64_t t1 = rdtsc();
+    respond_counted(id, OP_ZERO, n, t1 - t0);
+}
+
 static void op_touch(uint32_t id, const uint8_t *p, uint32_t len)
 {
     if (len < 12) {
@@ -700,7 +714,7 @@ static void op_exit_storm(uint32_t id, const uint8_t *p, uint32_t len)
     uint32_t count = rd32(p);
     uint64_t t0 = rdtsc();
     for (uint32_t i = 0; i < count; i++)
-        outl(PORT_IGNORED, i);
+        mmio_write32(DB_IGNORED, i);
     uint64_t t1 = rdtsc();
     respond_counted(id, OP_EXIT_STORM, count, t1 - t0);
 }
@@ -761,6 +775,9 @@ static void dispatch(uint8_t *frame)
         break;
     case OP_EXIT_STORM:
         op_exit_storm(h.id, p, h.len);
+        break;
+    case OP_ZERO:
+        op_zero(h.id, p, h.len);
         break;
     case OP_FAULT:
         op_fault(h.id, p, h.len);
@@ -898,6 +915,6 @@ __attribute__((noreturn, used)) void probe_main(uint64_t vcpu, uint64_t bootinfo
             continue;
         }
         /* Nothing to do: park until the receive queue's used.idx moves past what we saw. */
-        outl(PORT_IDLE, rxq.last_used);
+        mmio_write32(DB_IDLE, rxq.last_used);
     }
 }

@@ -43,7 +43,7 @@ async function startTimes(runs: number): Promise<number[]> {
   return out;
 }
 
-/** Port-I/O exits per second through pvisor's vCPU loop and through a native C loop. */
+/** Doorbell (MMIO) exits per second through pvisor's vCPU loop and through a native C loop. */
 async function exitRates(count: number): Promise<{ pvisor: number; native: number }> {
   const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 });
   let pvisor: number;
@@ -120,8 +120,8 @@ async function benchVmm(argv: string[]): Promise<number> {
   const rows = [
     ['figure', 'pvisor', 'reference'],
     ['start to probe ready, ms (min/median/max)', `${start.min.toFixed(0)} / ${start.median.toFixed(0)} / ${start.max.toFixed(0)}`, '-'],
-    ['port-I/O exits/s, pvisor vCPU loop', Math.round(rates.pvisor).toString(), '-'],
-    ['port-I/O exits/s, native C KVM_RUN loop', Math.round(rates.native).toString(), '-'],
+    ['MMIO exits/s, pvisor vCPU loop', Math.round(rates.pvisor).toString(), '-'],
+    ['MMIO exits/s, native C KVM_RUN loop', Math.round(rates.native).toString(), '-'],
     ['ratio pvisor / native', (rates.pvisor / rates.native).toFixed(2), '-'],
     ['VMM PSS per VM besides guest RAM, 1 VM, MiB', f(one.vmmPerVmBytes), 'goal <= 8 (4 VMs)'],
     ['VMM PSS per VM besides guest RAM, 4 VMs, MiB', f(four.vmmPerVmBytes), 'goal <= 8'],

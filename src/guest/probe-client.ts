@@ -13,6 +13,7 @@ const enum ProbeOp {
   Release = 0x0105,
   Idle = 0x0106,
   ExitStorm = 0x0107,
+  Zero = 0x0108,
   Fault = 0x01f0,
 }
 
@@ -48,6 +49,14 @@ export interface ReleaseOptions {
   offsetMiB?: number;
   /** Length of the range, in MiB. Default: the whole working set. */
   sizeMiB?: number;
+}
+
+/** Options of {@link ProbeGuest.zero}. */
+export interface ZeroOptions {
+  /** Start of the range inside the working set, in MiB. */
+  offsetMiB: number;
+  /** Length of the range, in MiB. */
+  sizeMiB: number;
 }
 
 /** A guest-side timing in TSC cycles. */
@@ -97,6 +106,19 @@ export class ProbeGuest {
     return { pagesRewritten: readU64(r, 0), tscCycles: readU64(r, 8) };
   }
 
+  /**
+   * Writes zeros over a range of the working set, as a program that clears its buffers does: the
+   * pages stay the guest's (they are not reported free), and must read back as zero whatever the
+   * host did with them meanwhile.
+   */
+  async zero(options: ZeroOptions): Promise<{ bytes: number } & ProbeTiming> {
+    const p = Buffer.alloc(16);
+    p.writeBigUInt64LE(BigInt(mib('offsetMiB', options.offsetMiB)), 0);
+    p.writeBigUInt64LE(BigInt(mib('sizeMiB', options.sizeMiB)), 8);
+    const r = await this.agent.request(ProbeOp.Zero, p);
+    return { bytes: readU64(r, 0), tscCycles: readU64(r, 8) };
+  }
+
   /** Reads every page of the hot part of the working set `rounds` times. */
   async touch(options: TouchOptions): Promise<{ pagesTouched: number } & ProbeTiming> {
     const p = Buffer.alloc(16);
@@ -131,7 +153,7 @@ export class ProbeGuest {
   }
 
   /**
-   * Makes the guest write `count` times to a port the VMM ignores: every write is a VM exit, so
+   * Makes the guest write `count` times to a doorbell register the VMM ignores: every write is a VM exit, so
    * this measures the vCPU loop (`pvisor bench vmm`).
    * @internal
    */

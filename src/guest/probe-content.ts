@@ -37,12 +37,14 @@ export function rewritesPage(page: number, permille: number): boolean {
   return Math.floor(((page + 1) * permille) / 1000) > Math.floor((page * permille) / 1000);
 }
 
-/** A working set as the host models it: a fill, then rewrites. */
+/** A working set as the host models it: a fill, then rewrites, then ranges zeroed (ZERO). */
 export interface ProbeWorkingSet {
   content: ProbeContent;
   seed: number;
   sizeBytes: number;
   rewrites: { permille: number; seed: number }[];
+  /** Byte ranges of the working set the guest zeroed after the rewrites. */
+  zeroed?: { offset: number; length: number }[];
 }
 
 /** The digest the probe must report for `ws`: two 32-bit FNV-style lanes. */
@@ -54,7 +56,8 @@ export function expectedDigest(ws: ProbeWorkingSet): { h1: number; h2: number } 
   for (let p = 0; p < pages; p++) {
     let seed = ws.seed;
     for (const r of ws.rewrites) if (rewritesPage(p, r.permille)) seed = r.seed;
-    pageWords(ws.content, seed, p, words);
+    if (ws.zeroed?.some((z) => p * 4096 >= z.offset && p * 4096 < z.offset + z.length)) words.fill(0);
+    else pageWords(ws.content, seed, p, words);
     for (let j = 0; j < WORDS_PER_PAGE; j += 2) {
       h1 = Math.imul(h1 ^ words[j], 0x01000193);
       h2 = Math.imul(h2 ^ words[j + 1], 0x5bd1e995);

@@ -4,6 +4,7 @@
 import { existsSync, readdirSync, readFileSync, readlinkSync, renameSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { BackingFileError, Offload, PvisorError, Vm } from '../../src';
 import { hexOf } from '../probe-digest';
+import { processThreads } from '../process-threads';
 
 const MiB = 2 ** 20;
 const WS_MIB = 32;
@@ -30,7 +31,7 @@ const fdTargets = () =>
       return ''; // closed while listing
     }
   });
-const threads = () => readdirSync('/proc/self/task').length;
+const threads = processThreads;
 const tick = () => new Promise((r) => setTimeout(r, 50));
 
 describe('Offload, lazy reload', () => {

@@ -80,5 +80,35 @@ describe('probe guest on KVM', () => {
     await vm.probe.fill({ sizeMiB: 4, content: 'random', seed: 1 });
     expect((await vm.probe.digest()).bytes).toBe(4 * MiB);
   });
-});
 
+  it('speaks through its doorbell page, with IOPL 0 (no port I/O): exits, idle and park', async () => {
+    // The probe runs at IOPL 0, so a single `in` or `out` would have been a triple fault by now;
+    // both vCPUs got here by ringing the doorbell (vCPU 1 parks there, vCPU 0 idles there).
+    const storm = await vm.probe.exitStorm(500);
+    expect(storm.exits).toBe(500);
+    expect(vm.state).toBe('running');
+  });
+
+  it('its console text and abort code reach the VMM through the doorbell', async () => {
+    const other = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1 });
+    try {
+      const lines: string[] = [];
+      other.on('console', (line) => lines.push(line));
+      const crashed = new Promise<Error>((resolve) => other.once('crash', resolve));
+      other.probe.fault('abort');
+      expect((await crashed).message).toMatch(/aborted with code 255/);
+      expect(lines.join('\n')).toMatch(/probe: abort 0xff: FAULT 3 requested/);
+    } finally {
+      other.stop();
+    }
+  });
+
+  it('zero writes zeros over part of the working set, as the host model predicts', async () => {
+    await vm.probe.fill({ sizeMiB: 8, content: 'random', seed: 77 });
+    const z = await vm.probe.zero({ offsetMiB: 2, sizeMiB: 1 });
+    expect(z.bytes).toBe(MiB);
+    const ws: ProbeWorkingSet = { content: 'random', seed: 77, sizeBytes: 8 * MiB, rewrites: [], zeroed: [{ offset: 2 * MiB, length: MiB }] };
+    expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
+    await expect(vm.probe.zero({ offsetMiB: 7, sizeMiB: 2 })).rejects.toThrow(/beyond the working set/);
+  });
+});

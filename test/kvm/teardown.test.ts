@@ -1,6 +1,7 @@
 // Stopping a VM gives back everything it took: fds, mappings, threads. Needs /dev/kvm.
 import { readdirSync, readFileSync, readlinkSync } from 'node:fs';
 import { Vm } from '../../src';
+import { processThreads } from '../process-threads';
 
 function kvmFds(): number {
   return readdirSync('/proc/self/fd').filter((fd) => {
@@ -14,7 +15,7 @@ function kvmFds(): number {
 
 const maps = () => readFileSync('/proc/self/maps', 'utf8');
 const kvmMappings = () => maps().split('\n').filter((l) => /kvm/.test(l)).length;
-const threads = () => readdirSync('/proc/self/task').length;
+const threads = processThreads;
 
 describe('teardown', () => {
   it('leaks no fd, mapping or thread across start/stop', async () => {

@@ -8,7 +8,7 @@ import * as C from '../../sys/constants';
 import { closeFd, createEventFd, EVENTFD_ONE } from '../../sys/libc';
 import { CmosRtc, CMOS_BASE, CMOS_PORTS } from './devices/cmos-rtc';
 import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS } from './devices/serial';
-import { ProbePorts, PROBE_PORTS_BASE, PROBE_PORTS_COUNT } from './devices/probe-ports';
+import { ProbeDoorbell, PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE } from './devices/probe-doorbell';
 import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
 import { AGENT_PORT_PATH, VirtioConsole } from './devices/virtio-console';
 import { VirtioBlk, type DiskConfig } from './devices/virtio-blk';
@@ -175,7 +175,8 @@ export class KvmMachine {
         this.hooks.onConsole(line);
       }, pulse(COM1_IRQ));
       this.pio.add(COM1_BASE, COM1_PORTS, { read: (o) => this.serial.read(o), write: (o, _s, v) => this.serial.write(o, v) });
-      if (!linux) this.pio.add(PROBE_PORTS_BASE, PROBE_PORTS_COUNT, new ProbePorts());
+      // The probe uses no port I/O (kvm_pvm clears IOPL): it prints and parks through its doorbell.
+      if (!linux) this.mmio.add(PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE, new ProbeDoorbell((byte) => this.serial.write(0, byte)));
       else {
         const rtc = new CmosRtc();
         this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });

@@ -27,8 +27,9 @@ const BOOT_INFO_MAGIC = 0x50564249;
 
 const SEL_USER_DATA = 0x18 | 3;
 const SEL_USER_CODE = 0x20 | 3;
+// IOPL 0: the probe uses no port I/O, and kvm_pvm would clear IOPL anyway, so a port access is a
+// #GP (a triple fault) on every KVM, never a path that works on one host only.
 const RFLAGS_RESERVED = 0x2;
-const RFLAGS_IOPL3 = 0x3000; // port I/O from CPL3 without a TSS bitmap
 
 /** Largest guest RAM the probe's page tables can map. */
 export const PROBE_MAX_RAM_BYTES = MAX_PD_PAGES * 1024 ** 3 - (HIGH_RAM_START - MMIO_HOLE_START);
@@ -115,6 +116,6 @@ export function setupProbeVcpu(vcpu: VcpuFd, index: number): void {
     rsp: STACK_TOP_GPA - STACK_BYTES_PER_VCPU * index,
     rdi: index,
     rsi: BOOT_INFO_GPA,
-    rflags: RFLAGS_RESERVED | RFLAGS_IOPL3,
+    rflags: RFLAGS_RESERVED,
   });
 }
