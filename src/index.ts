@@ -14,7 +14,7 @@ export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestK
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
 export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestMemInfo } from './guest/linux-client';
-export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';
+export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ZeroOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';
 export type { ProbeContent } from './guest/probe-content';
 export type { Size } from './units';
 export {
@@ -28,11 +28,24 @@ export {
   TimeoutError,
   BackingFileError,
 } from './errors';
-export { IdleRelease } from './memory/idle-release';
-export { KsmAdvice } from './memory/ksm-advice';
-export { Offload } from './memory/offload';
-export type { OffloadOptions, OffloadReload } from './memory/offload';
-export { CompressedOffload } from './memory/compressed-offload';
-export type { CompressedOffloadOptions } from './memory/compressed-offload';
+export { IdleRelease } from './memory/strategies/idle-release';
+export { KsmAdvice } from './memory/strategies/ksm-advice';
+export { Offload } from './memory/strategies/offload';
+export type { OffloadOptions, OffloadReload } from './memory/strategies/offload';
+export { CompressedOffload } from './memory/strategies/compressed-offload';
+export type { CompressedOffloadOptions } from './memory/strategies/compressed-offload';
 export { StrategyConflictError } from './memory/strategy';
-export type { MemoryStrategy, StrategyContext, StrategyRam, StrategyStats, RamBackingNeed, ExclusiveResource } from './memory/strategy';
+export type {
+  MemoryStrategy,
+  StrategyContext,
+  StrategyRam,
+  StrategyStats,
+  ExclusiveResource,
+  SuspendWork,
+  PeriodicWork,
+  PageRun,
+  DiscardTo,
+  RamBackingKind,
+  RamBackingRequest,
+  RamCapability,
+} from './memory/strategy';

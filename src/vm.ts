@@ -14,7 +14,8 @@ import { nativePrebuild } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
 import { hostMemTotalBytes, processResident, rangeResident } from './memory-usage';
-import { validateComposition, type MemoryStrategy, type StrategyContext, type StrategyStats } from './memory/strategy';
+import { MemoryComposition } from './memory/composition';
+import type { MemoryStrategy, StrategyStats } from './memory/strategy';
 import { parseSize, type Size } from './units';
 
 /** Which guest a VM runs. */
@@ -57,8 +58,9 @@ export interface VmOptions {
   name?: string;
   /**
    * Memory strategies, composed in this order, e.g. `[new KsmAdvice(), new IdleRelease()]`. A
-   * composition that cannot work (a resource driven twice, incompatible RAM backings) is a
-   * `StrategyConflictError` naming both strategies, before anything is allocated. Default none.
+   * composition that cannot work (a resource driven twice, two strategies providing guest RAM's
+   * backing, a strategy needing something of the backing that it does not offer) is a
+   * `StrategyConflictError` naming both sides, before anything is allocated. Default none.
    */
   strategies?: readonly MemoryStrategy[];
 }
@@ -94,6 +96,13 @@ export interface VmEvents {
   exit: (info: { state: 'stopped' | 'crashed'; error?: PvisorError }) => void;
   /** A device refused a malformed request from the guest; the guest goes on. */
   warning: (message: string) => void;
+  /**
+   * After {@link Vm.suspend} resolved: the memory the strategies set out to release is released
+   * (`ms` after the suspend began), or `error` says why not all of it could be (what was not
+   * released stays resident; the VM stays suspended and resumable). Not emitted when a resume or
+   * stop came first.
+   */
+  released: (info: { ms: number; error?: PvisorError }) => void;
 }
 
 /** Memory figures of one VM, in bytes. See {@link Vm.memoryUsage}. */
@@ -132,21 +141,23 @@ export class Vm extends EventEmitter<VmEvents> {
   private _linux: LinuxGuest | undefined;
   private hello: ((f: Frame) => void) | undefined;
   private endError: PvisorError | undefined;
-  private readonly strategies: readonly MemoryStrategy[];
-  private strategyContext!: StrategyContext;
-  private strategiesClosed = false;
+  private readonly memory: MemoryComposition;
   /** A shutdown() asked the guest to end: its reboot is the VM's normal end, not a crash. */
   private shuttingDown = false;
   /** A writable rootfs is attached: ending it by a hard stop may lose what the guest has not written back. */
   private writableDisk = false;
 
+  /** Checks the strategies' composition; allocates nothing. */
   private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[]) {
     super();
     this.name = name;
     this.memoryBytes = memoryBytes;
     this.vcpus = vcpus;
     this.guest = guest;
-    this.strategies = strategies;
+    this.memory = new MemoryComposition(strategies, name, {
+      fail: (error) => this.failByStrategy(error),
+      warn: (message) => this.emit('warning', message),
+    });
   }
 
   /**
@@ -165,12 +176,11 @@ export class Vm extends EventEmitter<VmEvents> {
     const disk = rootfsDisk(options.rootfs, guest);
     const bootTimeoutMs = options.bootTimeoutMs ?? 60000;
     const strategies = [...(options.strategies ?? [])];
-    validateComposition(strategies);
+    const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest, strategies);
     const host = checkKvmHost();
     if (guest === 'linux') requireKernelModeGuests(host, 'linux');
     const boot = guest === 'linux' ? loadLinuxGuest(options, disk) : ({ kind: 'probe', image: loadProbeImage() } as const);
 
-    const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest, strategies);
     vm.writableDisk = disk !== undefined && !disk.readOnly;
     await vm.boot(host.devicePath, boot, bootTimeoutMs, disk);
     return vm;
@@ -184,14 +194,14 @@ export class Vm extends EventEmitter<VmEvents> {
       (f) => this.onAgentEvent(f),
       (message) => this.emit('warning', `agent protocol: ${message}`),
     );
-    // Free page reporting is offered only when a strategy takes the reports (IdleRelease).
-    const reporter = this.strategies.find((s) => s.freePagesReported);
     this.machine = KvmMachine.create(
       {
         memoryBytes: this.memoryBytes,
         vcpus: this.vcpus,
         boot,
-        freePageSink: reporter && ((gpa, len) => reporter.freePagesReported!(this.strategyContext, gpa, len)),
+        openRamBacking: () => this.memory.openBacking(this.memoryBytes),
+        // Free page reporting is offered only when a strategy takes the reports (IdleRelease).
+        freePageSink: this.memory.freePageSink,
         disk,
       },
       {
@@ -205,21 +215,8 @@ export class Vm extends EventEmitter<VmEvents> {
       kvmPath,
     );
     live.add(this);
-    const mem = this.machine.memory;
-    this.strategyContext = {
-      vmName: this.name,
-      ram: {
-        hostAddr: mem.hostAddr,
-        sizeBytes: mem.sizeBytes,
-        view: (offset, length) => mem.hostView(offset, length),
-        advise: (offset, length, advice, name) => mem.advise(offset, length, advice, name),
-        discard: (gpa, length) => mem.discard(gpa, length),
-        discardHost: (offset, length) => mem.discardHost(offset, length),
-      },
-      fail: (error) => this.failByStrategy(error),
-    };
     try {
-      for (const s of this.strategies) s.map?.(this.strategyContext);
+      this.memory.attach(this.machine.memory);
     } catch (e) {
       this.stop();
       throw e;
@@ -249,6 +246,7 @@ export class Vm extends EventEmitter<VmEvents> {
     if (this.guest === 'probe') this._probe = new ProbeGuest(this.agent);
     else this._linux = new LinuxGuest(this.agent);
     this.setState('running');
+    this.memory.setRunning(true);
   }
 
   private onAgentEvent(f: Frame): void {
@@ -365,6 +363,7 @@ export class Vm extends EventEmitter<VmEvents> {
   pause(): Promise<void> {
     return this.transition(async () => {
       this.requireState('running');
+      this.memory.setRunning(false);
       await this.machine.pause();
       this.checkNotEnded('pause');
       this.setState('paused');
@@ -373,48 +372,65 @@ export class Vm extends EventEmitter<VmEvents> {
 
   /**
    * Stops every vCPU, then lets each memory strategy act on the idle RAM in composition order
-   * (Offload writes it out and drops it). Resolve it with {@link resume}.
+   * (Offload starts writing it out). Resolves as soon as the VM is suspended: every vCPU has
+   * stopped and every strategy's work is safely under way; memory is then released progressively,
+   * which {@link memoryReleased} and the `released` event tell. Undo it with {@link resume}, which
+   * may come before the release has ended (what is still resident stays).
    */
   suspend(): Promise<void> {
     return this.transition(async () => {
       this.requireState('running', 'paused');
+      const t0 = performance.now();
       const wasRunning = this._state === 'running';
+      this.memory.setRunning(false);
       if (wasRunning) await this.machine.pause();
-      const done: MemoryStrategy[] = [];
       try {
-        for (const s of this.strategies) {
-          this.checkNotEnded('suspend');
-          await s.suspend?.(this.strategyContext);
-          done.push(s);
-        }
+        await this.memory.suspend(() => this.checkNotEnded('suspend'));
       } catch (e) {
-        if (this._state === 'stopped' || this._state === 'crashed') throw e;
-        // Undo what the strategies before the failing one did, so the VM is as it was.
-        for (const s of done.reverse()) await s.resume?.(this.strategyContext);
-        if (wasRunning) this.machine.resume();
+        if (wasRunning && this._state === 'running') {
+          this.machine.resume();
+          this.memory.setRunning(true);
+        }
         throw e;
       }
-      this.checkNotEnded('suspend');
       this.setState('suspended');
+      const suspended = this.suspendCount;
+      this.memory.memoryReleased().then(
+        () => this.suspendCount === suspended && this._state === 'suspended' && this.emit('released', { ms: performance.now() - t0 }),
+        (error: PvisorError) => this.suspendCount === suspended && this._state === 'suspended' && this.emit('released', { ms: performance.now() - t0, error }),
+      );
     });
+  }
+
+  /** Counts resumes, so that a release that ends after a resume says nothing. */
+  private suspendCount = 0;
+
+  /**
+   * Settles when the memory the last {@link suspend} set out to release is released: at once if
+   * there is none pending (or the VM is not suspended). Rejects with why a strategy could not
+   * release all of it (e.g. a {@link BackingFileError} for a full disk); the VM then stays
+   * suspended with those pages resident, and resumes as usual.
+   */
+  memoryReleased(): Promise<void> {
+    if (this._state !== 'suspended') return Promise.resolve();
+    return this.memory.memoryReleased();
   }
 
   /**
    * Lets a paused or suspended VM run again. From `suspended`, every strategy first brings back
-   * and verifies what it took (in reverse order); if one fails, the VM stays suspended and the
-   * error (e.g. a {@link BackingFileError}) is thrown.
+   * and verifies what it took (in reverse order), cancelling a release still in progress; if one
+   * fails, the VM stays suspended and the error (e.g. a {@link BackingFileError}) is thrown.
    */
   resume(): Promise<void> {
     return this.transition(async () => {
       this.requireState('paused', 'suspended');
       if (this._state === 'suspended') {
-        for (const s of [...this.strategies].reverse()) {
-          await s.resume?.(this.strategyContext);
-          this.checkNotEnded('resume');
-        }
+        this.suspendCount++;
+        await this.memory.resume(() => this.checkNotEnded('resume'));
       }
       this.machine.resume();
       this.setState('running');
+      this.memory.setRunning(true);
     });
   }
 
@@ -439,9 +455,7 @@ export class Vm extends EventEmitter<VmEvents> {
   }
 
   private closeStrategies(): void {
-    if (this.strategiesClosed) return;
-    this.strategiesClosed = true;
-    for (const s of this.strategies) s.close?.();
+    this.memory.close();
   }
 
   /**
@@ -488,7 +502,7 @@ export class Vm extends EventEmitter<VmEvents> {
       guestRamRssBytes: ram.rssBytes,
       processPssBytes: processResident().pssBytes,
       vmsInProcess: live.size,
-      strategies: this.strategies.map((s) => s.stats(this.strategyContext)),
+      strategies: this.memory.stats(),
     };
   }
 

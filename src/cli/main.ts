@@ -5,11 +5,11 @@
 import { constants as osConstants } from 'node:os';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError, VmNotFoundError } from '../errors';
-import { IdleRelease } from '../memory/idle-release';
-import { KsmAdvice } from '../memory/ksm-advice';
-import { Offload } from '../memory/offload';
+import { IdleRelease } from '../memory/strategies/idle-release';
+import { KsmAdvice } from '../memory/strategies/ksm-advice';
+import { Offload } from '../memory/strategies/offload';
 import type { MemoryStrategy } from '../memory/strategy';
-import { CompressedOffload } from '../memory/compressed-offload';
+import { CompressedOffload } from '../memory/strategies/compressed-offload';
 import { parseSize } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { parseProbeScript, runProbeScript } from './probe-script';

@@ -1,40 +1,48 @@
 /**
- * The one interface every memory strategy implements. The KVM backend calls it while guest RAM is
- * mapped, when the VM is suspended and before it resumes; `Vm` validates a composition before
- * anything is allocated.
+ * The one interface every memory strategy implements. The memory layer (./composition.ts) checks
+ * a composition before anything is allocated, lets at most one strategy choose guest RAM's
+ * backing, and calls the hooks while guest RAM is mapped, while the VM runs, when it is suspended
+ * and before it resumes.
  * @module
  */
 import { PvisorError } from '../errors';
+import type { PageRun } from './pages';
+import type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from './ram-backing';
 
-/** How a strategy needs guest RAM to be backed. */
-export type RamBackingNeed =
-  /** Private anonymous memory (the default): what KSM can merge. */
-  | 'private-anonymous'
-  /** A file or memfd the strategy provides (offload, snapshots, the pool). */
-  | 'file'
-  /** Any backing. */
-  | 'any';
+export type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from './ram-backing';
+export type { PageRun } from './pages';
 
 /** A host resource that only one strategy of a VM may drive. */
-export type ExclusiveResource = 'free-page-reporting' | 'userfaultfd' | 'ram-backing' | 'suspend-image';
+export type ExclusiveResource = 'free-page-reporting' | 'suspend-image';
 
 /** What a strategy sees of guest RAM. */
 export interface StrategyRam {
   /** Host address of the guest RAM mapping. */
   readonly hostAddr: number;
+  /** Size of the mapping in bytes. */
+  readonly sizeBytes: number;
+  /** How guest RAM is backed, and what that backing can do. */
+  readonly backing: RamBackingKind;
+  readonly capabilities: readonly RamCapability[];
   /**
    * A zero-copy view of [offset, offset+length) of the mapping, valid while the VM lives; a range
    * must not cross a 1 GiB boundary (views are per 1 GiB chunk).
    */
   view(offset: number, length: number): Buffer;
-  /** Size of the mapping in bytes. */
-  readonly sizeBytes: number;
   /** madvise over a range of the mapping (offsets into it). */
   advise(offset: number, length: number, advice: number, name: string): void;
-  /** Drops the host pages behind a guest-physical range (page-aligned). */
-  discard(gpa: number, length: number): void;
-  /** Drops the host pages behind [offset, offset+length) of the mapping (page-aligned). */
-  discardHost(offset: number, length: number): void;
+  /**
+   * Drops the host pages behind a guest-physical range (page-aligned); the guest then reads what
+   * `to` says (default zero; see {@link DiscardTo}).
+   */
+  discard(gpa: number, length: number, to?: DiscardTo): void;
+  /** {@link discard} by offset into the mapping. */
+  discardHost(offset: number, length: number, to?: DiscardTo): void;
+  /**
+   * The runs holding the VM's own pages, in address order: what exists nowhere but in this VM's
+   * RAM (a private file mapping's unwritten pages are the file's and not counted).
+   */
+  ownPageRuns(): PageRun[];
 }
 
 /** Passed to every hook. */
@@ -67,57 +75,74 @@ export function roundMs(ms: number): number {
   return Math.round(ms * 10) / 10;
 }
 
+/**
+ * What a suspend hook may leave running when it returns: the VM counts as suspended as soon as
+ * every hook has returned, while memory is still being given back.
+ */
+export interface SuspendWork {
+  /**
+   * Settles when the strategy has released all it will release (or was cancelled by a resume or
+   * a stop); rejects if it could not finish, e.g. the disk is full. Until then the pages it has
+   * not released stay resident, so nothing is lost either way.
+   */
+  released: Promise<void>;
+}
+
+/** How often a strategy's {@link MemoryStrategy.tick} runs while the VM runs, and how much CPU it may take. */
+export interface PeriodicWork {
+  /** Time between the end of one tick and the start of the next, at least. */
+  intervalMs: number;
+  /**
+   * Share of one CPU the ticks may use, from 0 to 1: after a tick that took `t` ms the next waits
+   * at least `t / cpuShare - t` ms, whatever `intervalMs` says.
+   */
+  cpuShare: number;
+}
+
 /** The interface of every memory strategy. */
 export interface MemoryStrategy {
   /** A short stable name, e.g. `ksm-advice`, used in errors and figures. */
   readonly name: string;
-  /** How guest RAM must be backed for this strategy to work. */
-  readonly ramBacking: RamBackingNeed;
+  /** What this strategy needs guest RAM's backing to do; checked before anything is allocated. */
+  readonly needs: readonly RamCapability[];
   /** Host resources this strategy drives alone. */
   readonly exclusive: readonly ExclusiveResource[];
+  /**
+   * The backing this strategy provides for guest RAM, if any (at most one strategy of a VM may
+   * provide one; without one, guest RAM is private anonymous memory).
+   */
+  readonly ramBacking?: RamBackingRequest;
   /** Guest RAM has been mapped and registered, no vCPU has run yet. */
   map?(ctx: StrategyContext): void;
   /** The guest reported a free range (needs `free-page-reporting`). */
   freePagesReported?(ctx: StrategyContext, gpa: number, length: number): void;
-  /** All vCPUs are stopped; the strategy may write out, compress or drop guest pages. */
-  suspend?(ctx: StrategyContext): Promise<void>;
+  /**
+   * All vCPUs are stopped; the strategy may write out, compress or drop guest pages. It may leave
+   * the release of memory running ({@link SuspendWork}); a resume before that ends must cancel it
+   * and keep what is still resident.
+   */
+  suspend?(ctx: StrategyContext): Promise<SuspendWork | void>;
   /** Before any vCPU runs again: bring back and verify what the guest will need. */
   resume?(ctx: StrategyContext): Promise<void>;
+  /** Work done while the guest runs (cold-page scans, pool rescans), within {@link periodic}'s budget. */
+  readonly periodic?: PeriodicWork;
+  tick?(ctx: StrategyContext): Promise<void> | void;
   /** What the strategy has done so far. */
   stats(ctx: StrategyContext): StrategyStats;
   /**
    * The VM is ending: release files, descriptors, helpers. Called once, after the VM has stopped
    * handling vCPU exits and before vCPU threads are joined and guest RAM is unmapped, so a
-   * strategy that can hold a vCPU in a fault (userfaultfd) must let it go here.
+   * strategy that can hold a vCPU in a fault must let it go here.
    */
   close?(): void;
 }
 
 /** Two strategies of one VM cannot work together; names both. */
 export class StrategyConflictError extends PvisorError {
-  /** The two strategies, in the order given. */
+  /** The two strategies (or a strategy and the guest RAM it would run on), in the order given. */
   readonly strategies: [string, string];
   constructor(a: string, b: string, why: string) {
     super('PVISOR_STRATEGY_CONFLICT', `memory strategies ${a} and ${b} cannot be combined: ${why}`);
     this.strategies = [a, b];
-  }
-}
-
-/**
- * Checks a composition before anything is allocated: no strategy twice, no resource driven by
- * two strategies, no two incompatible backings. Throws {@link StrategyConflictError}.
- */
-export function validateComposition(strategies: readonly MemoryStrategy[]): void {
-  for (let i = 0; i < strategies.length; i++) {
-    for (let j = i + 1; j < strategies.length; j++) {
-      const a = strategies[i];
-      const b = strategies[j];
-      if (a.name === b.name) throw new StrategyConflictError(a.name, b.name, 'the same strategy is given twice');
-      const shared = a.exclusive.find((r) => b.exclusive.includes(r));
-      if (shared) throw new StrategyConflictError(a.name, b.name, `both drive ${shared}`);
-      if (a.ramBacking !== 'any' && b.ramBacking !== 'any' && a.ramBacking !== b.ramBacking) {
-        throw new StrategyConflictError(a.name, b.name, `${a.name} needs ${a.ramBacking} guest RAM, ${b.name} needs ${b.ramBacking}`);
-      }
-    }
   }
 }

@@ -12,6 +12,7 @@ export const PROT_READ = 0x1;
 export const PROT_WRITE = 0x2;
 export const MAP_SHARED = 0x01;
 export const MAP_PRIVATE = 0x02;
+export const MAP_FIXED = 0x10;
 export const MAP_ANONYMOUS = 0x20;
 export const MAP_NORESERVE = 0x4000;
 export const MADV_DONTNEED = 4;
@@ -21,6 +22,9 @@ export const MADV_MERGEABLE = 12;
 export const MADV_UNMERGEABLE = 13;
 export const MADV_HUGEPAGE = 14;
 export const MADV_NOHUGEPAGE = 15;
+
+// <linux/memfd.h>
+export const MFD_CLOEXEC = 0x1;
 
 // <asm-generic/errno-base.h>
 export const EINTR = 4;

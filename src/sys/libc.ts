@@ -29,6 +29,7 @@ const fns = define({
   madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
   mincore: { library: libc, retType: I32, paramsType: [U64, U64, U64], errno: true },
   eventfd: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
+  memfd_create: { library: libc, retType: I32, paramsType: [DataType.String, I32], errno: true },
   flock: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
   // Returns the error number itself (not -1 and errno).
   posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
@@ -68,6 +69,11 @@ export const EVENTFD_ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
  */
 export function createEventFd(): number {
   return check('eventfd', fns.eventfd([0, EFD_CLOEXEC | EFD_NONBLOCK]) as ErrnoResult<number>);
+}
+
+/** memfd_create(2): an anonymous file in memory (`name` shows in /proc/PID/maps), close-on-exec. */
+export function createMemfd(name: string, flags: number): number {
+  return check('memfd_create', fns.memfd_create([name, flags]) as ErrnoResult<number>, name);
 }
 
 /** LOCK_SH, LOCK_EX and LOCK_NB from <sys/file.h>; EWOULDBLOCK from <errno.h>. */

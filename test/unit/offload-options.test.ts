@@ -1,9 +1,9 @@
 // Offload's options are checked when it is made, before any VM exists. No KVM needed.
-import { InvalidOptionError, Offload, StrategyConflictError, type MemoryStrategy } from '../../src';
-import { validateComposition } from '../../src/memory/strategy';
+import { InvalidOptionError, Offload, type MemoryStrategy } from '../../src';
+import { planComposition } from '../../src/memory/composition';
 
-// A strategy that serves userfaultfd faults itself, as cold compression will.
-const uffdUser: MemoryStrategy = { name: 'cold-compression', ramBacking: 'any', exclusive: ['userfaultfd'], stats: () => ({ strategy: 'cold-compression', figures: {}, notes: [] }) };
+// A strategy that serves missing pages itself, as cold compression will.
+const uffdUser: MemoryStrategy = { name: 'cold-compression', needs: ['userfaultfd-missing'], exclusive: [], stats: () => ({ strategy: 'cold-compression', figures: {}, notes: [] }) };
 
 describe('Offload options', () => {
   it('reloads eagerly unless told otherwise, and says so in its figures', () => {
@@ -20,9 +20,8 @@ describe('Offload options', () => {
     expect(() => new Offload({ reload: 'later' as never })).toThrow(/reload: expected "eager" or "lazy", got "later"/);
   });
 
-  it('lazy reload drives userfaultfd, so it cannot share guest RAM with another userfaultfd user', () => {
-    expect(() => validateComposition([new Offload(), uffdUser])).not.toThrow();
-    expect(() => validateComposition([new Offload({ reload: 'lazy' }), uffdUser])).toThrow(StrategyConflictError);
-    expect(() => validateComposition([new Offload({ reload: 'lazy' }), uffdUser])).toThrow(/both drive userfaultfd/);
+  it('lazy reload shares the VM\'s userfaultfd server with other strategies that serve missing pages', () => {
+    expect(new Offload({ reload: 'lazy' }).needs).toContain('userfaultfd-missing');
+    expect(() => planComposition([new Offload({ reload: 'lazy' }), uffdUser])).not.toThrow();
   });
 });

@@ -1,30 +1,49 @@
-import { IdleRelease, KsmAdvice, StrategyConflictError, type MemoryStrategy } from '../../src';
-import { validateComposition } from '../../src/memory/strategy';
+// The memory layer checks a composition before anything is allocated: pure logic, no KVM.
+import { CompressedOffload, IdleRelease, KsmAdvice, Offload, StrategyConflictError, type MemoryStrategy, type RamBackingRequest } from '../../src';
+import { nextTickDelayMs, planComposition } from '../../src/memory/composition';
 
-// A strategy as a future file-backed one (offload, snapshot) declares itself: pure data here.
-const fileBacked = (name: string): MemoryStrategy => ({ name, ramBacking: 'file', exclusive: ['ram-backing'], stats: () => ({ strategy: name, figures: {}, notes: [] }) });
+// Strategies as a snapshot or pool strategy declares itself: pure data here.
+const providing = (name: string, ramBacking: RamBackingRequest): MemoryStrategy => ({ name, needs: [], exclusive: [], ramBacking, stats: () => ({ strategy: name, figures: {}, notes: [] }) });
+const privateFile = providing('shared-snapshot', { kind: 'private-file', path: '/snapshots/ram' });
+const memfd = providing('memfd-ram', { kind: 'memfd' });
+
+function conflict(list: MemoryStrategy[]): StrategyConflictError {
+  try {
+    planComposition(list);
+  } catch (e) {
+    return e as StrategyConflictError;
+  }
+  throw new Error('no conflict found');
+}
 
 describe('memory strategy composition', () => {
-  it('accepts strategies that can work together', () => {
-    expect(() => validateComposition([new KsmAdvice(), new IdleRelease()])).not.toThrow();
-    expect(() => validateComposition([fileBacked('offload'), new IdleRelease()])).not.toThrow();
+  it('accepts strategies that can work together, on the backing one of them provides', () => {
+    expect(planComposition([new KsmAdvice(), new IdleRelease()])).toEqual({ kind: 'anonymous' });
+    expect(planComposition([new KsmAdvice(), new IdleRelease(), new Offload({ reload: 'lazy' })])).toEqual({ kind: 'anonymous' });
+    expect(planComposition([privateFile, new IdleRelease(), new KsmAdvice(), new Offload()])).toEqual({ kind: 'private-file', path: '/snapshots/ram' });
+    expect(planComposition([memfd, new Offload({ reload: 'lazy' }), new IdleRelease()])).toEqual({ kind: 'memfd' });
   });
 
   it('names both strategies when they cannot', () => {
-    const conflict = (list: MemoryStrategy[]) => {
-      try {
-        validateComposition(list);
-      } catch (e) {
-        return e as StrategyConflictError;
-      }
-      throw new Error('no conflict found');
-    };
     const twice = conflict([new IdleRelease(), new IdleRelease()]);
     expect(twice).toBeInstanceOf(StrategyConflictError);
     expect(twice.message).toMatch(/idle-release and idle-release .* given twice/);
-    const backing = conflict([new KsmAdvice(), fileBacked('offload')]);
-    expect(backing.strategies).toEqual(['ksm-advice', 'offload']);
-    expect(backing.message).toMatch(/ksm-advice needs private-anonymous guest RAM, offload needs file/);
-    expect(conflict([fileBacked('offload'), fileBacked('shared-snapshot')]).message).toMatch(/both drive ram-backing/);
+    expect(conflict([new Offload(), new CompressedOffload()]).message).toMatch(/both drive suspend-image/);
+    expect(conflict([privateFile, memfd]).message).toMatch(/both provide guest RAM's backing/);
+  });
+
+  it('refuses a strategy whose needs the chosen backing does not offer, naming the provider', () => {
+    const lazy = conflict([privateFile, new Offload({ reload: 'lazy' })]);
+    expect(lazy.strategies).toEqual(['shared-snapshot', 'offload']);
+    expect(lazy.message).toMatch(/offload needs userfaultfd-missing, which guest RAM mapped privately from \/snapshots\/ram \(from shared-snapshot\) does not offer/);
+    const ksm = conflict([new KsmAdvice(), memfd]);
+    expect(ksm.strategies).toEqual(['memfd-ram', 'ksm-advice']);
+    expect(ksm.message).toMatch(/ksm-advice needs ksm-mergeable/);
+  });
+
+  it('spaces periodic work so that it stays within its CPU share', () => {
+    expect(nextTickDelayMs({ intervalMs: 1000, cpuShare: 0.1 }, 5)).toBe(1000); // cheap ticks: the interval
+    expect(nextTickDelayMs({ intervalMs: 1000, cpuShare: 0.1 }, 200)).toBe(1800); // 200 of 2000 ms = 10%
+    expect(nextTickDelayMs({ intervalMs: 0, cpuShare: 1 }, 50)).toBe(0);
   });
 });

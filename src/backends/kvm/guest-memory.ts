@@ -7,8 +7,9 @@
  * strategies act on (madvise, backing files, userfaultfd).
  */
 import { GuestCrashError } from '../../errors';
+import type { DiscardTo, RamBacking } from '../../memory/ram-backing';
 import * as C from '../../sys/constants';
-import { madvise, mmap, mprotect, munmap, viewAt } from '../../sys/libc';
+import { closeFd, madvise, mmap, mprotect, munmap, viewAt } from '../../sys/libc';
 import type { VmFd } from './ioctls';
 
 /** Start of the MMIO hole below 4 GiB. */
@@ -30,14 +31,19 @@ export interface MemoryRegion {
   hostOffset: number;
 }
 
-/** How the host mapping behind guest RAM is made. Strategies choose; anonymous is the default. */
-export type RamBacking = { kind: 'anonymous' } | { kind: 'shared-fd'; fd: number } | { kind: 'private-fd'; fd: number };
+/**
+ * madvise values that hold for the whole mapping and must hold again for anonymous memory mapped
+ * over part of it (see {@link GuestMemory.discardHost}): a new mapping starts without advice.
+ */
+const WHOLE_RANGE_ADVICES = new Set([C.MADV_DONTFORK, C.MADV_NOHUGEPAGE, C.MADV_HUGEPAGE, C.MADV_MERGEABLE]);
 
 /** Guest RAM of one VM. */
 export class GuestMemory {
   readonly regions: readonly MemoryRegion[];
   private readonly chunks: Buffer[] = [];
   private mapped = true;
+  /** Whole-range advices given so far, in order, with their names. */
+  private readonly advices: [number, string][] = [];
 
   private constructor(readonly hostAddr: number, readonly sizeBytes: number, readonly backing: RamBacking) {
     const regions: MemoryRegion[] = [{ slot: 0, guestPhysAddr: 0, sizeBytes: Math.min(sizeBytes, MMIO_HOLE_START), hostOffset: 0 }];
@@ -51,31 +57,33 @@ export class GuestMemory {
   }
 
   /**
-   * The one function that maps guest RAM. Strategies that need another backing pass it here;
-   * everything else about guest RAM goes through the returned object.
+   * The one function that maps guest RAM, with the backing the memory layer chose; it takes over
+   * the backing's fd (closed when RAM is unmapped). Everything else about guest RAM goes through
+   * the returned object.
    */
   static map(sizeBytes: number, backing: RamBacking = { kind: 'anonymous' }): GuestMemory {
     const prot = C.PROT_READ | C.PROT_WRITE;
     // One inaccessible guard page after guest RAM: two VMs' RAM mappings have the same flags, and
     // the kernel would merge adjacent ones into one VMA, mixing their per-mapping smaps figures.
     const span = sizeBytes + C.PAGE_SIZE;
-    let addr: number;
-    switch (backing.kind) {
-      case 'anonymous':
-        // NORESERVE: guest RAM is capacity, not a commitment; pages are allocated on first touch.
-        addr = mmap(0, span, prot, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE, -1, 0, `guest RAM (${sizeBytes} bytes)`);
-        break;
-      case 'shared-fd':
-        addr = mmap(0, span, prot, C.MAP_SHARED | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (shared file)');
-        break;
-      case 'private-fd':
-        addr = mmap(0, span, prot, C.MAP_PRIVATE | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (private file)');
-        break;
-    }
+    let addr: number | undefined;
     try {
+      switch (backing.kind) {
+        case 'anonymous':
+          // NORESERVE: guest RAM is capacity, not a commitment; pages are allocated on first touch.
+          addr = mmap(0, span, prot, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE, -1, 0, `guest RAM (${sizeBytes} bytes)`);
+          break;
+        case 'memfd':
+          addr = mmap(0, span, prot, C.MAP_SHARED | C.MAP_NORESERVE, backing.fd, 0, 'guest RAM (memfd)');
+          break;
+        case 'private-file':
+          addr = mmap(0, span, prot, C.MAP_PRIVATE | C.MAP_NORESERVE, backing.fd, 0, `guest RAM (private mapping of ${backing.path})`);
+          break;
+      }
       mprotect(addr + sizeBytes, C.PAGE_SIZE, C.PROT_NONE);
     } catch (e) {
-      munmap(addr, span);
+      if (addr !== undefined) munmap(addr, span);
+      if (backing.kind !== 'anonymous') closeFd(backing.fd);
       throw e;
     }
     const mem = new GuestMemory(addr, sizeBytes, backing);
@@ -179,27 +187,57 @@ export class GuestMemory {
     this.chunks[Math.floor(off / CHUNK_BYTES)].writeBigUInt64LE(BigInt(value), off % CHUNK_BYTES);
   }
 
-  /** madvise over a range of the host mapping (offsets, not GPAs). */
+  /**
+   * madvise over a range of the host mapping (offsets, not GPAs). Advice over the whole mapping
+   * is remembered, so that it holds for memory later mapped over part of it.
+   */
   advise(hostOffset: number, len: number, advice: number, name: string): void {
+    this.checkMapped();
     madvise(this.hostAddr + hostOffset, len, advice, name);
+    if (hostOffset === 0 && len === this.sizeBytes && WHOLE_RANGE_ADVICES.has(advice)) this.advices.push([advice, name]);
   }
 
   /**
-   * Drops the host pages behind [gpa, gpa+len): the guest reads zeros there next time, and the
-   * host gets the memory back. Page-aligned ranges only.
+   * Drops the host pages behind [gpa, gpa+len), so the host gets the memory back; the guest then
+   * reads what `to` says (see {@link DiscardTo}; the same on anonymous RAM and memfds). Page-aligned
+   * ranges only.
    */
-  discard(gpa: number, len: number): void {
-    this.discardHost(this.offsetOrThrow(gpa, len), len);
+  discard(gpa: number, len: number, to: DiscardTo = 'zero'): void {
+    this.discardHost(this.offsetOrThrow(gpa, len), len, to);
   }
 
-  /** {@link discard} by offset into the host mapping. */
-  discardHost(offset: number, len: number): void {
+  /**
+   * {@link discard} by offset into the host mapping: the one place where "drop a page" is given
+   * its meaning for each backing.
+   */
+  discardHost(offset: number, len: number, to: DiscardTo = 'zero'): void {
+    this.checkMapped();
     if (offset % C.PAGE_SIZE !== 0 || len % C.PAGE_SIZE !== 0 || offset < 0 || offset + len > this.sizeBytes) {
       throw new RangeError(`host range +0x${offset.toString(16)}+0x${len.toString(16)} is not page-aligned inside guest RAM`);
     }
-    // DONTNEED frees private anonymous pages; a shared file backing needs REMOVE (punch a hole).
-    if (this.backing.kind === 'shared-fd') this.advise(offset, len, C.MADV_REMOVE, 'MADV_REMOVE');
-    else this.advise(offset, len, C.MADV_DONTNEED, 'MADV_DONTNEED');
+    if (len === 0) return;
+    switch (this.backing.kind) {
+      case 'anonymous':
+        madvise(this.hostAddr + offset, len, C.MADV_DONTNEED, 'MADV_DONTNEED');
+        break;
+      case 'memfd':
+        // DONTNEED would only unmap the pages; REMOVE punches them out of the memfd.
+        madvise(this.hostAddr + offset, len, C.MADV_REMOVE, 'MADV_REMOVE');
+        break;
+      case 'private-file':
+        if (to === 'backing') madvise(this.hostAddr + offset, len, C.MADV_DONTNEED, 'MADV_DONTNEED');
+        else {
+          // Fresh anonymous memory over the range: reads zero, costs nothing until written. KVM
+          // follows the change through its MMU notifier; the slot still covers the same addresses.
+          mmap(this.hostAddr + offset, len, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE | C.MAP_FIXED, -1, 0, 'zeroed guest RAM over a file mapping');
+          for (const [advice, name] of this.advices) madvise(this.hostAddr + offset, len, advice, name);
+        }
+        break;
+    }
+  }
+
+  private checkMapped(): void {
+    if (!this.mapped) throw new GuestCrashError('memory-unmapped', 'guest RAM is no longer mapped');
   }
 
   /** A zero-copy view of [offset, offset+len) of the host mapping; it must not cross a 1 GiB chunk. */
@@ -213,12 +251,13 @@ export class GuestMemory {
     return this.chunks[chunk].subarray(inChunk, inChunk + len);
   }
 
-  /** Unmaps guest RAM. Views become invalid: the VM must be stopped first. */
+  /** Unmaps guest RAM and closes its backing's fd. Views become invalid: the VM must be stopped first. */
   unmap(): void {
     if (!this.mapped) return;
     this.mapped = false;
     this.chunks.length = 0;
     munmap(this.hostAddr, this.sizeBytes + C.PAGE_SIZE);
+    if (this.backing.kind !== 'anonymous') closeFd(this.backing.fd);
   }
 }
 

@@ -12,7 +12,8 @@ import { ProbeDoorbell, PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE } from './devic
 import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
 import { AGENT_PORT_PATH, VirtioConsole } from './devices/virtio-console';
 import { VirtioBlk, type DiskConfig } from './devices/virtio-blk';
-import { GuestMemory, type RamBacking } from './guest-memory';
+import type { RamBacking } from '../../memory/ram-backing';
+import { GuestMemory } from './guest-memory';
 import { IoBus, type VcpuAction } from './io-bus';
 import { Kvm, VmFd, VcpuFd } from './ioctls';
 import { cpuidForVcpu, loadLinux, setupLapic, setupLinuxBootVcpu } from './linux-boot';
@@ -99,7 +100,11 @@ export interface MachineConfig {
   memoryBytes: number;
   vcpus: number;
   boot: MachineBoot;
-  ramBacking?: RamBacking;
+  /**
+   * Opens guest RAM's backing (the memory layer's choice); called once, right before RAM is
+   * mapped, which takes over its fd. Default: private anonymous memory.
+   */
+  openRamBacking?: () => RamBacking;
   /** What happens to ranges the guest reports free; undefined: the balloon does not offer reporting. */
   freePageSink?: FreePageSink;
   /** Linux guest only; default from PVISOR_VIRTIO_SIGNALLING, else {@link DEFAULT_SIGNALLING}. */
@@ -147,7 +152,7 @@ export class KvmMachine {
     private readonly hooks: MachineHooks,
   ) {
     const deviceError = (m: string) => this.hooks.onDeviceError(m);
-    this.memory = GuestMemory.map(config.memoryBytes, config.ramBacking);
+    this.memory = GuestMemory.map(config.memoryBytes, config.openRamBacking?.());
     try {
       this.memory.register(vm);
       const linux = (this.linux = config.boot.kind === 'linux');

@@ -8,15 +8,14 @@
  */
 import { rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { InvalidOptionError, type BackingFileError } from '../errors';
-import { PAGE_SIZE } from '../sys/constants';
-import { backingFilePath } from './backing-file';
-import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from './frame-file';
-import type { FramePool } from './frame-pool';
-import { releaseFileCache } from './page-cache';
-import { residentRuns, type PageRun } from './resident-pages';
+import { InvalidOptionError, type BackingFileError } from '../../errors';
+import { backingFilePath } from '../backing-file';
+import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from '../frame-file';
+import type { FramePool } from '../frame-pool';
+import { releaseFileCache } from '../page-cache';
+import { splitZeroPages, unitsTouched } from '../pages';
 import type { Offload } from './offload';
-import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats } from './strategy';
+import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats } from '../strategy';
 
 /** Options of {@link CompressedOffload}. */
 export interface CompressedOffloadOptions {
@@ -35,7 +34,6 @@ export interface CompressedOffloadOptions {
 }
 
 const DEFAULT_FRAME_BYTES = 1024 * 1024;
-const ZERO_PAGE = Buffer.alloc(PAGE_SIZE);
 
 /** What the last suspend wrote: kept in memory, the file is checked against it on resume. */
 interface Image {
@@ -54,7 +52,8 @@ interface Image {
  */
 export class CompressedOffload implements MemoryStrategy {
   readonly name = 'compressed-offload';
-  readonly ramBacking = 'any' as const;
+  /** A unit is dropped whole and its zero pages are not copied back: they must read zero. */
+  readonly needs = ['zero-on-discard'] as const;
   readonly exclusive = ['suspend-image'] as const;
   private readonly dir: string;
   private readonly level: number;
@@ -99,7 +98,7 @@ export class CompressedOffload implements MemoryStrategy {
     this.path ??= backingFilePath(this.dir, ctx.vmName, 'zframes');
     const header: FrameFileHeader = { frameBytes: this.frameBytes, guestRamBytes: ram.sizeBytes };
     // The vCPUs are stopped and agent traffic is held: the resident set cannot change until resume.
-    const units = residentUnits(residentRuns(ram), this.frameBytes);
+    const units = unitsTouched(ram.ownPageRuns(), this.frameBytes);
     const writer = new FrameFileWriter(this.path, header);
     let written: ReturnType<FrameFileWriter['finish']>;
     try {
@@ -178,7 +177,7 @@ export class CompressedOffload implements MemoryStrategy {
 
   private async startPool(): Promise<FramePool> {
     // Loaded here, not at the top: importing pvisor must not load zstd's native addon.
-    const { FramePool } = await import('./frame-pool');
+    const { FramePool } = await import('../frame-pool');
     this.pool = await FramePool.start(this.frameBytes, this.level);
     this.figures.lastWorkerStartMs = roundMs(this.pool.startMs);
     return this.pool;
@@ -191,30 +190,11 @@ export class CompressedOffload implements MemoryStrategy {
   }
 }
 
-/** Offsets of the frame-aligned units that hold at least one page of `runs`, ascending. */
-export function residentUnits(runs: readonly PageRun[], frameBytes: number): number[] {
-  const units: number[] = [];
-  for (const run of runs) {
-    const first = Math.floor(run.offset / frameBytes);
-    const last = Math.floor((run.offset + run.length - 1) / frameBytes);
-    for (let u = Math.max(first, units.length ? units[units.length - 1] / frameBytes + 1 : 0); u <= last; u++) units.push(u * frameBytes);
-  }
-  return units;
-}
-
 /**
  * Copies a frame into guest RAM page by page, skipping zero pages: they read as zero already
  * (the unit was dropped at suspend), and writing them would make the host allocate them again.
  */
 function copyNonZeroPages(frame: Buffer, ram: StrategyRam, guestOffset: number): void {
-  let start = -1;
-  for (let p = 0; p <= frame.length; p += PAGE_SIZE) {
-    const zero = p === frame.length || frame.compare(ZERO_PAGE, 0, PAGE_SIZE, p, p + PAGE_SIZE) === 0;
-    if (!zero && start < 0) start = p;
-    else if (zero && start >= 0) {
-      ram.view(guestOffset + start, p - start).set(frame.subarray(start, p));
-      start = -1;
-    }
-  }
+  for (const run of splitZeroPages(frame, 0).nonZero) ram.view(guestOffset + run.offset, run.length).set(frame.subarray(run.offset, run.offset + run.length));
 }
 

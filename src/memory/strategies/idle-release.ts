@@ -3,18 +3,19 @@
  * probe's `release`, Linux's page reporting), and the host drops the pages behind it while the VM
  * keeps running. Without this strategy the balloon does not offer reporting at all.
  */
-import type { MemoryStrategy, StrategyContext, StrategyStats } from './strategy';
+import type { MemoryStrategy, StrategyContext, StrategyStats } from '../strategy';
 
 /** Gives the host back the pages a running guest has freed. */
 export class IdleRelease implements MemoryStrategy {
   readonly name = 'idle-release';
-  readonly ramBacking = 'any' as const;
+  readonly needs = [] as const;
   readonly exclusive = ['free-page-reporting'] as const;
   private bytesReleased = 0;
   private reports = 0;
 
   freePagesReported(ctx: StrategyContext, gpa: number, length: number): void {
-    ctx.ram.discard(gpa, length);
+    // A freed page's content is undefined: on a private file mapping it may go back to the file's.
+    ctx.ram.discard(gpa, length, 'backing');
     this.bytesReleased += length;
     this.reports++;
   }

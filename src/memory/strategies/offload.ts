@@ -9,13 +9,13 @@
 import { closeSync, constants, fstatSync, openSync, readSync, rmSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { crc32 } from 'node:zlib';
-import { BackingFileError, InvalidOptionError } from '../errors';
-import { PAGE_SIZE } from '../sys/constants';
-import { backingFilePath, createBackingFile, writeFully } from './backing-file';
-import type { LazyLoader, LoaderEvent, LoaderFigures } from './lazy-loader';
-import { releaseFileCache } from './page-cache';
-import { residentRuns } from './resident-pages';
-import { roundMs, type ExclusiveResource, type MemoryStrategy, type StrategyContext, type StrategyStats } from './strategy';
+import { BackingFileError, InvalidOptionError } from '../../errors';
+import { PAGE_SIZE } from '../../sys/constants';
+import { backingFilePath, createBackingFile, writeFully } from '../backing-file';
+import type { LazyLoader, LoaderEvent, LoaderFigures } from '../lazy-loader';
+import { releaseFileCache } from '../page-cache';
+import { cutRuns, splitZeroPages, type PageRun } from '../pages';
+import { roundMs, type ExclusiveResource, type MemoryStrategy, type RamCapability, type StrategyContext, type StrategyStats } from '../strategy';
 
 /**
  * How {@link Offload} brings guest RAM back on resume.
@@ -42,14 +42,13 @@ interface Piece {
 }
 
 const PIECE_BYTES = 4 * 1024 * 1024;
-const ZERO_PAGE = Buffer.alloc(PAGE_SIZE);
 
 /** Suspends a VM's RAM to a backing file and brings it back on resume. */
 export class Offload implements MemoryStrategy {
   readonly name = 'offload';
-  readonly ramBacking = 'any' as const;
-  /** `userfaultfd` too with lazy reload: one registration per range, one server of its faults. */
-  readonly exclusive: readonly ExclusiveResource[];
+  /** Zero pages are not written: dropped, they must read back as zero. Lazy reload serves faults. */
+  readonly needs: readonly RamCapability[];
+  readonly exclusive: readonly ExclusiveResource[] = ['suspend-image'];
   /** How resume brings RAM back. */
   readonly reload: OffloadReload;
   private readonly dir: string;
@@ -64,14 +63,14 @@ export class Offload implements MemoryStrategy {
   private lastFullLoadMs: number | undefined;
   private loadWaiters: { resolve(): void; reject(e: Error): void }[] = [];
   private loadError: BackingFileError | undefined;
-  private loaderModule: Promise<typeof import('./lazy-loader')> | undefined;
+  private loaderModule: Promise<typeof import('../lazy-loader')> | undefined;
 
   constructor(options: OffloadOptions = {}) {
     this.dir = options.dir ?? tmpdir();
     const reload = options.reload ?? 'eager';
     if (reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('reload', `expected "eager" or "lazy", got ${JSON.stringify(reload)}`);
     this.reload = reload;
-    this.exclusive = reload === 'lazy' ? ['suspend-image', 'userfaultfd'] : ['suspend-image'];
+    this.needs = reload === 'lazy' ? ['zero-on-discard', 'userfaultfd-missing'] : ['zero-on-discard'];
   }
 
   /** Path of the backing file while the VM is suspended. */
@@ -82,7 +81,7 @@ export class Offload implements MemoryStrategy {
   map(): void {
     // Load the native loader while the VM starts (native code is loading anyway), so that the
     // first lazy resume does not pay for it; a failure shows at that resume.
-    if (this.reload === 'lazy') (this.loaderModule ??= import('./lazy-loader')).catch(() => {});
+    if (this.reload === 'lazy') (this.loaderModule ??= import('../lazy-loader')).catch(() => {});
   }
 
   /**
@@ -101,30 +100,23 @@ export class Offload implements MemoryStrategy {
     this.path ??= backingFilePath(this.dir, ctx.vmName, 'ram');
     const fd = createBackingFile(this.path, constants.O_RDWR);
     const pieces: Piece[] = [];
+    const zeroRuns: PageRun[] = [];
     let zeroPages = 0;
-    // The vCPUs are stopped and agent traffic is held: the resident set cannot change until resume.
-    const runs = residentRuns(ctx.ram);
+    // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     try {
-      for (const run of runs) {
-        for (let off = run.offset; off < run.offset + run.length; ) {
-          const end = Math.min(run.offset + run.length, (Math.floor(off / PIECE_BYTES) + 1) * PIECE_BYTES);
-          // Split the piece around zero pages, which stay unwritten (holes read back as zeros).
-          // One view per piece, compared page by page in place: no object per page.
-          const chunk = ctx.ram.view(off, end - off);
-          let start = -1;
-          for (let p = off; p <= end; p += PAGE_SIZE) {
-            const zero = p === end || chunk.compare(ZERO_PAGE, 0, PAGE_SIZE, p - off, p - off + PAGE_SIZE) === 0;
-            if (zero && p < end) zeroPages++;
-            if (!zero && start < 0) start = p;
-            else if (zero && start >= 0) {
-              const view = ctx.ram.view(start, p - start);
-              writeFully(fd, view, start, this.path);
-              pieces.push({ offset: start, length: p - start, crc: crc32(view) });
-              start = -1;
-            }
-          }
-          off = end;
+      for (const cut of cutRuns(ctx.ram.ownPageRuns(), PIECE_BYTES)) {
+        // Zero pages stay unwritten (holes read back as zeros) and are dropped to zero.
+        const split = splitZeroPages(ctx.ram.view(cut.offset, cut.length), cut.offset);
+        zeroPages += split.zeroPages;
+        let at = cut.offset;
+        for (const run of split.nonZero) {
+          if (run.offset > at) zeroRuns.push({ offset: at, length: run.offset - at });
+          const view = ctx.ram.view(run.offset, run.length);
+          writeFully(fd, view, run.offset, this.path);
+          pieces.push({ offset: run.offset, length: run.length, crc: crc32(view) });
+          at = run.offset + run.length;
         }
+        if (at < cut.offset + cut.length) zeroRuns.push({ offset: at, length: cut.offset + cut.length - at });
       }
       this.figures.bytesOnDisk = fstatSync(fd).blocks * 512;
     } catch (e) {
@@ -134,8 +126,10 @@ export class Offload implements MemoryStrategy {
     }
     closeSync(fd);
     releaseFileCache(this.path);
-    // Only now that every page is in the file: drop what was resident.
-    for (const run of runs) ctx.ram.discardHost(run.offset, run.length);
+    // Only now that every page is in the file: drop what was the VM's. A written page comes back
+    // from the file (so it may fall back to the backing's page meanwhile); a zero page must read zero.
+    for (const p of pieces) ctx.ram.discardHost(p.offset, p.length, 'backing');
+    for (const z of zeroRuns) ctx.ram.discardHost(z.offset, z.length, 'zero');
     this.pieces = pieces;
     this.figures.pagesWritten = pieces.reduce((n, p) => n + p.length / PAGE_SIZE, 0);
     this.figures.zeroPagesSkipped = zeroPages;
@@ -186,7 +180,7 @@ export class Offload implements MemoryStrategy {
    */
   private async startLazyLoad(ctx: StrategyContext, fd: number, pieces: Piece[], path: string): Promise<void> {
     // Loaded on first use (or by map): importing pvisor loads no native code.
-    const { LazyLoader } = await (this.loaderModule ??= import('./lazy-loader'));
+    const { LazyLoader } = await (this.loaderModule ??= import('../lazy-loader'));
     this.lazyFigures = { faultsServed: 0, piecesLoadedLazily: 0, pagesZeroFilled: 0 };
     this.lastFullLoadMs = undefined;
     this.loadError = undefined;

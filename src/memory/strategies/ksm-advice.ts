@@ -4,10 +4,10 @@
  * advice (VmFlags `mg`), not only that madvise returned 0, and says plainly when KSM is off.
  */
 import { existsSync, readFileSync } from 'node:fs';
-import { PvisorError } from '../errors';
-import { rangeMappings } from '../memory-usage';
-import { MADV_MERGEABLE, PAGE_SIZE } from '../sys/constants';
-import type { MemoryStrategy, StrategyContext, StrategyStats } from './strategy';
+import { PvisorError } from '../../errors';
+import { rangeMappings } from '../../memory-usage';
+import { MADV_MERGEABLE, PAGE_SIZE } from '../../sys/constants';
+import type { MemoryStrategy, StrategyContext, StrategyStats } from '../strategy';
 
 const KSM_SYSFS = '/sys/kernel/mm/ksm';
 
@@ -22,7 +22,7 @@ function readNumber(path: string): number | undefined {
 /** Asks the kernel to merge identical guest pages (KSM). */
 export class KsmAdvice implements MemoryStrategy {
   readonly name = 'ksm-advice';
-  readonly ramBacking = 'private-anonymous' as const;
+  readonly needs = ['ksm-mergeable'] as const;
   readonly exclusive = [] as const;
 
   map(ctx: StrategyContext): void {

@@ -1,0 +1,219 @@
+/**
+ * The memory layer's orchestration: one composition of strategies per VM. It checks the
+ * composition before anything is allocated, decides guest RAM's backing, gives every strategy its
+ * context, and runs the hooks: map, suspend (undone in reverse if one fails), resume, periodic
+ * work within a CPU budget, figures, and close (once). `Vm` calls it; it knows nothing of the VM's
+ * devices or guest.
+ */
+import { GuestCrashError, PvisorError } from '../errors';
+import { ownPageRuns } from './pages';
+import { BACKING_CAPABILITIES, describeBacking, openBacking, type DiscardTo, type RamBacking, type RamBackingKind, type RamBackingRequest } from './ram-backing';
+import { StrategyConflictError, type MemoryStrategy, type StrategyContext, type StrategyStats, type SuspendWork } from './strategy';
+
+/** What the composition needs of guest RAM (the KVM backend's GuestMemory). */
+export interface GuestRam {
+  readonly hostAddr: number;
+  readonly sizeBytes: number;
+  readonly backing: { kind: RamBackingKind };
+  hostView(offset: number, length: number): Buffer;
+  advise(offset: number, length: number, advice: number, name: string): void;
+  discard(gpa: number, length: number, to?: DiscardTo): void;
+  discardHost(offset: number, length: number, to?: DiscardTo): void;
+}
+
+/** What the composition tells its VM. */
+export interface CompositionHooks {
+  /** A strategy cannot go on: end the VM as a crash with this error. */
+  fail(error: PvisorError): void;
+  /** Something went wrong that the VM survives (a periodic tick failed). */
+  warn(message: string): void;
+}
+
+const DEFAULT_BACKING: RamBackingRequest = { kind: 'anonymous' };
+
+/**
+ * Checks a composition before anything is allocated and returns the backing it chose: no strategy
+ * twice, no resource driven by two, at most one strategy providing guest RAM's backing, and every
+ * strategy's needs offered by that backing. Throws {@link StrategyConflictError} naming both sides.
+ */
+export function planComposition(strategies: readonly MemoryStrategy[]): RamBackingRequest {
+  for (let i = 0; i < strategies.length; i++) {
+    for (let j = i + 1; j < strategies.length; j++) {
+      const a = strategies[i];
+      const b = strategies[j];
+      if (a.name === b.name) throw new StrategyConflictError(a.name, b.name, 'the same strategy is given twice');
+      const shared = a.exclusive.find((r) => b.exclusive.includes(r));
+      if (shared) throw new StrategyConflictError(a.name, b.name, `both drive ${shared}`);
+      if (a.ramBacking && b.ramBacking) throw new StrategyConflictError(a.name, b.name, "both provide guest RAM's backing");
+    }
+  }
+  const provider = strategies.find((s) => s.ramBacking);
+  const backing = provider?.ramBacking ?? DEFAULT_BACKING;
+  const offered = BACKING_CAPABILITIES[backing.kind];
+  if (!offered) throw new StrategyConflictError(provider!.name, provider!.name, `unknown guest RAM backing ${JSON.stringify(backing.kind)}`);
+  for (const s of strategies) {
+    const missing = s.needs.find((c) => !offered.includes(c));
+    if (!missing) continue;
+    if (!provider) throw new StrategyConflictError(s.name, s.name, `it needs ${missing}, which ${describeBacking(backing)} does not offer`);
+    throw new StrategyConflictError(provider.name, s.name, `${s.name} needs ${missing}, which ${describeBacking(backing)} (from ${provider.name}) does not offer`);
+  }
+  return backing;
+}
+
+/** The strategies of one VM, and everything that runs them. */
+export class MemoryComposition {
+  /** The backing the composition chose (before it is opened). */
+  readonly backingRequest: RamBackingRequest;
+  private ctx: StrategyContext | undefined;
+  private closed = false;
+  private running = false;
+  private tickTimers = new Map<MemoryStrategy, NodeJS.Timeout>();
+  private releasing: Promise<void> = Promise.resolve();
+
+  /** Checks the composition (see {@link planComposition}); allocates nothing. */
+  constructor(
+    private readonly strategies: readonly MemoryStrategy[],
+    private readonly vmName: string,
+    private readonly hooks: CompositionHooks,
+  ) {
+    this.backingRequest = planComposition(strategies);
+  }
+
+  /** Opens (or creates) the chosen backing for guest RAM of `sizeBytes`; guest memory takes its fd. */
+  openBacking(sizeBytes: number): RamBacking {
+    return openBacking(this.backingRequest, sizeBytes, this.vmName);
+  }
+
+  /** The strategy that takes free-page reports, if any (the balloon offers reporting only then). */
+  get freePageSink(): ((gpa: number, length: number) => void) | undefined {
+    const s = this.strategies.find((x) => x.freePagesReported);
+    return s && ((gpa, length) => s.freePagesReported!(this.context, gpa, length));
+  }
+
+  private get context(): StrategyContext {
+    if (!this.ctx) throw new GuestCrashError('vmm-error', 'memory strategies used before guest RAM was mapped');
+    return this.ctx;
+  }
+
+  /** Guest RAM is mapped, no vCPU has run: builds the context and runs every map hook in order. */
+  attach(ram: GuestRam): void {
+    const backing = ram.backing.kind;
+    this.ctx = {
+      vmName: this.vmName,
+      ram: {
+        hostAddr: ram.hostAddr,
+        sizeBytes: ram.sizeBytes,
+        backing,
+        capabilities: BACKING_CAPABILITIES[backing],
+        view: (offset, length) => ram.hostView(offset, length),
+        advise: (offset, length, advice, name) => ram.advise(offset, length, advice, name),
+        discard: (gpa, length, to) => ram.discard(gpa, length, to),
+        discardHost: (offset, length, to) => ram.discardHost(offset, length, to),
+        ownPageRuns: () => ownPageRuns(ram.hostAddr, ram.sizeBytes, backing),
+      },
+      fail: (error) => this.hooks.fail(error),
+    };
+    for (const s of this.strategies) s.map?.(this.ctx);
+  }
+
+  /**
+   * Runs every suspend hook in order (the vCPUs are stopped). If one throws, those before it are
+   * resumed in reverse, so the VM is as it was, and the error is rethrown. Resolves when every hook
+   * has returned; memory may still be being released (see {@link memoryReleased}).
+   */
+  async suspend(checkNotEnded: () => void): Promise<void> {
+    this.setRunning(false);
+    const ctx = this.context;
+    const done: MemoryStrategy[] = [];
+    const work: Promise<void>[] = [];
+    try {
+      for (const s of this.strategies) {
+        checkNotEnded();
+        const w: SuspendWork | void = await s.suspend?.(ctx);
+        done.push(s);
+        if (w) work.push(w.released);
+      }
+      checkNotEnded();
+    } catch (e) {
+      // A VM that ended meanwhile has closed its strategies: there is nothing to undo.
+      if (!this.closed) for (const s of done.reverse()) await s.resume?.(ctx);
+      // The undone work settles by itself (cancelled); nobody waits for it.
+      for (const w of work) w.catch(() => {});
+      throw e;
+    }
+    this.releasing = Promise.all(work).then(() => {});
+    this.releasing.catch(() => {}); // observed through memoryReleased()
+  }
+
+  /**
+   * Settles when the memory the last suspend set out to release is released (at once if none is
+   * pending), or rejects with why a strategy could not finish: what it did not release then stays
+   * resident, and the VM stays suspended and resumable.
+   */
+  memoryReleased(): Promise<void> {
+    return this.releasing;
+  }
+
+  /** Runs every resume hook in reverse order; a failure leaves the VM suspended. */
+  async resume(checkNotEnded: () => void): Promise<void> {
+    const ctx = this.context;
+    for (const s of [...this.strategies].reverse()) {
+      await s.resume?.(ctx);
+      checkNotEnded();
+    }
+  }
+
+  /**
+   * The guest runs (true) or not: periodic work happens only while it runs, spaced so that it
+   * stays within each strategy's CPU share.
+   */
+  setRunning(running: boolean): void {
+    if (this.closed || this.running === running) return;
+    this.running = running;
+    if (!running) {
+      for (const t of this.tickTimers.values()) clearTimeout(t);
+      this.tickTimers.clear();
+      return;
+    }
+    for (const s of this.strategies) if (s.tick && s.periodic) this.scheduleTick(s, s.periodic.intervalMs);
+  }
+
+  private scheduleTick(s: MemoryStrategy, delayMs: number): void {
+    const timer = setTimeout(async () => {
+      this.tickTimers.delete(s);
+      if (!this.running) return;
+      const t0 = performance.now();
+      try {
+        await s.tick!(this.context);
+      } catch (e) {
+        this.hooks.warn(`${s.name}: periodic work failed: ${(e as Error).message}`);
+      }
+      if (this.running && !this.tickTimers.has(s)) this.scheduleTick(s, nextTickDelayMs(s.periodic!, performance.now() - t0));
+    }, delayMs);
+    // Periodic work never keeps the process alive by itself.
+    timer.unref();
+    this.tickTimers.set(s, timer);
+  }
+
+  /** Every strategy's figures, in composition order. */
+  stats(): StrategyStats[] {
+    return this.strategies.map((s) => s.stats(this.context));
+  }
+
+  /** Closes every strategy, once; periodic work stops. */
+  close(): void {
+    if (this.closed) return;
+    this.setRunning(false);
+    this.closed = true;
+    for (const s of this.strategies) s.close?.();
+  }
+}
+
+/**
+ * The wait before the next tick, given how long the last one took: at least the interval, and long
+ * enough that ticks use at most `cpuShare` of one CPU.
+ */
+export function nextTickDelayMs(periodic: { intervalMs: number; cpuShare: number }, lastTickMs: number): number {
+  const share = Math.min(1, Math.max(periodic.cpuShare, 1e-3));
+  return Math.max(periodic.intervalMs, lastTickMs / share - lastTickMs);
+}
