@@ -100,7 +100,10 @@ function describe(command: ControlCommand, a: ControlArgs, r: ControlResponse & 
   const resident = (m: ControlMemory | undefined) => (m ? formatBytes(m.guestRamResidentBytes) : '?');
   switch (command) {
     case 'suspend':
-      if (a.offload) return `${a.id}${attempt} suspended${took}: guest RAM resident ${resident(before)} -> ${resident(after)}, ${formatBytes(after?.bytesOnDisk ?? 0)} on disk`;
+      if (a.offload) {
+        const released = r.releasedMs !== undefined ? `\n${a.id}${attempt} memory released ${r.releasedMs} ms after the request` : '';
+        return `${a.id}${attempt} suspended${took}: guest RAM resident ${resident(before)} -> ${resident(after)}, ${formatBytes(after?.bytesOnDisk ?? 0)} on disk${released}`;
+      }
       return `${a.id}${attempt} paused${took}: guest RAM resident ${resident(after)}, kept in memory (pvisor suspend --vm-offload drops it)`;
     case 'resume': {
       const loaded = (before?.bytesOnDisk ?? 0) > 0 ? ', loaded back and verified' : '';

@@ -23,9 +23,11 @@
  * Every answer carries the VM (`vm`: id, pid, state, guest, memoryBytes, vcpus) and its memory
  * figures after the operation (`memory`: guestRamResidentBytes (PSS), guestRamRssBytes,
  * processPssBytes, bytesOnDisk, and each strategy's own figures); suspend and resume add the figures
- * before (`before`) and the time taken (`tookMs`):
+ * before (`before`) and the time taken (`tookMs`). A suspend with offload is answered once the
+ * memory is released, and adds the time that took from the request (`releasedMs`); a release that
+ * fails (e.g. a full disk) is an error answer, with the VM suspended and its unwritten pages kept:
  * ```
- * {"ok":true,"vm":{...,"state":"suspended"},"before":{...},"memory":{...},"tookMs":812.4}
+ * {"ok":true,"vm":{...,"state":"suspended"},"before":{...},"memory":{...},"tookMs":3.1,"releasedMs":152.4}
  * {"ok":false,"error":{"code":"PVISOR_VM_STATE","message":"T1 is running; this needs it paused or suspended"},"vm":{...},"memory":{...}}
  * ```
  * Error codes are those of pvisor's typed errors (`PVISOR_VM_STATE`, `PVISOR_BACKING_FILE`,
@@ -67,7 +69,7 @@ export interface ControlMemory {
 
 /** An answer from a VM's control socket. */
 export type ControlResponse =
-  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number }
+  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number; releasedMs?: number }
   | { ok: false; error: { code: string; message: string }; vm?: ControlVmInfo; memory?: ControlMemory };
 
 /** What the server does with a request: the answer, and what to do once it has been sent. */

@@ -142,7 +142,9 @@ export async function runProbeScript(vm: Vm, steps: ProbeStep[], print: (line: s
         break;
       case 'suspend':
         await vm.suspend();
-        print(`suspend: vCPUs stopped and memory strategies applied in ${ms()}`);
+        print(`suspend: vCPUs stopped and memory strategies under way in ${ms()}`);
+        await vm.memoryReleased();
+        print(`suspend: memory released after ${ms()}`);
         break;
       case 'resume':
         await vm.resume();

@@ -145,7 +145,13 @@ export class RunControl {
             else if (request.offload) await vm.suspend();
             else await vm.pause();
             const tookMs = Math.round((performance.now() - t0) * 10) / 10;
-            return { response: { ok: true, vm: this.info(), before, memory: this.memory(), tookMs } };
+            if (request.op !== 'suspend' || !request.offload) return { response: { ok: true, vm: this.info(), before, memory: this.memory(), tookMs } };
+            // Suspended at once; the answer waits until the memory is given back, so it can say so.
+            let releaseError: unknown;
+            await vm.memoryReleased().catch((e: unknown) => (releaseError = e));
+            const releasedMs = Math.round((performance.now() - t0) * 10) / 10;
+            if (releaseError) return { response: { ok: false, error: errorPayload(releaseError), vm: this.info(), memory: this.memory() } };
+            return { response: { ok: true, vm: this.info(), before, memory: this.memory(), tookMs, releasedMs } };
           }
           case 'stop':
             return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop('pvisor stop') };

@@ -4,9 +4,12 @@
  * workers (which must never load ffi-rs) can import the frame file code that uses it.
  */
 import { randomBytes } from 'node:crypto';
-import { constants, openSync, writeSync } from 'node:fs';
-import { join } from 'node:path';
+import { constants, openSync, readdirSync, rmSync, writeSync } from 'node:fs';
+import { basename, dirname, join } from 'node:path';
 import { BackingFileError } from '../errors';
+
+/** `pvisor-NAME-PID-RANDOM.EXT`: how backing files are named, and how a stale one is recognised. */
+const BACKING_FILE_NAME = /^pvisor-.+-(\d+)-[0-9a-f]{8}\.(ram|zframes)$/;
 
 /** A fresh, unguessable path for a VM's backing file in `dir`. */
 export function backingFilePath(dir: string, vmName: string, extension: string): string {
@@ -15,10 +18,51 @@ export function backingFilePath(dir: string, vmName: string, extension: string):
 
 /**
  * Creates the backing file for writing: 0600 and O_EXCL, because it holds the guest's memory and
- * nobody else may read or pre-create it.
+ * nobody else may read or pre-create it. Removes first the backing files in the same directory
+ * that a process which no longer exists left behind (it died while a VM was suspended).
  */
 export function createBackingFile(path: string, flags = constants.O_WRONLY): number {
+  removeStaleBackingFiles(dirname(path));
   return openSync(path, flags | constants.O_CREAT | constants.O_EXCL, 0o600);
+}
+
+/**
+ * {@link createBackingFile} for a write-out straight from guest RAM: O_DIRECT when the filesystem
+ * accepts it (no copy through the page cache, nothing left there), else buffered.
+ */
+export function createDirectBackingFile(path: string): { fd: number; direct: boolean } {
+  try {
+    return { fd: createBackingFile(path, constants.O_RDWR | constants.O_DIRECT), direct: true };
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== 'EINVAL') throw e;
+    // The kernel refuses O_DIRECT after it has created the file: ours, fresh, so remove it first.
+    rmSync(path, { force: true });
+    return { fd: createBackingFile(path, constants.O_RDWR), direct: false };
+  }
+}
+
+/** Removes pvisor backing files in `dir` whose process is gone. Best effort. */
+export function removeStaleBackingFiles(dir: string): void {
+  let names: string[];
+  try {
+    names = readdirSync(dir);
+  } catch {
+    return; // the create that follows says what is wrong with the directory
+  }
+  for (const name of names) {
+    const m = BACKING_FILE_NAME.exec(name);
+    if (!m || !processGone(Number(m[1]))) continue;
+    rmSync(join(dir, basename(name)), { force: true });
+  }
+}
+
+function processGone(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return false;
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'ESRCH';
+  }
 }
 
 /** Writes all of `data` at `position`; a write that makes no progress is a BackingFileError. */

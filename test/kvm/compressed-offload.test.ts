@@ -40,6 +40,7 @@ describe('CompressedOffload', () => {
     withVm('repetitive', async (vm, co, digest) => {
       const before = vm.memoryUsage().guestRamRssBytes;
       await vm.suspend();
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       const path = co.backingPath!;
       expect(statSync(path).mode & 0o777).toBe(0o600);
       expect(vm.memoryUsage().guestRamRssBytes).toBeLessThanOrEqual(before * 0.01);
@@ -54,6 +55,8 @@ describe('CompressedOffload', () => {
       expect(figures(vm).lastResumeMs).toBeGreaterThan(0);
 
       await vm.suspend();
+
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       const original = readFileSync(co.backingPath!);
       const index = corruptFrame(co.backingPath!, 'zstd');
       const err = await vm.resume().catch((e: unknown) => e);
@@ -76,6 +79,7 @@ describe('CompressedOffload', () => {
     let path = '';
     await withVm('random', async (vm, co, digest) => {
       await vm.suspend();
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       path = co.backingPath!;
       const f = figures(vm);
       expect(f.framesRaw).toBeGreaterThanOrEqual(SIZE_MIB);
@@ -88,6 +92,7 @@ describe('CompressedOffload', () => {
       await vm.resume();
       expect((await vm.probe.digest()).hex).toBe(digest);
       await vm.suspend();
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       path = co.backingPath!;
       expect(existsSync(path)).toBe(true);
     });

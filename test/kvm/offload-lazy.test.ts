@@ -40,6 +40,7 @@ describe('Offload, lazy reload', () => {
       const before = vm.memoryUsage().guestRamRssBytes;
       expect(before).toBeGreaterThanOrEqual(WS_MIB * MiB);
       await vm.suspend();
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       const path = offload.backingPath!;
       await vm.resume();
       expect(vm.state).toBe('running');
@@ -68,9 +69,11 @@ describe('Offload, lazy reload', () => {
   it('suspending again during an unfinished lazy load loads the rest first, losing nothing', () =>
     withLazyVm(async (vm, offload) => {
       await vm.suspend();
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       const first = offload.backingPath!;
       await vm.resume();
       await vm.suspend(); // nothing of the working set has been touched since the resume
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       expect(existsSync(first)).toBe(true); // the same path, written anew
       expect(figures(vm).pagesWritten).toBeGreaterThanOrEqual((WS_MIB * MiB) / 4096);
       expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB);
@@ -81,6 +84,7 @@ describe('Offload, lazy reload', () => {
   it('a truncated or missing file is refused, the VM stays suspended and stops cleanly', () =>
     withLazyVm(async (vm, offload) => {
       await vm.suspend();
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       const path = offload.backingPath!;
       const fdsBefore = fdTargets().length;
       truncateSync(path, 8 * MiB);
@@ -100,6 +104,7 @@ describe('Offload, lazy reload', () => {
   it('a corrupt piece ends the VM with a BackingFileError at first touch; the guest never gets its bytes', () =>
     withLazyVm(async (vm, offload) => {
       await vm.suspend();
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       const path = offload.backingPath!;
       const data = readFileSync(path);
       data[0x400000 + 8 * MiB + 4321] ^= 0x5a; // inside the working set, third piece
@@ -130,6 +135,7 @@ describe('Offload, lazy reload', () => {
     let digest: Promise<unknown> | undefined;
     await withLazyVm(async (vm, offload) => {
       await vm.suspend();
+      await vm.memoryReleased(); // suspend resolves before the write-out ends
       path = offload.backingPath!;
       await vm.resume();
       expect(fdTargets().filter((t) => /userfaultfd/.test(t))).toHaveLength(1);
