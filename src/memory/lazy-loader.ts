@@ -1,16 +1,16 @@
 /**
  * Binding to native-prebuilds' libpvisor-uffd.so: registers guest RAM with a userfaultfd and
- * serves its faults from a backing file on a native thread, which reports to Node as 16-byte
- * records on a Unix socket read on the event loop. See native-prebuilds/uffd-loader/uffd_loader.c
- * for what the thread does and why it is native.
+ * serves its faults from a backing file on a native thread, which reports to Node as records on
+ * a Unix socket read on the event loop. See native-prebuilds/helpers/uffd_loader.c for what the
+ * thread does and why it is native.
  *
  * Loaded by Offload only when a lazy resume happens, so importing pvisor loads no native code;
  * its functions are resolved when this module loads, on the main thread.
  */
-import { Socket } from 'node:net';
 import { DataType, define, open } from 'ffi-rs';
 import { SystemCallError, errnoName } from '../errors';
 import { nativePrebuild } from '../native';
+import { RecordChannel, type NativeRecord } from '../native/record-channel';
 
 /** A piece of guest RAM in the backing file (same offset in both), with its zlib CRC32. */
 export interface LoaderPiece {
@@ -40,7 +40,6 @@ export interface LoaderFigures {
   pagesZeroFilled: number;
 }
 
-const RECORD_BYTES = 16;
 const PIECE_BYTES = 24; // struct pv_piece
 const LIB = 'pvisor-uffd';
 const U64 = DataType.U64;
@@ -64,8 +63,7 @@ export function nativeCrc32(data: Buffer): number {
 /** One lazy load of guest RAM from a backing file. */
 export class LazyLoader {
   private handle: number;
-  private readonly socket: Socket;
-  private pending = Buffer.alloc(0);
+  private readonly channel: RecordChannel;
   private final: LoaderFigures | undefined;
 
   /**
@@ -84,22 +82,13 @@ export class LazyLoader {
     const r = fns.pv_loader_start([hostAddr, sizeBytes, fd, table, pieces.length, process.pid]) as unknown as { value: number; errnoCode: number };
     if (!r.value) throw new SystemCallError('pv_loader_start (userfaultfd)', r.errnoCode);
     this.handle = r.value;
-    this.socket = new Socket({ fd: fns.pv_loader_node_fd([this.handle]), readable: true, writable: false });
-    this.socket.on('data', (chunk: Buffer) => this.onData(chunk));
-    // A read error means the loader is being torn down; its records are no longer wanted.
-    this.socket.on('error', () => {});
+    this.channel = new RecordChannel(fns.pv_loader_node_fd([this.handle]), (r) => this.onRecord(r));
   }
 
-  private onData(chunk: Buffer): void {
-    const buf = this.pending.length ? Buffer.concat([this.pending, chunk]) : chunk;
-    let off = 0;
-    for (; buf.length - off >= RECORD_BYTES && this.handle; off += RECORD_BYTES) {
-      const kind = buf.readUInt32LE(off);
-      const err = buf.readInt32LE(off + 4);
-      if (kind === 1) this.onEvent({ kind: 'done', unregisterErrno: err });
-      else this.onEvent({ kind: 'error', why: LOAD_ERRORS[err] ?? `read failed: ${errnoName(err)}`, offset: Number(buf.readBigUInt64LE(off + 8)) });
-    }
-    this.pending = off < buf.length ? Buffer.from(buf.subarray(off)) : Buffer.alloc(0);
+  /** pv_record: kind 1 done (err = UFFDIO_UNREGISTER's errno), 2 error (value = the piece's offset). */
+  private onRecord(r: NativeRecord): void {
+    if (r.kind === 1) this.onEvent({ kind: 'done', unregisterErrno: r.err });
+    else this.onEvent({ kind: 'error', why: LOAD_ERRORS[r.err] ?? `read failed: ${errnoName(r.err)}`, offset: r.value });
   }
 
   /** Asks the thread to load every remaining piece now (it then reports done or an error). */
@@ -126,6 +115,6 @@ export class LazyLoader {
     this.final = this.figures();
     fns.pv_loader_destroy([this.handle]);
     this.handle = 0;
-    this.socket.destroy();
+    this.channel.destroy();
   }
 }

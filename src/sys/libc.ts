@@ -65,7 +65,7 @@ export const EVENTFD_ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
 
 /**
  * A non-blocking, close-on-exec eventfd(2) (counter 0). Node writes one with fs.writeSync (an
- * 8-byte count); it cannot poll one (see native-prebuilds/vcpu-runner for who reads them).
+ * 8-byte count); it cannot poll one (see native-prebuilds/helpers/vcpu_runner.c for who reads them).
  */
 export function createEventFd(): number {
   return check('eventfd', fns.eventfd([0, EFD_CLOEXEC | EFD_NONBLOCK]) as ErrnoResult<number>);

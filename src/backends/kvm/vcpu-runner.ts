@@ -1,12 +1,12 @@
 /**
  * Binding to native-prebuilds' libpvisor-vcpu.so: a native thread per vCPU runs KVM_RUN and
- * reports each exit as a 16-byte record on a Unix socket that this module reads on the event
- * loop. See native-prebuilds/vcpu-runner/vcpu_runner.c for why threads are native.
+ * reports each exit as a record on a Unix socket that this module reads on the event loop. See
+ * native-prebuilds/helpers/vcpu_runner.c for why threads are native.
  */
 import { writeSync } from 'node:fs';
-import { Socket } from 'node:net';
 import { DataType, define, open } from 'ffi-rs';
 import { nativePrebuild } from '../../native';
+import { RecordChannel, type NativeRecord } from '../../native/record-channel';
 import { SystemCallError } from '../../errors';
 import { EVENTFD_ONE } from '../../sys/libc';
 
@@ -26,12 +26,13 @@ export const enum RecordKind {
 
 /** One report from a vCPU thread. */
 export interface VcpuRecord {
+  /** The vCPU's index, or a Notify record's tag. */
   index: number;
   kind: RecordKind;
+  /** KVM_RUN's errno for Interrupted and Error, else 0. */
   err: number;
 }
 
-const RECORD_BYTES = 16;
 const LIB = 'pvisor-vcpu';
 const U64 = DataType.U64;
 const I32 = DataType.I32;
@@ -62,8 +63,7 @@ export function loadVcpuRunner(): void {
 /** The vCPU threads of one VM and the socket their records arrive on. */
 export class VcpuRunner {
   private readonly group: number;
-  private readonly socket: Socket;
-  private pending: Buffer = Buffer.alloc(0);
+  private readonly channel: RecordChannel;
   private destroyed = false;
   /** Each vCPU's "go" eventfd (owned by the native group). */
   private readonly goFds: number[] = [];
@@ -73,22 +73,8 @@ export class VcpuRunner {
     const r = fns!.pv_group_create([]) as unknown as { value: number; errnoCode: number };
     if (!r.value) throw new SystemCallError('pv_group_create', r.errnoCode);
     this.group = r.value;
-    const fd = fns!.pv_group_node_fd([this.group]);
-    this.socket = new Socket({ fd, readable: true, writable: false });
-    this.socket.on('data', (chunk: Buffer) => this.onData(chunk));
-    // A read error here means the VM is being torn down; records are no longer wanted.
-    this.socket.on('error', () => {});
-  }
-
-  private onData(chunk: Buffer): void {
-    let buf = this.pending.length ? Buffer.concat([this.pending, chunk]) : chunk;
-    let off = 0;
-    while (buf.length - off >= RECORD_BYTES) {
-      const rec: VcpuRecord = { index: buf.readUInt32LE(off), kind: buf.readUInt32LE(off + 4), err: buf.readInt32LE(off + 12) };
-      off += RECORD_BYTES;
-      if (!this.destroyed) this.onRecord(rec);
-    }
-    this.pending = off < buf.length ? Buffer.from(buf.subarray(off)) : Buffer.alloc(0);
+    // pv_record: tag = vCPU index (or Notify tag), value = KVM_RUN's return, err = its errno.
+    this.channel = new RecordChannel(fns!.pv_group_node_fd([this.group]), (r: NativeRecord) => this.onRecord({ index: r.tag, kind: r.kind, err: r.err }));
   }
 
   /** Starts vCPU `index`'s thread; it waits for {@link go} before entering KVM_RUN. */
@@ -114,7 +100,7 @@ export class VcpuRunner {
 
   /**
    * Watches a non-blocking eventfd (kept open by the caller until {@link destroy}): each time it
-   * fires, a {@link RecordKind.Notify} record with index `tag` arrives.
+   * fires, a {@link RecordKind.Notify} record with index `tag` (0..65535) arrives.
    */
   watch(fd: number, tag: number): void {
     const rc = fns!.pv_group_watch([this.group, fd, tag]);
@@ -126,6 +112,6 @@ export class VcpuRunner {
     if (this.destroyed) return;
     this.destroyed = true;
     fns!.pv_group_destroy([this.group]);
-    this.socket.destroy();
+    this.channel.destroy();
   }
 }

@@ -4,8 +4,9 @@
  * Why native threads and not Node workers: a Node worker that loads ffi-rs costs about 8 MiB of
  * PSS (measured on the target hosts), more than the whole per-VM budget of the VMM, and ffi-rs's
  * lookup cache is not thread-safe. A pthread costs a few KiB of touched stack. The threads never
- * call into JavaScript: they report each exit as a 16-byte record on a Unix socket that Node
- * watches on its event loop (libuv can poll a socket, not an eventfd), then sleep in read() on
+ * call into JavaScript: they report each exit as a 16-byte pv_record (pv_record.h: tag = vCPU
+ * index, value = KVM_RUN's return, err = its errno) on a Unix socket that Node watches on its
+ * event loop (libuv can poll a socket, not an eventfd), then sleep in read() on
  * their own eventfd until the event loop has handled the exit and writes to it. Node writes that
  * eventfd with fs.writeSync: one plain write(2), where an ffi-rs call (pv_vcpu_go) costs several
  * microseconds of argument marshalling on every exit.
@@ -17,6 +18,11 @@
  * Watched eventfds (KVM ioeventfds: a guest's queue notifications that KVM completes without
  * leaving the kernel) are read by one more thread per group, which reports each as a NOTIFY record
  * on the same socket, tagged with the number the caller chose; Node cannot poll an eventfd itself.
+ *
+ * Owned by a group: its threads, their "go" eventfds, the watcher's epoll set and wake eventfd, and
+ * the helper's end of the socket. pv_group_destroy stops everything: it shuts the socket for
+ * sending (so no thread stays blocked on a full socket), kicks and releases every vCPU thread,
+ * wakes the watcher, and joins them all.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -31,23 +37,19 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "pv_record.h"
+
 #define KVM_RUN_IOCTL 0xAE80 /* _IO(KVMIO, 0x80), <linux/kvm.h> */
 #define KVM_RUN_IMMEDIATE_EXIT_OFFSET 1 /* struct kvm_run: __u8 request_interrupt_window; __u8 immediate_exit */
 #define PV_MAX_VCPUS 64
 
-enum pv_record_kind {
+/* pv_record.kind on this helper's socket. */
+enum pv_vcpu_record_kind {
   PV_REC_EXIT = 1,        /* KVM_RUN returned 0: read exit_reason from kvm_run */
   PV_REC_INTERRUPTED = 2, /* KVM_RUN returned -EINTR (kicked, or a stray signal) */
   PV_REC_ERROR = 3,       /* KVM_RUN failed with another errno */
   PV_REC_STOPPED = 4,     /* the thread left its loop and will exit */
-  PV_REC_NOTIFY = 5,      /* a watched eventfd fired; `index` is its tag */
-};
-
-struct pv_record {
-  uint32_t index;
-  uint32_t kind;
-  int32_t ret;
-  int32_t err;
+  PV_REC_NOTIFY = 5,      /* a watched eventfd fired; `tag` is the caller's tag, not a vCPU */
 };
 
 struct pv_vcpu {
@@ -87,23 +89,8 @@ static void install_handler(void) {
   if (sigaction(kick_signal(), &sa, NULL) != 0) handler_error = errno;
 }
 
-static void send_record(struct pv_group *g, uint32_t index, uint32_t kind, int32_t ret, int32_t err) {
-  struct pv_record rec = {index, kind, ret, err};
-  const char *p = (const char *)&rec;
-  size_t left = sizeof rec;
-  while (left > 0) {
-    ssize_t n = send(g->notify_fd, p, left, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return; /* Node closed its end: the VM is being torn down */
-    }
-    p += n;
-    left -= (size_t)n;
-  }
-}
-
-static void report(struct pv_vcpu *v, uint32_t kind, int32_t ret, int32_t err) {
-  send_record(v->group, (uint32_t)v->index, kind, ret, err);
+static void report(struct pv_vcpu *v, uint16_t kind, int32_t ret, int32_t err) {
+  pv_record_send(v->group->notify_fd, kind, (uint16_t)v->index, err, (uint64_t)(int64_t)ret);
 }
 
 static void wait_go(struct pv_vcpu *v) {
@@ -151,15 +138,12 @@ struct pv_group *pv_group_create(void) {
   }
   struct pv_group *g = calloc(1, sizeof *g);
   if (!g) return NULL;
-  int sv[2];
-  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-    int e = errno;
+  int rc = pv_record_socketpair(&g->notify_fd, &g->node_fd);
+  if (rc < 0) {
     free(g);
-    errno = e;
+    errno = -rc;
     return NULL;
   }
-  g->notify_fd = sv[0];
-  g->node_fd = sv[1];
   g->epoll_fd = -1;
   g->wake_fd = -1;
   return g;
@@ -184,16 +168,17 @@ static void *watcher_main(void *arg) {
       uint64_t count;
       /* Reset the eventfd; several notifications since the last read are one record: the
          device drains its whole queue each time. */
-      if (read(fd, &count, sizeof count) == sizeof count) send_record(g, tag, PV_REC_NOTIFY, 0, 0);
+      if (read(fd, &count, sizeof count) == sizeof count) pv_record_send(g->notify_fd, PV_REC_NOTIFY, (uint16_t)tag, 0, 0);
     }
   }
 }
 
 /*
  * Watches eventfd `fd` (non-blocking, owned by the caller, kept open until pv_group_destroy):
- * each time it fires, a NOTIFY record with index = `tag` arrives on the socket.
+ * each time it fires, a NOTIFY record with tag `tag` (0..65535) arrives on the socket.
  */
 int32_t pv_group_watch(struct pv_group *g, int32_t fd, int32_t tag) {
+  if (tag < 0 || tag > UINT16_MAX) return -EINVAL;
   if (g->epoll_fd < 0) {
     g->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
     if (g->epoll_fd < 0) return -errno;

@@ -6,8 +6,9 @@
  * itself faults on guest RAM when a device model reads a virtqueue, and then waits on this
  * thread), so the server cannot live on the event loop; a Node worker costs about 8 MiB of PSS
  * and must not load ffi-rs; the libuv pool must not hold a blocking read. The thread never calls
- * into JavaScript: it reports to Node as 16-byte records on a Unix socket (libuv can watch a
- * socket, not a userfaultfd), like the vCPU runner.
+ * into JavaScript: it reports to Node as 16-byte pv_records (pv_record.h: tag 0, value = the
+ * piece's offset) on a Unix socket (libuv can watch a socket, not a userfaultfd), like the vCPU
+ * runner.
  *
  * What it does with a fault (MISSING mode, registered over all of guest RAM):
  *  - inside a piece the offload wrote (<= 4 MiB, with a CRC32): pread the whole piece into a
@@ -43,6 +44,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "pv_record.h"
+
 #define PAGE 4096ULL
 #define HOLE_BLOCK (64 * 1024ULL)
 #define MAX_PIECE (4 * 1024 * 1024ULL)
@@ -50,7 +53,8 @@
  * (a piece nobody touches) must not keep it resident. */
 #define BOUNCE_IDLE_MS 1000
 
-enum pv_record_kind {
+/* pv_record.kind on this helper's socket. */
+enum pv_loader_record_kind {
   PV_REC_DONE = 1,  /* every piece is loaded and the range unregistered */
   PV_REC_ERROR = 2, /* a piece could not be loaded: err < 0 is one of pv_load_error, else errno */
 };
@@ -59,12 +63,6 @@ enum pv_load_error {
   PV_ERR_CRC = -1,   /* CRC32 mismatch */
   PV_ERR_SHORT = -2, /* the file ended inside the piece */
   PV_ERR_UFFD = -3,  /* a userfaultfd ioctl failed (the errno is lost; the VM cannot go on) */
-};
-
-struct pv_record {
-  uint32_t kind;
-  int32_t err;
-  uint64_t offset; /* of the piece, in guest RAM (and in the file) */
 };
 
 /* As Node passes them: offset and length into guest RAM (= into the file), zlib CRC32. */
@@ -133,19 +131,9 @@ uint32_t pv_crc32(const uint8_t *p, uint64_t len) {
   return c ^ 0xffffffffu;
 }
 
-static void report(struct pv_loader *l, uint32_t kind, int32_t err, uint64_t offset) {
-  struct pv_record rec = {kind, err, offset};
-  const char *p = (const char *)&rec;
-  size_t left = sizeof rec;
-  while (left > 0) {
-    ssize_t n = send(l->notify_fd, p, left, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return; /* Node closed its end: the VM is being torn down */
-    }
-    p += n;
-    left -= (size_t)n;
-  }
+/* `offset`: of the piece, in guest RAM (and in the file). */
+static void report(struct pv_loader *l, uint16_t kind, int32_t err, uint64_t offset) {
+  pv_record_send(l->notify_fd, kind, 0, err, offset);
 }
 
 static void wake(struct pv_loader *l, uint64_t off, uint64_t len) {
@@ -371,10 +359,8 @@ struct pv_loader *pv_loader_start(uint64_t base, uint64_t size, int32_t file_fd,
   if (l->file_fd < 0) goto fail_errno;
   l->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (l->wake_fd < 0) goto fail_errno;
-  int sv[2];
-  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) goto fail_errno;
-  l->notify_fd = sv[0];
-  l->node_fd = sv[1];
+  err = -pv_record_socketpair(&l->notify_fd, &l->node_fd);
+  if (err) goto fail;
   /* Not UFFD_USER_MODE_ONLY: KVM reaches guest RAM from the kernel (get_user_pages). */
   l->uffd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
   if (l->uffd < 0) goto fail_errno;

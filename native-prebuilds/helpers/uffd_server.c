@@ -1,0 +1,728 @@
+/*
+ * pvisor memory server: one native thread per VM serves userfaultfd MISSING faults on guest RAM
+ * from *sources* that Node adds and removes while the VM runs (a backing file, zeros, a buffer in
+ * host memory), and loads their ranges ahead of the guest in an order Node chooses.
+ *
+ * Why a native thread: faults must be served while Node's event loop is busy (the event loop
+ * itself faults on guest RAM when a device model reads a virtqueue, and then waits on this
+ * thread), so the server cannot live on the event loop; a Node worker costs about 8 MiB of PSS
+ * and must not load ffi-rs; the libuv pool must not hold a blocking read. The thread never calls
+ * into JavaScript: it reports to Node as pv_records (pv_record.h: tag = source id) on a Unix
+ * socket (libuv can watch a socket, not a userfaultfd).
+ *
+ * A source is a sorted table of ranges of guest RAM (each <= 4 MiB; no two active sources
+ * overlap). Loading a range maps it whole, so one fault brings up to 4 MiB:
+ *  - FILE: pread into a bounce buffer, check its CRC32C if asked, UFFDIO_COPY; if asked, punch
+ *    the range out of the file afterwards (its disk blocks and page cache go back as RAM comes back);
+ *  - ZERO: UFFDIO_ZEROPAGE;
+ *  - MEMORY: UFFDIO_COPY straight from a host address that Node keeps alive.
+ * What a fault gets:
+ *  - inside a missing range of an active source: that range, loaded whole;
+ *  - inside a loaded range (the page was dropped since, e.g. by IdleRelease): one zero page, which
+ *    is what a dropped anonymous page reads as without userfaultfd;
+ *  - outside every active range (a hole): zero pages over a 64 KiB-aligned block around it,
+ *    clipped to the neighbouring ranges and to RAM.
+ * A range that cannot be loaded (read error, CRC32C mismatch, copy refused) is marked bad and
+ * reported once per source, and never mapped: faults of vCPUs there stay pending until the VM ends
+ * (closing the userfaultfd releases them while the VMM no longer handles their exits). A fault of
+ * Node's main thread there gets one zero page instead, because that thread is the one that must
+ * read the report and end the VM.
+ * Prefetch: between two pieces of work the thread first serves every fault already queued on the
+ * userfaultfd, so a vCPU waits for at most one prefetched range.
+ * Guest RAM is registered (MISSING mode) only while some source is active (not done, not
+ * removed): with nothing left to load, faults fill normally at no cost to this thread.
+ *
+ * Owns: the thread, the userfaultfd, the wake eventfd, its end of the record socket (Node owns the
+ * other), a dup of each file source's fd, the range tables, and a 4 MiB bounce buffer that is
+ * unmapped after 1 s without work (a load that never finishes must not keep it resident).
+ *
+ * Locking: one mutex. The thread holds it while it works (serves a fault, loads a range) and drops
+ * it only to sleep in poll(), so Node never sees a range half loaded. glibc mutexes are not fair:
+ * a thread that unlocks and relocks in a loop can starve a waiter for a whole prefetch, so Node's
+ * calls announce themselves (api_waiting) and the thread hands the mutex over between two pieces
+ * of work. Nothing under the mutex touches registered RAM, so no side waits on a fault meanwhile.
+ * The thread sends at most two records per source, so it never blocks on a full socket while Node
+ * waits for the mutex.
+ *
+ * Stopping: pv_uffd_destroy shuts the record socket for sending, sets `stopping` under the mutex,
+ * wakes the thread and joins it; then closes the userfaultfd, which unregisters guest RAM and
+ * releases every thread still blocked in a fault there (so vCPU threads can be joined before RAM
+ * is unmapped).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <linux/userfaultfd.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "crc32c.h"
+#include "pv_record.h"
+
+#define PAGE 4096ULL
+#define HOLE_BLOCK (64 * 1024ULL)
+#define MAX_RANGE (4 * 1024 * 1024ULL)
+#define BOUNCE_IDLE_MS 1000
+#define MAX_SOURCE_ID 65535 /* ids travel in pv_record.tag */
+
+enum pv_source_kind { PV_SRC_FILE = 1, PV_SRC_ZERO = 2, PV_SRC_MEMORY = 3 };
+
+enum pv_source_flag {
+  PV_SRC_CHECKSUM = 1, /* FILE: check each range's CRC32C before mapping it */
+  PV_SRC_PUNCH = 2,    /* FILE: punch each loaded range out of the file (best effort) */
+};
+
+/* pv_record.kind on this helper's socket; tag = source id. */
+enum pv_server_record_kind {
+  PV_REC_SOURCE_DONE = 1,  /* every range of the source is loaded; value = ranges loaded */
+  PV_REC_SOURCE_ERROR = 2, /* a range cannot be loaded (reported once per source); value = its offset */
+};
+
+/* pv_record.err of SOURCE_ERROR when it is not a positive errno of pread. */
+enum pv_load_error {
+  PV_ERR_CHECKSUM = -1, /* CRC32C mismatch */
+  PV_ERR_SHORT = -2,    /* the file ended inside the range */
+  PV_ERR_UFFD = -3,     /* a userfaultfd ioctl failed (the errno is lost; the VM cannot go on) */
+};
+
+/*
+ * One range as Node passes it: the same 32 bytes for every kind.
+ * `where`: FILE, offset in the file (page-aligned: the fd may be O_DIRECT); MEMORY, host address
+ * of the bytes (outside this guest RAM); ZERO, unused. `checksum`: FILE with PV_SRC_CHECKSUM,
+ * CRC32C of the range's bytes; unused otherwise.
+ */
+struct pv_range {
+  uint64_t offset; /* into guest RAM, page-aligned */
+  uint64_t length; /* a page multiple, 1 page to 4 MiB */
+  uint64_t where;
+  uint32_t checksum;
+  uint32_t pad;
+};
+
+_Static_assert(sizeof(struct pv_range) == 32, "Node writes 32-byte ranges");
+
+enum range_state { MISSING = 0, LOADED = 1, BAD = 2 };
+#define QUEUED 0x80 /* state bit: waiting in the prefetch queue (dedupes repeated prefetches) */
+
+struct source {
+  uint16_t id;
+  int kind, flags, fd;
+  int active;   /* may still load something: not done (a removed source is freed) */
+  int reported; /* an ERROR record was sent */
+  struct pv_range *ranges;
+  uint8_t *state;
+  uint32_t *touch; /* range indices in the order a fault first loaded them */
+  uint32_t count, loaded, touched;
+  uint64_t faults, by_fault, by_prefetch, bytes;
+};
+
+struct prefetch {
+  uint16_t source;
+  uint32_t index;
+};
+
+struct pv_uffd_server {
+  int uffd, notify_fd, node_fd, wake_fd;
+  uint64_t base, size;
+  pid_t main_tid;
+  pthread_t thread;
+  int started;
+  pthread_mutex_t lock;
+  pthread_cond_t handed; /* Node's call is through: the thread may take the mutex back */
+  int api_waiting;       /* Node's calls waiting for the mutex (atomic) */
+  int stopping;
+  int registered;
+  struct source **sources;
+  uint32_t nsources;
+  uint16_t last_id;
+  struct prefetch *queue;
+  uint32_t qhead, qlen, qcap;
+  uint8_t *bounce;
+  uint64_t bounce_used_ms;
+  uint64_t faults, zero_pages;
+};
+
+static uint64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void post_wake(struct pv_uffd_server *s) {
+  uint64_t one = 1;
+  while (write(s->wake_fd, &one, sizeof one) < 0 && errno == EINTR) {
+  }
+}
+
+/* Node's side of the mutex: announce, so that a busy thread hands it over (see the header). */
+static void api_lock(struct pv_uffd_server *s) {
+  __atomic_add_fetch(&s->api_waiting, 1, __ATOMIC_SEQ_CST);
+  pthread_mutex_lock(&s->lock);
+  __atomic_sub_fetch(&s->api_waiting, 1, __ATOMIC_SEQ_CST);
+}
+
+static void api_unlock(struct pv_uffd_server *s) {
+  pthread_cond_signal(&s->handed);
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* The thread's side, between two pieces of work. */
+static void let_node_in(struct pv_uffd_server *s) {
+  while (__atomic_load_n(&s->api_waiting, __ATOMIC_SEQ_CST)) pthread_cond_wait(&s->handed, &s->lock);
+}
+
+static void wake_range(struct pv_uffd_server *s, uint64_t off, uint64_t len) {
+  struct uffdio_range r = {s->base + off, len};
+  ioctl(s->uffd, UFFDIO_WAKE, &r);
+}
+
+/*
+ * Maps [off, off+len) from `src` (host memory) or as zero pages (src NULL), and wakes whoever
+ * waits there. A page that is already present (EEXIST: it raced in, or was never dropped) is
+ * skipped and woken; EAGAIN (the mm is changing, or a partial copy) is retried from where it
+ * stopped. Adds the pages it mapped to *pages. Returns 0, or -errno (range not registered, mm gone).
+ */
+static int fill(struct pv_uffd_server *s, uint64_t off, uint64_t len, const uint8_t *src, uint64_t *pages) {
+  while (len) {
+    int64_t done;
+    int rc;
+    if (!src) {
+      struct uffdio_zeropage z = {{s->base + off, len}, 0, 0};
+      rc = ioctl(s->uffd, UFFDIO_ZEROPAGE, &z);
+      done = z.zeropage;
+    } else {
+      struct uffdio_copy c = {s->base + off, (uint64_t)(uintptr_t)src, len, 0, 0};
+      rc = ioctl(s->uffd, UFFDIO_COPY, &c);
+      done = c.copy;
+    }
+    if (rc == 0) {
+      if (pages) *pages += len / PAGE;
+      return 0;
+    }
+    int err = errno;
+    if (done > 0) {
+      if (pages) *pages += (uint64_t)done / PAGE;
+      off += (uint64_t)done;
+      len -= (uint64_t)done;
+      if (src) src += done;
+      continue;
+    }
+    if (err == EAGAIN || err == EINTR) {
+      sched_yield();
+      continue;
+    }
+    if (err == EEXIST) {
+      wake_range(s, off, PAGE);
+      off += PAGE;
+      len -= PAGE;
+      if (src) src += PAGE;
+      continue;
+    }
+    return -err;
+  }
+  return 0;
+}
+
+static int any_active(struct pv_uffd_server *s) {
+  for (uint32_t k = 0; k < s->nsources; k++)
+    if (s->sources[k]->active) return 1;
+  return 0;
+}
+
+/* Registers guest RAM while some source is active, unregisters it otherwise. Returns 0 or -errno. */
+static int update_registration(struct pv_uffd_server *s) {
+  int want = any_active(s);
+  if (want && !s->registered) {
+    struct uffdio_register reg = {{s->base, s->size}, UFFDIO_REGISTER_MODE_MISSING, 0};
+    if (ioctl(s->uffd, UFFDIO_REGISTER, &reg) != 0) return -errno;
+    if (!(reg.ioctls & (1ULL << _UFFDIO_COPY)) || !(reg.ioctls & (1ULL << _UFFDIO_ZEROPAGE))) {
+      struct uffdio_range r = {s->base, s->size};
+      ioctl(s->uffd, UFFDIO_UNREGISTER, &r);
+      return -EOPNOTSUPP;
+    }
+    s->registered = 1;
+  } else if (!want && s->registered) {
+    /* Wakes every fault still pending in the range: they retry and fill normally. */
+    struct uffdio_range r = {s->base, s->size};
+    if (ioctl(s->uffd, UFFDIO_UNREGISTER, &r) != 0) return -errno;
+    s->registered = 0;
+  }
+  return 0;
+}
+
+static struct source *find_source(struct pv_uffd_server *s, int32_t id) {
+  for (uint32_t k = 0; k < s->nsources; k++)
+    if (s->sources[k]->id == id) return s->sources[k];
+  return NULL;
+}
+
+/* Index of the range holding `off`, or of the first range after it (count if none), by bisection. */
+static uint32_t range_at_or_after(const struct source *src, uint64_t off) {
+  uint32_t lo = 0, hi = src->count;
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    if (src->ranges[mid].offset + src->ranges[mid].length <= off) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+static void fail_range(struct pv_uffd_server *s, struct source *src, uint32_t i, int32_t err) {
+  src->state[i] = (src->state[i] & QUEUED) | BAD;
+  if (!src->reported) pv_record_send(s->notify_fd, PV_REC_SOURCE_ERROR, src->id, err, src->ranges[i].offset);
+  src->reported = 1;
+}
+
+/* Reads, verifies and maps range i of `src` whole. Returns 0, or -1 if it is bad (reported). */
+static int load_range(struct pv_uffd_server *s, struct source *src, uint32_t i, int by_fault) {
+  struct pv_range *r = &src->ranges[i];
+  const uint8_t *from = NULL;
+  if (src->kind == PV_SRC_MEMORY) from = (const uint8_t *)(uintptr_t)r->where;
+  if (src->kind == PV_SRC_FILE) {
+    if (!s->bounce) {
+      /* mmap, not malloc: glibc's dynamic mmap threshold would move a freed 4 MiB block onto a
+       * heap that keeps it. Page-aligned, as O_DIRECT needs. */
+      void *b = mmap(NULL, MAX_RANGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (b == MAP_FAILED) {
+        fail_range(s, src, i, errno);
+        return -1;
+      }
+      s->bounce = b;
+    }
+    s->bounce_used_ms = now_ms();
+    uint64_t got = 0;
+    while (got < r->length) {
+      ssize_t n = pread(src->fd, s->bounce + got, r->length - got, (off_t)(r->where + got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        fail_range(s, src, i, n < 0 ? errno : PV_ERR_SHORT);
+        return -1;
+      }
+      got += (uint64_t)n;
+    }
+    if ((src->flags & PV_SRC_CHECKSUM) && pv_crc32c(s->bounce, r->length) != r->checksum) {
+      fail_range(s, src, i, PV_ERR_CHECKSUM);
+      return -1;
+    }
+    from = s->bounce;
+  }
+  if (fill(s, r->offset, r->length, from, NULL) < 0) {
+    fail_range(s, src, i, PV_ERR_UFFD);
+    return -1;
+  }
+  src->state[i] = (src->state[i] & QUEUED) | LOADED;
+  src->loaded++;
+  src->bytes += r->length;
+  if (by_fault) {
+    src->by_fault++;
+    src->touch[src->touched++] = i;
+  } else {
+    src->by_prefetch++;
+  }
+  /* The range now lives in guest RAM only: give its disk blocks and page cache back. Best effort
+   * (a filesystem without hole punching keeps them until the file is removed). */
+  if (src->kind == PV_SRC_FILE && (src->flags & PV_SRC_PUNCH))
+    fallocate(src->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)r->where, (off_t)r->length);
+  if (src->loaded == src->count) {
+    src->active = 0;
+    pv_record_send(s->notify_fd, PV_REC_SOURCE_DONE, src->id, 0, src->loaded);
+    update_registration(s);
+  }
+  return 0;
+}
+
+static void serve(struct pv_uffd_server *s, uint64_t addr, pid_t tid) {
+  if (addr < s->base || addr >= s->base + s->size) return;
+  uint64_t off = (addr - s->base) & ~(PAGE - 1);
+  s->faults++;
+  uint64_t lo = 0, hi = s->size; /* the hole around off, between active ranges */
+  for (uint32_t k = 0; k < s->nsources; k++) {
+    struct source *src = s->sources[k];
+    if (!src->active) continue;
+    uint32_t i = range_at_or_after(src, off);
+    if (i < src->count && src->ranges[i].offset <= off) {
+      src->faults++;
+      int state = src->state[i] & ~QUEUED;
+      if (state == MISSING) {
+        if (load_range(s, src, i, 1) == 0) return;
+        state = BAD;
+      }
+      if (state == LOADED || tid == s->main_tid) fill(s, off, PAGE, NULL, &s->zero_pages);
+      return; /* BAD, from a vCPU: stays pending until the VM ends */
+    }
+    if (i > 0 && src->ranges[i - 1].offset + src->ranges[i - 1].length > lo) lo = src->ranges[i - 1].offset + src->ranges[i - 1].length;
+    if (i < src->count && src->ranges[i].offset < hi) hi = src->ranges[i].offset;
+  }
+  uint64_t start = off & ~(HOLE_BLOCK - 1), end = start + HOLE_BLOCK;
+  if (start < lo) start = lo;
+  if (end > hi) end = hi;
+  fill(s, start, end - start, NULL, &s->zero_pages);
+  wake_range(s, off, PAGE); /* in case the page itself raced in */
+}
+
+/* Serves the faults queued on the userfaultfd now. Returns how many messages it read. */
+static int serve_pending(struct pv_uffd_server *s) {
+  struct uffd_msg msgs[16];
+  ssize_t n = read(s->uffd, msgs, sizeof msgs);
+  if (n <= 0) return 0; /* EAGAIN: none */
+  size_t count = (size_t)n / sizeof msgs[0];
+  for (size_t k = 0; k < count && !s->stopping; k++) {
+    if (msgs[k].event == UFFD_EVENT_PAGEFAULT) serve(s, msgs[k].arg.pagefault.address, (pid_t)msgs[k].arg.pagefault.feat.ptid);
+    let_node_in(s);
+  }
+  return (int)count;
+}
+
+/* Loads the next prefetched range that is still missing. Returns 1 if it did some work. */
+static int prefetch_one(struct pv_uffd_server *s) {
+  while (s->qhead < s->qlen) {
+    struct prefetch p = s->queue[s->qhead++];
+    struct source *src = find_source(s, p.source);
+    if (!src) continue;
+    src->state[p.index] &= ~QUEUED;
+    if (!src->active || src->state[p.index] != MISSING) continue;
+    load_range(s, src, p.index, 0);
+    return 1;
+  }
+  /* Empty: give the queue's memory back (it can be as long as every range of every source). */
+  free(s->queue);
+  s->queue = NULL;
+  s->qhead = s->qlen = s->qcap = 0;
+  return 0;
+}
+
+static void *server_main(void *arg) {
+  struct pv_uffd_server *s = arg;
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, NULL);
+  pthread_mutex_lock(&s->lock);
+  while (!s->stopping) {
+    let_node_in(s);
+    if (s->stopping) break;
+    /* Faults first: a vCPU waits for at most one prefetched range. */
+    if (serve_pending(s) || prefetch_one(s)) continue;
+    int timeout_ms = -1;
+    if (s->bounce) {
+      uint64_t idle_ms = now_ms() - s->bounce_used_ms;
+      if (idle_ms >= BOUNCE_IDLE_MS) {
+        munmap(s->bounce, MAX_RANGE);
+        s->bounce = NULL;
+      } else {
+        timeout_ms = (int)(BOUNCE_IDLE_MS - idle_ms);
+      }
+    }
+    pthread_mutex_unlock(&s->lock);
+    struct pollfd pfd[2] = {{s->uffd, POLLIN, 0}, {s->wake_fd, POLLIN, 0}};
+    poll(pfd, 2, timeout_ms);
+    if (pfd[1].revents) {
+      uint64_t n;
+      if (read(s->wake_fd, &n, sizeof n) < 0) { /* EAGAIN: already drained */
+      }
+    }
+    pthread_mutex_lock(&s->lock);
+  }
+  pthread_mutex_unlock(&s->lock);
+  return NULL;
+}
+
+static void free_source(struct source *src) {
+  if (src->fd >= 0) close(src->fd);
+  free(src->ranges);
+  free(src->state);
+  free(src->touch);
+  free(src);
+}
+
+static void free_server(struct pv_uffd_server *s) {
+  if (s->uffd >= 0) close(s->uffd);
+  if (s->wake_fd >= 0) close(s->wake_fd);
+  if (s->notify_fd >= 0) close(s->notify_fd);
+  for (uint32_t k = 0; k < s->nsources; k++) free_source(s->sources[k]);
+  free(s->sources);
+  free(s->queue);
+  if (s->bounce) munmap(s->bounce, MAX_RANGE);
+  pthread_cond_destroy(&s->handed);
+  pthread_mutex_destroy(&s->lock);
+  free(s);
+}
+
+/*
+ * Creates the server of guest RAM [base, base+size) (page-aligned) and starts its thread. RAM is
+ * registered only once a source is added. Faults of thread `main_tid` (Node's main thread) are
+ * never left pending. Returns NULL with errno set on failure, with nothing left behind.
+ */
+struct pv_uffd_server *pv_uffd_create(uint64_t base, uint64_t size, int32_t main_tid) {
+  if (!size || base % PAGE || size % PAGE || base + size < base) {
+    errno = EINVAL;
+    return NULL;
+  }
+  struct pv_uffd_server *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->uffd = s->wake_fd = s->notify_fd = s->node_fd = -1;
+  s->base = base;
+  s->size = size;
+  s->main_tid = main_tid;
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_cond_init(&s->handed, NULL);
+  int err = 0;
+  s->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (s->wake_fd < 0) goto fail_errno;
+  err = -pv_record_socketpair(&s->notify_fd, &s->node_fd);
+  if (err) goto fail;
+  /* Not UFFD_USER_MODE_ONLY: KVM reaches guest RAM from the kernel (get_user_pages). */
+  s->uffd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+  if (s->uffd < 0) goto fail_errno;
+  struct uffdio_api api = {UFFD_API, UFFD_FEATURE_THREAD_ID, 0};
+  if (ioctl(s->uffd, UFFDIO_API, &api) != 0) goto fail_errno;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 256 * 1024);
+  int rc = pthread_create(&s->thread, &attr, server_main, s);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) {
+    err = rc;
+    goto fail;
+  }
+  s->started = 1;
+  return s;
+fail_errno:
+  err = errno;
+fail:
+  if (s->node_fd >= 0) close(s->node_fd);
+  free_server(s);
+  errno = err;
+  return NULL;
+}
+
+/* Node's end of the record socket; Node owns (closes) it from then on. */
+int32_t pv_uffd_node_fd(struct pv_uffd_server *s) { return s->node_fd; }
+
+/* Whether `r` is a valid range of a `kind` source in guest RAM of `size` bytes at `base`. */
+static int range_ok(const struct pv_uffd_server *s, int32_t kind, const struct pv_range *r) {
+  if (!r->length || r->length > MAX_RANGE || r->offset % PAGE || r->length % PAGE) return 0;
+  if (r->offset >= s->size || r->length > s->size - r->offset) return 0;
+  if (kind == PV_SRC_FILE && r->where % PAGE) return 0;
+  /* Copying from registered RAM would fault in this very thread, which nobody would serve. */
+  if (kind == PV_SRC_MEMORY && (!r->where || (r->where < s->base + s->size && r->where + r->length > s->base))) return 0;
+  return 1;
+}
+
+/*
+ * Adds a source of `count` ranges (32-byte struct pv_range each, in address order) of `kind`;
+ * `fd` is duplicated for FILE (the caller keeps its own; read-write if PV_SRC_PUNCH). Returns the
+ * source id (1..65535), or -errno with nothing changed: -EINVAL if any range is malformed,
+ * unsorted, or overlaps another or an active source's. A source of no ranges is done at once.
+ */
+int32_t pv_uffd_add_source(struct pv_uffd_server *s, int32_t kind, int32_t fd, const uint8_t *ranges, int32_t count, int32_t flags) {
+  if (kind < PV_SRC_FILE || kind > PV_SRC_MEMORY || count < 0 || (uint64_t)count > s->size / PAGE) return -EINVAL;
+  if (flags & ~(PV_SRC_CHECKSUM | PV_SRC_PUNCH) || (kind != PV_SRC_FILE && flags)) return -EINVAL;
+  struct source *src = calloc(1, sizeof *src);
+  if (!src) return -ENOMEM;
+  src->fd = -1;
+  src->kind = kind;
+  src->flags = flags;
+  src->count = (uint32_t)count;
+  src->ranges = malloc(sizeof *src->ranges * (count ? count : 1));
+  src->state = calloc(count ? count : 1, 1);
+  src->touch = malloc(sizeof *src->touch * (count ? count : 1));
+  if (!src->ranges || !src->state || !src->touch) {
+    free_source(src);
+    return -ENOMEM;
+  }
+  if (count) memcpy(src->ranges, ranges, sizeof *src->ranges * count);
+  if (kind == PV_SRC_FILE) {
+    src->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (src->fd < 0) {
+      int err = errno;
+      free_source(src);
+      return -err;
+    }
+  }
+  api_lock(s);
+  int32_t rc = 0;
+  for (int32_t i = 0; i < count && !rc; i++) {
+    const struct pv_range *r = &src->ranges[i];
+    if (!range_ok(s, kind, r) || (i > 0 && r->offset < src->ranges[i - 1].offset + src->ranges[i - 1].length)) rc = -EINVAL;
+    for (uint32_t k = 0; k < s->nsources && !rc; k++) {
+      struct source *other = s->sources[k];
+      if (!other->active) continue;
+      uint32_t j = range_at_or_after(other, r->offset);
+      if (j < other->count && other->ranges[j].offset < r->offset + r->length) rc = -EINVAL;
+    }
+  }
+  /* A free id after the last one given: ids come back only after 65535 others. */
+  uint16_t id = s->last_id;
+  if (!rc) {
+    int tries = 0;
+    do id = id == MAX_SOURCE_ID ? 1 : id + 1;
+    while (find_source(s, id) && ++tries < MAX_SOURCE_ID);
+    if (find_source(s, id)) rc = -ENOSPC;
+  }
+  struct source **grown = rc ? NULL : realloc(s->sources, sizeof *s->sources * (s->nsources + 1));
+  if (!rc && !grown) rc = -ENOMEM;
+  if (!rc) {
+    s->sources = grown;
+    src->id = id;
+    src->active = count > 0;
+    s->sources[s->nsources++] = src;
+    rc = update_registration(s);
+    if (rc) s->nsources--; /* could not register: as if never added */
+  }
+  if (rc) {
+    api_unlock(s);
+    free_source(src);
+    return rc;
+  }
+  s->last_id = id;
+  if (!count) pv_record_send(s->notify_fd, PV_REC_SOURCE_DONE, id, 0, 0);
+  api_unlock(s);
+  return id;
+}
+
+static int queue_range(struct pv_uffd_server *s, struct source *src, uint32_t i) {
+  if (src->state[i] != MISSING) return 0; /* loaded, bad, or queued already */
+  if (s->qlen == s->qcap) {
+    uint32_t cap = s->qcap ? s->qcap * 2 : 64;
+    struct prefetch *q = realloc(s->queue, sizeof *q * cap);
+    if (!q) return -ENOMEM;
+    s->queue = q;
+    s->qcap = cap;
+  }
+  s->queue[s->qlen++] = (struct prefetch){src->id, i};
+  src->state[i] |= QUEUED;
+  return 1;
+}
+
+/*
+ * Appends ranges `order[0..count)` (indices into the source's table) to the prefetch queue; the
+ * thread loads them in that order, skipping those already loaded. Returns how many it queued, or
+ * -errno (-EINVAL with nothing queued if an index is out of range, -ENOENT for no such source).
+ */
+int32_t pv_uffd_prefetch(struct pv_uffd_server *s, int32_t source, const uint32_t *order, int32_t count) {
+  api_lock(s);
+  struct source *src = find_source(s, source);
+  int32_t rc = src ? 0 : -ENOENT;
+  for (int32_t k = 0; k < count && !rc; k++)
+    if (order[k] >= src->count) rc = -EINVAL;
+  for (int32_t k = 0; k < count && rc >= 0 && src->active; k++) {
+    int q = queue_range(s, src, order[k]);
+    rc = q < 0 ? q : rc + q;
+  }
+  api_unlock(s);
+  if (rc > 0) post_wake(s);
+  return rc;
+}
+
+/* Queues every range of the source not loaded yet, in address order. Returns as pv_uffd_prefetch. */
+int32_t pv_uffd_load_all(struct pv_uffd_server *s, int32_t source) {
+  api_lock(s);
+  struct source *src = find_source(s, source);
+  int32_t rc = src ? 0 : -ENOENT;
+  for (uint32_t i = 0; src && src->active && i < src->count && rc >= 0; i++) {
+    int q = queue_range(s, src, i);
+    rc = q < 0 ? q : rc + q;
+  }
+  api_unlock(s);
+  if (rc > 0) post_wake(s);
+  return rc;
+}
+
+/*
+ * Stops serving a source (once a load in progress has finished): its missing ranges are never
+ * loaded, a later fault there is a hole's. Unregisters guest RAM if no source is left active.
+ * Returns how many of its ranges were loaded, or -ENOENT.
+ */
+int32_t pv_uffd_remove_source(struct pv_uffd_server *s, int32_t source) {
+  api_lock(s);
+  struct source *src = find_source(s, source);
+  if (!src) {
+    api_unlock(s);
+    return -ENOENT;
+  }
+  uint32_t kept = 0;
+  for (uint32_t k = s->qhead; k < s->qlen; k++)
+    if (s->queue[k].source != src->id) s->queue[kept++] = s->queue[k];
+  s->qhead = 0;
+  s->qlen = kept;
+  uint32_t k = 0;
+  while (s->sources[k] != src) k++;
+  s->sources[k] = s->sources[--s->nsources];
+  int32_t loaded = (int32_t)src->loaded;
+  free_source(src);
+  update_registration(s);
+  api_unlock(s);
+  return loaded;
+}
+
+/* Writes each range's state (0 missing, 1 loaded, 2 bad) to out[0..count). Returns the source's range count, or -ENOENT. */
+int32_t pv_uffd_range_states(struct pv_uffd_server *s, int32_t source, uint8_t *out, int32_t count) {
+  api_lock(s);
+  struct source *src = find_source(s, source);
+  int32_t rc = src ? (int32_t)src->count : -ENOENT;
+  for (int32_t i = 0; src && i < count && (uint32_t)i < src->count; i++) out[i] = src->state[i] & ~QUEUED;
+  api_unlock(s);
+  return rc;
+}
+
+/*
+ * Writes the indices of the ranges that faults loaded, in the order they did, to out[0..max).
+ * Returns how many there are in all (at most the range count), or -ENOENT.
+ */
+int32_t pv_uffd_touch_order(struct pv_uffd_server *s, int32_t source, uint32_t *out, int32_t max) {
+  api_lock(s);
+  struct source *src = find_source(s, source);
+  int32_t rc = src ? (int32_t)src->touched : -ENOENT;
+  for (int32_t i = 0; src && i < max && (uint32_t)i < src->touched; i++) out[i] = src->touch[i];
+  api_unlock(s);
+  return rc;
+}
+
+/*
+ * A source's figures: 0 faults served in its ranges, 1 ranges loaded by a fault, 2 ranges loaded
+ * by prefetch, 3 bytes loaded. Source 0, the server's: 0 faults served, 4 zero pages mapped
+ * outside a first load (holes, dropped pages, the main thread on a bad range). 0 if unknown.
+ */
+uint64_t pv_uffd_figure(struct pv_uffd_server *s, int32_t source, int32_t which) {
+  api_lock(s);
+  uint64_t v = 0;
+  struct source *src = source ? find_source(s, source) : NULL;
+  if (!source && which == 0) v = s->faults;
+  else if (!source && which == 4) v = s->zero_pages;
+  else if (src && which == 0) v = src->faults;
+  else if (src && which == 1) v = src->by_fault;
+  else if (src && which == 2) v = src->by_prefetch;
+  else if (src && which == 3) v = src->bytes;
+  api_unlock(s);
+  return v;
+}
+
+/*
+ * Stops and joins the thread, then closes the userfaultfd: that unregisters guest RAM and
+ * releases every thread still blocked in a fault there. Closes every fd of the server (Node
+ * closes its own end of the socket) and frees it. Call once, before guest RAM is unmapped.
+ */
+void pv_uffd_destroy(struct pv_uffd_server *s) {
+  if (!s) return;
+  /* Nobody reads records any more (Node is in this call): a send must fail, not block. */
+  shutdown(s->notify_fd, SHUT_WR);
+  api_lock(s);
+  s->stopping = 1;
+  api_unlock(s);
+  post_wake(s);
+  if (s->started) pthread_join(s->thread, NULL);
+  free_server(s);
+}

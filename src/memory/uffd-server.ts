@@ -1,0 +1,332 @@
+/**
+ * Binding to native-prebuilds' libpvisor-memory.so: one native thread per VM serves userfaultfd
+ * faults on guest RAM from sources that a memory strategy adds and removes (a backing file, zeros,
+ * bytes kept in host memory), loads their ranges ahead of the guest in an order the strategy
+ * chooses, and reports to Node as records on a socket read on the event loop. See
+ * native-prebuilds/helpers/uffd_server.c for what the thread does and why it is native.
+ *
+ * Imported lazily by the strategies that use it, never by src/index.ts: importing pvisor loads no
+ * native code. Its functions are resolved when this module loads, on the main thread (ffi-rs
+ * lookups are not thread-safe), and their descriptors are built once.
+ */
+import { DataType, define, open } from 'ffi-rs';
+import { InvalidOptionError, SystemCallError, VmStateError, errnoName } from '../errors';
+import { nativePrebuild } from '../native';
+import { RecordChannel, type NativeRecord } from '../native/record-channel';
+
+/** A range of guest RAM in a backing file. */
+export interface FileRange {
+  /** Byte offset into guest RAM; page-aligned. */
+  offset: number;
+  /** Bytes, a page multiple of at most 4 MiB. */
+  length: number;
+  /** Byte offset of the range's bytes in the file; page-aligned (the fd may be O_DIRECT). */
+  fileOffset: number;
+  /** CRC32C ({@link crc32c}) of the range's bytes; needed when the source checks them. */
+  checksum?: number;
+}
+
+/** A range of guest RAM that reads as zeros. */
+export interface ZeroRange {
+  offset: number;
+  length: number;
+}
+
+/** A range of guest RAM whose bytes wait in host memory (outside guest RAM) at `srcAddr`. */
+export interface MemoryRange {
+  offset: number;
+  length: number;
+  /** Host address of the bytes; the caller keeps them mapped until the source is done or removed. */
+  srcAddr: number;
+}
+
+/**
+ * What a source serves. Ranges go in address order, and overlap neither each other nor the
+ * ranges of another source still loading.
+ */
+export type UffdSourceSpec =
+  | {
+      kind: 'file';
+      /** Read from a duplicate of it, so the caller may close its own. Read-write if `punch`. */
+      fd: number;
+      ranges: readonly FileRange[];
+      /** Check each range's CRC32C before the guest sees it. Default false. */
+      checksum?: boolean;
+      /** Punch each loaded range out of the file (disk and page cache go back). Default false. */
+      punch?: boolean;
+    }
+  | { kind: 'zero'; ranges: readonly ZeroRange[] }
+  | { kind: 'memory'; ranges: readonly MemoryRange[] };
+
+/** What the server reports about a source. */
+export type UffdSourceEvent =
+  /** Every range is loaded; the source no longer keeps guest RAM registered. */
+  | { kind: 'done'; rangesLoaded: number }
+  /**
+   * A range cannot be loaded (reported once per source). Faults of vCPUs there stay pending until
+   * the server is destroyed: the VM cannot go on.
+   */
+  | { kind: 'error'; why: string; offset: number };
+
+/** A range's state in {@link UffdSource.rangeStates}. */
+export const enum RangeState {
+  Missing = 0,
+  Loaded = 1,
+  Bad = 2,
+}
+
+/** What the thread has done for one source. */
+export interface UffdSourceFigures {
+  faultsServed: number;
+  rangesLoadedByFault: number;
+  rangesPrefetched: number;
+  bytesLoaded: number;
+}
+
+/** What the thread has done in all. */
+export interface UffdServerFigures {
+  faultsServed: number;
+  /** Zero pages mapped outside a range's first load: holes, pages dropped since, bad ranges read by Node. */
+  zeroPagesFilled: number;
+}
+
+/** The server's own reasons (enum pv_load_error); other values are an errno of pread. */
+const LOAD_ERRORS: Record<number, string> = {
+  [-1]: 'CRC32C mismatch',
+  [-2]: 'the file ends inside it',
+  [-3]: 'userfaultfd refused to map it',
+};
+
+const KINDS = { file: 1, zero: 2, memory: 3 } as const;
+const FLAG_CHECKSUM = 1;
+const FLAG_PUNCH = 2;
+const RECORD_DONE = 1;
+const RANGE_BYTES = 32; // struct pv_range
+const TWO_POW_32 = 0x1_0000_0000;
+
+const LIB = 'pvisor-memory';
+const U64 = DataType.U64;
+const I32 = DataType.I32;
+const U32 = DataType.U32;
+const BYTES = DataType.U8Array;
+
+open({ library: LIB, path: nativePrebuild('libpvisor-memory.so') });
+const fns = define({
+  pv_uffd_create: { library: LIB, retType: U64, paramsType: [U64, U64, I32], errno: true },
+  pv_uffd_node_fd: { library: LIB, retType: I32, paramsType: [U64] },
+  pv_uffd_add_source: { library: LIB, retType: I32, paramsType: [U64, I32, I32, BYTES, I32, I32] },
+  pv_uffd_prefetch: { library: LIB, retType: I32, paramsType: [U64, I32, BYTES, I32] },
+  pv_uffd_load_all: { library: LIB, retType: I32, paramsType: [U64, I32] },
+  pv_uffd_remove_source: { library: LIB, retType: I32, paramsType: [U64, I32] },
+  pv_uffd_range_states: { library: LIB, retType: I32, paramsType: [U64, I32, BYTES, I32] },
+  pv_uffd_touch_order: { library: LIB, retType: I32, paramsType: [U64, I32, BYTES, I32] },
+  pv_uffd_figure: { library: LIB, retType: U64, paramsType: [U64, I32, I32] },
+  pv_uffd_destroy: { library: LIB, retType: DataType.Void, paramsType: [U64] },
+  pv_crc32c: { library: LIB, retType: U32, paramsType: [BYTES, U64] },
+  pv_crc32c_sw: { library: LIB, retType: U32, paramsType: [BYTES, U64] },
+});
+// The same function over an address (guest RAM, read in place): ffi-rs names a descriptor by its key.
+const atAddress = define({ pv_crc32c: { library: LIB, retType: U32, paramsType: [U64, U64] } });
+
+/**
+ * CRC32C (Castagnoli) of a buffer, or of native memory such as guest RAM without copying it (the
+ * caller keeps it mapped). The SSE4.2 instruction when the CPU has it: 64 MiB in a few ms.
+ */
+export function crc32c(data: Buffer | { addr: number; length: number }): number {
+  if (Buffer.isBuffer(data)) return fns.pv_crc32c([data, data.length]) as number;
+  return atAddress.pv_crc32c([data.addr, data.length]) as number;
+}
+
+/** The portable path of {@link crc32c} alone (slicing by 8), for tests that compare the two. */
+export function crc32cPortable(data: Buffer): number {
+  return fns.pv_crc32c_sw([data, data.length]) as number;
+}
+
+function u64(table: Buffer, at: number, value: number, what: string): void {
+  if (!Number.isSafeInteger(value) || value < 0) throw new InvalidOptionError('ranges', `${what} must be a non-negative integer, got ${value}`);
+  table.writeUInt32LE(value % TWO_POW_32, at);
+  table.writeUInt32LE(Math.floor(value / TWO_POW_32), at + 4);
+}
+
+/** struct pv_range[]: offset, length, where (file offset or host address), checksum, pad. */
+function rangeTable(spec: UffdSourceSpec): Buffer {
+  const table = Buffer.alloc(Math.max(1, spec.ranges.length) * RANGE_BYTES);
+  spec.ranges.forEach((r, i) => {
+    const at = i * RANGE_BYTES;
+    u64(table, at, r.offset, 'offset');
+    u64(table, at + 8, r.length, 'length');
+    if (spec.kind === 'file') {
+      const f = r as FileRange;
+      if (spec.checksum && f.checksum === undefined) throw new InvalidOptionError('ranges', `range ${i} has no checksum to check`);
+      u64(table, at + 16, f.fileOffset, 'fileOffset');
+      table.writeUInt32LE((f.checksum ?? 0) >>> 0, at + 24);
+    } else if (spec.kind === 'memory') {
+      u64(table, at + 16, (r as MemoryRange).srcAddr, 'srcAddr');
+    }
+  });
+  return table;
+}
+
+function check(call: string, rc: number, detail?: string): number {
+  if (rc < 0) throw new SystemCallError(call, -rc, detail);
+  return rc;
+}
+
+/** One VM's userfaultfd server. Create it before the vCPUs touch RAM it should serve. */
+export class UffdServer {
+  private handle: number;
+  private readonly channel: RecordChannel;
+  private readonly sources = new Map<number, UffdSource>();
+
+  private constructor(handle: number) {
+    this.handle = handle;
+    this.channel = new RecordChannel(fns.pv_uffd_node_fd([handle]), (r) => this.onRecord(r));
+  }
+
+  /**
+   * Starts a server of guest RAM [hostAddr, hostAddr+sizeBytes) (page-aligned). RAM is
+   * registered with userfaultfd only while some source has ranges left to load. Throws
+   * {@link SystemCallError} with nothing left behind if the host refuses a userfaultfd.
+   */
+  static create(hostAddr: number, sizeBytes: number): UffdServer {
+    // The main thread's tid is the pid: its faults are never left pending (see the C file).
+    const r = fns.pv_uffd_create([hostAddr, sizeBytes, process.pid]) as unknown as { value: number; errnoCode: number };
+    if (!r.value) throw new SystemCallError('pv_uffd_create (userfaultfd)', r.errnoCode);
+    return new UffdServer(r.value);
+  }
+
+  /** pv_record: tag = source id; done: value = ranges loaded; error: err = reason, value = offset. */
+  private onRecord(r: NativeRecord): void {
+    const source = this.sources.get(r.tag);
+    if (!source) return; // removed since
+    if (r.kind === RECORD_DONE) source.onEvent({ kind: 'done', rangesLoaded: r.value });
+    else source.onEvent({ kind: 'error', why: LOAD_ERRORS[r.err] ?? `read failed: ${errnoName(r.err)}`, offset: r.value });
+  }
+
+  /**
+   * Adds a source; its ranges load when first touched, or ahead of that through
+   * {@link UffdSource.prefetch}. Throws with nothing changed if a range is malformed (not
+   * page-aligned, empty, over 4 MiB, outside RAM), out of order, or overlaps another source's.
+   */
+  addSource(spec: UffdSourceSpec, onEvent: (e: UffdSourceEvent) => void): UffdSource {
+    const handle = this.live();
+    const flags = spec.kind === 'file' ? (spec.checksum ? FLAG_CHECKSUM : 0) | (spec.punch ? FLAG_PUNCH : 0) : 0;
+    const fd = spec.kind === 'file' ? spec.fd : -1;
+    const rc = fns.pv_uffd_add_source([handle, KINDS[spec.kind], fd, rangeTable(spec), spec.ranges.length, flags]) as number;
+    check('pv_uffd_add_source', rc, rc === -22 ? 'a range is malformed, out of order, or overlaps another source' : undefined);
+    const source = new UffdSource(this, rc, spec.ranges.length, onEvent);
+    this.sources.set(rc, source);
+    return source;
+  }
+
+  /** What the thread has done in all. */
+  figures(): UffdServerFigures {
+    const handle = this.live();
+    return { faultsServed: fns.pv_uffd_figure([handle, 0, 0]) as number, zeroPagesFilled: fns.pv_uffd_figure([handle, 0, 4]) as number };
+  }
+
+  /**
+   * Joins the thread and closes the userfaultfd, which unregisters guest RAM and releases any
+   * thread blocked in a fault there. Call before guest RAM is unmapped. Idempotent.
+   */
+  destroy(): void {
+    if (!this.handle) return;
+    fns.pv_uffd_destroy([this.handle]);
+    this.handle = 0;
+    this.channel.destroy();
+    this.sources.clear();
+  }
+
+  /** @internal */
+  live(): number {
+    if (!this.handle) throw new VmStateError('the userfaultfd server was destroyed');
+    return this.handle;
+  }
+
+  /** @internal */
+  forget(id: number): void {
+    this.sources.delete(id);
+  }
+}
+
+/** A source added to a {@link UffdServer}. */
+export class UffdSource {
+  private removed: { states: Uint8Array; touchOrder: number[]; figures: UffdSourceFigures } | undefined;
+
+  /** @internal */
+  constructor(
+    private readonly server: UffdServer,
+    /** The server's id of this source (1..65535). */
+    readonly id: number,
+    /** How many ranges it has. */
+    readonly rangeCount: number,
+    /** @internal */
+    readonly onEvent: (e: UffdSourceEvent) => void,
+  ) {}
+
+  /**
+   * Loads these ranges (indices into the source's ranges) in the background, in this order,
+   * after any ranges already queued; faults are still served first. Ranges already loaded are
+   * skipped. Returns how many were queued.
+   */
+  prefetch(order: readonly number[]): number {
+    const list = Buffer.alloc(Math.max(1, order.length) * 4);
+    order.forEach((index, k) => {
+      if (!Number.isInteger(index) || index < 0 || index >= this.rangeCount) throw new InvalidOptionError('order', `range index ${index} is not one of the source's ${this.rangeCount}`);
+      list.writeUInt32LE(index, k * 4);
+    });
+    return check('pv_uffd_prefetch', fns.pv_uffd_prefetch([this.handle(), this.id, list, order.length]) as number);
+  }
+
+  /** Queues every range not loaded yet, in address order. Returns how many were queued. */
+  loadAll(): number {
+    return check('pv_uffd_load_all', fns.pv_uffd_load_all([this.handle(), this.id]) as number);
+  }
+
+  /**
+   * Stops serving this source, once a range load in progress has finished: ranges not loaded yet
+   * never will be (a later fault there reads zeros). Returns how many ranges were loaded. The
+   * source's states, touch order and figures stay readable as they were just before.
+   */
+  remove(): number {
+    const states = this.rangeStates();
+    const touchOrder = this.touchOrder();
+    const figures = this.figures();
+    const loaded = check('pv_uffd_remove_source', fns.pv_uffd_remove_source([this.handle(), this.id]) as number);
+    this.removed = { states, touchOrder, figures };
+    this.server.forget(this.id);
+    return loaded;
+  }
+
+  /** Each range's {@link RangeState}, in the order the ranges were given. */
+  rangeStates(): Uint8Array {
+    if (this.removed) return this.removed.states;
+    const out = Buffer.alloc(Math.max(1, this.rangeCount));
+    check('pv_uffd_range_states', fns.pv_uffd_range_states([this.handle(), this.id, out, this.rangeCount]) as number);
+    return new Uint8Array(out.buffer, out.byteOffset, this.rangeCount);
+  }
+
+  /**
+   * Indices of the ranges that faults loaded, in the order they did (prefetched ranges are not
+   * in it): the guest's hottest pieces first, to prefetch first next time.
+   */
+  touchOrder(): number[] {
+    if (this.removed) return this.removed.touchOrder;
+    const out = Buffer.alloc(Math.max(1, this.rangeCount) * 4);
+    const n = check('pv_uffd_touch_order', fns.pv_uffd_touch_order([this.handle(), this.id, out, this.rangeCount]) as number);
+    return Array.from({ length: n }, (_, k) => out.readUInt32LE(k * 4));
+  }
+
+  /** What the thread has done for this source. */
+  figures(): UffdSourceFigures {
+    if (this.removed) return this.removed.figures;
+    const h = this.handle();
+    const f = (which: number) => fns.pv_uffd_figure([h, this.id, which]) as number;
+    return { faultsServed: f(0), rangesLoadedByFault: f(1), rangesPrefetched: f(2), bytesLoaded: f(3) };
+  }
+
+  private handle(): number {
+    if (this.removed) throw new VmStateError(`source ${this.id} was removed`);
+    return this.server.live();
+  }
+}
