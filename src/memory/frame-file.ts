@@ -7,7 +7,7 @@
  *
  * Pure logic over real files and byte buffers: no ffi-rs, so the compression workers load it too.
  */
-import { closeSync, constants, fstatSync, openSync, readSync, rmSync } from 'node:fs';
+import { closeSync, constants, fdatasync, fstatSync, openSync, readSync, rmSync } from 'node:fs';
 import { crc32 } from 'node:zlib';
 import type { CCtx, DCtx } from 'zstd-napi/binding';
 import { BackingFileError } from '../errors';
@@ -193,9 +193,20 @@ export class FrameFileWriter {
   }
 
   /**
+   * Makes what was appended so far durable (fdatasync, on libuv's pool): after this, the units of
+   * those frames may leave RAM. Rejects with a {@link BackingFileError}.
+   */
+  sync(): Promise<void> {
+    return new Promise((resolve, reject) => {
+      if (this.closed) return resolve();
+      fdatasync(this.fd, (err) => (err ? reject(new BackingFileError(this.path, `fdatasync failed (${err.message}); what was not made durable stays in RAM`, { cause: err })) : resolve()));
+    });
+  }
+
+  /**
    * Writes the table (sorted by guest offset) and the footer, closes the file and returns what a
-   * reader must find in it. No fsync: the file lives as long as this process's VM, and a host
-   * crash loses the VM anyway; the page cache is where the data must be, not the disk.
+   * reader must find in it. No fsync of the table: the file lives as long as this process's VM
+   * (the frames themselves were made durable by {@link sync} before their units left RAM).
    */
   finish(): { entries: FrameEntry[]; fileBytes: number; allocatedBytes: number } {
     const entries = [...this.entries].sort((a, b) => a.guestOffset - b.guestOffset);

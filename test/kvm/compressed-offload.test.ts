@@ -5,6 +5,7 @@ import { existsSync, readFileSync, renameSync, rmSync, statSync, truncateSync, w
 import { BackingFileError, CompressedOffload, KsmAdvice, Offload, StrategyConflictError, Vm } from '../../src';
 import { FrameFileReader } from '../../src/memory/frame-file';
 import { hexOf } from '../probe-digest';
+import { processThreads } from '../process-threads';
 
 const MiB = 2 ** 20;
 const SIZE_MIB = 32;
@@ -106,6 +107,54 @@ describe('CompressedOffload', () => {
       await expect(vm.suspend()).rejects.toThrow(/ENOENT/);
       expect(vm.state).toBe('running');
       expect((await vm.probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 3, sizeBytes: 4 * MiB, rewrites: [] }));
+    } finally {
+      vm.stop();
+    }
+  });
+
+  it('keepWorkers: the workers start with the VM and stay across operations; every byte comes back', async () => {
+    const threadsBefore = processThreads();
+    const co = new CompressedOffload({ keepWorkers: true });
+    const vm = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 1, strategies: [co] });
+    try {
+      await vm.probe.fill({ sizeMiB: 16, content: 'repetitive', seed: 8 });
+      const want = hexOf({ content: 'repetitive', seed: 8, sizeBytes: 16 * MiB, rewrites: [] });
+      for (let round = 0; round < 2; round++) {
+        await vm.suspend();
+        await vm.memoryReleased();
+        await vm.resume();
+        expect((await vm.probe.digest()).hex).toBe(want);
+      }
+      const f = figures(vm);
+      expect(f.workersKept).toBe(1);
+      // The VM's vCPU, plus the workers (each a thread of its own, and threads of its V8), still alive.
+      expect(processThreads()).toBeGreaterThan(threadsBefore + 2);
+    } finally {
+      vm.stop();
+    }
+    await new Promise((r) => setTimeout(r, 300)); // workers end asynchronously
+    expect(processThreads()).toBeLessThanOrEqual(threadsBefore);
+  });
+
+  it('a resume during the write-out stops it and brings back only what was dropped; a stop during it leaves nothing', async () => {
+    const co = new CompressedOffload();
+    const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies: [co] });
+    try {
+      await vm.probe.fill({ sizeMiB: 128, content: 'random', seed: 12 });
+      const want = hexOf({ content: 'random', seed: 12, sizeBytes: 128 * MiB, rewrites: [] });
+      await vm.suspend();
+      const path = co.backingPath!;
+      // Resume once two batches are in the file (the first is then dropped or being dropped), with
+      // 96 MiB still to go.
+      while (!existsSync(path) || statSync(path).size < 32 * MiB) await new Promise((r) => setTimeout(r, 2));
+      await vm.resume();
+      expect(figures(vm).lastReleaseCancelled).toBe(1);
+      expect(existsSync(path)).toBe(false);
+      expect((await vm.probe.digest()).hex).toBe(want);
+      await vm.suspend();
+      const second = co.backingPath!;
+      vm.stop();
+      expect(existsSync(second)).toBe(false);
     } finally {
       vm.stop();
     }

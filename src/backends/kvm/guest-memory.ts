@@ -90,8 +90,13 @@ export class GuestMemory {
     // A fork (e.g. child_process) must not copy-on-write guest RAM.
     mem.advise(0, sizeBytes, C.MADV_DONTFORK, 'MADV_DONTFORK');
     // 4 KiB pages: the host takes memory back page by page (free page reporting, offload, KSM),
-    // and a transparent huge page would keep 2 MiB resident for one touched byte.
-    if (backing.kind === 'anonymous') mem.advise(0, sizeBytes, C.MADV_NOHUGEPAGE, 'MADV_NOHUGEPAGE');
+    // and a transparent huge page would keep 2 MiB resident for one touched byte. Measured with
+    // huge pages (PVISOR_GUEST_RAM_HUGEPAGES=1, docs/memory-layer.md): first touch is faster, but
+    // the guest's work on resident RAM and after an offload is not, so they stay off.
+    if (backing.kind === 'anonymous') {
+      const huge = process.env.PVISOR_GUEST_RAM_HUGEPAGES === '1';
+      mem.advise(0, sizeBytes, huge ? C.MADV_HUGEPAGE : C.MADV_NOHUGEPAGE, huge ? 'MADV_HUGEPAGE' : 'MADV_NOHUGEPAGE');
+    }
     return mem;
   }
 

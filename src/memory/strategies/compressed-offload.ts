@@ -1,10 +1,15 @@
 /**
  * CompressedOffload: Offload with a zstd-compressed backing file. On suspend, every aligned unit
- * of guest RAM that has a resident page becomes one frame of a seekable frame file
+ * of guest RAM that holds one of the VM's own pages becomes one frame of a seekable frame file
  * (./frame-file.ts): all-zero frames as a flag, frames zstd cannot shrink stored raw, the rest
  * zstd, each with the CRC32 of its uncompressed bytes. Compression and decompression run in a
- * small worker pool started for the operation; the main thread only copies frames between guest
- * RAM and the workers' shared buffers and does the file I/O.
+ * small worker pool (started for each operation, or kept with `keepWorkers`); the main thread
+ * only copies frames between guest RAM and the workers' shared buffers and does the file I/O.
+ *
+ * Suspend returns as soon as the file is created and the plan made; the frames are compressed
+ * and written in the background, and units leave RAM batch by batch once their frames are
+ * durable (fdatasync), as in Offload: a failure loses nothing, a resume meanwhile stops the
+ * write-out and brings back only the units already dropped.
  */
 import { rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -15,7 +20,7 @@ import type { FramePool } from '../frame-pool';
 import { releaseFileCache } from '../page-cache';
 import { splitZeroPages, unitsTouched } from '../pages';
 import type { Offload } from './offload';
-import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats } from '../strategy';
+import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats, type SuspendWork } from '../strategy';
 
 /** Options of {@link CompressedOffload}. */
 export interface CompressedOffloadOptions {
@@ -31,15 +36,41 @@ export interface CompressedOffloadOptions {
    * page: a power of two from 64 KiB to 16 MiB. Default 1 MiB (see docs/compressed-offload.md).
    */
   frameSizeBytes?: number;
+  /**
+   * Keep the compression workers between operations (started with the VM) instead of starting
+   * them for each suspend and resume: operations skip the workers' start (tens of milliseconds,
+   * more on a loaded host), and the VM costs about 8 MiB of PSS more per worker all the time
+   * (host-facts.md). Default false: an idle VM pays nothing for them.
+   */
+  keepWorkers?: boolean;
 }
 
 const DEFAULT_FRAME_BYTES = 1024 * 1024;
+/** Frames are made durable and their units dropped every 16 MiB of guest RAM. */
+const BATCH_BYTES = 16 * 1024 * 1024;
 
-/** What the last suspend wrote: kept in memory, the file is checked against it on resume. */
+/**
+ * What the last suspend wrote: kept in memory, the file is checked against it on resume. Only
+ * the `dropped` entries' units left RAM; the others are still resident.
+ */
 interface Image {
   path: string;
   header: FrameFileHeader;
   entries: FrameEntry[];
+  dropped: Set<FrameEntry>;
+}
+
+/** The background part of one suspend. */
+interface WriteOut {
+  writer: FrameFileWriter;
+  header: FrameFileHeader;
+  /** Appended to the file so far, in the order written. */
+  written: FrameEntry[];
+  /** Durable, and their units dropped from RAM. */
+  dropped: Set<FrameEntry>;
+  stopping: boolean;
+  ended: boolean;
+  done: Promise<void>;
 }
 
 /**
@@ -58,9 +89,13 @@ export class CompressedOffload implements MemoryStrategy {
   private readonly dir: string;
   private readonly level: number;
   private readonly frameBytes: number;
+  /** Whether the workers stay between operations. */
+  readonly keepWorkers: boolean;
   private path: string | undefined;
   private image: Image | undefined;
-  private pool: FramePool | undefined;
+  private writeOut: WriteOut | undefined;
+  /** The pool of the operation in progress, or the kept one. */
+  private pool: Promise<FramePool> | undefined;
   private figures = {
     bytesOnDisk: 0,
     bytesWritten: 0,
@@ -70,8 +105,11 @@ export class CompressedOffload implements MemoryStrategy {
     framesZstd: 0,
     compressionRatio: 0,
     lastSuspendMs: 0,
+    lastReleaseMs: 0,
+    lastReleaseCancelled: 0,
     lastResumeMs: 0,
     lastWorkerStartMs: 0,
+    workersKept: 0,
   };
 
   constructor(options: CompressedOffloadOptions = {}) {
@@ -85,44 +123,99 @@ export class CompressedOffload implements MemoryStrategy {
     if (!Number.isInteger(f) || f < 64 * 1024 || f > 16 * 1024 * 1024 || (f & (f - 1)) !== 0) {
       throw new InvalidOptionError('frameSizeBytes', `must be a power of two from 64 KiB to 16 MiB, got ${options.frameSizeBytes}`);
     }
+    const keep = options.keepWorkers ?? false;
+    if (typeof keep !== 'boolean') throw new InvalidOptionError('keepWorkers', `expected true or false, got ${JSON.stringify(keep)}`);
+    this.keepWorkers = keep;
+    this.figures.workersKept = keep ? 1 : 0;
   }
 
   /** Path of the backing file while the VM is suspended. */
   get backingPath(): string | undefined {
-    return this.image?.path;
+    return this.image || this.writeOut ? this.path : undefined;
   }
 
-  async suspend(ctx: StrategyContext): Promise<void> {
+  map(): void {
+    // Kept workers start with the VM, so that the first suspend is as quick as the others; a
+    // failure to start shows at that suspend.
+    if (this.keepWorkers) this.usePool().catch(() => {});
+  }
+
+  /**
+   * Plans the frames (the units holding the VM's own pages), creates the file and returns; the
+   * frames are compressed, written and dropped in the background ({@link SuspendWork.released}).
+   */
+  async suspend(ctx: StrategyContext): Promise<SuspendWork> {
     const t0 = performance.now();
     const ram = ctx.ram;
     this.path ??= backingFilePath(this.dir, ctx.vmName, 'zframes');
     const header: FrameFileHeader = { frameBytes: this.frameBytes, guestRamBytes: ram.sizeBytes };
-    // The vCPUs are stopped and agent traffic is held: the resident set cannot change until resume.
+    // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const units = unitsTouched(ram.ownPageRuns(), this.frameBytes);
     const writer = new FrameFileWriter(this.path, header);
-    let written: ReturnType<FrameFileWriter['finish']>;
+    const w: WriteOut = { writer, header, written: [], dropped: new Set(), stopping: false, ended: false, done: Promise.resolve() };
+    w.done = this.writeFrames(ram, w, units).finally(() => (w.ended = true));
+    w.done.catch(() => {}); // observed through `released`
+    this.writeOut = w;
+    Object.assign(this.figures, { lastSuspendMs: roundMs(performance.now() - t0), lastReleaseMs: 0, lastReleaseCancelled: 0 });
+    const released = w.done.then(() => {
+      if (this.writeOut !== w) return;
+      this.finishFile(w);
+      this.figures.lastReleaseMs = roundMs(performance.now() - t0);
+    });
+    return { released };
+  }
+
+  /** Compresses and appends every unit, dropping them batch by batch once durable. */
+  private async writeFrames(ram: StrategyRam, w: WriteOut, units: number[]): Promise<void> {
+    const pool = await this.usePool();
     try {
-      const pool = await this.startPool();
+      let pending: FrameEntry[] = [];
+      let pendingBytes = 0;
+      let commits = Promise.resolve();
+      const commit = (batch: FrameEntry[]) => {
+        commits = commits.then(async () => {
+          await w.writer.sync();
+          if (w.stopping) return;
+          for (const e of batch) ram.discardHost(e.guestOffset, e.length, 'zero');
+          for (const e of batch) w.dropped.add(e);
+        });
+        return commits;
+      };
       await pool.each(units, async (offset, slot) => {
+        if (w.stopping) return;
         const length = Math.min(this.frameBytes, ram.sizeBytes - offset);
         ram.view(offset, length).copy(slot.input, 0);
         const frame = await pool.encode(slot, length);
+        if (w.stopping) return;
         const stored = frame.kind === 'raw' ? slot.input : slot.output;
-        writer.append(offset, length, frame, stored.subarray(0, frame.storedLength));
+        const entry = w.writer.append(offset, length, frame, stored.subarray(0, frame.storedLength));
+        w.written.push(entry);
+        pending.push(entry);
+        pendingBytes += length;
+        if (pendingBytes >= BATCH_BYTES) {
+          const batch = pending;
+          pending = [];
+          pendingBytes = 0;
+          await commit(batch);
+        }
       });
-      written = writer.finish();
-    } catch (e) {
-      writer.abort();
-      throw e;
+      if (!w.stopping) await commit(pending);
+      await commits;
     } finally {
-      await this.endPool();
+      await this.donePool();
     }
-    // Only now that every frame is in the file: drop the units (a superset of what was resident).
-    for (const e of written.entries) ram.discardHost(e.guestOffset, e.length);
-    releaseFileCache(this.path);
-    this.image = { path: this.path, header, entries: written.entries };
-    const count = (kind: FrameEntry['kind']) => written.entries.filter((e) => e.kind === kind).length;
-    const uncompressed = written.entries.reduce((n, e) => n + e.length, 0);
+  }
+
+  /**
+   * Writes the table and footer of what was written (so a reader can check the file), drops the
+   * file from the page cache and records the figures.
+   */
+  private finishFile(w: WriteOut): Image {
+    const written = w.writer.finish();
+    releaseFileCache(w.writer.path);
+    const entries = written.entries;
+    const count = (kind: FrameEntry['kind']) => entries.filter((e) => e.kind === kind).length;
+    const uncompressed = entries.reduce((n, e) => n + e.length, 0);
     Object.assign(this.figures, {
       bytesOnDisk: written.allocatedBytes,
       bytesWritten: written.fileBytes,
@@ -131,19 +224,48 @@ export class CompressedOffload implements MemoryStrategy {
       framesRaw: count('raw'),
       framesZstd: count('zstd'),
       compressionRatio: Math.round((uncompressed / written.fileBytes) * 100) / 100,
-      lastSuspendMs: roundMs(performance.now() - t0),
     });
+    // finish() sorts a copy of the entries: keep the dropped ones by identity of content.
+    const droppedOffsets = new Set([...w.dropped].map((e) => e.guestOffset));
+    this.image = { path: w.writer.path, header: w.header, entries, dropped: new Set(entries.filter((e) => droppedOffsets.has(e.guestOffset))) };
+    return this.image;
   }
 
   async resume(ctx: StrategyContext): Promise<void> {
+    const t0 = performance.now();
+    const w = this.writeOut;
+    if (w) {
+      // What is still resident stays; what was dropped comes back from the file.
+      if (!w.ended) this.figures.lastReleaseCancelled = 1;
+      w.stopping = true;
+      await w.done.catch(() => {});
+      this.writeOut = undefined;
+      if (!this.image) {
+        try {
+          this.finishFile(w);
+        } catch (e) {
+          // Nothing was dropped unless it is in the file: a file that cannot be finished now is
+          // only a problem if something must come back from it.
+          if (w.dropped.size) throw e;
+          w.writer.abort();
+          return;
+        }
+      }
+    }
     const image = this.image;
     if (!image) return;
-    const t0 = performance.now();
+    if (!image.dropped.size) {
+      rmSync(image.path, { force: true });
+      this.image = undefined;
+      this.figures.bytesOnDisk = 0;
+      this.figures.lastResumeMs = roundMs(performance.now() - t0);
+      return;
+    }
     const reader = FrameFileReader.open(image.path, image);
     const loaded: FrameEntry[] = [];
     try {
-      const pool = await this.startPool();
-      const stored = image.entries.map((_, i) => i).filter((i) => image.entries[i].kind !== 'zero');
+      const pool = await this.usePool();
+      const stored = image.entries.map((_, i) => i).filter((i) => image.entries[i].kind !== 'zero' && image.dropped.has(image.entries[i]));
       await pool.each(stored, async (i, slot) => {
         const e = image.entries[i];
         reader.readStored(i, slot.input);
@@ -153,11 +275,11 @@ export class CompressedOffload implements MemoryStrategy {
       });
     } catch (e) {
       // The guest must never see a wrong byte: drop whatever was loaded, RAM is as suspended.
-      for (const l of loaded) ctx.ram.discardHost(l.guestOffset, l.length);
+      for (const l of loaded) ctx.ram.discardHost(l.guestOffset, l.length, 'zero');
       throw e;
     } finally {
       reader.close();
-      await this.endPool();
+      await this.donePool();
     }
     rmSync(image.path, { force: true });
     this.image = undefined;
@@ -166,27 +288,48 @@ export class CompressedOffload implements MemoryStrategy {
   }
 
   stats(): StrategyStats {
-    return { strategy: this.name, figures: { ...this.figures }, notes: [] };
+    const notes = [this.keepWorkers ? 'compression workers kept between operations' : 'compression workers started for each operation'];
+    if (this.writeOut && !this.writeOut.ended) notes.push('the write-out is in progress');
+    return { strategy: this.name, figures: { ...this.figures }, notes };
   }
 
   close(): void {
-    void this.endPool();
+    const w = this.writeOut;
+    if (w) {
+      // The write-out touches RAM no more; the frame in a worker ends by itself.
+      w.stopping = true;
+      w.writer.abort();
+    }
+    this.writeOut = undefined;
+    const pool = this.pool;
+    this.pool = undefined;
+    void pool?.then((p) => p.close(), () => {});
     if (this.path) rmSync(this.path, { force: true });
     this.image = undefined;
   }
 
-  private async startPool(): Promise<FramePool> {
-    // Loaded here, not at the top: importing pvisor must not load zstd's native addon.
-    const { FramePool } = await import('../frame-pool');
-    this.pool = await FramePool.start(this.frameBytes, this.level);
-    this.figures.lastWorkerStartMs = roundMs(this.pool.startMs);
-    return this.pool;
+  /** The workers: the kept pool, or a pool started for this operation. */
+  private usePool(): Promise<FramePool> {
+    this.pool ??= (async () => {
+      // Loaded here, not at the top: importing pvisor must not load zstd's native addon.
+      const { FramePool } = await import('../frame-pool');
+      const pool = await FramePool.start(this.frameBytes, this.level);
+      this.figures.lastWorkerStartMs = roundMs(pool.startMs);
+      return pool;
+    })();
+    const p = this.pool;
+    p.catch(() => {
+      if (this.pool === p) this.pool = undefined;
+    });
+    return p;
   }
 
-  private async endPool(): Promise<void> {
+  /** After an operation: ends its workers, unless they are kept. */
+  private async donePool(): Promise<void> {
+    if (this.keepWorkers) return;
     const pool = this.pool;
     this.pool = undefined;
-    await pool?.close();
+    await pool?.then((p) => p.close(), () => {});
   }
 }
 

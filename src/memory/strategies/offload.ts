@@ -11,7 +11,7 @@ import { tmpdir } from 'node:os';
 import { crc32 } from 'node:zlib';
 import { BackingFileError, InvalidOptionError } from '../../errors';
 import { PAGE_SIZE } from '../../sys/constants';
-import { backingFilePath, createDirectBackingFile } from '../backing-file';
+import { backingFilePath, createBackingFile, createDirectBackingFile } from '../backing-file';
 import type { LazyLoader, LoaderEvent, LoaderFigures } from '../lazy-loader';
 import { releaseFileCache } from '../page-cache';
 import { cutRuns } from '../pages';
@@ -33,6 +33,16 @@ export interface OffloadOptions {
   dir?: string;
   /** How resume brings RAM back. Default `eager`. */
   reload?: OffloadReload;
+  /**
+   * What the backing file does to the page cache.
+   * - `bypass` (default): written with O_DIRECT where the filesystem allows (else written and
+   *   then dropped from the cache): RAM really goes to disk, and group memory drops with it.
+   * - `keep`: written through the page cache and left there. The VM's pages become the kernel's
+   *   clean, reclaimable cache: it gives them to whoever needs memory (a VM's anonymous RAM,
+   *   without swap, it could not), and a resume while they are still cached costs a copy from
+   *   memory rather than a read from disk.
+   */
+  pageCache?: 'bypass' | 'keep';
 }
 
 /** A written piece of guest RAM: never crosses a 4 MiB boundary, so never a view chunk either. */
@@ -59,6 +69,8 @@ export class Offload implements MemoryStrategy {
   readonly exclusive: readonly ExclusiveResource[] = ['suspend-image'];
   /** How resume brings RAM back. */
   readonly reload: OffloadReload;
+  /** What the backing file does to the page cache. */
+  readonly pageCache: 'bypass' | 'keep';
   private readonly dir: string;
   private path: string | undefined;
   private pieces: Piece[] | undefined;
@@ -80,6 +92,9 @@ export class Offload implements MemoryStrategy {
     const reload = options.reload ?? 'eager';
     if (reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('reload', `expected "eager" or "lazy", got ${JSON.stringify(reload)}`);
     this.reload = reload;
+    const pageCache = options.pageCache ?? 'bypass';
+    if (pageCache !== 'bypass' && pageCache !== 'keep') throw new InvalidOptionError('pageCache', `expected "bypass" or "keep", got ${JSON.stringify(pageCache)}`);
+    this.pageCache = pageCache;
     this.needs = reload === 'lazy' ? ['zero-on-discard', 'userfaultfd-missing'] : ['zero-on-discard'];
   }
 
@@ -114,7 +129,7 @@ export class Offload implements MemoryStrategy {
     const t0 = performance.now();
     this.path ??= backingFilePath(this.dir, ctx.vmName, 'ram');
     const path = this.path;
-    const { fd, direct } = createDirectBackingFile(path);
+    const { fd, direct } = this.pageCache === 'keep' ? { fd: createBackingFile(path, constants.O_RDWR), direct: false } : createDirectBackingFile(path);
     // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const pieces = cutRuns(ctx.ram.ownPageRuns(), PIECE_BYTES);
     const writeOut = new WriteOut(ctx.ram, fd, path, pieces, { batchBytes: BATCH_BYTES, checksum: (offset, length) => crc32(ctx.ram.view(offset, length)) });
@@ -124,8 +139,9 @@ export class Offload implements MemoryStrategy {
     this.figures.lastReleaseMs = 0;
     this.figures.lastReleaseCancelled = 0;
     const released = writeOut.done.then(() => {
-      // Buffered writes leave the file in the page cache, charged to the VM's group: drop it.
-      if (!direct) releaseFileCache(path);
+      // Buffered writes leave the file in the page cache, charged to the VM's group: drop it,
+      // unless the user wants the VM's pages there.
+      if (!direct && this.pageCache === 'bypass') releaseFileCache(path);
       if (this.writeOut === writeOut) this.figures.lastReleaseMs = roundMs(performance.now() - t0);
     });
     return { released };
@@ -243,7 +259,7 @@ export class Offload implements MemoryStrategy {
     }
     const figures: Record<string, number> = { ...this.figures, reloadLazy: this.reload === 'lazy' ? 1 : 0, ...lazy };
     if (this.lastFullLoadMs !== undefined) figures.lastFullLoadMs = this.lastFullLoadMs;
-    const notes = [`reload: ${this.reload}`];
+    const notes = [`reload: ${this.reload}`, `page cache: ${this.pageCache}`];
     if (this.loader) notes.push('a lazy reload is in progress: pieces load when first touched');
     return { strategy: this.name, figures, notes };
   }
