@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Rebuilds every native helper library into native-prebuilds/linux-x64/, each with its checksum:
 #   libpvisor-vcpu.so    vcpu_runner.c  (a thread per vCPU running KVM_RUN)
-#   libpvisor-uffd.so    uffd_loader.c  (Offload's lazy reload)
 #   libpvisor-memory.so  uffd_server.c crc32c.c  (the userfaultfd server of memory strategies)
 # Reproducible: no build paths, build ids or timestamps end up in the output.
 set -euo pipefail
@@ -22,5 +21,4 @@ build() { # build LIBRARY SOURCE...
 }
 
 build libpvisor-vcpu.so vcpu_runner.c
-build libpvisor-uffd.so uffd_loader.c
 build libpvisor-memory.so uffd_server.c crc32c.c

@@ -5,10 +5,11 @@
  * work within a CPU budget, figures, and close (once). `Vm` calls it; it knows nothing of the VM's
  * devices or guest.
  */
-import { GuestCrashError, PvisorError } from '../errors';
+import { GuestCrashError, PvisorError, VmStateError } from '../errors';
 import { ownPageRuns } from './pages';
 import { BACKING_CAPABILITIES, describeBacking, openBacking, type DiscardTo, type RamBacking, type RamBackingKind, type RamBackingRequest } from './ram-backing';
 import { StrategyConflictError, type MemoryStrategy, type StrategyContext, type StrategyStats, type SuspendWork } from './strategy';
+import type { UffdServer } from './uffd-server';
 
 /** What the composition needs of guest RAM (the KVM backend's GuestMemory). */
 export interface GuestRam {
@@ -69,6 +70,9 @@ export class MemoryComposition {
   private running = false;
   private tickTimers = new Map<MemoryStrategy, NodeJS.Timeout>();
   private releasing: Promise<void> = Promise.resolve();
+  /** The VM's userfaultfd server, once a strategy asked for it; `serverReady` once it exists. */
+  private server: Promise<UffdServer> | undefined;
+  private serverReady: UffdServer | undefined;
 
   /** Checks the composition (see {@link planComposition}); allocates nothing. */
   constructor(
@@ -111,9 +115,24 @@ export class MemoryComposition {
         discardHost: (offset, length, to) => ram.discardHost(offset, length, to),
         ownPageRuns: () => ownPageRuns(ram.hostAddr, ram.sizeBytes, backing),
       },
+      uffd: () => this.uffdServer(ram, backing),
       fail: (error) => this.hooks.fail(error),
     };
     for (const s of this.strategies) s.map?.(this.ctx);
+  }
+
+  private uffdServer(ram: GuestRam, backing: RamBackingKind): Promise<UffdServer> {
+    if (this.closed) return Promise.reject(new VmStateError(`${this.vmName} has ended`));
+    if (!BACKING_CAPABILITIES[backing].includes('userfaultfd-missing')) {
+      return Promise.reject(new VmStateError(`${this.vmName}: userfaultfd's missing mode is not offered for ${backing} guest RAM (a strategy that uses it must say so in its needs)`));
+    }
+    // Loaded on first use: importing pvisor loads no native code.
+    this.server ??= import('./uffd-server').then(({ UffdServer }) => {
+      if (this.closed) throw new VmStateError(`${this.vmName} has ended`);
+      this.serverReady = UffdServer.create(ram.hostAddr, ram.sizeBytes);
+      return this.serverReady;
+    });
+    return this.server;
   }
 
   /**
@@ -200,12 +219,18 @@ export class MemoryComposition {
     return this.strategies.map((s) => s.stats(this.context));
   }
 
-  /** Closes every strategy, once; periodic work stops. */
+  /**
+   * Closes every strategy, once, then the userfaultfd server (closing its userfaultfd releases any
+   * thread blocked in a fault, so the vCPU threads can be joined); periodic work stops.
+   */
   close(): void {
     if (this.closed) return;
     this.setRunning(false);
     this.closed = true;
     for (const s of this.strategies) s.close?.();
+    // Now, not later: the caller joins the vCPU threads next. A server still being created has
+    // no source yet, so no thread can wait on it; it sees `closed` and is never made.
+    this.serverReady?.destroy();
   }
 }
 

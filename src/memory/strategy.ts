@@ -8,6 +8,7 @@
 import { PvisorError } from '../errors';
 import type { PageRun } from './pages';
 import type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from './ram-backing';
+import type { UffdServer } from './uffd-server';
 
 export type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from './ram-backing';
 export type { PageRun } from './pages';
@@ -51,6 +52,14 @@ export interface StrategyContext {
   readonly vmName: string;
   /** Guest RAM. */
   readonly ram: StrategyRam;
+  /**
+   * The VM's one userfaultfd server, created on first use: a native thread that serves missing
+   * pages of guest RAM from the sources strategies register with it (a backing file's pieces,
+   * host memory, zero), so several strategies can bring pages back lazily at once and no fault
+   * waits on the event loop. Needs the `userfaultfd-missing` capability; closed with the VM, after
+   * every strategy's `close`.
+   */
+  uffd(): Promise<UffdServer>;
   /**
    * Ends the VM as a crash with `error`, for a strategy that finds, while the guest runs, that it
    * cannot go on (e.g. a corrupt piece met during a lazy reload). The VM emits `crash` and `exit`,

@@ -2,7 +2,10 @@
 // loads each piece on its first touch through userfaultfd, checks its CRC32, and a broken piece
 // ends the VM instead of reaching the guest. Needs /dev/kvm.
 import { existsSync, readdirSync, readFileSync, readlinkSync, renameSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
-import { BackingFileError, Offload, PvisorError, Vm } from '../../src';
+import { BackingFileError, Offload, PvisorError, Vm, type MemoryStrategy, type StrategyContext } from '../../src';
+import type { UffdSource } from '../../src/memory/uffd-server';
+import { MAP_ANONYMOUS, MAP_PRIVATE, PROT_READ, PROT_WRITE } from '../../src/sys/constants';
+import { mmap, munmap, viewAt } from '../../src/sys/libc';
 import { hexOf } from '../probe-digest';
 import { processThreads } from '../process-threads';
 
@@ -11,8 +14,9 @@ const WS_MIB = 32;
 const SEED = 33;
 const expected = hexOf({ content: 'random', seed: SEED, sizeBytes: WS_MIB * MiB, rewrites: [] });
 
-async function withLazyVm(body: (vm: Vm, offload: Offload) => Promise<void>): Promise<void> {
-  const offload = new Offload({ reload: 'lazy' });
+// Without prefetch: only what the guest touches comes back (prefetch is tested below).
+async function withLazyVm(body: (vm: Vm, offload: Offload) => Promise<void>, prefetch = false): Promise<void> {
+  const offload = new Offload({ reload: 'lazy', prefetch });
   const vm = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 2, strategies: [offload] });
   try {
     await vm.probe.fill({ sizeMiB: WS_MIB, content: 'random', seed: SEED });
@@ -119,7 +123,7 @@ describe('Offload, lazy reload', () => {
         (e: unknown) => e,
       );
       expect(err).toBeInstanceOf(BackingFileError);
-      expect((err as Error).message).toMatch(/CRC32 mismatch/);
+      expect((err as Error).message).toMatch(/CRC32C mismatch/);
       expect(vm.state).toBe('crashed');
       expect(crashes).toHaveLength(1);
       expect(crashes[0]).toBe(vm.error);
@@ -139,7 +143,7 @@ describe('Offload, lazy reload', () => {
       path = offload.backingPath!;
       await vm.resume();
       expect(fdTargets().filter((t) => /userfaultfd/.test(t))).toHaveLength(1);
-      expect(threads()).toBe(threadsBefore + 3); // 2 vCPUs and the loader
+      expect(threads()).toBe(threadsBefore + 3); // 2 vCPUs and the userfaultfd server
       digest = vm.probe.digest().catch((e: unknown) => e); // vCPUs fault their way through
       await new Promise((r) => setTimeout(r, 20));
       expect(figures(vm).lastFullLoadMs).toBeUndefined();
@@ -151,5 +155,100 @@ describe('Offload, lazy reload', () => {
     expect(threads()).toBe(threadsBefore);
     expect(fdTargets().some((t) => /userfaultfd/.test(t))).toBe(false);
     expect(fdTargets().length).toBeLessThanOrEqual(fdsBefore + 1); // Node may open its own once
+  });
+
+  it('with prefetch, everything comes back in the background, hottest first next time, and the file goes by itself', () =>
+    withLazyVm(async (vm, offload) => {
+      for (let round = 0; round < 2; round++) {
+        await vm.suspend();
+        await vm.memoryReleased();
+        const path = offload.backingPath!;
+        await vm.resume();
+        expect((await vm.probe.digest()).hex).toBe(expected);
+        const deadline = Date.now() + 10_000;
+        while (existsSync(path) && Date.now() < deadline) await tick();
+        expect(existsSync(path)).toBe(false); // no finishReload: the prefetch brought the rest
+        const f = figures(vm);
+        expect(f.prefetch).toBe(1);
+        expect(f.piecesPrefetched).toBeGreaterThan(0);
+        expect(f.piecesLoadedLazily + f.piecesPrefetched).toBeGreaterThanOrEqual(WS_MIB / 2); // 2 MiB pieces
+        expect(vm.memoryUsage().guestRamRssBytes).toBeGreaterThanOrEqual(WS_MIB * MiB);
+      }
+      expect((await vm.probe.digest()).hex).toBe(expected);
+    }, true));
+
+  it('stopping during a prefetch neither hangs nor leaks', async () => {
+    const threadsBefore = threads();
+    let path = '';
+    await withLazyVm(async (vm, offload) => {
+      await vm.suspend();
+      await vm.memoryReleased();
+      path = offload.backingPath!;
+      await vm.resume();
+      vm.stop(); // the server is loading pieces in the background
+    }, true);
+    expect(existsSync(path)).toBe(false);
+    await tick();
+    expect(threads()).toBe(threadsBefore);
+    expect(fdTargets().some((t) => /userfaultfd/.test(t))).toBe(false);
+  });
+});
+
+/**
+ * A user's strategy that keeps one range of guest RAM in host memory while the VM is suspended
+ * and brings it back lazily through the VM's userfaultfd server: a second source beside Offload's.
+ */
+class StashRange implements MemoryStrategy {
+  readonly name = 'stash-range';
+  readonly needs = ['zero-on-discard', 'userfaultfd-missing'] as const;
+  readonly exclusive = [] as const;
+  private stash: number | undefined;
+  source: UffdSource | undefined;
+  loaded = false;
+  constructor(private readonly offset: number, private readonly length: number) {}
+
+  async suspend(ctx: StrategyContext): Promise<void> {
+    this.stash ??= mmap(0, this.length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0, 'stash');
+    viewAt(this.stash, this.length).set(ctx.ram.view(this.offset, this.length));
+    ctx.ram.discardHost(this.offset, this.length, 'zero'); // before Offload's walk: not its pages any more
+  }
+
+  async resume(ctx: StrategyContext): Promise<void> {
+    const server = await ctx.uffd();
+    this.source = server.addSource({ kind: 'memory', ranges: [{ offset: this.offset, length: this.length, srcAddr: this.stash! }] }, (e) => {
+      if (e.kind === 'done') this.loaded = true;
+    });
+  }
+
+  stats() {
+    return { strategy: this.name, figures: {}, notes: [] };
+  }
+
+  close(): void {
+    if (this.stash) munmap(this.stash, this.length);
+  }
+}
+
+describe('the userfaultfd server, shared', () => {
+  it('serves two sources on one VM at once, lazy Offload and a host-memory stash, with every byte right', async () => {
+    const stash = new StashRange(4 * MiB + 24 * MiB, 4 * MiB); // the working set starts at 4 MiB
+    const offload = new Offload({ reload: 'lazy', prefetch: false });
+    const vm = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 2, strategies: [stash, offload] });
+    try {
+      await vm.probe.fill({ sizeMiB: WS_MIB, content: 'random', seed: SEED });
+      await vm.suspend();
+      await vm.memoryReleased();
+      expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB);
+      await vm.resume();
+      expect(stash.loaded).toBe(false); // nothing touched yet: both sources wait
+      expect((await vm.probe.digest()).hex).toBe(expected);
+      expect(stash.loaded).toBe(true);
+      expect(stash.source!.figures().faultsServed).toBeGreaterThan(0);
+      expect(figures(vm).piecesLoadedLazily).toBeGreaterThan(0);
+      await offload.finishReload();
+      expect((await vm.probe.digest()).hex).toBe(expected);
+    } finally {
+      vm.stop();
+    }
   });
 });

@@ -53,7 +53,7 @@ describe('Offload', () => {
       corrupt[at] ^= 0xff;
       writeFileSync(path, corrupt);
       await expect(vm.resume()).rejects.toThrow(BackingFileError);
-      await expect(vm.resume()).rejects.toThrow(/CRC32 mismatch/);
+      await expect(vm.resume()).rejects.toThrow(/CRC32C mismatch/);
       expect(vm.state).toBe('suspended');
       expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB); // nothing half-loaded stays
       writeFileSync(path, original);

@@ -1,29 +1,35 @@
 /**
- * Offload: on suspend, writes the guest's resident pages (only those; zero pages are recorded,
- * not written) to a sparse backing file and drops them; on resume, reads them back and checks
- * each piece's CRC32 before any vCPU runs (`reload: 'eager'`), or lets the vCPUs run at once and
- * loads each piece when it is first touched, through userfaultfd (`reload: 'lazy'`, see
- * lazy-loader.ts). Works on the default private anonymous RAM, so it combines with KsmAdvice (the
- * reference system could not offload KSM-advised RAM).
+ * Offload: on suspend, writes the VM's own pages (zero pages are recorded, not written) to a
+ * sparse backing file in the background and drops them as they become durable (../write-out.ts);
+ * on resume, brings back what was dropped through the VM's userfaultfd server
+ * (../uffd-server.ts): each 2 MiB piece is read, its CRC32C checked and placed with UFFDIO_COPY,
+ * never through the event loop.
+ * - `reload: 'eager'` (default): every piece is back and checked before any vCPU runs; a missing,
+ *   truncated or corrupt file is a BackingFileError and the VM stays suspended, losing nothing.
+ * - `reload: 'lazy'`: resume returns once the file is checked; the vCPUs run at once, a piece
+ *   comes back on its first touch, and the rest is prefetched in the background, the pieces the
+ *   guest touched first after the previous resume first. A corrupt piece ends the VM as a crash
+ *   before the guest reads a byte of it.
+ * Works on the default private anonymous RAM, so it combines with KsmAdvice (the reference system
+ * could not offload KSM-advised RAM); on a backing without userfaultfd's missing mode (a private
+ * file mapping) an eager reload copies the pieces back instead.
  */
 import { closeSync, constants, fstatSync, openSync, readSync, rmSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { crc32 } from 'node:zlib';
 import { BackingFileError, InvalidOptionError } from '../../errors';
 import { PAGE_SIZE } from '../../sys/constants';
 import { backingFilePath, createBackingFile, createDirectBackingFile } from '../backing-file';
-import type { LazyLoader, LoaderEvent, LoaderFigures } from '../lazy-loader';
 import { releaseFileCache } from '../page-cache';
 import { cutRuns } from '../pages';
 import { roundMs, type ExclusiveResource, type MemoryStrategy, type RamCapability, type StrategyContext, type StrategyStats, type SuspendWork } from '../strategy';
-import { WriteOut } from '../write-out';
+import type { UffdSource, UffdSourceEvent } from '../uffd-server';
+import { WriteOut, type WrittenPiece } from '../write-out';
 
 /**
  * How {@link Offload} brings guest RAM back on resume.
- * - `eager`: reads and verifies every piece before any vCPU runs; resume costs the whole copy.
- * - `lazy`: resume returns at once; a native thread loads (and verifies) each piece of at most
- *   4 MiB when the guest or the VMM first touches it (userfaultfd), and removes the file once
- *   all are back. A corrupt piece ends the VM as a crash with a {@link BackingFileError}.
+ * - `eager`: every piece is back and verified before any vCPU runs; resume costs the whole load.
+ * - `lazy`: resume returns at once; a piece is loaded (and verified) on its first touch and the
+ *   rest in the background; a corrupt piece ends the VM as a crash with a {@link BackingFileError}.
  */
 export type OffloadReload = 'eager' | 'lazy';
 
@@ -35,31 +41,42 @@ export interface OffloadOptions {
   reload?: OffloadReload;
   /**
    * What the backing file does to the page cache.
-   * - `bypass` (default): written with O_DIRECT where the filesystem allows (else written and
-   *   then dropped from the cache): RAM really goes to disk, and group memory drops with it.
+   * - `bypass` (default): written and read with O_DIRECT where the filesystem allows (else
+   *   written and then dropped from the cache): RAM really goes to disk, and group memory drops
+   *   with it.
    * - `keep`: written through the page cache and left there. The VM's pages become the kernel's
    *   clean, reclaimable cache: it gives them to whoever needs memory (a VM's anonymous RAM,
    *   without swap, it could not), and a resume while they are still cached costs a copy from
    *   memory rather than a read from disk.
    */
   pageCache?: 'bypass' | 'keep';
-}
-
-/** A written piece of guest RAM: never crosses a 4 MiB boundary, so never a view chunk either. */
-interface Piece {
-  offset: number;
-  length: number;
-  crc: number;
+  /**
+   * Lazy reload: also bring back, in the background, the pieces the guest does not touch, those
+   * it touched first after the previous resume first, so that the file is soon gone and later
+   * touches find their pages already there. False: only what the guest touches comes back (the
+   * rest stays in the file until {@link Offload.finishReload} or the next suspend), which keeps
+   * a VM whose working set after resume is small as small as it can be. Default true.
+   */
+  prefetch?: boolean;
 }
 
 /**
- * Pieces of 2 MiB: large enough that loading one amortises a fault (UFFDIO_COPY of 64 MiB took
- * 27 ms in 2 MiB pieces against 54 ms in 4 KiB ones, host-facts.md), small enough that a fault
- * waits for little. Never crossing a 2 MiB boundary, a piece never crosses a view chunk either.
+ * Pieces of at most 2 MiB, never crossing a 2 MiB boundary (so never a view chunk either): large
+ * enough that loading one amortises a fault, small enough that a fault waits for little
+ * (`pvisor bench floors`: UFFDIO_COPY is as fast in 64 KiB pieces as in 2 MiB ones, and a faulted
+ * 2 MiB piece of a file came back in about 1.2 ms here).
  */
 const PIECE_BYTES = 2 * 1024 * 1024;
 /** The write-out syncs and drops every 16 MiB, so memory comes back progressively. */
 const BATCH_BYTES = 16 * 1024 * 1024;
+
+/** What a suspend left in the file that must come back: the pieces dropped from RAM. */
+interface Image {
+  path: string;
+  pieces: WrittenPiece[];
+  /** Written with O_DIRECT: read it back the same way. */
+  direct: boolean;
+}
 
 /** Suspends a VM's RAM to a backing file and brings it back on resume. */
 export class Offload implements MemoryStrategy {
@@ -71,21 +88,39 @@ export class Offload implements MemoryStrategy {
   readonly reload: OffloadReload;
   /** What the backing file does to the page cache. */
   readonly pageCache: 'bypass' | 'keep';
+  /** Whether a lazy reload also loads, in the background, what the guest does not touch. */
+  readonly prefetch: boolean;
   private readonly dir: string;
   private path: string | undefined;
-  private pieces: Piece[] | undefined;
-  private figures = { pagesWritten: 0, zeroPagesSkipped: 0, bytesOnDisk: 0, directIo: 0, lastSuspendMs: 0, lastReleaseMs: 0, lastReleaseCancelled: 0, lastResumeMs: 0 };
   /** The write-out of the last suspend, until it is cancelled by a resume. */
   private writeOut: WriteOut | undefined;
-  /** The lazy load in progress, until every piece is back (or the VM ends). */
-  private loader: LazyLoader | undefined;
+  private writeDirect = false;
+  /** Dropped pieces that a resume must bring back (from the write-out, or after a failed resume). */
+  private image: Image | undefined;
+  /** A lazy reload in progress, until every piece is back (or the VM ends). */
+  private source: UffdSource | undefined;
   private loadStartedAt = 0;
-  /** Of the last lazy resume. */
-  private lazyFigures: LoaderFigures = { faultsServed: 0, piecesLoadedLazily: 0, pagesZeroFilled: 0 };
-  private lastFullLoadMs: number | undefined;
   private loadWaiters: { resolve(): void; reject(e: Error): void }[] = [];
   private loadError: BackingFileError | undefined;
-  private loaderModule: Promise<typeof import('../lazy-loader')> | undefined;
+  /**
+   * Guest offsets of the pieces the guest touched first after the last lazy resume, in that
+   * order: the next resume prefetches them first.
+   */
+  private hotOffsets: number[] = [];
+  private figures = {
+    pagesWritten: 0,
+    zeroPagesSkipped: 0,
+    bytesOnDisk: 0,
+    directIo: 0,
+    lastSuspendMs: 0,
+    lastReleaseMs: 0,
+    lastReleaseCancelled: 0,
+    lastResumeMs: 0,
+    faultsServed: 0,
+    piecesLoadedLazily: 0,
+    piecesPrefetched: 0,
+  };
+  private lastFullLoadMs: number | undefined;
 
   constructor(options: OffloadOptions = {}) {
     this.dir = options.dir ?? tmpdir();
@@ -95,18 +130,15 @@ export class Offload implements MemoryStrategy {
     const pageCache = options.pageCache ?? 'bypass';
     if (pageCache !== 'bypass' && pageCache !== 'keep') throw new InvalidOptionError('pageCache', `expected "bypass" or "keep", got ${JSON.stringify(pageCache)}`);
     this.pageCache = pageCache;
+    const prefetch = options.prefetch ?? true;
+    if (typeof prefetch !== 'boolean') throw new InvalidOptionError('prefetch', `expected true or false, got ${JSON.stringify(prefetch)}`);
+    this.prefetch = prefetch;
     this.needs = reload === 'lazy' ? ['zero-on-discard', 'userfaultfd-missing'] : ['zero-on-discard'];
   }
 
-  /** Path of the backing file while the VM is suspended. */
+  /** Path of the backing file while the VM is suspended (or a lazy reload still needs it). */
   get backingPath(): string | undefined {
-    return this.pieces || this.writeOut ? this.path : undefined;
-  }
-
-  map(): void {
-    // Load the native loader while the VM starts (native code is loading anyway), so that the
-    // first lazy resume does not pay for it; a failure shows at that resume.
-    if (this.reload === 'lazy') (this.loaderModule ??= import('../lazy-loader')).catch(() => {});
+    return this.image || this.writeOut ? this.path : undefined;
   }
 
   /**
@@ -115,7 +147,7 @@ export class Offload implements MemoryStrategy {
    * is corrupt (the VM then ends as a crash).
    */
   async finishReload(): Promise<void> {
-    if (this.loader) await this.finishLoading();
+    if (this.source) await this.finishLoading();
   }
 
   /**
@@ -124,20 +156,20 @@ export class Offload implements MemoryStrategy {
    * they become durable ({@link SuspendWork.released}).
    */
   async suspend(ctx: StrategyContext): Promise<SuspendWork> {
-    // A lazy load still in progress: everything comes back first, then RAM goes out as usual.
-    if (this.loader) await this.finishLoading();
+    // A lazy reload still in progress: everything comes back first, then RAM goes out as usual.
+    if (this.source) await this.finishLoading();
     const t0 = performance.now();
     this.path ??= backingFilePath(this.dir, ctx.vmName, 'ram');
     const path = this.path;
     const { fd, direct } = this.pageCache === 'keep' ? { fd: createBackingFile(path, constants.O_RDWR), direct: false } : createDirectBackingFile(path);
+    this.writeDirect = direct;
     // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const pieces = cutRuns(ctx.ram.ownPageRuns(), PIECE_BYTES);
-    const writeOut = new WriteOut(ctx.ram, fd, path, pieces, { batchBytes: BATCH_BYTES, checksum: (offset, length) => crc32(ctx.ram.view(offset, length)) });
+    const { crc32c } = await this.native();
+    const checksum = (offset: number, length: number) => crc32c({ addr: ctx.ram.hostAddr + offset, length });
+    const writeOut = new WriteOut(ctx.ram, fd, path, pieces, { batchBytes: BATCH_BYTES, checksum });
     this.writeOut = writeOut;
-    this.figures.directIo = direct ? 1 : 0;
-    this.figures.lastSuspendMs = roundMs(performance.now() - t0);
-    this.figures.lastReleaseMs = 0;
-    this.figures.lastReleaseCancelled = 0;
+    Object.assign(this.figures, { directIo: direct ? 1 : 0, lastSuspendMs: roundMs(performance.now() - t0), lastReleaseMs: 0, lastReleaseCancelled: 0 });
     const released = writeOut.done.then(() => {
       // Buffered writes leave the file in the page cache, charged to the VM's group: drop it,
       // unless the user wants the VM's pages there.
@@ -148,7 +180,7 @@ export class Offload implements MemoryStrategy {
   }
 
   async resume(ctx: StrategyContext): Promise<void> {
-    if (this.loader) return;
+    if (this.source) return;
     const t0 = performance.now();
     const writeOut = this.writeOut;
     if (writeOut) {
@@ -157,111 +189,142 @@ export class Offload implements MemoryStrategy {
       await writeOut.cancel();
       this.writeOut = undefined;
       this.noteWriteOut(writeOut);
-      this.pieces = writeOut.dropped.map((p) => ({ offset: p.offset, length: p.length, crc: p.checksum }));
+      this.image = { path: this.path!, pieces: writeOut.dropped, direct: this.writeDirect };
     }
-    const pieces = this.pieces;
-    const path = this.path;
-    if (!pieces || !path) return;
-    if (!pieces.length) {
-      rmSync(path, { force: true });
-      this.pieces = undefined;
-      this.figures.bytesOnDisk = 0;
-      this.figures.lastResumeMs = roundMs(performance.now() - t0);
-      return;
-    }
-    // Lazy: read-write, so that the loader can punch out each piece once it is back in RAM.
-    const fd = openChecked(path, pieces, this.reload === 'lazy' ? constants.O_RDWR : constants.O_RDONLY);
-    if (this.reload === 'lazy') {
-      try {
-        await this.startLazyLoad(ctx, fd, pieces, path);
-      } finally {
-        closeSync(fd); // the loader holds its own copy
-      }
-      this.figures.lastResumeMs = roundMs(performance.now() - t0);
-      return;
-    }
-    const loaded: Piece[] = [];
-    try {
-      for (const piece of pieces) {
-        const view = ctx.ram.view(piece.offset, piece.length);
-        loaded.push(piece);
-        const n = readSync(fd, view, 0, piece.length, piece.offset);
-        if (n !== piece.length) throw new BackingFileError(path, `short read at offset ${piece.offset}; the VM stays suspended`);
-        if (crc32(view) !== piece.crc) throw new BackingFileError(path, `corrupt data at offset ${piece.offset} (CRC32 mismatch); the VM stays suspended`);
-      }
-    } catch (e) {
-      // The guest must never see a wrong byte: drop whatever was read back, RAM is as suspended.
-      for (const p of loaded) ctx.ram.discardHost(p.offset, p.length);
-      throw e;
-    } finally {
-      closeSync(fd);
-    }
-    rmSync(path, { force: true });
-    this.pieces = undefined;
-    this.figures.bytesOnDisk = 0;
+    const image = this.image;
+    if (!image) return;
+    if (!image.pieces.length) this.forgetImage();
+    else if (ctx.ram.capabilities.includes('userfaultfd-missing')) await this.reloadThroughServer(ctx, image);
+    else await this.copyBack(ctx, image);
     this.figures.lastResumeMs = roundMs(performance.now() - t0);
   }
 
   /**
-   * Registers guest RAM with the lazy loader and returns: the vCPUs may run at once. Throws with
-   * nothing changed if the range cannot be registered.
+   * Registers the dropped pieces with the VM's userfaultfd server as one source and queues them
+   * all, hottest first. Eager: waits until every piece is back, or undoes what came back and
+   * throws. Lazy: returns at once.
    */
-  private async startLazyLoad(ctx: StrategyContext, fd: number, pieces: Piece[], path: string): Promise<void> {
-    // Loaded on first use (or by map): importing pvisor loads no native code.
-    const { LazyLoader } = await (this.loaderModule ??= import('../lazy-loader'));
-    this.lazyFigures = { faultsServed: 0, piecesLoadedLazily: 0, pagesZeroFilled: 0 };
-    this.lastFullLoadMs = undefined;
-    this.loadError = undefined;
+  private async reloadThroughServer(ctx: StrategyContext, image: Image): Promise<void> {
+    const lazy = this.reload === 'lazy';
+    // Lazy: read-write, so that the server can punch out each piece once it is back in RAM (an
+    // eager reload keeps the file whole until it is through, for a retry after a failure).
+    const fd = openChecked(image, lazy ? constants.O_RDWR : constants.O_RDONLY);
+    let source: UffdSource;
+    const events: UffdSourceEvent[] = [];
+    let onEvent: (e: UffdSourceEvent) => void = (e) => void events.push(e);
+    try {
+      const server = await ctx.uffd();
+      source = server.addSource(
+        { kind: 'file', fd, checksum: true, punch: lazy, ranges: image.pieces.map((p) => ({ offset: p.offset, length: p.length, fileOffset: p.offset, checksum: p.checksum })) },
+        (e) => onEvent(e),
+      );
+    } finally {
+      closeSync(fd); // the server holds its own copy
+    }
+    // Eager: everything, now. Lazy: everything in the background, unless told not to.
+    if (!lazy || this.prefetch) source.prefetch(hotFirst(image.pieces, this.hotOffsets));
     this.loadStartedAt = performance.now();
-    this.loader = new LazyLoader(ctx.ram.hostAddr, ctx.ram.sizeBytes, fd, pieces, (e) => this.onLoaderEvent(ctx, path, e));
+    this.lastFullLoadMs = undefined;
+    if (lazy) {
+      this.source = source;
+      this.loadError = undefined;
+      onEvent = (e) => this.onLazyEvent(ctx, image, source, e);
+      for (const e of events.splice(0)) onEvent(e);
+      return;
+    }
+    const outcome = await new Promise<UffdSourceEvent>((resolve) => {
+      onEvent = resolve;
+      if (events.length) resolve(events[0]);
+    });
+    source.remove();
+    this.noteSource(source);
+    if (outcome.kind === 'error') {
+      // The guest must never see a wrong byte: drop whatever came back (the server may have
+      // loaded more pieces until the removal), so RAM is as suspended.
+      for (const p of image.pieces) ctx.ram.discardHost(p.offset, p.length, 'backing');
+      throw new BackingFileError(image.path, `the piece at offset ${outcome.offset} cannot be loaded (${outcome.why}); the VM stays suspended`);
+    }
+    this.lastFullLoadMs = roundMs(performance.now() - this.loadStartedAt);
+    this.forgetImage();
   }
 
-  private onLoaderEvent(ctx: StrategyContext, path: string, e: LoaderEvent): void {
-    const loader = this.loader;
-    if (!loader) return;
+  private onLazyEvent(ctx: StrategyContext, image: Image, source: UffdSource, e: UffdSourceEvent): void {
+    if (this.source !== source) return;
     if (e.kind === 'done') {
-      // Every piece is back and the range unregistered: the file has nothing the guest needs.
-      loader.destroy();
-      this.lazyFigures = loader.figures();
-      this.loader = undefined;
+      // Every piece is back: the file has nothing the guest needs.
+      this.hotOffsets = source.touchOrder().map((i) => image.pieces[i].offset);
+      source.remove();
+      this.noteSource(source);
+      this.source = undefined;
       this.lastFullLoadMs = roundMs(performance.now() - this.loadStartedAt);
-      rmSync(path, { force: true });
-      this.pieces = undefined;
-      this.figures.bytesOnDisk = 0;
+      this.forgetImage();
       for (const w of this.loadWaiters.splice(0)) w.resolve();
       return;
     }
-    // The loader keeps the faulting vCPUs waiting; the VM ends before any of them sees a byte.
-    this.loadError = new BackingFileError(path, `the piece at offset ${e.offset} cannot be loaded (${e.why}) during a lazy reload; the VM cannot go on`);
+    // The server keeps the faulting vCPUs waiting; the VM ends before any of them sees a byte.
+    this.loadError = new BackingFileError(image.path, `the piece at offset ${e.offset} cannot be loaded (${e.why}) during a lazy reload; the VM cannot go on`);
     for (const w of this.loadWaiters.splice(0)) w.reject(this.loadError);
     ctx.fail(this.loadError);
   }
 
-  /** Loads every remaining piece now; resolves when the loader is done. */
+  /** Loads every remaining piece of a lazy reload now; resolves when all are back. */
   private finishLoading(): Promise<void> {
     if (this.loadError) return Promise.reject(this.loadError);
     return new Promise((resolve, reject) => {
       this.loadWaiters.push({ resolve, reject });
-      this.loader!.loadAll();
+      this.source!.loadAll();
     });
   }
 
-  stats(): StrategyStats {
-    if (this.writeOut) this.noteWriteOut(this.writeOut);
-    const lazy = this.loader?.figures() ?? this.lazyFigures;
-    if ((this.loader || this.writeOut) && this.path) {
-      // Grows while the write-out runs; shrinks while pieces load (each loaded piece is punched out).
-      try {
-        this.figures.bytesOnDisk = statSync(this.path).blocks * 512;
-      } catch {
-        // Removed under us: the next resume or suspend says so.
+  /**
+   * Without userfaultfd (a private file mapping): reads every piece into guest RAM and checks it
+   * before any vCPU runs; a failure drops what was read and leaves the VM suspended.
+   */
+  private async copyBack(ctx: StrategyContext, image: Image): Promise<void> {
+    const { crc32c } = await this.native();
+    const fd = openChecked(image, constants.O_RDONLY);
+    const loaded: WrittenPiece[] = [];
+    try {
+      for (const piece of image.pieces) {
+        const view = ctx.ram.view(piece.offset, piece.length);
+        loaded.push(piece);
+        for (let got = 0; got < piece.length; ) {
+          const n = readSync(fd, view, got, piece.length - got, piece.offset + got);
+          if (n <= 0) throw new BackingFileError(image.path, `short read at offset ${piece.offset + got}; the VM stays suspended`);
+          got += n;
+        }
+        if (crc32c({ addr: ctx.ram.hostAddr + piece.offset, length: piece.length }) !== piece.checksum) {
+          throw new BackingFileError(image.path, `the piece at offset ${piece.offset} cannot be loaded (CRC32C mismatch); the VM stays suspended`);
+        }
       }
+    } catch (e) {
+      // The guest must never see a wrong byte: drop whatever was read back, RAM is as suspended.
+      for (const p of loaded) ctx.ram.discardHost(p.offset, p.length, 'backing');
+      throw e;
+    } finally {
+      closeSync(fd);
     }
-    const figures: Record<string, number> = { ...this.figures, reloadLazy: this.reload === 'lazy' ? 1 : 0, ...lazy };
-    if (this.lastFullLoadMs !== undefined) figures.lastFullLoadMs = this.lastFullLoadMs;
-    const notes = [`reload: ${this.reload}`, `page cache: ${this.pageCache}`];
-    if (this.loader) notes.push('a lazy reload is in progress: pieces load when first touched');
-    return { strategy: this.name, figures, notes };
+    this.lastFullLoadMs = undefined;
+    this.forgetImage();
+  }
+
+  /**
+   * The native side (CRC32C, the server's binding), loaded while the VM starts, when native code
+   * loads anyway: importing pvisor loads none, and the first suspend does not wait for it.
+   */
+  private nativeModule: Promise<typeof import('../uffd-server')> | undefined;
+  private native(): Promise<typeof import('../uffd-server')> {
+    return (this.nativeModule ??= import('../uffd-server'));
+  }
+
+  map(): void {
+    this.native().catch(() => {}); // a failure shows at the first suspend
+  }
+
+  private forgetImage(): void {
+    if (this.image) rmSync(this.image.path, { force: true });
+    this.image = undefined;
+    this.figures.bytesOnDisk = 0;
   }
 
   /** Keeps a write-out's figures once it is over. */
@@ -270,32 +333,91 @@ export class Offload implements MemoryStrategy {
     this.figures.zeroPagesSkipped = w.figures.zeroPages;
   }
 
+  private noteSource(s: UffdSource): void {
+    const f = s.figures();
+    this.figures.faultsServed = f.faultsServed;
+    this.figures.piecesLoadedLazily = f.rangesLoadedByFault;
+    this.figures.piecesPrefetched = f.rangesPrefetched;
+  }
+
+  stats(): StrategyStats {
+    if (this.writeOut) this.noteWriteOut(this.writeOut);
+    if (this.source) this.noteSource(this.source);
+    if ((this.source || this.writeOut) && this.path) {
+      // Grows while the write-out runs; shrinks while pieces load lazily (each is punched out).
+      try {
+        this.figures.bytesOnDisk = statSync(this.path).blocks * 512;
+      } catch {
+        // Removed under us: the next resume or suspend says so.
+      }
+    }
+    const figures: Record<string, number> = { ...this.figures, reloadLazy: this.reload === 'lazy' ? 1 : 0, prefetch: this.reload === 'lazy' && this.prefetch ? 1 : 0 };
+    if (this.lastFullLoadMs !== undefined) figures.lastFullLoadMs = this.lastFullLoadMs;
+    const notes = [`reload: ${this.reload}`, `page cache: ${this.pageCache}`];
+    if (this.reload === 'lazy') notes.push(this.prefetch ? 'prefetch: what the guest does not touch comes back in the background' : 'prefetch: off');
+    if (this.source) notes.push('a lazy reload is in progress: pieces load when first touched, the rest in the background');
+    return { strategy: this.name, figures, notes };
+  }
+
   close(): void {
     // The write-out touches RAM no more; its write in flight ends by itself.
     this.writeOut?.abandon();
     this.writeOut = undefined;
-    // Before guest RAM is unmapped: closing the userfaultfd releases vCPUs blocked in a fault.
-    this.loader?.destroy();
-    this.loader = undefined;
+    // The composition destroys the userfaultfd server next, which releases any vCPU in a fault.
+    this.source = undefined;
     for (const w of this.loadWaiters.splice(0)) w.reject(this.loadError ?? new BackingFileError(this.path ?? '', 'the VM stopped during a lazy reload'));
     if (this.path) rmSync(this.path, { force: true });
+    this.image = undefined;
   }
 }
 
-/** Opens the backing file for reading, checking it is there and long enough for every piece. */
-function openChecked(path: string, pieces: readonly Piece[], flags: number): number {
+/**
+ * The order to load pieces in: those holding the offsets the guest touched first last time, in
+ * that order, then the rest in address order.
+ */
+export function hotFirst(pieces: readonly { offset: number; length: number }[], hotOffsets: readonly number[]): number[] {
+  const order: number[] = [];
+  const taken = new Uint8Array(pieces.length);
+  for (const off of hotOffsets) {
+    const i = pieceAt(pieces, off);
+    if (i >= 0 && !taken[i]) {
+      taken[i] = 1;
+      order.push(i);
+    }
+  }
+  for (let i = 0; i < pieces.length; i++) if (!taken[i]) order.push(i);
+  return order;
+}
+
+/** Index of the piece holding `offset` (pieces in address order), or -1. */
+function pieceAt(pieces: readonly { offset: number; length: number }[], offset: number): number {
+  let lo = 0;
+  let hi = pieces.length;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (pieces[mid].offset + pieces[mid].length <= offset) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < pieces.length && pieces[lo].offset <= offset ? lo : -1;
+}
+
+/**
+ * Opens the backing file (O_DIRECT if it was written so), checking it is there and long enough
+ * for every piece: a BackingFileError otherwise, and the VM stays suspended.
+ */
+function openChecked(image: Image, flags: number): number {
   let fd: number;
   try {
-    fd = openSync(path, flags);
+    fd = openSync(image.path, flags | (image.direct ? constants.O_DIRECT : 0));
   } catch (e) {
-    throw new BackingFileError(path, 'the backing file is missing; the VM stays suspended', { cause: e });
+    throw new BackingFileError(image.path, 'the backing file is missing; the VM stays suspended', { cause: e });
   }
-  const need = pieces.length ? pieces[pieces.length - 1].offset + pieces[pieces.length - 1].length : 0;
+  const last = image.pieces[image.pieces.length - 1];
+  const need = last ? last.offset + last.length : 0;
   const size = fstatSync(fd).size;
   if (size < need) {
     closeSync(fd);
-    throw new BackingFileError(path, `the backing file is truncated (${size} bytes, ${need} needed); the VM stays suspended`);
+    throw new BackingFileError(image.path, `the backing file is truncated (${size} bytes, ${need} needed); the VM stays suspended`);
   }
   return fd;
 }
-
