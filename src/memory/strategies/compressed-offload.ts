@@ -11,10 +11,9 @@
  * durable (fdatasync), as in Offload: a failure loses nothing, a resume meanwhile stops the
  * write-out and brings back only the units already dropped.
  */
-import { rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { InvalidOptionError, type BackingFileError } from '../../errors';
-import { backingFilePath } from '../backing-file';
+import { backingFilePath, removeBackingFile } from '../backing-file';
 import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from '../frame-file';
 import type { FramePool } from '../frame-pool';
 import { releaseFileCache } from '../page-cache';
@@ -255,7 +254,7 @@ export class CompressedOffload implements MemoryStrategy {
     const image = this.image;
     if (!image) return;
     if (!image.dropped.size) {
-      rmSync(image.path, { force: true });
+      removeBackingFile(image.path);
       this.image = undefined;
       this.figures.bytesOnDisk = 0;
       this.figures.lastResumeMs = roundMs(performance.now() - t0);
@@ -281,7 +280,7 @@ export class CompressedOffload implements MemoryStrategy {
       reader.close();
       await this.donePool();
     }
-    rmSync(image.path, { force: true });
+    removeBackingFile(image.path);
     this.image = undefined;
     this.figures.bytesOnDisk = 0;
     this.figures.lastResumeMs = roundMs(performance.now() - t0);
@@ -304,7 +303,7 @@ export class CompressedOffload implements MemoryStrategy {
     const pool = this.pool;
     this.pool = undefined;
     void pool?.then((p) => p.close(), () => {});
-    if (this.path) rmSync(this.path, { force: true });
+    if (this.path) removeBackingFile(this.path);
     this.image = undefined;
   }
 

@@ -14,11 +14,11 @@
  * could not offload KSM-advised RAM); on a backing without userfaultfd's missing mode (a private
  * file mapping) an eager reload copies the pieces back instead.
  */
-import { closeSync, constants, fstatSync, openSync, readSync, rmSync, statSync } from 'node:fs';
+import { closeSync, constants, fstatSync, openSync, readSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { BackingFileError, InvalidOptionError } from '../../errors';
 import { PAGE_SIZE } from '../../sys/constants';
-import { backingFilePath, createBackingFile, createDirectBackingFile } from '../backing-file';
+import { backingFilePath, createBackingFile, createDirectBackingFile, removeBackingFile } from '../backing-file';
 import { releaseFileCache } from '../page-cache';
 import { cutRuns } from '../pages';
 import { roundMs, type ExclusiveResource, type MemoryStrategy, type RamCapability, type StrategyContext, type StrategyStats, type SuspendWork } from '../strategy';
@@ -322,7 +322,7 @@ export class Offload implements MemoryStrategy {
   }
 
   private forgetImage(): void {
-    if (this.image) rmSync(this.image.path, { force: true });
+    if (this.image) removeBackingFile(this.image.path);
     this.image = undefined;
     this.figures.bytesOnDisk = 0;
   }
@@ -366,7 +366,7 @@ export class Offload implements MemoryStrategy {
     // The composition destroys the userfaultfd server next, which releases any vCPU in a fault.
     this.source = undefined;
     for (const w of this.loadWaiters.splice(0)) w.reject(this.loadError ?? new BackingFileError(this.path ?? '', 'the VM stopped during a lazy reload'));
-    if (this.path) rmSync(this.path, { force: true });
+    if (this.path) removeBackingFile(this.path);
     this.image = undefined;
   }
 }
