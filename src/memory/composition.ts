@@ -20,6 +20,7 @@ export interface GuestRam {
   advise(offset: number, length: number, advice: number, name: string): void;
   discard(gpa: number, length: number, to?: DiscardTo): void;
   discardHost(offset: number, length: number, to?: DiscardTo): void;
+  mapFileOver(offset: number, length: number, fd: number, fileOffset: number): void;
 }
 
 /** What the composition tells its VM. */
@@ -113,6 +114,7 @@ export class MemoryComposition {
         advise: (offset, length, advice, name) => ram.advise(offset, length, advice, name),
         discard: (gpa, length, to) => ram.discard(gpa, length, to),
         discardHost: (offset, length, to) => ram.discardHost(offset, length, to),
+        mapFileOver: (offset, length, fd, fileOffset) => ram.mapFileOver(offset, length, fd, fileOffset),
         ownPageRuns: () => ownPageRuns(ram.hostAddr, ram.sizeBytes, backing),
       },
       uffd: () => this.uffdServer(ram, backing),

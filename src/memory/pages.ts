@@ -21,18 +21,18 @@ const PAGEMAP_ENTRIES_PER_READ = 64 * 1024;
 
 /**
  * The runs of guest RAM holding the VM's own pages, in address order: what exists nowhere else.
- * - Private anonymous RAM: every page present in the page table (pagemap), merged by KSM or not.
- * - A file mapped MAP_PRIVATE: only the private copies (present and anonymous in pagemap); a page
- *   the guest only read is the file's and can be read from it again.
+ * - Private anonymous RAM, or a file mapped MAP_PRIVATE (whole, or over runs of anonymous RAM):
+ *   the pages present in the page table that are anonymous (pagemap), merged by KSM or not. A page
+ *   the guest only read is the file's (or the shared zero page) and not the VM's own.
  * - A memfd: every page resident in the memfd (mincore), mapped or not: all of it is the VM's.
  * mincore alone would count a private file mapping's page-cache pages as the VM's.
  */
 export function ownPageRuns(hostAddr: number, sizeBytes: number, backing: RamBackingKind): PageRun[] {
-  return backing === 'memfd' ? residentRuns(hostAddr, sizeBytes) : presentPrivateRuns(hostAddr, sizeBytes, backing === 'private-file');
+  return backing === 'memfd' ? residentRuns(hostAddr, sizeBytes) : presentAnonymousRuns(hostAddr, sizeBytes);
 }
 
-/** Pages present in the page table (and, with `anonymousOnly`, not a file's), from /proc/self/pagemap. */
-function presentPrivateRuns(hostAddr: number, sizeBytes: number, anonymousOnly: boolean): PageRun[] {
+/** Pages present in the page table and anonymous, from /proc/self/pagemap. */
+function presentAnonymousRuns(hostAddr: number, sizeBytes: number): PageRun[] {
   const pages = sizeBytes / PAGE_SIZE;
   const buf = Buffer.allocUnsafe(Math.min(pages, PAGEMAP_ENTRIES_PER_READ) * 8);
   const words = new Uint32Array(buf.buffer, buf.byteOffset, buf.length / 4);
@@ -51,7 +51,7 @@ function presentPrivateRuns(hostAddr: number, sizeBytes: number, anonymousOnly: 
       }
       for (let i = 0; i < count; i++) {
         const hi = words[2 * i + 1];
-        const own = (hi & PM_PRESENT_HI) !== 0 && (!anonymousOnly || (hi & PM_FILE_OR_SHARED_HI) === 0);
+        const own = (hi & PM_PRESENT_HI) !== 0 && (hi & PM_FILE_OR_SHARED_HI) === 0;
         const p = first + i;
         if (own && start < 0) start = p;
         else if (!own && start >= 0) {

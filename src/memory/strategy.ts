@@ -40,6 +40,14 @@ export interface StrategyRam {
   /** {@link discard} by offset into the mapping. */
   discardHost(offset: number, length: number, to?: DiscardTo): void;
   /**
+   * Maps `length` bytes of the file `fd` from `fileOffset` privately over [offset,
+   * offset+length) (page-aligned): the guest then reads the file's pages, shared with every other
+   * mapping of them, and a write makes a private copy. What the range held is dropped. The fd
+   * stays the caller's. For strategies that hand out shared pages (a page pool); a range mapped so
+   * cannot be served by userfaultfd any more.
+   */
+  mapFileOver(offset: number, length: number, fd: number, fileOffset: number): void;
+  /**
    * The runs holding the VM's own pages, in address order: what exists nowhere but in this VM's
    * RAM (a private file mapping's unwritten pages are the file's and not counted).
    */

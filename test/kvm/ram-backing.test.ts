@@ -1,11 +1,12 @@
 // Guest RAM's backing is chosen by the memory layer, and "discard" means the right thing on each:
 // a page the guest zeroed reads back as zero after an offload and resume whether guest RAM is
 // private anonymous memory, a memfd or a file mapped MAP_PRIVATE. Needs /dev/kvm.
-import { closeSync, mkdtempSync, openSync, readdirSync, readlinkSync, rmSync, writeSync } from 'node:fs';
+import { closeSync, mkdtempSync, openSync, readdirSync, readFileSync, readlinkSync, rmSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { KsmAdvice, Offload, StrategyConflictError, Vm, type MemoryStrategy, type RamBackingRequest } from '../../src';
-import type { ProbeWorkingSet } from '../../src/guest/probe-content';
+import { pageWords, type ProbeWorkingSet } from '../../src/guest/probe-content';
+import type { StrategyContext } from '../../src';
 import { hexOf } from '../probe-digest';
 
 const MiB = 2 ** 20;
@@ -83,5 +84,41 @@ describe('guest RAM backings', () => {
     const fds = readdirSync('/proc/self/fd').length;
     await expect(Vm.start({ guest: 'probe', memory: '128MiB', strategies: [backedBy({ kind: 'private-file', path: ramFile })] })).rejects.toThrow(/smaller than guest RAM/);
     expect(readdirSync('/proc/self/fd').length).toBe(fds);
+  });
+
+  it('a file mapped over runs of anonymous RAM (as a page pool would): the guest reads its pages, a write copies, the file is untouched', async () => {
+    // The file holds what the guest's working set holds at pages 512..1023 (its 2nd and 3rd MiB... of 8).
+    const first = 512;
+    const count = 512;
+    const words = new Uint32Array(1024);
+    const content = Buffer.alloc(count * 4096);
+    for (let p = 0; p < count; p++) {
+      pageWords('random', 3, first + p, words);
+      Buffer.from(words.buffer).copy(content, p * 4096);
+    }
+    const poolFile = join(dir, 'pool');
+    const fd = openSync(poolFile, 'w+');
+    writeSync(fd, content, 0, content.length, 0);
+    let ctx: StrategyContext | undefined;
+    const pool: MemoryStrategy = { name: 'pool', needs: [], exclusive: [], map: (c) => void (ctx = c), stats: () => ({ strategy: 'pool', figures: {}, notes: [] }) };
+    const vm = await Vm.start({ guest: 'probe', memory: `${RAM_MIB}MiB`, vcpus: 1, strategies: [pool] });
+    try {
+      await vm.probe.fill({ sizeMiB: 8, content: 'random', seed: 3 });
+      const ws: ProbeWorkingSet = { content: 'random', seed: 3, sizeBytes: 8 * MiB, rewrites: [] };
+      const ownBefore = ctx!.ram.ownPageRuns().reduce((n, r) => n + r.length, 0);
+      await vm.pause();
+      ctx!.ram.mapFileOver(WS_BASE + first * 4096, count * 4096, fd, 0);
+      await vm.resume();
+      // Those 2 MiB are the file's now, not the VM's: the VM's own pages shrank by them.
+      expect(ctx!.ram.ownPageRuns().reduce((n, r) => n + r.length, 0)).toBe(ownBefore - count * 4096);
+      expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
+      await vm.probe.rewrite({ fraction: 1, seed: 4 });
+      ws.rewrites.push({ permille: 1000, seed: 4 });
+      expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
+      expect(readFileSync(poolFile).equals(content)).toBe(true); // writes made private copies
+    } finally {
+      vm.stop();
+      closeSync(fd);
+    }
   });
 });

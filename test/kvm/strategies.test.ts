@@ -1,6 +1,7 @@
-// Memory strategies on real guest pages: IdleRelease and KsmAdvice. Needs /dev/kvm.
+// Memory strategies on real guest pages: IdleRelease, KsmAdvice, and the periodic work the
+// memory layer runs for strategies that act while the guest runs. Needs /dev/kvm.
 import { readFileSync, writeFileSync } from 'node:fs';
-import { GuestRequestError, IdleRelease, KsmAdvice, Vm, type VmOptions } from '../../src';
+import { GuestRequestError, IdleRelease, KsmAdvice, Vm, type MemoryStrategy, type VmOptions } from '../../src';
 
 const MiB = 2 ** 20;
 const KSM = '/sys/kernel/mm/ksm';
@@ -71,4 +72,47 @@ describe('KsmAdvice', () => {
       expect((await a.probe.digest()).hex).toBe((await b.probe.digest()).hex);
     });
   }, 200_000);
+});
+
+describe('periodic work of a strategy', () => {
+  it('ticks while the guest runs, within its CPU share, never while paused or suspended, and not after stop', async () => {
+    const ticks: { at: number; state: string }[] = [];
+    let vm: Vm | undefined;
+    const busyMs = 20;
+    const scanner: MemoryStrategy = {
+      name: 'scanner',
+      needs: [],
+      exclusive: [],
+      periodic: { intervalMs: 10, cpuShare: 0.25 },
+      tick: () => {
+        ticks.push({ at: performance.now(), state: vm!.state });
+        const until = performance.now() + busyMs;
+        while (performance.now() < until); // a tick that costs CPU
+      },
+      stats: () => ({ strategy: 'scanner', figures: { ticks: ticks.length }, notes: [] }),
+    };
+    vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1, strategies: [scanner] });
+    try {
+      await new Promise((r) => setTimeout(r, 700));
+      const running = ticks.length;
+      // 20 ms of work at a 25% share: one tick per 80 ms at most, so about 8 in 700 ms.
+      expect(running).toBeGreaterThanOrEqual(3);
+      expect(running).toBeLessThanOrEqual(10);
+      for (let i = 1; i < ticks.length; i++) expect(ticks[i].at - ticks[i - 1].at).toBeGreaterThanOrEqual(busyMs / 0.25 - 5);
+      await vm.pause();
+      await new Promise((r) => setTimeout(r, 300));
+      await vm.resume();
+      await vm.suspend();
+      await new Promise((r) => setTimeout(r, 300));
+      await vm.resume();
+      await new Promise((r) => setTimeout(r, 300));
+      expect(ticks.every((t) => t.state === 'running')).toBe(true);
+      expect(ticks.length).toBeGreaterThan(running);
+    } finally {
+      vm.stop();
+    }
+    const atStop = ticks.length;
+    await new Promise((r) => setTimeout(r, 300));
+    expect(ticks.length).toBe(atStop);
+  });
 });

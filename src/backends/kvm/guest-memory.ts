@@ -241,6 +241,21 @@ export class GuestMemory {
     }
   }
 
+  /**
+   * Maps `length` bytes of `fd` from `fileOffset` privately over [offset, offset+length) of the
+   * mapping: reads share the file's page cache pages with every other mapping of them, a write
+   * makes a private copy; what the range held before is dropped. What a page pool hands a VM.
+   * Whole-range advice is applied again; KVM follows through its MMU notifier.
+   */
+  mapFileOver(offset: number, length: number, fd: number, fileOffset: number): void {
+    this.checkMapped();
+    if (offset % C.PAGE_SIZE !== 0 || length % C.PAGE_SIZE !== 0 || fileOffset % C.PAGE_SIZE !== 0 || offset < 0 || length <= 0 || offset + length > this.sizeBytes) {
+      throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)} (file offset 0x${fileOffset.toString(16)}) is not page-aligned inside guest RAM`);
+    }
+    mmap(this.hostAddr + offset, length, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_NORESERVE | C.MAP_FIXED, fd, fileOffset, 'a file mapped over guest RAM');
+    for (const [advice, name] of this.advices) madvise(this.hostAddr + offset, length, advice, name);
+  }
+
   private checkMapped(): void {
     if (!this.mapped) throw new GuestCrashError('memory-unmapped', 'guest RAM is no longer mapped');
   }
