@@ -35,9 +35,11 @@ Usage:
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.
-      --vm-offload: suspend writes resident guest RAM to a backing file and drops it (the default).
-      --vm-offload-reload: resume reads it all back first (eager, the default) or loads each
-        piece when first touched (lazy, userfaultfd).
+      --vm-offload: suspend writes the VM's own guest RAM to a backing file and drops it as it
+        becomes durable (the default; suspend returns at once, the memory follows).
+      --vm-offload-reload: resume brings it all back and checks it first (eager, the default) or
+        lets the guest run at once, each piece loaded on first touch and the rest in the
+        background (lazy, through userfaultfd).
       --vm-ram-compression: the same with a zstd-compressed backing file (CompressedOffload).
       With --guest probe, CMD is a list of probe steps, e.g.
         pvisor run --guest probe -- fill 64MiB random 42, digest, memory
