@@ -49,3 +49,16 @@ export type {
   RamBackingRequest,
   RamCapability,
 } from './memory/strategy';
+// Types only: the server's native code loads when a strategy first asks for it.
+export type {
+  UffdServer,
+  UffdSource,
+  UffdSourceSpec,
+  UffdSourceEvent,
+  UffdSourceFigures,
+  UffdServerFigures,
+  FileRange,
+  ZeroRange,
+  MemoryRange,
+  RangeState,
+} from './memory/uffd-server';

@@ -22,7 +22,7 @@ export interface FileRange {
   length: number;
   /** Byte offset of the range's bytes in the file; page-aligned (the fd may be O_DIRECT). */
   fileOffset: number;
-  /** CRC32C ({@link crc32c}) of the range's bytes; needed when the source checks them. */
+  /** CRC32C (Castagnoli; `crc32c` in this module computes it) of the range's bytes; needed when the source checks them. */
   checksum?: number;
 }
 
