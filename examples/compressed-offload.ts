@@ -13,6 +13,7 @@ async function main(): Promise<void> {
   console.log(`working: guest RAM costs ${mib(vm.memoryUsage().guestRamPssBytes)}`);
 
   await vm.suspend();
+  await vm.memoryReleased(); // the frames are compressed and written after suspend() returns
   const { figures } = vm.memoryUsage().strategies[0];
   console.log(`suspended: guest RAM costs ${mib(vm.memoryUsage().guestRamPssBytes)}; ${mib(figures.bytesOnDisk)} on disk for ${mib(figures.bytesUncompressed)} of RAM (${figures.framesZstd} zstd, ${figures.framesRaw} raw, ${figures.framesZero} zero frames)`);
 
