@@ -41,11 +41,15 @@ export function createDirectBackingFile(path: string): { fd: number; direct: boo
   }
 }
 
+/** Renamed backing files whose unlink has not finished yet; removed at exit if still there. */
+const unlinking = new Set<string>();
+
 /**
  * Removes a backing file without waiting for it: unlinking a large file frees its blocks, which
  * took 16-22 ms for 64 MiB here, too long for a resume to wait. The path is free at once (renamed
- * under a fresh name, which the sweep of stale files finds if this process dies first); the unlink
- * runs on libuv's pool. A file already gone is fine.
+ * under a fresh name); the unlink runs on libuv's pool. If the process exits first, the exit
+ * removes it; if it is killed first, the sweep of stale files does, next time. A file already
+ * gone is fine.
  */
 export function removeBackingFile(path: string): void {
   const doomed = backingFilePath(dirname(path), 'removed', extname(path).slice(1) || 'ram');
@@ -55,7 +59,17 @@ export function removeBackingFile(path: string): void {
     rmSync(path, { force: true }); // gone already, or elsewhere than its directory allows renaming
     return;
   }
-  rm(doomed, { force: true }, () => {});
+  if (!unlinking.size) process.once('exit', removeUnlinking);
+  unlinking.add(doomed);
+  rm(doomed, { force: true }, () => {
+    unlinking.delete(doomed);
+    if (!unlinking.size) process.off('exit', removeUnlinking);
+  });
+}
+
+function removeUnlinking(): void {
+  for (const path of unlinking) rmSync(path, { force: true });
+  unlinking.clear();
 }
 
 /** Removes pvisor backing files in `dir` whose process is gone. Best effort. */
