@@ -607,19 +607,17 @@ static int queue_range(struct pv_uffd_server *s, struct source *src, uint32_t i)
   return 1;
 }
 
-/*
- * Appends ranges `order[0..count)` (indices into the source's table) to the prefetch queue; the
- * thread loads them in that order, skipping those already loaded. Returns how many it queued, or
- * -errno (-EINVAL with nothing queued if an index is out of range, -ENOENT for no such source).
- */
-int32_t pv_uffd_prefetch(struct pv_uffd_server *s, int32_t source, const uint32_t *order, int32_t count) {
+/* Queues `count` ranges of a source in the order given, or all of them in address order when
+ * `order` is NULL; ranges already loaded are skipped. Returns how many were queued or -errno. */
+static int32_t queue_ranges(struct pv_uffd_server *s, int32_t source, const uint32_t *order, int32_t count) {
   api_lock(s);
   struct source *src = find_source(s, source);
   int32_t rc = src ? 0 : -ENOENT;
-  for (int32_t k = 0; k < count && !rc; k++)
+  if (src && !order) count = (int32_t)src->count;
+  for (int32_t k = 0; order && k < count && !rc; k++)
     if (order[k] >= src->count) rc = -EINVAL;
   for (int32_t k = 0; k < count && rc >= 0 && src->active; k++) {
-    int q = queue_range(s, src, order[k]);
+    int q = queue_range(s, src, order ? order[k] : (uint32_t)k);
     rc = q < 0 ? q : rc + q;
   }
   api_unlock(s);
@@ -627,18 +625,18 @@ int32_t pv_uffd_prefetch(struct pv_uffd_server *s, int32_t source, const uint32_
   return rc;
 }
 
+/*
+ * Appends ranges `order[0..count)` (indices into the source's table) to the prefetch queue; the
+ * thread loads them in that order, skipping those already loaded. Returns how many it queued, or
+ * -errno (-EINVAL with nothing queued if an index is out of range, -ENOENT for no such source).
+ */
+int32_t pv_uffd_prefetch(struct pv_uffd_server *s, int32_t source, const uint32_t *order, int32_t count) {
+  return queue_ranges(s, source, order, count);
+}
+
 /* Queues every range of the source not loaded yet, in address order. Returns as pv_uffd_prefetch. */
 int32_t pv_uffd_load_all(struct pv_uffd_server *s, int32_t source) {
-  api_lock(s);
-  struct source *src = find_source(s, source);
-  int32_t rc = src ? 0 : -ENOENT;
-  for (uint32_t i = 0; src && src->active && i < src->count && rc >= 0; i++) {
-    int q = queue_range(s, src, i);
-    rc = q < 0 ? q : rc + q;
-  }
-  api_unlock(s);
-  if (rc > 0) post_wake(s);
-  return rc;
+  return queue_ranges(s, source, NULL, 0);
 }
 
 /*

@@ -70,10 +70,16 @@ export class WriteOut {
     private readonly pieces: readonly PageRun[],
     private readonly options: WriteOutOptions,
   ) {
-    this.done = this.run().finally(() => {
-      this.finished = true;
-      close(this.fd, () => {});
-    });
+    // The fd is closed before `done` settles: whoever waits for it finds nothing left open.
+    this.done = this.run().finally(
+      () =>
+        new Promise<void>((resolve) =>
+          close(this.fd, () => {
+            this.finished = true;
+            resolve();
+          }),
+        ),
+    );
     this.done.catch(() => {}); // the owner observes it; an unobserved failure must not crash the process
   }
 
