@@ -17,6 +17,7 @@ import { hostMemTotalBytes, processResident, rangeResident } from './memory-usag
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
 import { parseSize, type Size } from './units';
+import { validateVmName } from './vm-name';
 
 /** Which guest a VM runs. */
 export type GuestKind = 'linux' | 'probe';
@@ -54,7 +55,10 @@ export interface VmOptions {
   rootfs?: string | RootfsOptions;
   /** How long to wait for the guest agent to say hello. Default 60000 ms. */
   bootTimeoutMs?: number;
-  /** A name for logs and the CLI. Default: `vm-<n>`. */
+  /**
+   * A name for logs, files and the CLI: 1-64 letters, digits, `_`, `.`, `-`, beginning with a
+   * letter or digit (it ends up in file names). Default: `vm-<n>`.
+   */
   name?: string;
   /**
    * Memory strategies, composed in this order, e.g. `[new KsmAdvice(), new IdleRelease()]`. A
@@ -175,8 +179,9 @@ export class Vm extends EventEmitter<VmEvents> {
     if (guest !== 'linux' && guest !== 'probe') throw new InvalidOptionError('guest', `expected "linux" or "probe", got ${JSON.stringify(guest)}`);
     const disk = rootfsDisk(options.rootfs, guest);
     const bootTimeoutMs = options.bootTimeoutMs ?? 60000;
+    const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
     const strategies = [...(options.strategies ?? [])];
-    const vm = new Vm(options.name ?? `vm-${++vmCounter}`, memoryBytes, vcpus, guest, strategies);
+    const vm = new Vm(name, memoryBytes, vcpus, guest, strategies);
     const host = checkKvmHost();
     if (guest === 'linux') requireKernelModeGuests(host, 'linux');
     const boot = guest === 'linux' ? loadLinuxGuest(options, disk) : ({ kind: 'probe', image: loadProbeImage() } as const);

@@ -11,11 +11,11 @@ import {
   idOfSocket,
   runtimeDir,
   socketPathFor,
-  validateVmId,
   type ControlMemory,
   type ControlRequest,
   type ControlResponse,
 } from './control-socket';
+import { validateVmName } from '../vm-name';
 
 /** The commands that act on one VM. */
 export type ControlCommand = 'suspend' | 'resume' | 'stop';
@@ -65,7 +65,7 @@ export function parseControlArgs(command: ControlCommand, argv: string[], dir: s
   }
   const id = given ?? jobId ?? (socket !== undefined ? idOfSocket(socket) : undefined);
   if (id === undefined) throw new InvalidOptionError('id', `which VM? e.g. pvisor ${command} ID (pvisor ps lists them)`);
-  validateVmId(id, 'id');
+  validateVmName(id, 'id');
   return {
     id,
     socketPath: socket ?? socketPathFor(id, dir),

@@ -79,7 +79,6 @@ export type ControlHandler = (request: ControlRequest) => Promise<{ response: Co
 const MAX_LINE_BYTES = 64 * 1024;
 /** sun_path holds 108 bytes including the terminating NUL. */
 const MAX_SOCKET_PATH_BYTES = 107;
-const ID_PATTERN = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
 
 /** The directory of control sockets, by the rule in this module's documentation. */
 export function runtimeDir(env: NodeJS.ProcessEnv = process.env, uid: number = process.getuid?.() ?? 0): string {
@@ -102,12 +101,6 @@ export function ensureRuntimeDir(dir: string): void {
   if (!st.isDirectory()) throw refuse('is not a directory');
   if (st.uid !== uid) throw refuse(`belongs to uid ${st.uid}, not to this user (${uid})`);
   if (st.mode & 0o022) throw refuse(`may be written by others (mode ${(st.mode & 0o777).toString(8)})`);
-}
-
-/** Checks a VM id: it names a file, so letters, digits, `_`, `.`, `-`, up to 64, not starting with a dot. */
-export function validateVmId(id: string, option = 'name'): string {
-  if (!ID_PATTERN.test(id)) throw new InvalidOptionError(option, `${JSON.stringify(id)} is not a VM id: use 1-64 letters, digits, _ . - beginning with a letter or digit`);
-  return id;
 }
 
 /** The control socket of VM `id`. */

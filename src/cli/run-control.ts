@@ -13,12 +13,12 @@ import {
   idOfSocket,
   runtimeDir,
   socketPathFor,
-  validateVmId,
   type ControlHandler,
   type ControlMemory,
   type ControlRequest,
   type ControlVmInfo,
 } from './control-socket';
+import { validateVmName } from '../vm-name';
 
 /** What ended a run from outside its steps. */
 export type StopCause = 'pvisor stop' | 'SIGINT' | 'SIGTERM';
@@ -64,7 +64,7 @@ export class RunControl {
    */
   static async open(description: RunDescription): Promise<RunControl> {
     const explicit = description.socketPath;
-    let id = description.name !== undefined ? validateVmId(description.name) : explicit ? validateVmId(idOfSocket(explicit), 'vm-socket') : generateId();
+    let id = description.name !== undefined ? validateVmName(description.name) : explicit ? validateVmName(idOfSocket(explicit), 'vm-socket') : generateId();
     for (let attempt = 0; ; attempt++) {
       // A socket path given by the user is used as it is; the default directory is made private.
       const path = explicit ?? socketPathFor(id);

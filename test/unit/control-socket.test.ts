@@ -12,11 +12,11 @@ import {
   parseRequest,
   probeSocket,
   runtimeDir,
-  validateVmId,
   type ControlHandler,
   type ControlRequest,
 } from '../../src/cli/control-socket';
 import { ControlSocketError, InvalidOptionError, VmNotFoundError } from '../../src/errors';
+import { validateVmName } from '../../src/vm-name';
 
 const vm = { id: 'T', pid: process.pid, state: 'running' as const, guest: 'probe' as const, memoryBytes: 2 ** 26, vcpus: 1 };
 
@@ -52,9 +52,9 @@ describe('control socket', () => {
   });
 
   it('ids are file names, nothing more', () => {
-    expect(validateVmId('T1')).toBe('T1');
-    expect(validateVmId('job-42.attempt_3')).toBe('job-42.attempt_3');
-    for (const bad of ['', '../x', '.hidden', 'a/b', 'a b', 'x'.repeat(65), '-rf']) expect(() => validateVmId(bad)).toThrow(InvalidOptionError);
+    expect(validateVmName('T1')).toBe('T1');
+    expect(validateVmName('job-42.attempt_3')).toBe('job-42.attempt_3');
+    for (const bad of ['', '../x', '.hidden', 'a/b', 'a b', 'x'.repeat(65), '-rf']) expect(() => validateVmName(bad)).toThrow(InvalidOptionError);
   });
 
   it('parses requests and refuses malformed ones with a typed error', () => {

@@ -13,6 +13,10 @@ describe('bad input is rejected before anything is allocated', () => {
     [{ vcpus: 0 }, /vcpus: must be a whole number from 1 to 8/],
     [{ vcpus: 9 }, /vcpus/],
     [{ vcpus: 1.5 }, /vcpus/],
+    // A name ends up in file names: it must not reach outside their directory.
+    [{ name: 'x/../../../var/tmp/y' }, /name: .* is not a VM id/],
+    [{ name: '' }, /name: "" is not a VM id/],
+    [{ name: '.hidden' }, /name/],
   ])('%j', async (opts, message) => {
     await expect(Vm.start({ guest: 'probe', ...opts })).rejects.toThrow(InvalidOptionError);
     await expect(Vm.start({ guest: 'probe', ...opts })).rejects.toThrow(message);
