@@ -229,10 +229,20 @@ export class MemoryComposition {
     if (this.closed) return;
     this.setRunning(false);
     this.closed = true;
-    for (const s of this.strategies) s.close?.();
+    // Each runs whatever the others throw: one strategy's failure must not leak the others'
+    // files and threads, nor keep a vCPU in a fault.
+    for (const s of this.strategies) this.tryStep(`${s.name}: close`, () => s.close?.());
     // Now, not later: the caller joins the vCPU threads next. A server still being created has
     // no source yet, so no thread can wait on it; it sees `closed` and is never made.
-    this.serverReady?.destroy();
+    this.tryStep('userfaultfd server', () => this.serverReady?.destroy());
+  }
+
+  private tryStep(what: string, step: () => void): void {
+    try {
+      step();
+    } catch (e) {
+      this.hooks.warn(`${what} failed while the VM ended: ${(e as Error).message}`);
+    }
   }
 }
 

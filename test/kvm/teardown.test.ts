@@ -1,6 +1,6 @@
 // Stopping a VM gives back everything it took: fds, mappings, threads. Needs /dev/kvm.
 import { readdirSync, readFileSync, readlinkSync } from 'node:fs';
-import { Vm } from '../../src';
+import { Offload, Vm, type MemoryStrategy } from '../../src';
 import { processThreads } from '../process-threads';
 
 function kvmFds(): number {
@@ -52,5 +52,27 @@ describe('teardown', () => {
     await expect(vm.probe.digest()).rejects.toThrow(/stopped/);
     await expect(vm.pause()).rejects.toThrow(/stopped/);
     expect(() => vm.memoryUsage()).toThrow(/stopped/);
+  });
+
+  it('a strategy whose close throws: stop still frees everything, the other strategies close, and a warning says so', async () => {
+    const threadsBefore = threads();
+    const kvmFdsBefore = kvmFds();
+    const closed: string[] = [];
+    const broken: MemoryStrategy = { name: 'broken', needs: [], exclusive: [], stats: () => ({ strategy: 'broken', figures: {}, notes: [] }), close: () => { throw new Error('cannot close'); } };
+    const fine: MemoryStrategy = { name: 'fine', needs: [], exclusive: [], stats: () => ({ strategy: 'fine', figures: {}, notes: [] }), close: () => void closed.push('fine') };
+    const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 2, strategies: [broken, new Offload(), fine] });
+    const warnings: string[] = [];
+    vm.on('warning', (w) => warnings.push(w));
+    const [ram] = Vm.liveGuestRam();
+    await vm.probe.fill({ sizeMiB: 4, content: 'random' });
+    await vm.suspend();
+    vm.stop();
+    await new Promise((r) => setTimeout(r, 50));
+    expect(vm.state).toBe('stopped');
+    expect(closed).toEqual(['fine']);
+    expect(warnings.join('\n')).toMatch(/broken: close failed while the VM ended: cannot close/);
+    expect(threads()).toBe(threadsBefore);
+    expect(kvmFds()).toBe(kvmFdsBefore);
+    expect(maps()).not.toContain(`${ram.start.toString(16)}-${(ram.start + ram.length).toString(16)} `);
   });
 });

@@ -310,9 +310,19 @@ export class KvmMachine {
   stop(): void {
     if (this.ended) return;
     this.ended = true;
-    this.hooks.onEnding?.();
-    this.release();
+    // Every step runs whatever an earlier one threw (a leak of threads, fds or guest RAM is worse
+    // than a failed step); what failed is said as a warning, stop itself never throws.
+    this.tryStep('ending hook', () => this.hooks.onEnding?.());
+    this.tryStep('teardown', () => this.release());
     for (const w of this.pauseWaiters.splice(0)) w();
+  }
+
+  private tryStep(what: string, step: () => void): void {
+    try {
+      step();
+    } catch (e) {
+      this.hooks.onDeviceError(`while stopping the VM, the ${what} failed: ${(e as Error).message}`);
+    }
   }
 
   get stopped(): boolean {
@@ -321,18 +331,22 @@ export class KvmMachine {
 
   private release(): void {
     this.releaseGuest();
-    this.vm.close();
-    this.kvm.close();
+    this.tryStep('VM fd close', () => this.vm.close());
+    this.tryStep('KVM fd close', () => this.kvm.close());
   }
 
-  /** Joins the vCPU threads before anything they use goes away: fds, kvm_run, guest RAM. */
+  /**
+   * Joins the vCPU threads before anything they use goes away: fds, kvm_run, guest RAM. If the
+   * join itself fails, nothing they use is freed (a vCPU thread touching an unmapped kvm_run
+   * would crash the process); every later step runs whatever the others do.
+   */
   private releaseGuest(): void {
     this.runner?.destroy();
-    for (const fd of this.eventFds.splice(0)) closeFd(fd);
-    for (const v of this.vcpus) v.fd.close();
+    for (const fd of this.eventFds.splice(0)) this.tryStep('eventfd close', () => closeFd(fd));
+    for (const v of this.vcpus) this.tryStep('vCPU fd close', () => v.fd.close());
     this.vcpus.length = 0;
-    this.memory?.unmap();
-    this.disk?.close();
+    this.tryStep('guest RAM unmap', () => this.memory?.unmap());
+    this.tryStep('disk close', () => this.disk?.close());
   }
 
   private crash(error: PvisorError): void {
