@@ -78,7 +78,10 @@ describe('Offload, lazy reload', () => {
       await vm.resume();
       await vm.suspend(); // nothing of the working set has been touched since the resume
       await vm.memoryReleased(); // suspend resolves before the write-out ends
-      expect(existsSync(first)).toBe(true); // the same path, written anew
+      // A fresh file; the first went once everything in it was back.
+      expect(offload.backingPath).not.toBe(first);
+      expect(existsSync(first)).toBe(false);
+      expect(existsSync(offload.backingPath!)).toBe(true);
       expect(figures(vm).pagesWritten).toBeGreaterThanOrEqual((WS_MIB * MiB) / 4096);
       expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB);
       await vm.resume();

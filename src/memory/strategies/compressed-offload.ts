@@ -147,7 +147,8 @@ export class CompressedOffload implements MemoryStrategy {
   async suspend(ctx: StrategyContext): Promise<SuspendWork> {
     const t0 = performance.now();
     const ram = ctx.ram;
-    this.path ??= backingFilePath(this.dir, ctx.vmName, 'zframes');
+    // A fresh path each time: nothing planted at a known path can get in the way.
+    this.path = backingFilePath(this.dir, ctx.vmName, 'zframes');
     const header: FrameFileHeader = { frameBytes: this.frameBytes, guestRamBytes: ram.sizeBytes };
     // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const units = unitsTouched(ram.ownPageRuns(), this.frameBytes);

@@ -159,7 +159,8 @@ export class Offload implements MemoryStrategy {
     // A lazy reload still in progress: everything comes back first, then RAM goes out as usual.
     if (this.source) await this.finishLoading();
     const t0 = performance.now();
-    this.path ??= backingFilePath(this.dir, ctx.vmName, 'ram');
+    // A fresh path each time: nothing planted at a known path can get in the way.
+    this.path = backingFilePath(this.dir, ctx.vmName, 'ram');
     const path = this.path;
     const { fd, direct } = this.pageCache === 'keep' ? { fd: createBackingFile(path, constants.O_RDWR), direct: false } : createDirectBackingFile(path);
     this.writeDirect = direct;
