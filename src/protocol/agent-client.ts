@@ -73,12 +73,16 @@ export class AgentClient {
       p.onChunk?.(f.flags, f.payload);
       return;
     }
+    // Whatever the final frame is, the request settles here, once.
     this.pending.delete(f.id);
     if (p.timer) clearTimeout(p.timer);
     if (f.type === FrameType.Response) p.resolve(f.payload);
     else if (f.type === FrameType.Error) {
       const code = f.payload.length >= 4 ? f.payload.readUInt32LE(0) : 0;
       p.reject(new GuestRequestError(code, `guest refused op 0x${p.op.toString(16)}: ${errorText(f.payload)}`));
+    } else {
+      this.onProtocolError(`frame of type ${f.type} for request ${f.id}`);
+      p.reject(new GuestRequestError(0, `the guest answered op 0x${p.op.toString(16)} with a frame of type ${f.type}, which is not an answer`));
     }
   }
 

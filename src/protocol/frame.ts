@@ -47,41 +47,52 @@ export function encodeFrame(f: Omit<Frame, 'flags'> & { flags?: number }): Buffe
 /** The byte stream does not hold valid frames (bad magic, version or length). */
 export class FrameError extends Error {}
 
-/** Reassembles frames from a byte stream that may split or join them anywhere. */
+/**
+ * Reassembles frames from a byte stream that may split or join them anywhere. Linear in the bytes
+ * pushed: each byte is copied once, into the header or into its frame's own payload buffer, as it
+ * comes (a guest sending a 1 MiB frame a byte at a time must not cost a copy of the partial frame
+ * per byte).
+ */
 export class FrameDecoder {
-  private buf: Buffer = Buffer.alloc(0);
+  private readonly headerBytes = Buffer.alloc(FRAME_HEADER_BYTES);
+  private headerFill = 0;
+  /** The frame being assembled once its header is in, with how much of its payload has come. */
+  private frame: Frame | undefined;
+  private payloadFill = 0;
 
   /** Adds bytes and returns every frame now complete. Throws {@link FrameError} on garbage. */
   push(bytes: Buffer): Frame[] {
-    this.buf = this.buf.length ? Buffer.concat([this.buf, bytes]) : bytes;
     const frames: Frame[] = [];
-    let off = 0;
-    while (this.buf.length - off >= FRAME_HEADER_BYTES) {
-      const b = this.buf;
-      if (b[off] !== MAGIC0 || b[off + 1] !== MAGIC1) {
-        this.buf = Buffer.alloc(0);
-        throw new FrameError('bad frame magic');
+    let at = 0;
+    while (at < bytes.length || (this.frame && this.payloadFill === this.frame.payload.length)) {
+      if (!this.frame) {
+        const n = Math.min(FRAME_HEADER_BYTES - this.headerFill, bytes.length - at);
+        bytes.copy(this.headerBytes, this.headerFill, at, at + n);
+        this.headerFill += n;
+        at += n;
+        if (this.headerFill < FRAME_HEADER_BYTES) break;
+        this.headerFill = 0;
+        this.frame = this.parseHeader(this.headerBytes);
+        this.payloadFill = 0;
       }
-      if (b[off + 2] !== PROTOCOL_VERSION) {
-        this.buf = Buffer.alloc(0);
-        throw new FrameError(`unsupported protocol version ${b[off + 2]}`);
-      }
-      const len = b.readUInt32LE(off + 12);
-      if (len > MAX_PAYLOAD_BYTES) {
-        this.buf = Buffer.alloc(0);
-        throw new FrameError(`payload length ${len} exceeds ${MAX_PAYLOAD_BYTES}`);
-      }
-      if (b.length - off < FRAME_HEADER_BYTES + len) break;
-      frames.push({
-        type: b[off + 3] as FrameType,
-        id: b.readUInt32LE(off + 4),
-        op: b.readUInt16LE(off + 8),
-        flags: b.readUInt16LE(off + 10),
-        payload: Buffer.from(b.subarray(off + FRAME_HEADER_BYTES, off + FRAME_HEADER_BYTES + len)),
-      });
-      off += FRAME_HEADER_BYTES + len;
+      const f = this.frame;
+      const n = Math.min(f.payload.length - this.payloadFill, bytes.length - at);
+      bytes.copy(f.payload, this.payloadFill, at, at + n);
+      this.payloadFill += n;
+      at += n;
+      if (this.payloadFill < f.payload.length) break;
+      frames.push(f);
+      this.frame = undefined;
     }
-    this.buf = off === this.buf.length ? Buffer.alloc(0) : this.buf.subarray(off);
     return frames;
+  }
+
+  /** The header's frame, with a payload buffer of its length to fill. Lost framing throws. */
+  private parseHeader(b: Buffer): Frame {
+    if (b[0] !== MAGIC0 || b[1] !== MAGIC1) throw new FrameError('bad frame magic');
+    if (b[2] !== PROTOCOL_VERSION) throw new FrameError(`unsupported protocol version ${b[2]}`);
+    const length = b.readUInt32LE(12);
+    if (length > MAX_PAYLOAD_BYTES) throw new FrameError(`payload length ${length} exceeds ${MAX_PAYLOAD_BYTES}`);
+    return { type: b[3] as FrameType, id: b.readUInt32LE(4), op: b.readUInt16LE(8), flags: b.readUInt16LE(10), payload: Buffer.allocUnsafe(length) };
   }
 }

@@ -38,4 +38,15 @@ describe('agent protocol framing', () => {
     expect(() => d.push(Buffer.from('garbage-garbage!'))).toThrow(FrameError);
     expect(d.push(a)).toHaveLength(1);
   });
+
+  it('a 1 MiB frame pushed a byte at a time costs each byte one copy, not one per byte', () => {
+    // Quadratic reassembly took minutes for this (issue 10, item 4); linear takes about a second.
+    const big = encodeFrame({ type: FrameType.Response, id: 3, op: 2, payload: Buffer.alloc(1024 * 1024 - 1, 0x5a) });
+    const d = new FrameDecoder();
+    const frames = [];
+    for (let i = 0; i < big.length; i++) frames.push(...d.push(big.subarray(i, i + 1)));
+    expect(frames).toHaveLength(1);
+    expect(frames[0].payload.length).toBe(1024 * 1024 - 1);
+    expect(frames[0].payload.every((x) => x === 0x5a)).toBe(true);
+  });
 });
