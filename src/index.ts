@@ -13,7 +13,7 @@ export { Vm } from './vm';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
-export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestMemInfo } from './guest/linux-client';
+export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout } from './guest/linux-client';
 export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ZeroOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';
 export type { ProbeContent } from './guest/probe-content';
 export type { Size } from './units';

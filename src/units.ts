@@ -30,6 +30,21 @@ export function parseSize(option: string, value: Size): number {
   return bytes;
 }
 
+/** The longest delay a Node timer keeps: above it, setTimeout fires after 1 ms. */
+export const MAX_TIMEOUT_MS = 2 ** 31 - 1;
+
+/**
+ * Checks a timeout option: a whole number of milliseconds from 1 to {@link MAX_TIMEOUT_MS}
+ * (NaN, Infinity, fractions, negatives, strings and larger values are refused, not rounded: a
+ * timeout of 2^31 ms would fire at once). Throws {@link InvalidOptionError} naming `option`.
+ */
+export function parseTimeoutMs(option: string, value: unknown): number {
+  if (typeof value !== 'number' || !Number.isInteger(value) || value < 1 || value > MAX_TIMEOUT_MS) {
+    throw new InvalidOptionError(option, `expected a whole number of milliseconds from 1 to ${MAX_TIMEOUT_MS}, got ${typeof value === 'string' ? JSON.stringify(value) : String(value)}`);
+  }
+  return value;
+}
+
 /** Formats bytes as MiB with one decimal, the unit of every memory figure pvisor prints. */
 export function formatMiB(bytes: number): string {
   return `${(bytes / 1024 ** 2).toFixed(1)} MiB`;

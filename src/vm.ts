@@ -8,7 +8,7 @@ import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
 import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError, type BackingFileError } from './errors';
-import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type SpawnOptions } from './guest/linux-client';
+import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { nativePrebuild } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
@@ -16,7 +16,7 @@ import type { Frame } from './protocol/frame';
 import { hostMemTotalBytes, processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
-import { parseSize, type Size } from './units';
+import { parseSize, parseTimeoutMs, type Size } from './units';
 import { validateVmName } from './vm-name';
 
 /** Which guest a VM runs. */
@@ -178,7 +178,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const guest = options.guest ?? 'linux';
     if (guest !== 'linux' && guest !== 'probe') throw new InvalidOptionError('guest', `expected "linux" or "probe", got ${JSON.stringify(guest)}`);
     const disk = rootfsDisk(options.rootfs, guest);
-    const bootTimeoutMs = options.bootTimeoutMs ?? 60000;
+    const bootTimeoutMs = options.bootTimeoutMs === undefined ? 60000 : parseTimeoutMs('bootTimeoutMs', options.bootTimeoutMs);
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
     const strategies = [...(options.strategies ?? [])];
     const vm = new Vm(name, memoryBytes, vcpus, guest, strategies);
@@ -330,8 +330,8 @@ export class Vm extends EventEmitter<VmEvents> {
   }
 
   /** The Linux guest's own memory figures (/proc/meminfo). */
-  guestMemInfo(): Promise<GuestMemInfo> {
-    return this.linuxGuest.memInfo();
+  guestMemInfo(options?: RequestTimeout): Promise<GuestMemInfo> {
+    return this.linuxGuest.memInfo(options);
   }
 
   private requireState(...states: VmState[]): void {
@@ -471,12 +471,13 @@ export class Vm extends EventEmitter<VmEvents> {
    * not running are stopped at once instead. Resolves once the VM is stopped.
    */
   async shutdown(options: { timeoutMs?: number } = {}): Promise<void> {
+    const timeoutMs = options.timeoutMs === undefined ? 10_000 : parseTimeoutMs('timeoutMs', options.timeoutMs);
     if (this._state === 'stopped' || this._state === 'crashed') return;
     if (this.guest !== 'linux' || this._state !== 'running' || this.inTransition) return this.stop();
     this.shuttingDown = true;
     const ended = new Promise<void>((resolve) => this.once('exit', () => resolve()));
     let timer: NodeJS.Timeout | undefined;
-    const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, options.timeoutMs ?? 10_000)));
+    const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, timeoutMs)));
     // The guest may end before its answer leaves: the VM's end is what counts.
     this.linuxGuest.shutdown().catch(() => {});
     await Promise.race([ended, timeout]);

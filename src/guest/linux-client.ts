@@ -4,9 +4,10 @@
  */
 import { constants as osConstants } from 'node:os';
 import { Readable } from 'node:stream';
-import { InvalidOptionError, TimeoutError } from '../errors';
+import { GuestRequestError, InvalidOptionError, TimeoutError } from '../errors';
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
+import { parseTimeoutMs } from '../units';
 
 const enum LinuxOp {
   Exec = 0x0201,
@@ -28,6 +29,26 @@ const WRITE_APPEND = 1;
 const WRITE_MKDIRS = 2;
 /** Data per STDIN_WRITE / FILE_WRITE frame, well inside the 1 MiB payload limit. */
 const DATA_PER_FRAME = 512 * 1024;
+/**
+ * How long a request the agent answers at once may take by default (a file frame, a kill, the
+ * memory figures): the agent answers these in milliseconds, so a silent one is a broken one.
+ */
+const DEFAULT_REQUEST_TIMEOUT_MS = 30_000;
+/** After a timeout's SIGKILL, how long exec waits for the process's end before it gives up on it. */
+const KILL_GRACE_MS = 5_000;
+
+/** Options of a request to the agent. */
+export interface RequestTimeout {
+  /**
+   * Reject with a {@link TimeoutError} if the agent has not answered after this long; for a file,
+   * per frame of 512 KiB. A whole number of milliseconds, 1 to 2^31-1. Default 30000.
+   */
+  timeoutMs?: number;
+}
+
+function requestTimeout(options: RequestTimeout | undefined): number {
+  return options?.timeoutMs === undefined ? DEFAULT_REQUEST_TIMEOUT_MS : parseTimeoutMs('timeoutMs', options.timeoutMs);
+}
 
 /** A command: an argv array, or a string that `/bin/sh -c` runs. */
 export type Command = string | readonly string[];
@@ -48,7 +69,11 @@ export interface ExecOptions {
   cwd?: string;
   /** Bytes given to the command's stdin, which is then closed. */
   stdin?: string | Uint8Array;
-  /** Kill the command (SIGKILL) and reject with TimeoutError after this long. */
+  /**
+   * Kill the command (SIGKILL) and reject with TimeoutError after this long (a whole number of
+   * milliseconds, 1 to 2^31-1); if the guest does not report the end of the killed command within
+   * 5 s more, reject anyway. Default: no limit.
+   */
   timeoutMs?: number;
   /** Aborting kills the command (SIGKILL) and rejects with the signal's reason. */
   signal?: AbortSignal;
@@ -125,11 +150,20 @@ export class GuestProcess {
     argvPayload: Buffer,
   ) {
     let started!: (pid: number) => void;
-    this.pid = new Promise((resolve) => (started = resolve));
+    let neverStarted!: (e: Error) => void;
+    this.pid = new Promise((resolve, reject) => {
+      started = resolve;
+      neverStarted = reject;
+    });
+    // A command the guest refused never starts: `pid` rejects with `exited`'s reason.
+    this.pid.catch(() => {});
     const req = agent.start(LinuxOp.Exec, argvPayload, {
       onChunk: (flags, payload) => {
-        if (flags === CHUNK_STARTED) started(payload.readUInt32LE(0));
-        else if (flags === CHUNK_STDOUT) this.stdout.push(payload);
+        // A STARTED chunk too short for a pid is the guest's mistake: ignored, never a throw out
+        // of the receive path (which would end the VM as a VMM error).
+        if (flags === CHUNK_STARTED) {
+          if (payload.length >= 4) started(payload.readUInt32LE(0));
+        } else if (flags === CHUNK_STDOUT) this.stdout.push(payload);
         else if (flags === CHUNK_STDERR) this.stderr.push(payload);
       },
     });
@@ -138,6 +172,7 @@ export class GuestProcess {
       (r) => {
         this.stdout.push(null);
         this.stderr.push(null);
+        if (r.length < 8) throw new GuestRequestError(0, `the guest ended a command with a ${r.length}-byte status, 8 expected`);
         const code = r.readInt32LE(0);
         const sig = r.readInt32LE(4);
         return sig ? { exitCode: null, signal: signalNames[sig] ?? (`SIG${sig}` as NodeJS.Signals) } : { exitCode: code, signal: null };
@@ -147,6 +182,7 @@ export class GuestProcess {
         // process. Why the process ended is `exited`'s rejection.
         this.stdout.destroy();
         this.stderr.destroy();
+        neverStarted(e);
         throw e;
       },
     );
@@ -154,28 +190,33 @@ export class GuestProcess {
     this.exited.catch(() => {});
   }
 
-  /** Writes to the process's stdin (spawned with `stdin: true`); resolves once it is in the pipe. */
-  write(data: string | Uint8Array): Promise<void> {
+  /**
+   * Writes to the process's stdin (spawned with `stdin: true`); resolves once it is in the pipe.
+   * The timeout is per frame of 512 KiB (a process that does not read its stdin fills the pipe).
+   */
+  write(data: string | Uint8Array, options?: RequestTimeout): Promise<void> {
+    const timeoutMs = requestTimeout(options);
     const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
     const next = this.stdinQueue.then(async () => {
-      for (const chunk of frameChunks(bytes)) await this.agent.request(LinuxOp.StdinWrite, Buffer.concat([u32s(this.handle), chunk]));
+      for (const chunk of frameChunks(bytes)) await this.agent.request(LinuxOp.StdinWrite, Buffer.concat([u32s(this.handle), chunk]), { timeoutMs });
     });
     this.stdinQueue = next.catch(() => {});
     return next;
   }
 
   /** Closes stdin after everything written so far; the process then reads EOF. */
-  end(): Promise<void> {
+  end(options?: RequestTimeout): Promise<void> {
+    const timeoutMs = requestTimeout(options);
     const next = this.stdinQueue.then(async () => {
-      await this.agent.request(LinuxOp.StdinClose, u32s(this.handle));
+      await this.agent.request(LinuxOp.StdinClose, u32s(this.handle), { timeoutMs });
     });
     this.stdinQueue = next.catch(() => {});
     return next;
   }
 
   /** Sends a signal to the process and everything it started (its process group). */
-  async kill(signal: NodeJS.Signals | number = 'SIGTERM'): Promise<void> {
-    await this.agent.request(LinuxOp.Kill, u32s(this.handle, signalNumber(signal)));
+  async kill(signal: NodeJS.Signals | number = 'SIGTERM', options?: RequestTimeout): Promise<void> {
+    await this.agent.request(LinuxOp.Kill, u32s(this.handle, signalNumber(signal)), { timeoutMs: requestTimeout(options) });
   }
 }
 
@@ -210,6 +251,7 @@ export class LinuxGuest {
   /** Runs a command to its end and collects its output. */
   async exec(command: Command, options: ExecOptions = {}): Promise<ExecResult> {
     options.signal?.throwIfAborted();
+    const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const p = this.spawn(command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined });
     const out: Buffer[] = [];
     const err: Buffer[] = [];
@@ -221,44 +263,52 @@ export class LinuxGuest {
       });
     }
     let stop: Error | undefined;
+    // A guest that does not report the killed command's end must not hold the caller forever.
+    let gaveUp!: (e: Error) => void;
+    const abandoned = new Promise<never>((_, reject) => (gaveUp = reject));
+    let grace: NodeJS.Timeout | undefined;
     const killFor = (e: Error) => {
-      stop ??= e;
+      if (stop) return;
+      stop = e;
       p.kill('SIGKILL').catch(() => {});
+      grace = setTimeout(() => gaveUp(stop!), KILL_GRACE_MS);
     };
-    const timer = options.timeoutMs === undefined ? undefined : setTimeout(() => killFor(new TimeoutError(`command did not finish within ${options.timeoutMs} ms; it was killed`)), options.timeoutMs);
+    const timer = timeoutMs === undefined ? undefined : setTimeout(() => killFor(new TimeoutError(`command did not finish within ${timeoutMs} ms; it was killed`)), timeoutMs);
     const onAbort = () => killFor(options.signal!.reason instanceof Error ? options.signal!.reason : new Error('aborted'));
     options.signal?.addEventListener('abort', onAbort, { once: true });
     try {
-      const status = await p.exited;
+      const status = await Promise.race([p.exited, abandoned]);
       if (stop) throw stop;
       return { ...status, stdout: Buffer.concat(out).toString('utf8'), stderr: Buffer.concat(err).toString('utf8') };
     } finally {
       if (timer) clearTimeout(timer);
+      if (grace) clearTimeout(grace);
       options.signal?.removeEventListener('abort', onAbort);
     }
   }
 
   /** MemTotal, MemFree, MemAvailable and Cached of the guest's /proc/meminfo. */
-  async memInfo(): Promise<GuestMemInfo> {
-    const r = await this.agent.request(LinuxOp.MemInfo);
+  async memInfo(options?: RequestTimeout): Promise<GuestMemInfo> {
+    const r = await this.agent.request(LinuxOp.MemInfo, Buffer.alloc(0), { timeoutMs: requestTimeout(options) });
+    if (r.length < 32) throw new GuestRequestError(0, `the guest answered MEMINFO with ${r.length} bytes, 32 expected`);
     const kb = (i: number) => Number(r.readBigUInt64LE(8 * i)) * 1024;
     return { totalBytes: kb(0), freeBytes: kb(1), availableBytes: kb(2), cachedBytes: kb(3) };
+  }
+
+  /**
+   * Asks the agent to end the guest cleanly (stop every process, remount a writable rootfs
+   * read-only, reboot, which ends the VM). Resolves on the agent's answer, before the VM is gone.
+   */
+  async shutdown(): Promise<void> {
+    await this.agent.request(LinuxOp.Shutdown, Buffer.alloc(0), { timeoutMs: DEFAULT_REQUEST_TIMEOUT_MS });
   }
 
   /**
    * Drops the guest's clean page cache (and dentries/inodes); with IdleRelease the freed pages go
    * back to the host about 2 s later through free page reporting.
    */
-  /**
-   * Asks the agent to end the guest cleanly (stop every process, remount a writable rootfs
-   * read-only, reboot, which ends the VM). Resolves on the agent's answer, before the VM is gone.
-   */
-  async shutdown(): Promise<void> {
-    await this.agent.request(LinuxOp.Shutdown);
-  }
-
-  async dropCaches(): Promise<void> {
-    await this.agent.request(LinuxOp.DropCaches, u32s(3));
+  async dropCaches(options?: RequestTimeout): Promise<void> {
+    await this.agent.request(LinuxOp.DropCaches, u32s(3), { timeoutMs: requestTimeout(options) });
   }
 }
 
@@ -268,9 +318,10 @@ export class GuestFiles {
   constructor(private readonly agent: AgentClient) {}
 
   /** The whole content of a regular file. */
-  async read(path: string): Promise<Buffer> {
+  async read(path: string, options?: RequestTimeout): Promise<Buffer> {
     const parts: Buffer[] = [];
-    const r = await this.agent.request(LinuxOp.FileRead, str(path, 'path'), { onChunk: (_f, p) => parts.push(Buffer.from(p)) });
+    const r = await this.agent.request(LinuxOp.FileRead, str(path, 'path'), { onChunk: (_f, p) => parts.push(Buffer.from(p)), timeoutMs: requestTimeout(options) });
+    if (r.length < 8) throw new GuestRequestError(0, `the guest answered FILE_READ with ${r.length} bytes, 8 expected`);
     const data = Buffer.concat(parts);
     const total = Number(r.readBigUInt64LE(0));
     if (total !== data.length) throw new Error(`guest said ${total} bytes but sent ${data.length} for ${path}`);
@@ -281,7 +332,8 @@ export class GuestFiles {
    * Creates or replaces a file with `data` (mode default 0644), creating missing parent
    * directories. Large files go in several frames, one at a time.
    */
-  async write(path: string, data: string | Uint8Array, options: { mode?: number } = {}): Promise<void> {
+  async write(path: string, data: string | Uint8Array, options: { mode?: number } & RequestTimeout = {}): Promise<void> {
+    const timeoutMs = requestTimeout(options);
     const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
     const p = str(path, 'path');
     // One frame in flight: a frame fits in the receive buffers the guest keeps posted, so the
@@ -291,7 +343,7 @@ export class GuestFiles {
     let i = 0;
     for (const chunk of frameChunks(bytes)) {
       const flags = WRITE_MKDIRS | (i++ > 0 ? WRITE_APPEND : 0);
-      await this.agent.request(LinuxOp.FileWrite, Buffer.concat([u32s(flags, options.mode ?? 0o644), p, chunk]));
+      await this.agent.request(LinuxOp.FileWrite, Buffer.concat([u32s(flags, options.mode ?? 0o644), p, chunk]), { timeoutMs });
     }
   }
 }

@@ -17,6 +17,9 @@ describe('bad input is rejected before anything is allocated', () => {
     [{ name: 'x/../../../var/tmp/y' }, /name: .* is not a VM id/],
     [{ name: '' }, /name: "" is not a VM id/],
     [{ name: '.hidden' }, /name/],
+    // A timeout of 2^31 ms would fire at once; NaN never.
+    [{ bootTimeoutMs: 2 ** 31 }, /bootTimeoutMs: expected a whole number of milliseconds/],
+    [{ bootTimeoutMs: NaN }, /bootTimeoutMs/],
   ])('%j', async (opts, message) => {
     await expect(Vm.start({ guest: 'probe', ...opts })).rejects.toThrow(InvalidOptionError);
     await expect(Vm.start({ guest: 'probe', ...opts })).rejects.toThrow(message);

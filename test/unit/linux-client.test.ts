@@ -1,0 +1,81 @@
+// The Linux guest's host client against an agent this test plays (pure logic over real framing):
+// every operation settles within its timeout, whatever the agent does. No VM.
+import { GuestRequestError, InvalidOptionError, TimeoutError } from '../../src';
+import { LinuxGuest } from '../../src/guest/linux-client';
+import { AgentClient } from '../../src/protocol/agent-client';
+import { encodeFrame, FrameDecoder, FrameType, type Frame } from '../../src/protocol/frame';
+
+/** A guest agent that answers requests as `answer` says (nothing: silence). */
+function fakeGuest(answer: (request: Frame, reply: (f: Omit<Frame, 'id'>) => void) => void) {
+  const decoder = new FrameDecoder();
+  const client: AgentClient = new AgentClient(
+    (bytes) => {
+      for (const f of decoder.push(bytes)) {
+        answer(f, (r) => setImmediate(() => client.receive(encodeFrame({ ...r, id: f.id }))));
+      }
+    },
+    () => {},
+    () => {},
+  );
+  return new LinuxGuest(client);
+}
+
+const EXEC = 0x0201;
+const STARTED = 4;
+
+describe('Linux guest client', () => {
+  it('a silent agent makes files, memory figures, kill and drop-caches reject within their timeouts', async () => {
+    const guest = fakeGuest(() => {});
+    const t0 = performance.now();
+    await expect(guest.files.read('/etc/hostname', { timeoutMs: 30 })).rejects.toThrow(TimeoutError);
+    await expect(guest.files.write('/tmp/x', 'data', { timeoutMs: 30 })).rejects.toThrow(TimeoutError);
+    await expect(guest.memInfo({ timeoutMs: 30 })).rejects.toThrow(TimeoutError);
+    await expect(guest.dropCaches({ timeoutMs: 30 })).rejects.toThrow(TimeoutError);
+    await expect(guest.spawn(['sleep', '1']).kill('SIGTERM', { timeoutMs: 30 })).rejects.toThrow(TimeoutError);
+    expect(performance.now() - t0).toBeLessThan(2000);
+  });
+
+  it("exec's timeout rejects even when the agent never reports the killed command's end", async () => {
+    const guest = fakeGuest((f, reply) => {
+      if (f.op === EXEC) reply({ type: FrameType.StreamChunk, op: EXEC, flags: STARTED, payload: Buffer.from([1, 0, 0, 0]) });
+      // KILL and everything else: silence.
+    });
+    const t0 = performance.now();
+    await expect(guest.exec(['sleep', '100'], { timeoutMs: 50 })).rejects.toThrow(/did not finish within 50 ms/);
+    const took = performance.now() - t0;
+    expect(took).toBeGreaterThanOrEqual(50);
+    expect(took).toBeLessThan(50 + 5000 + 2000); // the timeout, the kill's grace, slack
+  }, 15_000);
+
+  it('a command the guest refuses rejects its pid too, and a short STARTED chunk is ignored', async () => {
+    const refusing = fakeGuest((f, reply) => {
+      if (f.op === EXEC) reply({ type: FrameType.Error, op: EXEC, flags: 0, payload: Buffer.concat([Buffer.from([2, 0, 0, 0]), Buffer.from('no such program')]) });
+    });
+    const p = refusing.spawn(['nonexistent']);
+    await expect(p.pid).rejects.toThrow(GuestRequestError);
+    await expect(p.exited).rejects.toThrow(/no such program/);
+
+    const sloppy = fakeGuest((f, reply) => {
+      if (f.op !== EXEC) return;
+      reply({ type: FrameType.StreamChunk, op: EXEC, flags: STARTED, payload: Buffer.alloc(0) });
+      reply({ type: FrameType.Response, op: EXEC, flags: 0, payload: Buffer.alloc(8) });
+    });
+    await expect(sloppy.exec(['true'])).resolves.toMatchObject({ exitCode: 0, signal: null });
+  });
+
+  it('a short answer is a typed error, not a RangeError out of the receive path', async () => {
+    const short = fakeGuest((f, reply) => {
+      if (f.op === EXEC) reply({ type: FrameType.Response, op: EXEC, flags: 0, payload: Buffer.alloc(3) });
+      else reply({ type: FrameType.Response, op: f.op, flags: 0, payload: Buffer.alloc(2) });
+    });
+    await expect(short.exec(['true'])).rejects.toThrow(GuestRequestError);
+    await expect(short.memInfo()).rejects.toThrow(/MEMINFO with 2 bytes/);
+    await expect(short.files.read('/x')).rejects.toThrow(/FILE_READ with 2 bytes/);
+  });
+
+  it.each([NaN, Infinity, -1, 0, 1.5, 2 ** 31, 2 ** 53, '100'])('timeoutMs %p is refused, not rounded or fired at once', async (bad) => {
+    const guest = fakeGuest(() => {});
+    await expect(guest.exec(['true'], { timeoutMs: bad as number })).rejects.toThrow(InvalidOptionError);
+    await expect(guest.memInfo({ timeoutMs: bad as number })).rejects.toThrow(/timeoutMs: expected a whole number of milliseconds/);
+  });
+});
