@@ -104,6 +104,45 @@ describe('control socket', () => {
     expect(() => lstatSync(path)).toThrow(/ENOENT/);
   });
 
+  it('a client pipelining requests is read no faster than they are answered', async () => {
+    // While the first request is held, the server must stop reading: the client's 1.6 MB of
+    // requests stay in its own buffers instead of queueing in the VM's process (issue 10, item
+    // 12: 294k queued requests grew it by 681 MiB).
+    let release!: () => void;
+    const held = new Promise<void>((res) => (release = res));
+    let answered = 0;
+    const handler: ControlHandler = async () => {
+      if (answered === 0) await held;
+      answered++;
+      return { response: { ok: true, vm } };
+    };
+    const path = join(dir, 'T.sock');
+    const server = await ControlServer.listen(path, 'T', handler);
+    const count = 100_000;
+    try {
+      const c = createConnection(path);
+      await new Promise<void>((resolve, reject) => c.once('connect', resolve).once('error', reject));
+      let lines = 0;
+      const all = new Promise<void>((resolve) => {
+        c.setEncoding('utf8');
+        c.on('data', (d: string) => {
+          for (const ch of d) if (ch === '\n') lines++;
+          if (lines === count) resolve();
+        });
+      });
+      c.write('{"op":"status"}\n'.repeat(count));
+      await new Promise((r) => setTimeout(r, 300));
+      expect(answered).toBe(0);
+      expect(c.writableLength).toBeGreaterThan(0); // the server stopped reading
+      release();
+      await all; // and every request is answered once it reads on
+      expect(answered).toBe(count);
+      c.destroy();
+    } finally {
+      server.close();
+    }
+  });
+
   it('a live id is refused; a stale socket (its process killed) is replaced', async () => {
     const path = join(dir, 'T.sock');
     const handler: ControlHandler = async () => ({ response: { ok: true, vm } });
