@@ -71,6 +71,7 @@ describe('virtio-blk device', () => {
     mem.writeU16(AVAIL + 4 + 2 * (availIdx % SIZE), 0);
     availIdx++;
     mem.writeU16(AVAIL + 2, availIdx);
+    q.renewBudget(); // as the transport does for each notification
     blk!.notify(0);
     expect(mem.readU16(USED + 2)).toBe(availIdx);
     const elem = USED + 4 + 8 * ((availIdx - 1) % SIZE);

@@ -26,6 +26,21 @@ class DriverQueue {
     this.availIdx++;
     this.mem.writeU16(this.base + 0x400 + 2, this.availIdx);
   }
+  /** Offers one chain of driver-readable buffers, chained with NEXT. */
+  offerChain(buffers: { gpa: number; len: number }[]): void {
+    const first = this.nextDesc % SIZE;
+    buffers.forEach((b, k) => {
+      const d = (first + k) % SIZE;
+      this.mem.writeU64(this.base + 16 * d, b.gpa);
+      this.mem.writeU32(this.base + 16 * d + 8, b.len);
+      this.mem.writeU16(this.base + 16 * d + 12, k < buffers.length - 1 ? 1 : 0);
+      this.mem.writeU16(this.base + 16 * d + 14, (d + 1) % SIZE);
+    });
+    this.nextDesc += buffers.length;
+    this.mem.writeU16(this.base + 0x400 + 4 + 2 * (this.availIdx % SIZE), first);
+    this.availIdx++;
+    this.mem.writeU16(this.base + 0x400 + 2, this.availIdx);
+  }
   /** Used elements since the last call: [descriptor, written length]. */
   used(): [number, number][] {
     const out: [number, number][] = [];
@@ -130,5 +145,21 @@ describe('virtio-console, multiport agent channel', () => {
     q[1].offer(0xa0000, 1, false);
     dev.notify(1);
     expect(interrupts).toBe(1);
+  });
+
+  it('a transmit chain whose descriptors all alias one large region is refused without a copy', () => {
+    // 16 descriptors, each 512 KiB over the same bytes: 8 MiB claimed from 512 KiB of RAM.
+    const before = process.memoryUsage().arrayBuffers;
+    q[1].offerChain(Array.from({ length: SIZE }, () => ({ gpa: 0x80000, len: 512 * 1024 })));
+    dev.notify(1);
+    expect(fromGuest).toEqual([]);
+    expect(errors.join()).toMatch(/transmit chain 0 carries 8388608 bytes, more than 1052672: refused/);
+    expect(q[1].used()).toEqual([[0, 0]]);
+    expect(process.memoryUsage().arrayBuffers - before).toBeLessThan(1024 * 1024);
+    // The device goes on.
+    mem.write(0xa0000, Buffer.from('next'));
+    q[1].offer(0xa0000, 4, false);
+    dev.notify(1);
+    expect(Buffer.concat(fromGuest).toString()).toBe('next');
   });
 });

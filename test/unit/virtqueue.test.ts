@@ -71,4 +71,44 @@ describe('split virtqueue, device side', () => {
   it('refuses rings outside guest RAM', () => {
     expect(() => new SplitQueue(mem, { size: SIZE, descGpa: 1024 * 1024, availGpa: AVAIL, usedGpa: USED })).toThrow(QueueError);
   });
+
+  it('an available index further ahead than the ring holds breaks the queue once, with a typed error', () => {
+    const broken: string[] = [];
+    q.onBroken = (why) => broken.push(why);
+    desc(0, 0x8000, 16, 0);
+    mem.writeU16(AVAIL + 2, SIZE + 5); // 13 chains "available" in a ring of 8
+    const errors: string[] = [];
+    expect(q.popValid((m) => errors.push(m))).toBeNull();
+    expect(errors).toEqual([expect.stringMatching(/available index 13 is 13 ahead of the device's 0, more than the 8 the ring holds/)]);
+    expect(broken).toHaveLength(1);
+    expect(q.broken).toMatch(/more than the 8/);
+    expect(q.hasAvailable()).toBe(false);
+    expect(q.pop()).toBeNull(); // and no more chains from a broken queue
+  });
+
+  it('takes at most one ring of chains per turn of the event loop, then goes on in a later turn', async () => {
+    // A guest that posts again as soon as the device takes (a vCPU runs in parallel with ioeventfd).
+    desc(0, 0x8000, 16, 0);
+    let taken = 0;
+    let renewals = 0;
+    q.onBudgetRenewed = () => renewals++;
+    const drain = () => {
+      let chain;
+      while ((chain = q.popValid(() => {}))) {
+        taken++;
+        q.push(chain.head, 0);
+        if (taken < 10_000) offer(0); // posted again at once
+      }
+    };
+    offer(0);
+    drain();
+    expect(taken).toBe(SIZE); // one ring's worth, then the event loop gets its turn
+    let timerFired = false;
+    setTimeout(() => (timerFired = true), 0);
+    await new Promise((r) => setTimeout(r, 5));
+    expect(timerFired).toBe(true);
+    expect(renewals).toBe(1);
+    drain();
+    expect(taken).toBe(2 * SIZE);
+  });
 });

@@ -31,6 +31,16 @@ const PORT_OPEN = 6;
 const PORT_NAME = 7;
 const CONTROL_BYTES = 8;
 
+/**
+ * The most a transmit chain may carry: the largest frame either guest sends in one buffer (the
+ * probe's 1 MiB PING echo and its header), with room to spare. Descriptors may all point at the
+ * same region of guest RAM, so a chain is bounded by its sum, not by RAM: beyond it the chain is
+ * refused and nothing of it copied (one chain could otherwise make the host copy 256 x RAM).
+ */
+const MAX_TRANSMIT_CHAIN_BYTES = 1024 * 1024 + 4096;
+/** Bytes taken from the transmit queue in one turn of the event loop; the rest in the next. */
+const TRANSMIT_BYTES_PER_TURN = 8 * 1024 * 1024;
+
 /** The port's name, as the guest sees it in /sys/class/virtio-ports/vport0p0/name. */
 const PORT_NAME_TEXT = 'pvisor.agent';
 /** The port's device node in a Linux guest: virtio device 0 (the first on the command line), port 0. */
@@ -116,14 +126,24 @@ export class VirtioConsole implements VirtioDevice {
     const tx = this.tx;
     if (!tx) return;
     const usedBefore = tx.usedIndex;
+    let taken = 0;
     let chain;
-    while ((chain = tx.popValid(this.queueError))) {
-      const parts: Buffer[] = [];
-      for (const d of chain.descriptors) if (!d.writable && d.len) parts.push(Buffer.from(this.mem.read(d.gpa, d.len)));
+    while (taken < TRANSMIT_BYTES_PER_TURN && (chain = tx.popValid(this.queueError))) {
+      const readable = chain.descriptors.filter((d) => !d.writable && d.len);
+      const bytes = readable.reduce((n, d) => n + d.len, 0);
+      if (bytes > MAX_TRANSMIT_CHAIN_BYTES) {
+        tx.push(chain.head, 0);
+        this.queueError(`transmit chain ${chain.head} carries ${bytes} bytes, more than ${MAX_TRANSMIT_CHAIN_BYTES}: refused`);
+        continue;
+      }
+      taken += bytes;
+      const parts = readable.map((d) => Buffer.from(this.mem.read(d.gpa, d.len)));
       tx.push(chain.head, 0);
       this.onData(parts.length === 1 ? parts[0] : Buffer.concat(parts));
     }
     this.signal(tx, usedBefore);
+    // The guest may have more: the rest in a later turn, so the event loop is not held.
+    if (taken >= TRANSMIT_BYTES_PER_TURN && tx.hasAvailable()) setImmediate(() => this.tx === tx && this.drainTransmit());
   }
 
   private flush(): void {

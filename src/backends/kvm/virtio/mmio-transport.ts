@@ -86,6 +86,8 @@ export class MmioTransport {
   private interruptStatus = 0;
   private configGeneration = 0;
   private queues: QueueSlot[];
+  /** The queues the device was activated with (null where the driver made none ready). */
+  private liveQueues: (SplitQueue | null)[] = [];
   private active = false;
 
   constructor(
@@ -106,6 +108,17 @@ export class MmioTransport {
     return this.device.maxQueueSize?.(index) ?? MAX_QUEUE_SIZE;
   }
 
+  /**
+   * The device cannot go on until the driver resets it (virtio 1.x, 2.1.2): DEVICE_NEEDS_RESET,
+   * and a configuration change interrupt so that the driver looks.
+   */
+  private needsReset(why: string): void {
+    this.status |= STATUS_NEEDS_RESET;
+    this.interruptStatus |= 2;
+    this.onInterrupt();
+    this.onDeviceError(`virtio device ${this.device.deviceId} needs a reset: ${why}`);
+  }
+
   /** Signals "used buffers" to the driver (interrupt status bit 0). */
   signalUsed(): void {
     this.interruptStatus |= 1;
@@ -114,7 +127,9 @@ export class MmioTransport {
 
   /** The driver notified queue `index` (a QueueNotify write, or its ioeventfd). */
   notify(index: number): void {
-    if (this.active && index < this.queues.length) this.device.notify(index);
+    if (!this.active || index >= this.queues.length) return;
+    this.liveQueues[index]?.renewBudget();
+    this.device.notify(index);
   }
 
   /** Queues the device has, for whoever registers an ioeventfd per queue. */
@@ -178,6 +193,7 @@ export class MmioTransport {
       this.interruptStatus = 0;
       if (this.active) this.device.reset();
       this.active = false;
+      this.liveQueues = [];
       return;
     }
     if (value & STATUS_FEATURES_OK && !(this.status & STATUS_FEATURES_OK)) {
@@ -199,9 +215,14 @@ export class MmioTransport {
         if (!q.ready) return null;
         const max = this.maxQueueSize(i);
         if (q.num === 0 || q.num > max || (q.num & (q.num - 1)) !== 0) throw new QueueError(`queue ${i} size ${q.num} is not a power of two <= ${max}`);
-        return new SplitQueue(this.mem, { size: q.num, descGpa: q.desc, availGpa: q.driver, usedGpa: q.device });
+        const queue = new SplitQueue(this.mem, { size: q.num, descGpa: q.desc, availGpa: q.driver, usedGpa: q.device });
+        // A budget-stopped device goes on in a later turn of the event loop, as if notified.
+        queue.onBudgetRenewed = () => this.notify(i);
+        queue.onBroken = (why) => this.needsReset(`queue ${i}: ${why}`);
+        return queue;
       });
       this.device.activate(queues, this.driverFeatures);
+      this.liveQueues = queues;
       this.active = true;
     } catch (e) {
       // A driver that configured its queues wrongly gets DEVICE_NEEDS_RESET, as the spec asks.
