@@ -73,6 +73,20 @@ export class GuestRequestError extends PvisorError {
 }
 
 /**
+ * A guest command's output or a guest file was larger than the caller allowed (`maxBuffer`,
+ * `maxBytes`): the host stopped collecting it (and killed the command), so a guest that prints
+ * without end cannot grow the host process without bound.
+ */
+export class OutputLimitError extends PvisorError {
+  /** The limit that was passed, in bytes. */
+  readonly limitBytes: number;
+  constructor(limitBytes: number, message: string) {
+    super('PVISOR_OUTPUT_LIMIT', message);
+    this.limitBytes = limitBytes;
+  }
+}
+
+/**
  * A memory strategy's backing file is missing, truncated or corrupt. The VM stays suspended, the
  * file untouched, and the guest never sees a wrong byte.
  */

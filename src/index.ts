@@ -27,6 +27,7 @@ export {
   VmStateError,
   TimeoutError,
   BackingFileError,
+  OutputLimitError,
 } from './errors';
 export { IdleRelease } from './memory/strategies/idle-release';
 export { KsmAdvice } from './memory/strategies/ksm-advice';

@@ -4,7 +4,7 @@
  */
 import { constants as osConstants } from 'node:os';
 import { Readable } from 'node:stream';
-import { GuestRequestError, InvalidOptionError, TimeoutError } from '../errors';
+import { GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { parseTimeoutMs } from '../units';
@@ -40,8 +40,9 @@ const KILL_GRACE_MS = 5_000;
 /** Options of a request to the agent. */
 export interface RequestTimeout {
   /**
-   * Reject with a {@link TimeoutError} if the agent has not answered after this long; for a file,
-   * per frame of 512 KiB. A whole number of milliseconds, 1 to 2^31-1. Default 30000.
+   * Reject with a {@link TimeoutError} if the agent has not answered after this long (for a write
+   * of a file or of stdin, per frame of 512 KiB; for a read, the whole file). A whole number of
+   * milliseconds, 1 to 2^31-1. Default 30000.
    */
   timeoutMs?: number;
 }
@@ -77,6 +78,28 @@ export interface ExecOptions {
   timeoutMs?: number;
   /** Aborting kills the command (SIGKILL) and rejects with the signal's reason. */
   signal?: AbortSignal;
+  /**
+   * The most bytes of stdout, and of stderr, that are collected: beyond it the command is killed
+   * (SIGKILL) and exec rejects with an {@link OutputLimitError}. A whole number of bytes, or
+   * Infinity. Default 1 MiB, as Node's `child_process.exec`. For more, stream with
+   * {@link Vm.spawn}.
+   */
+  maxBuffer?: number;
+}
+
+/** Default of {@link ExecOptions.maxBuffer}. */
+const DEFAULT_MAX_BUFFER = 1024 * 1024;
+/** Default of the `maxBytes` of {@link GuestFiles.read}. */
+const DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024;
+
+/** A byte limit option: a whole number of bytes from 0, or Infinity. */
+function byteLimit(option: string, value: unknown, fallback: number): number {
+  if (value === undefined) return fallback;
+  if (value === Infinity) return Infinity;
+  if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < 0) {
+    throw new InvalidOptionError(option, `expected a whole number of bytes or Infinity, got ${typeof value === 'string' ? JSON.stringify(value) : String(value)}`);
+  }
+  return value;
 }
 
 /** How a process ended. */
@@ -252,17 +275,27 @@ export class LinuxGuest {
   async exec(command: Command, options: ExecOptions = {}): Promise<ExecResult> {
     options.signal?.throwIfAborted();
     const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
+    const maxBuffer = byteLimit('maxBuffer', options.maxBuffer, DEFAULT_MAX_BUFFER);
+    let stop: Error | undefined;
     const p = this.spawn(command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined });
-    const out: Buffer[] = [];
-    const err: Buffer[] = [];
-    p.stdout.on('data', (b: Buffer) => out.push(b));
-    p.stderr.on('data', (b: Buffer) => err.push(b));
+    const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
+    const sizes = { stdout: 0, stderr: 0 };
+    const collect = (name: 'stdout' | 'stderr') => (b: Buffer) => {
+      if (stop) return; // killed already: nothing more is kept
+      sizes[name] += b.length;
+      if (sizes[name] > maxBuffer) {
+        killFor(new OutputLimitError(maxBuffer, `command wrote more than ${maxBuffer} bytes to ${name} (maxBuffer); it was killed`));
+        return;
+      }
+      collected[name].push(b);
+    };
     if (options.stdin !== undefined) {
       p.write(options.stdin).then(() => p.end()).catch(() => {
         // The command may exit without reading its stdin (EPIPE): its exit status says enough.
       });
     }
-    let stop: Error | undefined;
+    p.stdout.on('data', collect('stdout'));
+    p.stderr.on('data', collect('stderr'));
     // A guest that does not report the killed command's end must not hold the caller forever.
     let gaveUp!: (e: Error) => void;
     const abandoned = new Promise<never>((_, reject) => (gaveUp = reject));
@@ -279,7 +312,7 @@ export class LinuxGuest {
     try {
       const status = await Promise.race([p.exited, abandoned]);
       if (stop) throw stop;
-      return { ...status, stdout: Buffer.concat(out).toString('utf8'), stderr: Buffer.concat(err).toString('utf8') };
+      return { ...status, stdout: Buffer.concat(collected.stdout).toString('utf8'), stderr: Buffer.concat(collected.stderr).toString('utf8') };
     } finally {
       if (timer) clearTimeout(timer);
       if (grace) clearTimeout(grace);
@@ -317,10 +350,25 @@ export class GuestFiles {
   /** @internal */
   constructor(private readonly agent: AgentClient) {}
 
-  /** The whole content of a regular file. */
-  async read(path: string, options?: RequestTimeout): Promise<Buffer> {
+  /**
+   * The whole content of a regular file. A file larger than `maxBytes` (a whole number of bytes or
+   * Infinity; default 256 MiB) rejects with an {@link OutputLimitError} and what came is dropped.
+   */
+  async read(path: string, options: RequestTimeout & { maxBytes?: number } = {}): Promise<Buffer> {
+    const maxBytes = byteLimit('maxBytes', options.maxBytes, DEFAULT_MAX_FILE_BYTES);
     const parts: Buffer[] = [];
-    const r = await this.agent.request(LinuxOp.FileRead, str(path, 'path'), { onChunk: (_f, p) => parts.push(Buffer.from(p)), timeoutMs: requestTimeout(options) });
+    let size = 0;
+    let tooLarge = false;
+    const r = await this.agent.request(LinuxOp.FileRead, str(path, 'path'), {
+      onChunk: (_f, p) => {
+        size += p.length;
+        if (size > maxBytes) tooLarge = true;
+        if (tooLarge) parts.length = 0; // what came is dropped; the rest is counted, not kept
+        else parts.push(Buffer.from(p));
+      },
+      timeoutMs: requestTimeout(options),
+    });
+    if (tooLarge) throw new OutputLimitError(maxBytes, `${path} is larger than ${maxBytes} bytes (maxBytes)`);
     if (r.length < 8) throw new GuestRequestError(0, `the guest answered FILE_READ with ${r.length} bytes, 8 expected`);
     const data = Buffer.concat(parts);
     const total = Number(r.readBigUInt64LE(0));

@@ -1,6 +1,6 @@
 // The Linux guest's host client against an agent this test plays (pure logic over real framing):
 // every operation settles within its timeout, whatever the agent does. No VM.
-import { GuestRequestError, InvalidOptionError, TimeoutError } from '../../src';
+import { GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../../src';
 import { LinuxGuest } from '../../src/guest/linux-client';
 import { AgentClient } from '../../src/protocol/agent-client';
 import { encodeFrame, FrameDecoder, FrameType, type Frame } from '../../src/protocol/frame';
@@ -77,5 +77,32 @@ describe('Linux guest client', () => {
     const guest = fakeGuest(() => {});
     await expect(guest.exec(['true'], { timeoutMs: bad as number })).rejects.toThrow(InvalidOptionError);
     await expect(guest.memInfo({ timeoutMs: bad as number })).rejects.toThrow(/timeoutMs: expected a whole number of milliseconds/);
+  });
+
+  it('exec kills a command that prints more than maxBuffer and rejects with an OutputLimitError', async () => {
+    const ops: number[] = [];
+    const guest = fakeGuest((f, reply) => {
+      ops.push(f.op);
+      if (f.op !== EXEC) return; // the KILL: the command's end is never reported (grace applies)
+      reply({ type: FrameType.StreamChunk, op: EXEC, flags: STARTED, payload: Buffer.from([9, 0, 0, 0]) });
+      for (let i = 0; i < 40; i++) reply({ type: FrameType.StreamChunk, op: EXEC, flags: 1, payload: Buffer.alloc(64 * 1024, 0x79) }); // 2.5 MiB of 'y'
+    });
+    const err = await guest.exec(['yes'], { maxBuffer: 1024 * 1024 }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(OutputLimitError);
+    expect((err as OutputLimitError).message).toMatch(/more than 1048576 bytes to stdout/);
+    expect(ops).toContain(0x0204); // KILL was sent
+  }, 15_000);
+
+  it('files.read of a file larger than maxBytes rejects with an OutputLimitError and keeps none of it', async () => {
+    const guest = fakeGuest((f, reply) => {
+      for (let i = 0; i < 8; i++) reply({ type: FrameType.StreamChunk, op: f.op, flags: 0, payload: Buffer.alloc(128 * 1024) });
+      const total = Buffer.alloc(8);
+      total.writeBigUInt64LE(BigInt(8 * 128 * 1024));
+      reply({ type: FrameType.Response, op: f.op, flags: 0, payload: total });
+    });
+    await expect(guest.files.read('/big', { maxBytes: 512 * 1024 })).rejects.toThrow(OutputLimitError);
+    await expect(guest.files.read('/big', { maxBytes: 1024 * 1024 })).resolves.toHaveLength(1024 * 1024);
+    await expect(guest.files.read('/big', { maxBytes: -1 })).rejects.toThrow(/maxBytes: expected a whole number of bytes or Infinity/);
+    await expect(guest.exec(['true'], { maxBuffer: NaN })).rejects.toThrow(/maxBuffer/);
   });
 });
