@@ -164,6 +164,11 @@ export class MmioTransport {
       case Reg.DeviceFeaturesSel: this.deviceFeaturesSel = value; break;
       case Reg.DriverFeaturesSel: this.driverFeaturesSel = value; break;
       case Reg.DriverFeatures:
+        // Features are fixed once FEATURES_OK is set (virtio 1.x, 3.1.1): a later write is ignored.
+        if (this.status & STATUS_FEATURES_OK) {
+          this.onDeviceError(`virtio device ${this.device.deviceId}: the driver rewrote its features after FEATURES_OK; ignored`);
+          break;
+        }
         if (this.driverFeaturesSel <= 1) {
           const shift = BigInt(32 * this.driverFeaturesSel);
           this.driverFeatures = (this.driverFeatures & ~(0xffffffffn << shift)) | (BigInt(value >>> 0) << shift);
@@ -203,6 +208,12 @@ export class MmioTransport {
     }
     if (value & STATUS_DRIVER_OK && !(this.status & STATUS_DRIVER_OK) && !this.active) {
       this.status = value;
+      // A device is only used with features both sides agreed on (FEATURES_OK accepted).
+      if (!(value & STATUS_FEATURES_OK)) {
+        this.status |= STATUS_NEEDS_RESET;
+        this.onDeviceError(`virtio device ${this.device.deviceId}: DRIVER_OK without FEATURES_OK; the device needs a reset`);
+        return;
+      }
       this.activate();
       return;
     }
@@ -215,6 +226,9 @@ export class MmioTransport {
         if (!q.ready) return null;
         const max = this.maxQueueSize(i);
         if (q.num === 0 || q.num > max || (q.num & (q.num - 1)) !== 0) throw new QueueError(`queue ${i} size ${q.num} is not a power of two <= ${max}`);
+        // The alignment the split ring needs (virtio 1.x, 2.7): it also keeps every ring field
+        // inside one guest RAM view, whose seams are page-aligned.
+        if (q.desc % 16 || q.driver % 2 || q.device % 4) throw new QueueError(`queue ${i} rings are not aligned (descriptors 16, available 2, used 4 bytes)`);
         const queue = new SplitQueue(this.mem, { size: q.num, descGpa: q.desc, availGpa: q.driver, usedGpa: q.device });
         // A budget-stopped device goes on in a later turn of the event loop, as if notified.
         queue.onBudgetRenewed = () => this.notify(i);

@@ -1,0 +1,105 @@
+// The virtio-mmio transport enforces the device status state machine against a driver that does
+// not follow it. Real guest memory, a device model that records what it is given. No KVM.
+import { GuestMemory } from '../../src/backends/kvm/guest-memory';
+import { MmioTransport, VIRTIO_F_VERSION_1, type VirtioDevice } from '../../src/backends/kvm/virtio/mmio-transport';
+import type { SplitQueue } from '../../src/backends/kvm/virtio/queue';
+
+const ACK = 1;
+const DRIVER = 2;
+const DRIVER_OK = 4;
+const FEATURES_OK = 8;
+const NEEDS_RESET = 64;
+
+class Recorder implements VirtioDevice {
+  readonly deviceId = 42;
+  readonly queueCount = 1;
+  readonly features = VIRTIO_F_VERSION_1;
+  activated: (SplitQueue | null)[] | undefined;
+  acked = 0n;
+  readConfig(): number {
+    return 0;
+  }
+  activate(queues: (SplitQueue | null)[], acked: bigint): void {
+    this.activated = queues;
+    this.acked = acked;
+  }
+  notify(): void {
+    this.activated?.[0]?.popValid(() => {});
+  }
+  reset(): void {
+    this.activated = undefined;
+  }
+}
+
+describe('virtio-mmio transport, as a hostile driver drives it', () => {
+  let mem: GuestMemory;
+  let dev: Recorder;
+  let t: MmioTransport;
+  let errors: string[];
+  let interrupts: number;
+  beforeEach(() => {
+    mem = GuestMemory.map(1024 * 1024);
+    dev = new Recorder();
+    errors = [];
+    interrupts = 0;
+    t = new MmioTransport(0xd0000000, dev, mem, () => interrupts++, (m) => errors.push(m));
+  });
+  afterEach(() => mem.unmap());
+
+  const w = (reg: number, value: number) => t.write(reg, 4, value);
+  function negotiate(): void {
+    w(0x070, ACK | DRIVER);
+    w(0x024, 1); // DriverFeaturesSel: the high word
+    w(0x020, 1); // VERSION_1
+    w(0x070, ACK | DRIVER | FEATURES_OK);
+  }
+  function queue(desc: number, avail: number, used: number): void {
+    w(0x030, 0);
+    w(0x038, 8);
+    w(0x080, desc);
+    w(0x090, avail);
+    w(0x0a0, used);
+    w(0x044, 1);
+  }
+
+  it('DRIVER_OK without FEATURES_OK: the device is not used and needs a reset', () => {
+    w(0x070, ACK | DRIVER);
+    queue(0x1000, 0x2000, 0x3000);
+    w(0x070, ACK | DRIVER | DRIVER_OK);
+    expect(dev.activated).toBeUndefined();
+    expect(t.read(0x070, 4) & NEEDS_RESET).toBe(NEEDS_RESET);
+    expect(errors.join()).toMatch(/DRIVER_OK without FEATURES_OK/);
+  });
+
+  it('features written after FEATURES_OK are ignored: the device runs with what was agreed', () => {
+    negotiate();
+    w(0x024, 0);
+    w(0x020, 0xffffffff); // every low feature bit, after the fact
+    queue(0x1000, 0x2000, 0x3000);
+    w(0x070, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    expect(dev.activated).toHaveLength(1);
+    expect(dev.acked).toBe(VIRTIO_F_VERSION_1);
+    expect(errors.join()).toMatch(/rewrote its features after FEATURES_OK/);
+  });
+
+  it('unaligned rings are refused with DEVICE_NEEDS_RESET, not a RangeError', () => {
+    negotiate();
+    queue(0x1003, 0x2000, 0x3001);
+    w(0x070, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    expect(dev.activated).toBeUndefined();
+    expect(t.read(0x070, 4) & NEEDS_RESET).toBe(NEEDS_RESET);
+    expect(errors.join()).toMatch(/rings are not aligned/);
+  });
+
+  it('a queue broken by an impossible available index sets DEVICE_NEEDS_RESET with a configuration interrupt', () => {
+    negotiate();
+    queue(0x1000, 0x2000, 0x3000);
+    w(0x070, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    mem.writeU16(0x2000 + 2, 100); // 100 chains in a ring of 8
+    w(0x050, 0); // QueueNotify
+    expect(t.read(0x070, 4) & NEEDS_RESET).toBe(NEEDS_RESET);
+    expect(t.read(0x060, 4) & 2).toBe(2); // InterruptStatus: configuration change
+    expect(interrupts).toBe(1);
+    expect(errors.join()).toMatch(/needs a reset: queue 0: available index 100/);
+  });
+});
