@@ -399,16 +399,16 @@ export class Vm extends EventEmitter<VmEvents> {
         throw e;
       }
       this.setState('suspended');
-      const suspended = this.suspendCount;
+      const resumes = this.resumeCount;
       this.memory.memoryReleased().then(
-        () => this.suspendCount === suspended && this._state === 'suspended' && this.emit('released', { ms: performance.now() - t0 }),
-        (error: PvisorError) => this.suspendCount === suspended && this._state === 'suspended' && this.emit('released', { ms: performance.now() - t0, error }),
+        () => this.resumeCount === resumes && this._state === 'suspended' && this.emit('released', { ms: performance.now() - t0 }),
+        (error: PvisorError) => this.resumeCount === resumes && this._state === 'suspended' && this.emit('released', { ms: performance.now() - t0, error }),
       );
     });
   }
 
   /** Counts resumes, so that a release that ends after a resume says nothing. */
-  private suspendCount = 0;
+  private resumeCount = 0;
 
   /**
    * Settles when the memory the last {@link suspend} set out to release is released: at once if
@@ -430,7 +430,7 @@ export class Vm extends EventEmitter<VmEvents> {
     return this.transition(async () => {
       this.requireState('paused', 'suspended');
       if (this._state === 'suspended') {
-        this.suspendCount++;
+        this.resumeCount++;
         await this.memory.resume(() => this.checkNotEnded('resume'));
       }
       this.machine.resume();

@@ -235,7 +235,7 @@ export class GuestMemory {
           // Fresh anonymous memory over the range: reads zero, costs nothing until written. KVM
           // follows the change through its MMU notifier; the slot still covers the same addresses.
           mmap(this.hostAddr + offset, len, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE | C.MAP_FIXED, -1, 0, 'zeroed guest RAM over a file mapping');
-          for (const [advice, name] of this.advices) madvise(this.hostAddr + offset, len, advice, name);
+          this.adviseAgain(offset, len);
         }
         break;
     }
@@ -253,6 +253,11 @@ export class GuestMemory {
       throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)} (file offset 0x${fileOffset.toString(16)}) is not page-aligned inside guest RAM`);
     }
     mmap(this.hostAddr + offset, length, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_NORESERVE | C.MAP_FIXED, fd, fileOffset, 'a file mapped over guest RAM');
+    this.adviseAgain(offset, length);
+  }
+
+  /** Applies the whole-range advice given so far to memory newly mapped over part of the range. */
+  private adviseAgain(offset: number, length: number): void {
     for (const [advice, name] of this.advices) madvise(this.hostAddr + offset, length, advice, name);
   }
 

@@ -226,9 +226,8 @@ export class CompressedOffload implements MemoryStrategy {
       framesZstd: count('zstd'),
       compressionRatio: Math.round((uncompressed / written.fileBytes) * 100) / 100,
     });
-    // finish() sorts a copy of the entries: keep the dropped ones by identity of content.
-    const droppedOffsets = new Set([...w.dropped].map((e) => e.guestOffset));
-    this.image = { path: w.writer.path, header: w.header, entries, dropped: new Set(entries.filter((e) => droppedOffsets.has(e.guestOffset))) };
+    // finish() sorts the same entry objects the write-out appended, so `dropped` names them as is.
+    this.image = { path: w.writer.path, header: w.header, entries, dropped: w.dropped };
     return this.image;
   }
 
