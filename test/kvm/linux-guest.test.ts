@@ -81,12 +81,14 @@ describe('Linux guest', () => {
     expect(filled - before).toBeGreaterThan(32 * MiB);
     expect((await vm.exec(['rm', '/tmp/fill'])).exitCode).toBe(0);
     // The balloon reports freed 4 MiB blocks about 2 s later; under emulation give it longer.
+    // Only whole free blocks are reported, and how many of the 12 form depends on what else the
+    // guest allocated meanwhile: 8 of them (exactly 32 MiB) is what two runs got, and stayed.
     let now = filled;
     for (let i = 0; i < 60 && filled - now < 32 * MiB; i++) {
       await new Promise((r) => setTimeout(r, 1000));
       now = vm.memoryUsage().guestRamPssBytes;
     }
-    expect(filled - now).toBeGreaterThan(32 * MiB);
+    expect(filled - now).toBeGreaterThanOrEqual(32 * MiB);
     expect(vm.memoryUsage().strategies.find((s) => s.strategy === 'idle-release')!.figures.pagesReleased).toBeGreaterThan(0);
   }, 180_000);
 });
