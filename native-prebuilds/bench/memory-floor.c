@@ -200,25 +200,16 @@ static double a_resident(void) {
   return ms;
 }
 
-/* Writes SIZE of the source to the file; -1 when an O_DIRECT write is refused with EINVAL at once. */
-static int pwrite_all(int fd, const char *path) {
+/*
+ * Moves SIZE bytes between memory m and the file in PIECE pieces: writes (the source) or reads
+ * (into m). Returns -1 when an O_DIRECT transfer is refused with EINVAL at once.
+ */
+static int transfer_all(int fd, uint8_t *m, int writing, const char *path) {
   for (size_t off = 0; off < size;) {
     size_t len = size - off < PIECE ? size - off : PIECE;
-    ssize_t n = pwrite(fd, src + off, len, (off_t)off);
+    ssize_t n = writing ? pwrite(fd, m + off, len, (off_t)off) : pread(fd, m + off, len, (off_t)off);
     if (n < 0 && errno == EINVAL && off == 0 && (fcntl(fd, F_GETFL) & O_DIRECT)) return -1;
-    if (n <= 0) fail("pwrite %s at %zu: %s", path, off, n < 0 ? strerror(errno) : "no progress");
-    off += (size_t)n;
-  }
-  return 0;
-}
-
-/* Reads the file into m; -1 when an O_DIRECT read is refused with EINVAL at once. */
-static int pread_all(int fd, uint8_t *m, const char *path) {
-  for (size_t off = 0; off < size;) {
-    size_t len = size - off < PIECE ? size - off : PIECE;
-    ssize_t n = pread(fd, m + off, len, (off_t)off);
-    if (n < 0 && errno == EINVAL && off == 0 && (fcntl(fd, F_GETFL) & O_DIRECT)) return -1;
-    if (n <= 0) fail("pread %s at %zu: %s", path, off, n < 0 ? strerror(errno) : "end of file");
+    if (n <= 0) fail("%s %s at %zu: %s", writing ? "pwrite" : "pread", path, off, n < 0 ? strerror(errno) : writing ? "no progress" : "end of file");
     off += (size_t)n;
   }
   return 0;
@@ -237,7 +228,7 @@ static double b_write(const char *path, int direct, int *refused) {
   if (fd < 0 && direct) { *refused = 1; return 0; }
   if (fd < 0) fail("create %s: %s", path, strerror(errno));
   double t0 = now_ms();
-  if (pwrite_all(fd, path) < 0) {
+  if (transfer_all(fd, src, 1, path) < 0) {
     close(fd);
     *refused = 1;
     return 0;
@@ -288,7 +279,7 @@ static double c_read(const char *path, int direct, int cold) {
   if (fd < 0) fail("open %s: %s", path, strerror(errno));
   uint8_t *m = fresh(MADV_NOHUGEPAGE);
   double t0 = now_ms();
-  int r = pread_all(fd, m, path);
+  int r = transfer_all(fd, m, 0, path);
   double ms = now_ms() - t0;
   close(fd);
   if (r == 0) check(m, cold ? "c.readCold" : "c.readWarm");

@@ -14,6 +14,32 @@ export interface PageRun {
   length: number;
 }
 
+/** Gathers pages that pass a test, visited once each in address order, into runs. */
+class RunCollector {
+  readonly runs: PageRun[] = [];
+  private start = -1;
+
+  /** @param base offset of page 0 */
+  constructor(private readonly base = 0) {}
+
+  /** Page `p` is in a run (or not). */
+  page(p: number, inRun: boolean): void {
+    if (inRun && this.start < 0) this.start = p;
+    else if (!inRun && this.start >= 0) this.close(p);
+  }
+
+  /** Closes the last run at `pages`, the number of pages visited, and returns the runs. */
+  end(pages: number): PageRun[] {
+    if (this.start >= 0) this.close(pages);
+    return this.runs;
+  }
+
+  private close(p: number): void {
+    this.runs.push({ offset: this.base + this.start * PAGE_SIZE, length: (p - this.start) * PAGE_SIZE });
+    this.start = -1;
+  }
+}
+
 /** /proc/PID/pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst), in the entry's high word. */
 const PM_PRESENT_HI = 1 << 31; // bit 63
 const PM_FILE_OR_SHARED_HI = 1 << 29; // bit 61
@@ -36,8 +62,7 @@ function presentAnonymousRuns(hostAddr: number, sizeBytes: number): PageRun[] {
   const pages = sizeBytes / PAGE_SIZE;
   const buf = Buffer.allocUnsafe(Math.min(pages, PAGEMAP_ENTRIES_PER_READ) * 8);
   const words = new Uint32Array(buf.buffer, buf.byteOffset, buf.length / 4);
-  const runs: PageRun[] = [];
-  let start = -1;
+  const runs = new RunCollector();
   const fd = openSync('/proc/self/pagemap', 'r');
   try {
     for (let first = 0; first < pages; first += PAGEMAP_ENTRIES_PER_READ) {
@@ -51,20 +76,13 @@ function presentAnonymousRuns(hostAddr: number, sizeBytes: number): PageRun[] {
       }
       for (let i = 0; i < count; i++) {
         const hi = words[2 * i + 1];
-        const own = (hi & PM_PRESENT_HI) !== 0 && (hi & PM_FILE_OR_SHARED_HI) === 0;
-        const p = first + i;
-        if (own && start < 0) start = p;
-        else if (!own && start >= 0) {
-          runs.push({ offset: start * PAGE_SIZE, length: (p - start) * PAGE_SIZE });
-          start = -1;
-        }
+        runs.page(first + i, (hi & PM_PRESENT_HI) !== 0 && (hi & PM_FILE_OR_SHARED_HI) === 0);
       }
     }
   } finally {
     closeSync(fd);
   }
-  if (start >= 0) runs.push({ offset: start * PAGE_SIZE, length: (pages - start) * PAGE_SIZE });
-  return runs;
+  return runs.end(pages);
 }
 
 /** Pages resident in memory (mincore: for a shared mapping, in its file whether mapped or not). */
@@ -75,17 +93,9 @@ function residentRuns(hostAddr: number, sizeBytes: number): PageRun[] {
   try {
     mincore(hostAddr, sizeBytes, vecAddr);
     const vec = viewAt(vecAddr, pages);
-    const runs: PageRun[] = [];
-    let start = -1;
-    for (let p = 0; p <= pages; p++) {
-      const resident = p < pages && (vec[p] & 1) === 1;
-      if (resident && start < 0) start = p;
-      else if (!resident && start >= 0) {
-        runs.push({ offset: start * PAGE_SIZE, length: (p - start) * PAGE_SIZE });
-        start = -1;
-      }
-    }
-    return runs;
+    const runs = new RunCollector();
+    for (let p = 0; p < pages; p++) runs.page(p, (vec[p] & 1) === 1);
+    return runs.end(pages);
   } finally {
     munmap(vecAddr, vecBytes);
   }
@@ -115,19 +125,15 @@ const ZERO_PAGE = Buffer.alloc(PAGE_SIZE);
  * object per page.
  */
 export function splitZeroPages(data: Buffer, offset: number): { nonZero: PageRun[]; zeroPages: number } {
-  const nonZero: PageRun[] = [];
+  const pages = data.length / PAGE_SIZE;
+  const runs = new RunCollector(offset);
   let zeroPages = 0;
-  let start = -1;
-  for (let p = 0; p <= data.length; p += PAGE_SIZE) {
-    const zero = p === data.length || data.compare(ZERO_PAGE, 0, PAGE_SIZE, p, p + PAGE_SIZE) === 0;
-    if (zero && p < data.length) zeroPages++;
-    if (!zero && start < 0) start = p;
-    else if (zero && start >= 0) {
-      nonZero.push({ offset: offset + start, length: p - start });
-      start = -1;
-    }
+  for (let p = 0; p < pages; p++) {
+    const zero = data.compare(ZERO_PAGE, 0, PAGE_SIZE, p * PAGE_SIZE, (p + 1) * PAGE_SIZE) === 0;
+    if (zero) zeroPages++;
+    runs.page(p, !zero);
   }
-  return { nonZero, zeroPages };
+  return { nonZero: runs.end(pages), zeroPages };
 }
 
 /** Offsets of the `unitBytes`-aligned units that hold at least one page of `runs`, ascending. */
