@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Rebuilds every native helper library into native-prebuilds/linux-x64/, each with its checksum:
 #   libpvisor-vcpu.so    vcpu_runner.c  (a thread per vCPU running KVM_RUN)
-#   libpvisor-memory.so  uffd_server.c crc32c.c  (the userfaultfd server of memory strategies)
+#   libpvisor-memory.so  uffd_server.c cold_store.c crc32c.c + lz4's lz4.c  (the userfaultfd
+#                        server of memory strategies, with ColdCompression's block store)
+# lz4 is built from its release source (1.9.4, the tarball Debian ships as lz4_1.9.4.orig.tar.gz,
+# checked against its SHA-256), not from a system package: the library must not depend on a
+# liblz4 at run time, and only its block decompressor is used (the format lz4-napi writes).
 # Reproducible: no build paths, build ids or timestamps end up in the output.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,5 +24,28 @@ build() { # build LIBRARY SOURCE...
   echo "built $out/$lib ($(stat -c %s "$out/$lib") bytes)"
 }
 
+LZ4_VERSION=1.9.4
+LZ4_SHA256=0b0e3aa07c8c063ddf40b082bdf7e37a1562bda40a0ff5272957f3e987e0e54b
+LZ4_URL=https://deb.debian.org/debian/pool/main/l/lz4/lz4_${LZ4_VERSION}.orig.tar.gz
+lz4_source() { # fetches and checks lz4's source once; prints the directory holding lz4.c and lz4.h
+  local cache="$here/../../.cache/lz4" tarball
+  tarball="$cache/lz4_${LZ4_VERSION}.orig.tar.gz"
+  mkdir -p "$cache"
+  if [ ! -f "$tarball" ]; then
+    curl -fsSL --retry 3 -o "$tarball.part" "$LZ4_URL" >&2
+    mv "$tarball.part" "$tarball"
+  fi
+  if ! echo "$LZ4_SHA256  $tarball" | sha256sum -c --quiet >&2; then
+    rm -f "$tarball"
+    echo "lz4 source: checksum mismatch for $LZ4_URL" >&2
+    return 1
+  fi
+  tar -xzf "$tarball" -C "$cache" "lz4-${LZ4_VERSION}/lib/lz4.c" "lz4-${LZ4_VERSION}/lib/lz4.h"
+  echo "$cache/lz4-${LZ4_VERSION}/lib"
+}
+lz4=$(lz4_source)
+
 build libpvisor-vcpu.so vcpu_runner.c
-build libpvisor-memory.so uffd_server.c crc32c.c
+# lz4.c as released (third-party code: not under pvisor's warnings), its symbols kept private.
+gcc -O2 -g0 -fPIC -fvisibility=hidden -DLZ4LIB_VISIBILITY= -c -ffile-prefix-map="$lz4"=lz4 -o "$lz4/lz4.o" "$lz4/lz4.c"
+build libpvisor-memory.so -I"$lz4" uffd_server.c cold_store.c crc32c.c "$lz4/lz4.o"

@@ -32,6 +32,15 @@
  * Guest RAM is registered (MISSING mode) only while some source is active (not done, not
  * removed): with nothing left to load, faults fill normally at no cost to this thread.
  *
+ * ColdCompression's block store (cold_store.h), once attached, keeps RAM registered in MISSING and
+ * WRITE-PROTECT modes. Node compresses a block in place while it is write-protected
+ * (pv_uffd_cold_begin), then hands its compressed bytes over (pv_uffd_cold_finish): unless
+ * something wrote, or faulted, into the block meanwhile (a write-protect fault, which this thread
+ * answers by lifting the protection and marking the block), the block is dropped and kept here.
+ * A write blocked in a fault has not happened yet, so nothing written is ever lost. A fault in a
+ * dropped block decompresses it (lz4), checks its CRC32C and maps it whole; a block that fails
+ * the check is marked bad and reported, and never mapped, like a bad range of a source.
+ *
  * Owns: the thread, the userfaultfd, the wake eventfd, its end of the record socket (Node owns the
  * other), a dup of each file source's fd, the range tables, and a 4 MiB bounce buffer that is
  * unmapped after 1 s without work (a load that never finishes must not keep it resident).
@@ -69,6 +78,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cold_store.h"
 #include "crc32c.h"
 #include "pv_record.h"
 
@@ -89,6 +99,7 @@ enum pv_source_flag {
 enum pv_server_record_kind {
   PV_REC_SOURCE_DONE = 1,  /* every range of the source is loaded; value = ranges loaded */
   PV_REC_SOURCE_ERROR = 2, /* a range cannot be loaded (reported once per source); value = its offset */
+  PV_REC_COLD_ERROR = 3,   /* tag 0: a compressed block failed its check; value = its offset */
 };
 
 /* pv_record.err of SOURCE_ERROR when it is not a positive errno of pread. */
@@ -144,7 +155,8 @@ struct pv_uffd_server {
   pthread_cond_t handed; /* Node's call is through: the thread may take the mutex back */
   int api_waiting;       /* Node's calls waiting for the mutex (atomic) */
   int stopping;
-  int registered;
+  int registered; /* the UFFDIO_REGISTER_MODE_* guest RAM is registered with, 0 if none */
+  struct cold_store *cold;
   struct source **sources;
   uint32_t nsources;
   uint16_t last_id;
@@ -242,18 +254,25 @@ static int any_active(struct pv_uffd_server *s) {
   return 0;
 }
 
-/* Registers guest RAM while some source is active, unregisters it otherwise. Returns 0 or -errno. */
+/*
+ * Registers guest RAM while some source is active or the block store is attached (then also for
+ * write-protect faults), unregisters it otherwise. Returns 0 or -errno.
+ */
 static int update_registration(struct pv_uffd_server *s) {
-  int want = any_active(s);
-  if (want && !s->registered) {
-    struct uffdio_register reg = {{s->base, s->size}, UFFDIO_REGISTER_MODE_MISSING, 0};
+  int want = any_active(s) || s->cold;
+  int mode = UFFDIO_REGISTER_MODE_MISSING | (s->cold ? UFFDIO_REGISTER_MODE_WP : 0);
+  if (want && s->registered != mode) {
+    /* Registering again with more modes is allowed for the same userfaultfd. */
+    struct uffdio_register reg = {{s->base, s->size}, (uint64_t)mode, 0};
     if (ioctl(s->uffd, UFFDIO_REGISTER, &reg) != 0) return -errno;
-    if (!(reg.ioctls & (1ULL << _UFFDIO_COPY)) || !(reg.ioctls & (1ULL << _UFFDIO_ZEROPAGE))) {
+    uint64_t need = (1ULL << _UFFDIO_COPY) | (1ULL << _UFFDIO_ZEROPAGE) | (s->cold ? 1ULL << _UFFDIO_WRITEPROTECT : 0);
+    if ((reg.ioctls & need) != need) {
       struct uffdio_range r = {s->base, s->size};
       ioctl(s->uffd, UFFDIO_UNREGISTER, &r);
+      s->registered = 0;
       return -EOPNOTSUPP;
     }
-    s->registered = 1;
+    s->registered = mode;
   } else if (!want && s->registered) {
     /* Wakes every fault still pending in the range: they retry and fill normally. */
     struct uffdio_range r = {s->base, s->size};
@@ -286,23 +305,89 @@ static void fail_range(struct pv_uffd_server *s, struct source *src, uint32_t i,
   src->reported = 1;
 }
 
+/* The 4 MiB bounce buffer, mapped on first use; NULL with errno set if it cannot be. */
+static uint8_t *bounce_buffer(struct pv_uffd_server *s) {
+  if (!s->bounce) {
+    /* mmap, not malloc: glibc's dynamic mmap threshold would move a freed 4 MiB block onto a
+     * heap that keeps it. Page-aligned, as O_DIRECT needs. */
+    void *b = mmap(NULL, MAX_RANGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (b == MAP_FAILED) return NULL;
+    s->bounce = b;
+  }
+  s->bounce_used_ms = now_ms();
+  return s->bounce;
+}
+
+/* Sets (on) or lifts write protection over [off, off+len); lifting it wakes whoever waits there. */
+static int write_protect(struct pv_uffd_server *s, uint64_t off, uint64_t len, int on) {
+  struct uffdio_writeprotect wp = {{s->base + off, len}, on ? UFFDIO_WRITEPROTECT_MODE_WP : 0};
+  while (ioctl(s->uffd, UFFDIO_WRITEPROTECT, &wp) != 0) {
+    if (errno != EAGAIN && errno != EINTR) return -errno;
+    sched_yield();
+  }
+  return 0;
+}
+
+/*
+ * A write into a write-protected page: if its block is being compressed, the block is marked and
+ * its protection lifted (its compressed form is thrown away at pv_uffd_cold_finish); otherwise
+ * the page's protection is a leftover and goes. Either way the writer is woken: if the page was
+ * dropped meanwhile, it retries into a missing-page fault.
+ */
+static void serve_write_protect(struct pv_uffd_server *s, uint64_t off) {
+  struct cold_store *c = s->cold;
+  if (c && c->blocks[off / c->block].state == COLD_COMPRESSING) {
+    c->blocks[off / c->block].dirtied = 1;
+    write_protect(s, off / c->block * c->block, c->block, 0);
+  } else {
+    write_protect(s, off, PAGE, 0);
+  }
+  wake_range(s, off, PAGE);
+}
+
+/*
+ * A missing page in guest RAM outside every source's ranges, with the block store attached.
+ * Returns 1 if the fault was dealt with here, 0 to fill it as a hole.
+ */
+static int serve_cold(struct pv_uffd_server *s, uint64_t off, pid_t tid) {
+  struct cold_store *c = s->cold;
+  uint32_t b = (uint32_t)(off / c->block);
+  struct cold_block *k = &c->blocks[b];
+  if (k->state == COLD_COMPRESSING) {
+    /* A page dropped during the compression: whatever comes next there is new. */
+    k->dirtied = 1;
+    return 0;
+  }
+  if (k->state == COLD_RESIDENT) return 0;
+  if (k->state == COLD_COMPRESSED) {
+    uint8_t *out = bounce_buffer(s);
+    if (out && cold_take(c, b, out) == 0) {
+      if (fill(s, (uint64_t)b * c->block, c->block, out, NULL) == 0) return 1;
+      k->state = COLD_BAD;
+      pv_record_send(s->notify_fd, PV_REC_COLD_ERROR, 0, PV_ERR_UFFD, (uint64_t)b * c->block);
+    } else {
+      pv_record_send(s->notify_fd, PV_REC_COLD_ERROR, 0, out ? PV_ERR_CHECKSUM : errno, (uint64_t)b * c->block);
+      if (!out) { /* no memory to decompress into: as lost as a bad block */
+        cold_forget(c, b);
+        k->state = COLD_BAD;
+      }
+    }
+  }
+  /* BAD: a vCPU stays pending until the VM ends; Node's main thread reads a zero page. */
+  if (tid == s->main_tid) fill(s, off, PAGE, NULL, &s->zero_pages);
+  return 1;
+}
+
 /* Reads, verifies and maps range i of `src` whole. Returns 0, or -1 if it is bad (reported). */
 static int load_range(struct pv_uffd_server *s, struct source *src, uint32_t i, int by_fault) {
   struct pv_range *r = &src->ranges[i];
   const uint8_t *from = NULL;
   if (src->kind == PV_SRC_MEMORY) from = (const uint8_t *)(uintptr_t)r->where;
   if (src->kind == PV_SRC_FILE) {
-    if (!s->bounce) {
-      /* mmap, not malloc: glibc's dynamic mmap threshold would move a freed 4 MiB block onto a
-       * heap that keeps it. Page-aligned, as O_DIRECT needs. */
-      void *b = mmap(NULL, MAX_RANGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (b == MAP_FAILED) {
-        fail_range(s, src, i, errno);
-        return -1;
-      }
-      s->bounce = b;
+    if (!bounce_buffer(s)) {
+      fail_range(s, src, i, errno);
+      return -1;
     }
-    s->bounce_used_ms = now_ms();
     uint64_t got = 0;
     while (got < r->length) {
       ssize_t n = pread(src->fd, s->bounce + got, r->length - got, (off_t)(r->where + got));
@@ -344,10 +429,14 @@ static int load_range(struct pv_uffd_server *s, struct source *src, uint32_t i, 
   return 0;
 }
 
-static void serve(struct pv_uffd_server *s, uint64_t addr, pid_t tid) {
+static void serve(struct pv_uffd_server *s, uint64_t addr, uint64_t flags, pid_t tid) {
   if (addr < s->base || addr >= s->base + s->size) return;
   uint64_t off = (addr - s->base) & ~(PAGE - 1);
   s->faults++;
+  if (flags & UFFD_PAGEFAULT_FLAG_WP) {
+    serve_write_protect(s, off);
+    return;
+  }
   uint64_t lo = 0, hi = s->size; /* the hole around off, between active ranges */
   for (uint32_t k = 0; k < s->nsources; k++) {
     struct source *src = s->sources[k];
@@ -366,6 +455,13 @@ static void serve(struct pv_uffd_server *s, uint64_t addr, pid_t tid) {
     if (i > 0 && src->ranges[i - 1].offset + src->ranges[i - 1].length > lo) lo = src->ranges[i - 1].offset + src->ranges[i - 1].length;
     if (i < src->count && src->ranges[i].offset < hi) hi = src->ranges[i].offset;
   }
+  if (s->cold) {
+    if (serve_cold(s, off, tid)) return;
+    /* Never over a neighbouring block, which may be compressed. */
+    uint64_t block_start = off / s->cold->block * s->cold->block;
+    if (block_start > lo) lo = block_start;
+    if (block_start + s->cold->block < hi) hi = block_start + s->cold->block;
+  }
   uint64_t start = off & ~(HOLE_BLOCK - 1), end = start + HOLE_BLOCK;
   if (start < lo) start = lo;
   if (end > hi) end = hi;
@@ -380,7 +476,7 @@ static int serve_pending(struct pv_uffd_server *s) {
   if (n <= 0) return 0; /* EAGAIN: none */
   size_t count = (size_t)n / sizeof msgs[0];
   for (size_t k = 0; k < count && !s->stopping; k++) {
-    if (msgs[k].event == UFFD_EVENT_PAGEFAULT) serve(s, msgs[k].arg.pagefault.address, (pid_t)msgs[k].arg.pagefault.feat.ptid);
+    if (msgs[k].event == UFFD_EVENT_PAGEFAULT) serve(s, msgs[k].arg.pagefault.address, msgs[k].arg.pagefault.flags, (pid_t)msgs[k].arg.pagefault.feat.ptid);
     let_node_in(s);
   }
   return (int)count;
@@ -454,6 +550,7 @@ static void free_server(struct pv_uffd_server *s) {
   for (uint32_t k = 0; k < s->nsources; k++) free_source(s->sources[k]);
   free(s->sources);
   free(s->queue);
+  cold_destroy(s->cold);
   if (s->bounce) munmap(s->bounce, MAX_RANGE);
   pthread_cond_destroy(&s->handed);
   pthread_mutex_destroy(&s->lock);
@@ -723,4 +820,223 @@ void pv_uffd_destroy(struct pv_uffd_server *s) {
   post_wake(s);
   if (s->started) pthread_join(s->thread, NULL);
   free_server(s);
+}
+
+/*
+ * ColdCompression's side. Blocks are indices into guest RAM cut in blocks of the size given at
+ * attach. Every call returns -errno on failure with nothing changed, -ENOENT without a store.
+ */
+
+/*
+ * Attaches a block store of `block`-byte blocks (a power of two, 4 KiB to 4 MiB, dividing guest
+ * RAM): from now on guest RAM stays registered, also for write-protect faults. -EOPNOTSUPP if the
+ * kernel cannot write-protect it, -EBUSY if a store is attached already.
+ */
+int32_t pv_uffd_cold_attach(struct pv_uffd_server *s, uint64_t block) {
+  if (block > MAX_RANGE) return -EINVAL;
+  api_lock(s);
+  int32_t rc = 0;
+  if (s->cold) rc = -EBUSY;
+  if (!rc && !(s->cold = cold_create(s->size, block))) rc = -errno;
+  if (!rc && (rc = update_registration(s)) != 0) {
+    cold_destroy(s->cold);
+    s->cold = NULL;
+    update_registration(s);
+  }
+  api_unlock(s);
+  return rc;
+}
+
+static int32_t check_blocks(struct pv_uffd_server *s, const uint32_t *list, int32_t n) {
+  if (!s->cold) return -ENOENT;
+  if (n < 0) return -EINVAL;
+  for (int32_t k = 0; k < n; k++)
+    if (list[k] >= s->cold->count) return -EINVAL;
+  return 0;
+}
+
+/*
+ * For blocks [first, first+count): out[2k+1] is how many of the block's pages are present in
+ * guest RAM (UINT32_MAX if the block is not resident), out[2k] the CRC32C of the block when all
+ * are, else 0. Reads guest RAM without the mutex (a page read there may fault into this server).
+ * Returns count.
+ */
+int32_t pv_uffd_cold_scan(struct pv_uffd_server *s, uint32_t first, int32_t count, uint32_t *out) {
+  api_lock(s);
+  struct cold_store *c = s->cold;
+  int32_t rc = !c ? -ENOENT : count < 0 || first > c->count || (uint32_t)count > c->count - first ? -EINVAL : count;
+  for (int32_t k = 0; rc > 0 && k < count; k++) out[2 * k + 1] = c->blocks[first + k].state == COLD_RESIDENT ? 0 : UINT32_MAX;
+  uint64_t block = c ? c->block : 0;
+  api_unlock(s);
+  if (rc <= 0) return rc;
+  unsigned char vec[MAX_RANGE / PAGE];
+  uint32_t pages = (uint32_t)(block / PAGE);
+  for (int32_t k = 0; k < count; k++) {
+    out[2 * k] = 0;
+    if (out[2 * k + 1] == UINT32_MAX) continue;
+    uint8_t *at = (uint8_t *)(uintptr_t)(s->base + (uint64_t)(first + k) * block);
+    if (mincore(at, block, vec) != 0) return -errno;
+    uint32_t present = 0;
+    for (uint32_t p = 0; p < pages; p++) present += vec[p] & 1;
+    out[2 * k + 1] = present;
+    if (present == pages) out[2 * k] = pv_crc32c(at, block);
+  }
+  return count;
+}
+
+/*
+ * Write-protects each listed block that is resident, to be compressed in place: began[k] = 1 for
+ * each it did. Returns how many.
+ */
+int32_t pv_uffd_cold_begin(struct pv_uffd_server *s, const uint32_t *list, int32_t n, uint8_t *began) {
+  api_lock(s);
+  int32_t rc = check_blocks(s, list, n);
+  for (int32_t k = 0; rc >= 0 && k < n; k++) {
+    struct cold_block *blk = &s->cold->blocks[list[k]];
+    began[k] = 0;
+    if (blk->state != COLD_RESIDENT) continue;
+    if (write_protect(s, (uint64_t)list[k] * s->cold->block, s->cold->block, 1) != 0) continue;
+    blk->state = COLD_COMPRESSING;
+    blk->dirtied = 0;
+    began[k] = 1;
+    rc++;
+  }
+  api_unlock(s);
+  return rc;
+}
+
+/* What pv_uffd_cold_finish did with a block. */
+enum cold_outcome { COLD_KEPT = 0, COLD_STORED = 1, COLD_ZERO = 2, COLD_WRITTEN = 3, COLD_NOT_BEGUN = 4 };
+
+/*
+ * Ends the compression of the listed blocks. sizes[k] bytes of `data` (concatenated in list
+ * order) are block list[k]'s compressed form; 0 keeps it resident (it did not compress enough).
+ * A block written or faulted into since pv_uffd_cold_begin stays resident; an all-zero block is
+ * dropped without storing anything (it reads back as zero); any other is dropped and stored.
+ * out[k] is an enum cold_outcome. Returns how many were stored.
+ */
+int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int32_t n, const uint32_t *sizes, const uint8_t *data, uint8_t *out) {
+  api_lock(s);
+  int32_t rc = check_blocks(s, list, n);
+  uint64_t block = s->cold ? s->cold->block : 0;
+  api_unlock(s);
+  if (rc < 0) return rc;
+  /* Checksums first, without the mutex: reading guest RAM may fault into this server. */
+  uint32_t *crc = malloc(sizeof *crc * (n ? n : 1));
+  uint8_t *zero = malloc(n ? n : 1);
+  if (!crc || !zero) {
+    free(crc);
+    free(zero);
+    return -ENOMEM;
+  }
+  for (int32_t k = 0; k < n; k++) {
+    const uint8_t *at = (const uint8_t *)(uintptr_t)(s->base + (uint64_t)list[k] * block);
+    zero[k] = sizes[k] && cold_is_zero(at, block);
+    crc[k] = sizes[k] && !zero[k] ? pv_crc32c(at, block) : 0;
+  }
+  api_lock(s);
+  struct cold_store *c = s->cold;
+  const uint8_t *next = data;
+  for (int32_t k = 0; k < n; k++) {
+    struct cold_block *blk = &c->blocks[list[k]];
+    uint64_t off = (uint64_t)list[k] * block;
+    const uint8_t *bytes = next;
+    next += sizes[k];
+    if (blk->state != COLD_COMPRESSING) {
+      out[k] = COLD_NOT_BEGUN;
+      continue;
+    }
+    blk->state = COLD_RESIDENT;
+    int stored = 0;
+    if (blk->dirtied) {
+      out[k] = COLD_WRITTEN;
+    } else if (zero[k]) {
+      out[k] = COLD_ZERO;
+      c->zero_dropped++;
+    } else if (sizes[k] && cold_keep(c, list[k], bytes, sizes[k], crc[k]) == 0) {
+      out[k] = COLD_STORED;
+      stored = 1;
+      rc++;
+    } else {
+      out[k] = COLD_KEPT;
+    }
+    if (out[k] == COLD_ZERO || stored) {
+      /* Still write-protected and unwritten: what was compressed is what the guest had. A write
+       * waiting in a fault has not happened yet; it retries into the missing page. */
+      madvise((void *)(uintptr_t)(s->base + off), block, MADV_DONTNEED);
+    } else {
+      write_protect(s, off, block, 0);
+    }
+  }
+  api_unlock(s);
+  free(crc);
+  free(zero);
+  return rc;
+}
+
+/*
+ * Copies each block's state (enum cold_state) to states[0..count) and whether a fault brought it
+ * back since the marks were last cleared to faulted[0..count); clears them if `clear`. Returns
+ * the block count.
+ */
+int32_t pv_uffd_cold_states(struct pv_uffd_server *s, uint8_t *states, uint8_t *faulted, int32_t count, int32_t clear) {
+  api_lock(s);
+  struct cold_store *c = s->cold;
+  int32_t rc = !c ? -ENOENT : (uint32_t)count != c->count ? -EINVAL : count;
+  for (int32_t b = 0; rc > 0 && b < count; b++) {
+    states[b] = c->blocks[b].state;
+    faulted[b] = c->blocks[b].faulted;
+    if (clear) c->blocks[b].faulted = 0;
+  }
+  api_unlock(s);
+  return rc;
+}
+
+/* Forgets the stored bytes of the listed blocks (the guest freed them): they read as zero. Returns how many it forgot. */
+int32_t pv_uffd_cold_forget(struct pv_uffd_server *s, const uint32_t *list, int32_t n) {
+  api_lock(s);
+  int32_t rc = check_blocks(s, list, n);
+  for (int32_t k = 0; rc >= 0 && k < n; k++) {
+    struct cold_block *blk = &s->cold->blocks[list[k]];
+    if (blk->state != COLD_COMPRESSED) continue;
+    cold_forget(s->cold, list[k]);
+    rc++;
+  }
+  api_unlock(s);
+  return rc;
+}
+
+/*
+ * The store's figures: 0 blocks stored, 1 bytes stored, 2 blocks a fault brought back, 3
+ * nanoseconds spent decompressing, 4 blocks that failed their check, 5 all-zero blocks dropped.
+ */
+uint64_t pv_uffd_cold_figure(struct pv_uffd_server *s, int32_t which) {
+  api_lock(s);
+  struct cold_store *c = s->cold;
+  uint64_t v = 0;
+  if (c) {
+    switch (which) {
+      case 0: v = c->compressed; break;
+      case 1: v = c->stored_bytes; break;
+      case 2: v = c->faults; break;
+      case 3: v = c->decompress_ns; break;
+      case 4: v = c->bad; break;
+      case 5: v = c->zero_dropped; break;
+    }
+  }
+  api_unlock(s);
+  return v;
+}
+
+/* For tests of the integrity check only: flips one stored byte of a compressed block. */
+int32_t pv_uffd_cold_damage(struct pv_uffd_server *s, uint32_t b) {
+  api_lock(s);
+  int32_t rc = -ENOENT;
+  if (s->cold && b < s->cold->count && s->cold->blocks[b].state == COLD_COMPRESSED) {
+    struct cold_block *blk = &s->cold->blocks[b];
+    blk->data[blk->size / 2] ^= 0x5a;
+    rc = 0;
+  }
+  api_unlock(s);
+  return rc;
 }

@@ -1,0 +1,60 @@
+/*
+ * ColdCompression's block store: guest RAM cut into fixed blocks, each either resident or kept
+ * here compressed (lz4-napi's output: a 4-byte little-endian size, then one lz4 block) with the
+ * CRC32C of its bytes. Pure bookkeeping and decompression: the userfaultfd server (uffd_server.c)
+ * owns the locking, the write protection and the mapping of pages.
+ */
+#ifndef PV_COLD_STORE_H
+#define PV_COLD_STORE_H
+
+#include <stdint.h>
+
+enum cold_state {
+  COLD_RESIDENT = 0,    /* in guest RAM; a page missing there reads as zero */
+  COLD_COMPRESSING = 1, /* write-protected in guest RAM while Node compresses it */
+  COLD_COMPRESSED = 2,  /* dropped from guest RAM; its bytes are in the store */
+  COLD_BAD = 3,         /* its stored bytes failed their check: never mapped */
+};
+
+struct cold_block {
+  uint8_t *data; /* COMPRESSED, BAD: what Node compressed */
+  uint32_t size; /* bytes at data */
+  uint32_t crc;  /* CRC32C of the block as it was compressed */
+  uint8_t state;
+  uint8_t dirtied; /* COMPRESSING: something wrote, or faulted, into it meanwhile */
+  uint8_t faulted; /* a fault brought it back since Node last asked */
+};
+
+struct cold_store {
+  uint64_t block; /* bytes per block: a power of two, at least a page */
+  uint32_t count;
+  struct cold_block *blocks;
+  uint32_t compressed;   /* blocks COMPRESSED */
+  uint64_t stored_bytes; /* bytes held for them */
+  uint64_t faults;       /* blocks a fault brought back */
+  uint64_t decompress_ns;
+  uint64_t bad;          /* blocks that failed their check */
+  uint64_t zero_dropped; /* all-zero blocks dropped without storing anything */
+};
+
+/* A store for `ram_size` bytes in blocks of `block`; NULL with errno set on failure. */
+struct cold_store *cold_create(uint64_t ram_size, uint64_t block);
+void cold_destroy(struct cold_store *c);
+
+/* Keeps a copy of `size` bytes as block b's compressed form: COMPRESSED. 0, or -ENOMEM. */
+int cold_keep(struct cold_store *c, uint32_t b, const uint8_t *data, uint32_t size, uint32_t crc);
+
+/* Drops block b's stored bytes (COMPRESSED or BAD): RESIDENT, its pages missing. */
+void cold_forget(struct cold_store *c, uint32_t b);
+
+/*
+ * Decompresses block b into out (block bytes) and checks its size and CRC32C. On success the
+ * stored bytes are freed and the block is RESIDENT (the caller maps out) and marked faulted;
+ * otherwise it is BAD. Returns 0 or -1.
+ */
+int cold_take(struct cold_store *c, uint32_t b, uint8_t *out);
+
+/* Whether [p, p+len) is all zero bytes. */
+int cold_is_zero(const uint8_t *p, uint64_t len);
+
+#endif
