@@ -30,6 +30,8 @@ export {
   OutputLimitError,
 } from './errors';
 export { IdleRelease } from './memory/strategies/idle-release';
+export { ColdCompression, ColdBlockError } from './memory/strategies/cold-compression';
+export type { ColdCompressionOptions } from './memory/strategies/cold-compression';
 export { KsmAdvice } from './memory/strategies/ksm-advice';
 export { Offload } from './memory/strategies/offload';
 export type { OffloadOptions, OffloadReload } from './memory/strategies/offload';

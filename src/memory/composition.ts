@@ -70,6 +70,8 @@ export class MemoryComposition {
   private closed = false;
   private running = false;
   private tickTimers = new Map<MemoryStrategy, NodeJS.Timeout>();
+  /** Ticks running now: a suspend waits for them, so that no periodic work overlaps it. */
+  private ticking = new Set<Promise<void>>();
   private releasing: Promise<void> = Promise.resolve();
   /** The VM's userfaultfd server, once a strategy asked for it; `serverReady` once it exists. */
   private server: Promise<UffdServer> | undefined;
@@ -89,10 +91,17 @@ export class MemoryComposition {
     return openBacking(this.backingRequest, sizeBytes, this.vmName);
   }
 
-  /** The strategy that takes free-page reports, if any (the balloon offers reporting only then). */
+  /**
+   * Where free-page reports go, if a strategy drives them (the balloon offers reporting only
+   * then): to that strategy, then to every other strategy that listens for them, in order.
+   */
   get freePageSink(): ((gpa: number, length: number) => void) | undefined {
-    const s = this.strategies.find((x) => x.freePagesReported);
-    return s && ((gpa, length) => s.freePagesReported!(this.context, gpa, length));
+    if (!this.strategies.some((x) => x.exclusive.includes('free-page-reporting'))) return undefined;
+    const listeners = this.strategies.filter((x) => x.freePagesReported);
+    const ordered = [...listeners.filter((x) => x.exclusive.includes('free-page-reporting')), ...listeners.filter((x) => !x.exclusive.includes('free-page-reporting'))];
+    return (gpa, length) => {
+      for (const s of ordered) s.freePagesReported!(this.context, gpa, length);
+    };
   }
 
   private get context(): StrategyContext {
@@ -144,6 +153,7 @@ export class MemoryComposition {
    */
   async suspend(checkNotEnded: () => void): Promise<void> {
     this.setRunning(false);
+    await Promise.all(this.ticking);
     const ctx = this.context;
     const done: MemoryStrategy[] = [];
     const work: Promise<void>[] = [];
@@ -204,11 +214,16 @@ export class MemoryComposition {
       this.tickTimers.delete(s);
       if (!this.running) return;
       const t0 = performance.now();
-      try {
-        await s.tick!(this.context);
-      } catch (e) {
-        this.hooks.warn(`${s.name}: periodic work failed: ${(e as Error).message}`);
-      }
+      const tick = (async () => {
+        try {
+          await s.tick!(this.context);
+        } catch (e) {
+          if (!this.closed) this.hooks.warn(`${s.name}: periodic work failed: ${(e as Error).message}`);
+        }
+      })();
+      this.ticking.add(tick);
+      await tick;
+      this.ticking.delete(tick);
       if (this.running && !this.tickTimers.has(s)) this.scheduleTick(s, nextTickDelayMs(s.periodic!, performance.now() - t0));
     }, delayMs);
     // Periodic work never keeps the process alive by itself.

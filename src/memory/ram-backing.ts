@@ -15,7 +15,12 @@ export type RamCapability =
   /** The kernel's KSM can merge its pages (private anonymous pages, or the private copies of a file's). */
   | 'ksm-mergeable'
   /** Missing pages can be served through userfaultfd's missing mode (anonymous memory, memfds). */
-  | 'userfaultfd-missing';
+  | 'userfaultfd-missing'
+  /**
+   * Pages can be write-protected through userfaultfd and dropped so that the next touch is a
+   * missing-page fault: private anonymous memory (a memfd's dropped page stays in its file).
+   */
+  | 'userfaultfd-write-protect';
 
 /** A backing a strategy asks for; the memory layer creates or opens it. */
 export type RamBackingRequest =
@@ -46,7 +51,7 @@ export type DiscardTo = 'zero' | 'backing';
 
 /** What each backing offers. */
 export const BACKING_CAPABILITIES: Readonly<Record<RamBackingKind, readonly RamCapability[]>> = {
-  anonymous: ['zero-on-discard', 'ksm-mergeable', 'userfaultfd-missing'],
+  anonymous: ['zero-on-discard', 'ksm-mergeable', 'userfaultfd-missing', 'userfaultfd-write-protect'],
   // KSM leaves shared mappings alone; shmem supports userfaultfd's missing mode; a punched hole reads zero.
   memfd: ['zero-on-discard', 'userfaultfd-missing'],
   // Zero through an anonymous page mapped over the range; userfaultfd's missing mode is only

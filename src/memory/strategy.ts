@@ -131,7 +131,11 @@ export interface MemoryStrategy {
   readonly ramBacking?: RamBackingRequest;
   /** Guest RAM has been mapped and registered, no vCPU has run yet. */
   map?(ctx: StrategyContext): void;
-  /** The guest reported a free range (needs `free-page-reporting`). */
+  /**
+   * The guest reported a free range. Reports exist only when a strategy drives them (claims
+   * `free-page-reporting`, and drops the range); that strategy hears of a range first, then every
+   * other strategy with this hook, e.g. to forget what it keeps of the range.
+   */
   freePagesReported?(ctx: StrategyContext, gpa: number, length: number): void;
   /**
    * All vCPUs are stopped; the strategy may write out, compress or drop guest pages. It may leave

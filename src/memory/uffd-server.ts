@@ -101,6 +101,7 @@ const KINDS = { file: 1, zero: 2, memory: 3 } as const;
 const FLAG_CHECKSUM = 1;
 const FLAG_PUNCH = 2;
 const RECORD_DONE = 1;
+const RECORD_COLD_ERROR = 3;
 const RANGE_BYTES = 32; // struct pv_range
 const TWO_POW_32 = 0x1_0000_0000;
 
@@ -123,6 +124,14 @@ const fns = define({
   pv_uffd_figure: { library: LIB, retType: U64, paramsType: [U64, I32, I32] },
   pv_uffd_destroy: { library: LIB, retType: DataType.Void, paramsType: [U64] },
   pv_crc32c: { library: LIB, retType: U32, paramsType: [BYTES, U64] },
+  pv_uffd_cold_attach: { library: LIB, retType: I32, paramsType: [U64, U64] },
+  pv_uffd_cold_scan: { library: LIB, retType: I32, paramsType: [U64, U32, I32, BYTES] },
+  pv_uffd_cold_begin: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32, BYTES] },
+  pv_uffd_cold_finish: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32, BYTES, BYTES, BYTES] },
+  pv_uffd_cold_states: { library: LIB, retType: I32, paramsType: [U64, BYTES, BYTES, I32, I32] },
+  pv_uffd_cold_forget: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32] },
+  pv_uffd_cold_figure: { library: LIB, retType: U64, paramsType: [U64, I32] },
+  pv_uffd_cold_damage: { library: LIB, retType: I32, paramsType: [U64, U32] },
   pv_crc32c_sw: { library: LIB, retType: U32, paramsType: [BYTES, U64] },
 });
 // The same function over an address (guest RAM, read in place): ffi-rs names a descriptor by its key.
@@ -177,6 +186,7 @@ export class UffdServer {
   private handle: number;
   private readonly channel: RecordChannel;
   private readonly sources = new Map<number, UffdSource>();
+  private cold: ColdStore | undefined;
 
   private constructor(handle: number) {
     this.handle = handle;
@@ -197,6 +207,10 @@ export class UffdServer {
 
   /** pv_record: tag = source id; done: value = ranges loaded; error: err = reason, value = offset. */
   private onRecord(r: NativeRecord): void {
+    if (r.kind === RECORD_COLD_ERROR) {
+      this.cold?.onError(r.err === -1 ? 'its lz4 data or CRC32C does not match what was compressed' : LOAD_ERRORS[r.err] ?? `no memory to decompress it: ${errnoName(r.err)}`, r.value);
+      return;
+    }
     const source = this.sources.get(r.tag);
     if (!source) return; // removed since
     if (r.kind === RECORD_DONE) source.onEvent({ kind: 'done', rangesLoaded: r.value });
@@ -217,6 +231,21 @@ export class UffdServer {
     const source = new UffdSource(this, rc, spec.ranges.length, onEvent);
     this.sources.set(rc, source);
     return source;
+  }
+
+  /**
+   * Attaches ColdCompression's block store: guest RAM in blocks of `blockBytes` (a power of two
+   * from 4 KiB to 4 MiB that divides it), each of which may be compressed in place and dropped,
+   * then brought back by the thread on first touch. Guest RAM stays registered with userfaultfd
+   * from now on, also for write-protect faults. `onError` hears of a block that failed its check
+   * (the vCPU that touched it stays in its fault until the VM ends). Throws
+   * {@link SystemCallError} if the kernel cannot write-protect guest RAM.
+   */
+  attachColdStore(blockBytes: number, sizeBytes: number, onError: (why: string, offset: number) => void): ColdStore {
+    if (this.cold) throw new VmStateError('a cold block store is attached already');
+    check('pv_uffd_cold_attach', fns.pv_uffd_cold_attach([this.live(), blockBytes]) as number, 'userfaultfd write-protection of guest RAM');
+    this.cold = new ColdStore(this, blockBytes, sizeBytes / blockBytes, onError);
+    return this.cold;
   }
 
   /** What the thread has done in all. */
@@ -247,6 +276,126 @@ export class UffdServer {
   forget(id: number): void {
     this.sources.delete(id);
   }
+}
+
+/** What {@link ColdStore.finish} did with a block. */
+export const enum ColdOutcome {
+  /** Left resident: it did not compress enough. */
+  Kept = 0,
+  /** Dropped from guest RAM, its compressed bytes stored. */
+  Stored = 1,
+  /** All zero: dropped, nothing stored (it reads back as zero). */
+  Zero = 2,
+  /** Written (or faulted into) while it was compressed: left resident, the compressed bytes thrown away. */
+  Written = 3,
+  /** Not being compressed (never begun). */
+  NotBegun = 4,
+}
+
+/** A block's state in {@link ColdStore.states}. */
+export const enum ColdState {
+  Resident = 0,
+  Compressing = 1,
+  Compressed = 2,
+  Bad = 3,
+}
+
+/** What the store holds and the thread has done for it. */
+export interface ColdStoreFigures {
+  blocksStored: number;
+  bytesStored: number;
+  blocksFaultedBack: number;
+  decompressNs: number;
+  blocksBad: number;
+  zeroBlocksDropped: number;
+}
+
+/** A block's reading in {@link ColdStore.scan}. */
+export interface ColdScan {
+  /** Pages of the block present in guest RAM; -1 if the block is not resident. */
+  present: number;
+  /** CRC32C of the block when every page is present, else 0. */
+  crc: number;
+}
+
+/**
+ * ColdCompression's block store in the native server (native-prebuilds/helpers/cold_store.h):
+ * blocks are compressed in place while write-protected ({@link begin}, then {@link finish}), and
+ * a fault in a dropped block is served by the thread (lz4, CRC32C check, UFFDIO_COPY).
+ */
+export class ColdStore {
+  /** @internal */
+  constructor(
+    private readonly server: UffdServer,
+    readonly blockBytes: number,
+    readonly blockCount: number,
+    /** @internal */
+    readonly onError: (why: string, offset: number) => void,
+  ) {}
+
+  /** Present pages and checksums of blocks [first, first+count). */
+  scan(first: number, count: number): ColdScan[] {
+    const out = Buffer.alloc(Math.max(1, count) * 8);
+    check('pv_uffd_cold_scan', fns.pv_uffd_cold_scan([this.server.live(), first, count, out]) as number);
+    return Array.from({ length: count }, (_, k) => {
+      const present = out.readUInt32LE(k * 8 + 4);
+      return { present: present === 0xffffffff ? -1 : present, crc: out.readUInt32LE(k * 8) };
+    });
+  }
+
+  /** Write-protects the blocks that are resident; returns which of `blocks` it did. */
+  begin(blocks: readonly number[]): boolean[] {
+    const began = Buffer.alloc(Math.max(1, blocks.length));
+    check('pv_uffd_cold_begin', fns.pv_uffd_cold_begin([this.server.live(), blockList(blocks), blocks.length, began]) as number);
+    return blocks.map((_, k) => began[k] === 1);
+  }
+
+  /**
+   * Ends the compression of `blocks` (begun): `compressed[k]` is block k's lz4-napi output, or
+   * null to keep it resident. Returns what became of each.
+   */
+  finish(blocks: readonly number[], compressed: readonly (Buffer | null)[]): ColdOutcome[] {
+    const sizes = Buffer.alloc(Math.max(1, blocks.length) * 4);
+    compressed.forEach((c, k) => sizes.writeUInt32LE(c ? c.length : 0, k * 4));
+    const data = Buffer.concat([...compressed.filter((c): c is Buffer => c !== null), Buffer.alloc(1)]);
+    const out = Buffer.alloc(Math.max(1, blocks.length));
+    check('pv_uffd_cold_finish', fns.pv_uffd_cold_finish([this.server.live(), blockList(blocks), blocks.length, sizes, data, out]) as number);
+    return blocks.map((_, k) => out[k] as ColdOutcome);
+  }
+
+  /**
+   * Each block's {@link ColdState}, and which blocks a fault brought back since those marks were
+   * last cleared (by a call with `clearFaulted`).
+   */
+  states(clearFaulted: boolean): { states: Uint8Array; faulted: Uint8Array } {
+    const states = Buffer.alloc(this.blockCount);
+    const faulted = Buffer.alloc(this.blockCount);
+    check('pv_uffd_cold_states', fns.pv_uffd_cold_states([this.server.live(), states, faulted, this.blockCount, clearFaulted ? 1 : 0]) as number);
+    return { states, faulted };
+  }
+
+  /** Forgets the stored bytes of these blocks (the guest freed them): they read as zero. Returns how many it forgot. */
+  forget(blocks: readonly number[]): number {
+    if (!blocks.length) return 0;
+    return check('pv_uffd_cold_forget', fns.pv_uffd_cold_forget([this.server.live(), blockList(blocks), blocks.length]) as number);
+  }
+
+  figures(): ColdStoreFigures {
+    const h = this.server.live();
+    const f = (which: number) => fns.pv_uffd_cold_figure([h, which]) as number;
+    return { blocksStored: f(0), bytesStored: f(1), blocksFaultedBack: f(2), decompressNs: f(3), blocksBad: f(4), zeroBlocksDropped: f(5) };
+  }
+
+  /** @internal For tests of the integrity check: flips one stored byte of a compressed block. */
+  damage(block: number): void {
+    check('pv_uffd_cold_damage', fns.pv_uffd_cold_damage([this.server.live(), block]) as number, `block ${block} is not compressed`);
+  }
+}
+
+function blockList(blocks: readonly number[]): Buffer {
+  const list = Buffer.alloc(Math.max(1, blocks.length) * 4);
+  blocks.forEach((b, k) => list.writeUInt32LE(b, k * 4));
+  return list;
 }
 
 /** A source added to a {@link UffdServer}. */

@@ -1,0 +1,310 @@
+/**
+ * ColdCompression: while the VM runs, blocks of guest RAM that stay unchanged for a while are
+ * compressed with lz4 into host memory and dropped; the guest's first touch of a dropped block
+ * brings it back through the VM's userfaultfd server, in C, without waiting on the event loop.
+ *
+ * Finding cold blocks (docs/cold-compression.md says why this way): the hosts pvisor targets have
+ * neither idle page tracking nor DAMON's virtual-address monitor, and KVM's guest accesses do not
+ * reach the host's accessed bits, so a block counts as cold when its CRC32C has not changed for
+ * `coldAfterMs` (writes), and a block that a read brings back soon after it was dropped (a
+ * refault) waits twice as long each time before it is tried again (reads). A block lz4 cannot
+ * shrink enough stays resident and is not tried again until its content changes.
+ *
+ * Compressing a block never loses a write: the native server write-protects it first, lz4-napi
+ * compresses a copy on the libuv pool, and the block is dropped only if nothing wrote into it
+ * meanwhile (native-prebuilds/helpers/uffd_server.c). Every stored block carries the CRC32C of its
+ * bytes; one that fails it ends the VM before the guest reads a wrong byte.
+ */
+import { InvalidOptionError, PvisorError } from '../../errors';
+import { parseTimeoutMs } from '../../units';
+import type { ColdOutcome, ColdStore } from '../uffd-server';
+import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, type StrategyStats } from '../strategy';
+
+/** Options of {@link ColdCompression}. */
+export interface ColdCompressionOptions {
+  /**
+   * How long a block's content must stay unchanged before it is compressed. Default 10 s: long
+   * enough that a working set in use (rewritten, or read back within seconds) is left alone, short
+   * enough that an agent idling between tool calls costs its compressed size within a few scans.
+   */
+  coldAfterMs?: number;
+  /**
+   * Bytes per block, the unit that is compressed, dropped and brought back by one fault: a power of
+   * two from 16 KiB to 4 MiB. Default 64 KiB: lz4 finds most of what larger blocks would, and a
+   * fault maps one block in one UFFDIO_COPY (64 KiB pieces place 64 MiB in about 34 ms on these
+   * hosts, against 55 ms in 4 KiB pieces: host-facts.md).
+   */
+  blockBytes?: number;
+  /** Most host memory the compressed blocks may take. Default a quarter of guest RAM. */
+  maxStoreBytes?: number;
+  /**
+   * Share of one CPU the scans and compression on the event loop may take, from 0.001 to 1.
+   * Default 0.05.
+   */
+  cpuShare?: number;
+  /**
+   * A block is stored only if lz4 shrinks it by at least this many percent (1-99): below that it
+   * is left resident, so incompressible content never costs more than without the strategy.
+   * Default 25.
+   */
+  minSavingPercent?: number;
+}
+
+const SCAN_INTERVAL_MS = 1000;
+/**
+ * Guest RAM read per tick: a 512 MiB VM in one tick. Only fully present blocks are checksummed
+ * (CRC32C at about 10 GB/s), so a tick costs a few milliseconds per 64 MiB resident.
+ */
+const SCAN_BYTES_PER_TICK = 512 * 1024 * 1024;
+/** At most this much is compressed per tick (a batch at a time); the rest waits for the next. */
+const COMPRESS_BYTES_PER_TICK = 32 * 1024 * 1024;
+const BATCH_BYTES = 4 * 1024 * 1024;
+/** A block waits coldAfter x 2^level after a refault, up to 2^12 (11 hours at the default). */
+const MAX_BACKOFF = 12;
+/** A refault within this many coldAfter periods of the drop counts as a wrong guess. */
+const SOON_PERIODS = 4;
+
+/** The guest read back, or wrote into, a block that failed its integrity check. */
+export class ColdBlockError extends PvisorError {
+  /** Offset of the block in guest RAM. */
+  readonly offset: number;
+  constructor(offset: number, why: string) {
+    super('PVISOR_COLD_BLOCK_CORRUPT', `cold-compression: the compressed block at guest RAM offset 0x${offset.toString(16)} cannot be restored: ${why}; the VM is ended so that the guest never reads a wrong byte`);
+    this.offset = offset;
+  }
+}
+
+function option(name: string, value: number | undefined, fallback: number, ok: (v: number) => boolean, what: string): number {
+  if (value === undefined) return fallback;
+  if (typeof value !== 'number' || !Number.isFinite(value) || !ok(value)) throw new InvalidOptionError(name, `must be ${what}, got ${String(value)}`);
+  return value;
+}
+
+/** Compresses cold guest RAM into host memory while the VM runs. */
+export class ColdCompression implements MemoryStrategy {
+  readonly name = 'cold-compression';
+  readonly needs = ['userfaultfd-missing', 'userfaultfd-write-protect'] as const;
+  readonly exclusive = [] as const;
+  readonly periodic: PeriodicWork;
+  private readonly coldAfterMs: number;
+  private readonly blockBytes: number;
+  private readonly maxStoreBytesOption: number | undefined;
+  private readonly minSaving: number;
+  private store: ColdStore | undefined;
+  private storeReady: Promise<ColdStore> | undefined;
+  private closed = false;
+  private cursor = 0;
+  // Per block, in the host process (a 512 MiB VM in 64 KiB blocks: 8192 entries).
+  private crc = new Uint32Array(0);
+  private seen = new Uint8Array(0);
+  private changedAt = new Float64Array(0);
+  private storedAt = new Float64Array(0);
+  private notBefore = new Float64Array(0);
+  private backoff = new Uint8Array(0);
+  private incompressible = new Uint8Array(0);
+  /** Cold blocks found by the scan and not compressed yet, with the CRC32C they had then. */
+  private pending = new Map<number, number>();
+  private readonly counts = { blocksCompressed: 0, refaultsSoon: 0, refaults: 0, writtenWhileCompressing: 0, scanMs: 0, compressWallMs: 0, ticks: 0 };
+
+  constructor(options: ColdCompressionOptions = {}) {
+    this.coldAfterMs = options.coldAfterMs === undefined ? 10_000 : parseTimeoutMs('coldAfterMs', options.coldAfterMs);
+    this.blockBytes = option('blockBytes', options.blockBytes, 64 * 1024, (v) => Number.isInteger(v) && v >= 16 * 1024 && v <= 4 * 1024 * 1024 && (v & (v - 1)) === 0, 'a power of two from 16 KiB to 4 MiB');
+    this.maxStoreBytesOption = options.maxStoreBytes === undefined ? undefined : option('maxStoreBytes', options.maxStoreBytes, 0, (v) => Number.isSafeInteger(v) && v > 0, 'a positive whole number of bytes');
+    const cpuShare = option('cpuShare', options.cpuShare, 0.05, (v) => v >= 0.001 && v <= 1, 'from 0.001 to 1');
+    this.minSaving = option('minSavingPercent', options.minSavingPercent, 25, (v) => v >= 1 && v <= 99, 'from 1 to 99') / 100;
+    this.periodic = { intervalMs: SCAN_INTERVAL_MS, cpuShare };
+  }
+
+  map(ctx: StrategyContext): void {
+    const size = ctx.ram.sizeBytes;
+    if (size % this.blockBytes) throw new InvalidOptionError('blockBytes', `${this.blockBytes} does not divide guest RAM (${size} bytes)`);
+    const n = size / this.blockBytes;
+    this.crc = new Uint32Array(n);
+    this.seen = new Uint8Array(n);
+    this.changedAt = new Float64Array(n);
+    this.storedAt = new Float64Array(n);
+    this.notBefore = new Float64Array(n);
+    this.backoff = new Uint8Array(n);
+    this.incompressible = new Uint8Array(n);
+    this.storeReady = ctx.uffd().then((server) => {
+      this.store = server.attachColdStore(this.blockBytes, size, (why, offset) => ctx.fail(new ColdBlockError(offset, why)));
+      return this.store;
+    });
+    // A host that cannot write-protect guest RAM cannot run this strategy: say so at once.
+    this.storeReady.catch((e: Error) => {
+      if (!this.closed) ctx.fail(e instanceof PvisorError ? e : new PvisorError('PVISOR_COLD_COMPRESSION_UNAVAILABLE', `cold-compression: ${e.message}`));
+    });
+  }
+
+  async tick(ctx: StrategyContext): Promise<void> {
+    const store = await this.storeReady;
+    if (this.closed || !store) return;
+    this.counts.ticks++;
+    const t0 = performance.now();
+    this.noteRefaults(store, t0);
+    this.scan(store, t0);
+    this.counts.scanMs += performance.now() - t0;
+    const maxStore = this.maxStoreBytesOption ?? ctx.ram.sizeBytes / 4;
+    const perBatch = Math.max(1, BATCH_BYTES / this.blockBytes);
+    for (let budget = COMPRESS_BYTES_PER_TICK; budget > 0 && this.pending.size && !this.closed; budget -= BATCH_BYTES) {
+      if (store.figures().bytesStored >= maxStore) break;
+      const batch: number[] = [];
+      for (const b of this.pending.keys()) {
+        if (batch.length === perBatch) break;
+        batch.push(b);
+      }
+      await this.compressBatch(store, ctx, batch);
+    }
+  }
+
+  /** Blocks a fault brought back since the last tick: a refault soon after the drop backs off. */
+  private noteRefaults(store: ColdStore, now: number): void {
+    const { faulted } = store.states(true);
+    for (let b = 0; b < faulted.length; b++) {
+      if (!faulted[b]) continue;
+      this.counts.refaults++;
+      const soon = now - this.storedAt[b] < SOON_PERIODS * this.coldAfterMs * 2 ** this.backoff[b];
+      if (soon) {
+        this.counts.refaultsSoon++;
+        this.backoff[b] = Math.min(MAX_BACKOFF, this.backoff[b] + 1);
+      } else {
+        this.backoff[b] = 0;
+      }
+      this.changedAt[b] = now;
+      this.notBefore[b] = now + this.coldAfterMs * 2 ** this.backoff[b];
+    }
+  }
+
+  /** Reads the next window of blocks; those cold enough to compress join {@link pending}. */
+  private scan(store: ColdStore, now: number): void {
+    const n = this.crc.length;
+    const count = Math.min(n - this.cursor, Math.max(1, SCAN_BYTES_PER_TICK / this.blockBytes));
+    const first = this.cursor;
+    this.cursor = first + count >= n ? 0 : first + count;
+    const readings = store.scan(first, count);
+    const pages = this.blockBytes / 4096;
+    for (let k = 0; k < count; k++) {
+      const b = first + k;
+      const { present, crc } = readings[k];
+      // Compressed, or (partly) never touched or freed: nothing to gain from compressing it now.
+      if (present !== pages) {
+        this.pending.delete(b);
+        continue;
+      }
+      if (!this.seen[b] || this.crc[b] !== crc) {
+        this.pending.delete(b);
+        this.seen[b] = 1;
+        this.crc[b] = crc;
+        this.changedAt[b] = now;
+        this.incompressible[b] = 0;
+        continue;
+      }
+      if (this.incompressible[b] || now - this.changedAt[b] < this.coldAfterMs || now < this.notBefore[b]) continue;
+      this.pending.set(b, crc);
+    }
+  }
+
+  private async compressBatch(store: ColdStore, ctx: StrategyContext, batch: number[]): Promise<void> {
+    const scanned = batch.map((b) => this.pending.get(b));
+    for (const b of batch) this.pending.delete(b);
+    const began = store.begin(batch);
+    const blocks = batch.filter((_, k) => began[k]);
+    const expected = scanned.filter((_, k) => began[k]);
+    if (!blocks.length) return;
+    // Copies, taken while the blocks are write-protected: the pool threads never read guest RAM,
+    // which a VM that ends meanwhile unmaps.
+    const copies = blocks.map((b) => Buffer.from(ctx.ram.view(b * this.blockBytes, this.blockBytes)));
+    // A block written since the scan found it cold is not cold: left resident, looked at again later.
+    const { crc32c } = await import('../uffd-server');
+    const unchanged = copies.map((c, k) => crc32c(c) === expected[k]);
+    const t0 = performance.now();
+    const { compress } = await import('lz4-napi');
+    let compressed: (Buffer | null)[];
+    try {
+      compressed = await Promise.all(copies.map((c, k) => (unchanged[k] ? compress(c) : null)));
+    } catch (e) {
+      if (!this.closed) store.finish(blocks, blocks.map(() => null));
+      throw e;
+    }
+    this.counts.compressWallMs += performance.now() - t0;
+    if (this.closed) return;
+    const limit = this.blockBytes * (1 - this.minSaving);
+    const outcomes = store.finish(blocks, compressed.map((c) => (c && c.length <= limit ? c : null)));
+    const now = performance.now();
+    blocks.forEach((b, k) => {
+      if (unchanged[k]) this.account(b, outcomes[k], now);
+      else this.changedAt[b] = now;
+    });
+  }
+
+
+  private account(b: number, outcome: ColdOutcome, now: number): void {
+    switch (outcome) {
+      case 1 /* Stored */:
+        this.counts.blocksCompressed++;
+        this.storedAt[b] = now;
+        break;
+      case 0 /* Kept */:
+        this.incompressible[b] = 1;
+        break;
+      case 3 /* Written */:
+        this.counts.writtenWhileCompressing++;
+        this.changedAt[b] = now;
+        break;
+      case 2 /* Zero */:
+        // Dropped: it reads back as zero, as it was.
+        this.seen[b] = 0;
+        break;
+    }
+  }
+
+  /** The guest freed a range: blocks wholly inside it keep nothing (they read back as zero). */
+  freePagesReported(_ctx: StrategyContext, gpa: number, length: number): void {
+    if (!this.store || this.closed) return;
+    const first = Math.ceil(gpa / this.blockBytes);
+    const end = Math.floor((gpa + length) / this.blockBytes);
+    const blocks: number[] = [];
+    for (let b = first; b < end; b++) blocks.push(b);
+    this.store.forget(blocks);
+  }
+
+  stats(): StrategyStats {
+    const f = this.store && !this.closed ? this.store.figures() : undefined;
+    const incompressible = this.incompressible.reduce((sum, v) => sum + v, 0);
+    return {
+      strategy: this.name,
+      figures: {
+        blocksStored: f?.blocksStored ?? 0,
+        bytesCompressedFrom: (f?.blocksStored ?? 0) * this.blockBytes,
+        storeBytes: f?.bytesStored ?? 0,
+        blocksCompressed: this.counts.blocksCompressed,
+        blocksIncompressible: incompressible,
+        zeroBlocksDropped: f?.zeroBlocksDropped ?? 0,
+        faultsServed: f?.blocksFaultedBack ?? 0,
+        refaults: this.counts.refaults,
+        refaultsSoon: this.counts.refaultsSoon,
+        writtenWhileCompressing: this.counts.writtenWhileCompressing,
+        blocksBad: f?.blocksBad ?? 0,
+        scanMs: roundMs(this.counts.scanMs),
+        compressWallMs: roundMs(this.counts.compressWallMs),
+        decompressMs: roundMs((f?.decompressNs ?? 0) / 1e6),
+      },
+      notes: [],
+    };
+  }
+
+  /** @internal For tests of the integrity check: damages the stored bytes of a compressed block. */
+  damageStoredBlock(block: number): void {
+    this.store?.damage(block);
+  }
+
+  /** @internal Each block's state (see ColdState in ../uffd-server). */
+  blockStates(): Uint8Array {
+    return this.store ? this.store.states(false).states : new Uint8Array(0);
+  }
+
+  close(): void {
+    // The store lives in the VM's userfaultfd server, destroyed right after every close.
+    this.closed = true;
+  }
+}
