@@ -49,3 +49,15 @@ export function parseTimeoutMs(option: string, value: unknown): number {
 export function formatMiB(bytes: number): string {
   return `${(bytes / 1024 ** 2).toFixed(1)} MiB`;
 }
+
+/**
+ * A duration given on a command line, in milliseconds: `30` is 30 s, as in the shell; `500ms`,
+ * `1.5s` and `2m` say their unit. Throws {@link InvalidOptionError} naming `option`.
+ */
+export function parseDurationMs(option: string, text: string): number {
+  const m = /^(\d+(?:\.\d+)?)(ms|s|m)?$/.exec(text);
+  if (!m) throw new InvalidOptionError(option, `expected a duration such as 30, 1.5s, 500ms or 2m, got ${JSON.stringify(text)}`);
+  const ms = Math.round(Number(m[1]) * { ms: 1, s: 1000, m: 60000 }[m[2] ?? 's']!);
+  if (ms > MAX_TIMEOUT_MS) throw new InvalidOptionError(option, `at most ${MAX_TIMEOUT_MS} ms, got ${JSON.stringify(text)}`);
+  return ms;
+}

@@ -3,7 +3,7 @@
  * separated by commas or `;`, e.g. `fill 64MiB random 42, digest, release, memory`.
  */
 import { InvalidOptionError, VmStateError, type PvisorError } from '../errors';
-import { parseSize } from '../units';
+import { parseDurationMs, parseSize } from '../units';
 import type { Vm } from '../vm';
 
 /** One parsed operation. */
@@ -36,10 +36,7 @@ function int(option: string, text: string | undefined, fallback: number): number
 
 /** `sleep 30` is 30 s, as in the shell; `500ms`, `1.5s` and `2m` say their unit. */
 function duration(text: string | undefined): number {
-  if (text === undefined) return 1000;
-  const m = /^(\d+(?:\.\d+)?)(ms|s|m)?$/.exec(text);
-  if (!m) throw new InvalidOptionError('sleep', `expected a duration such as 30, 1.5s, 500ms or 2m, got ${JSON.stringify(text)}`);
-  return Math.round(Number(m[1]) * { ms: 1, s: 1000, m: 60000 }[m[2] ?? 's']!);
+  return text === undefined ? 1000 : parseDurationMs('sleep', text);
 }
 
 /** Parses the words after `--` into steps. */

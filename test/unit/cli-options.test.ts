@@ -8,11 +8,14 @@ const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
 const pvisor = (...args: string[]) => spawnSync(process.execPath, [main, ...args], { encoding: 'utf8' });
 
 describe('pvisor run option checks', () => {
-  it('--vm-cold-ram-compression says plainly that it is not available yet', () => {
-    const r = pvisor('run', '--guest', 'probe', '--vm-cold-ram-compression', '--', 'digest');
-    expect(r.stderr).toMatch(/pvisor: --vm-cold-ram-compression: not yet available/);
-    expect(r.stderr).not.toMatch(/starting/);
-    expect(r.status).toBe(125);
+  it('--vm-cold-after needs --vm-cold-ram-compression and a duration', () => {
+    const alone = pvisor('run', '--guest', 'probe', '--vm-cold-after', '5s', '--', 'digest');
+    expect(alone.stderr).toMatch(/pvisor: --vm-cold-after: only goes with --vm-cold-ram-compression/);
+    expect(alone.status).toBe(125);
+    const bad = pvisor('run', '--guest', 'probe', '--vm-cold-ram-compression', '--vm-cold-after', 'soon', '--', 'digest');
+    expect(bad.stderr).toMatch(/--vm-cold-after: expected a duration such as 30, 1.5s, 500ms or 2m, got "soon"/);
+    expect(bad.stderr).not.toMatch(/starting/);
+    expect(bad.status).toBe(125);
   });
 
   it('--vm-offload-reload needs --vm-offload and eager or lazy', () => {
