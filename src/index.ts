@@ -64,4 +64,9 @@ export type {
   ZeroRange,
   MemoryRange,
   RangeState,
+  ColdStore,
+  ColdScan,
+  ColdStoreFigures,
+  ColdOutcome,
+  ColdState,
 } from './memory/uffd-server';

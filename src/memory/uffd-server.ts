@@ -312,9 +312,12 @@ export interface ColdStoreFigures {
 
 /** A block's reading in {@link ColdStore.scan}. */
 export interface ColdScan {
-  /** Pages of the block present in guest RAM; -1 if the block is not resident. */
+  /** Pages of the block present in guest RAM; -1 if the block is compressed (or bad). */
   present: number;
-  /** CRC32C of the block when every page is present, else 0. */
+  /**
+   * A checksum of the first 256 bytes of each page (the block changed if it differs from the last
+   * scan's) when every page is present, else 0.
+   */
   crc: number;
 }
 

@@ -1,7 +1,7 @@
 // ColdCompression on real KVM with the probe guest: cold blocks are compressed while the VM runs,
 // come back through the native userfaultfd server on first touch, and compose with the other
 // strategies. Needs /dev/kvm.
-import { ColdBlockError, ColdCompression, IdleRelease, InvalidOptionError, KsmAdvice, Offload, Vm, type PvisorError, type VmOptions } from '../../src';
+import { ColdBlockError, ColdCompression, IdleRelease, type ColdCompressionOptions, InvalidOptionError, KsmAdvice, Offload, Vm, type PvisorError, type VmOptions } from '../../src';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -12,6 +12,9 @@ const COLD_AFTER_MS = 1000;
 // Inside the nested harness (scripts/nested-kvm.sh) every instruction is emulated: scans and lz4
 // take 10-50 times as long, so deadlines stretch; what is asserted stays the same.
 const SLOW = process.env.PVISOR_NESTED === '1' ? 10 : 1;
+// Ticks may take half a CPU here (the default, 5%, spaces ticks 20 times their length apart:
+// under emulation, tens of seconds).
+const cold = (options: ColdCompressionOptions = {}) => new ColdCompression({ coldAfterMs: COLD_AFTER_MS, cpuShare: 0.5, ...options });
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 async function withVm(options: VmOptions, body: (vm: Vm) => Promise<void>): Promise<void> {
@@ -38,7 +41,7 @@ async function waitFor(done: () => boolean, ms: number): Promise<boolean> {
 
 describe('ColdCompression', () => {
   it('compresses an idle repetitive working set, and every block comes back intact on touch', () =>
-    withVm({ strategies: [new ColdCompression({ coldAfterMs: COLD_AFTER_MS })] }, async (vm) => {
+    withVm({ strategies: [cold()] }, async (vm) => {
       await vm.probe.fill({ sizeMiB: 64, content: 'repetitive', seed: 7 });
       const digest = (await vm.probe.digest()).hex;
       const before = resident(vm);
@@ -55,7 +58,7 @@ describe('ColdCompression', () => {
   it('leaves random content resident: never more than a VM without it', async () => {
     const plain = await Vm.start({ guest: 'probe', vcpus: 2, memory: '256MiB' });
     try {
-      await withVm({ strategies: [new ColdCompression({ coldAfterMs: COLD_AFTER_MS })] }, async (vm) => {
+      await withVm({ strategies: [cold()] }, async (vm) => {
         await Promise.all([vm.probe.fill({ sizeMiB: 64, content: 'random', seed: 9 }), plain.probe.fill({ sizeMiB: 64, content: 'random', seed: 9 })]);
         const digest = (await vm.probe.digest()).hex;
         let worst = 0;
@@ -75,7 +78,7 @@ describe('ColdCompression', () => {
   });
 
   it('keeps a continuously read hot part resident while the cold part is compressed', () =>
-    withVm({ strategies: [new ColdCompression({ coldAfterMs: COLD_AFTER_MS })] }, async (vm) => {
+    withVm({ strategies: [cold()] }, async (vm) => {
       await vm.probe.fill({ sizeMiB: 64, content: 'repetitive', seed: 3 });
       const digest = (await vm.probe.digest()).hex;
       const before = resident(vm);
@@ -103,7 +106,7 @@ describe('ColdCompression', () => {
     writeFileSync(`${KSM}/pages_to_scan`, '4096');
     writeFileSync(`${KSM}/sleep_millisecs`, '10');
     writeFileSync(`${KSM}/run`, '1');
-    const start = () => Vm.start({ guest: 'probe', vcpus: 1, memory: '128MiB', strategies: [new KsmAdvice(), new ColdCompression({ coldAfterMs: COLD_AFTER_MS })] });
+    const start = () => Vm.start({ guest: 'probe', vcpus: 1, memory: '128MiB', strategies: [new KsmAdvice(), cold()] });
     const [a, b] = [await start(), await start()];
     try {
       // The same random content in both: lz4 cannot shrink it, KSM can share it across the VMs.
@@ -128,7 +131,7 @@ describe('ColdCompression', () => {
 
   it('composes with Offload and IdleRelease: suspend and resume keep the digest, a freed block is forgotten', () => {
     const dir = mkdtempSync(join(tmpdir(), 'pvisor-cold-'));
-    return withVm({ strategies: [new IdleRelease(), new ColdCompression({ coldAfterMs: COLD_AFTER_MS }), new Offload({ dir })] }, async (vm) => {
+    return withVm({ strategies: [new IdleRelease(), cold(), new Offload({ dir })] }, async (vm) => {
       await vm.probe.fill({ sizeMiB: 32, content: 'repetitive', seed: 11 });
       await vm.probe.rewrite({ fraction: 0.5, seed: 12 });
       const digest = (await vm.probe.digest()).hex;
@@ -148,17 +151,17 @@ describe('ColdCompression', () => {
 
   it('ends the VM with a typed error when a stored block fails its check, and stops cleanly with a vCPU in that fault', async () => {
     const threadsBefore = processThreads();
-    const cold = new ColdCompression({ coldAfterMs: COLD_AFTER_MS });
-    const vm = await Vm.start({ guest: 'probe', vcpus: 2, memory: '256MiB', strategies: [cold] });
+    const cc = cold();
+    const vm = await Vm.start({ guest: 'probe', vcpus: 2, memory: '256MiB', strategies: [cc] });
     try {
       await vm.probe.fill({ sizeMiB: 16, content: 'repetitive', seed: 2 });
       expect(await waitFor(() => figures(vm).blocksStored >= 200, COLD_AFTER_MS + 8000 * SLOW)).toBe(true);
-      const states = cold.blockStates();
+      const states = cc.blockStates();
       let damaged = 0;
       // Every stored block of the working set: whichever the digest reads first fails.
       for (let b = 0; b < states.length; b++) {
         if (states[b] === 2) {
-          cold.damageStoredBlock(b);
+          cc.damageStoredBlock(b);
           damaged++;
         }
       }

@@ -5,10 +5,12 @@
  *
  * Finding cold blocks (docs/cold-compression.md says why this way): the hosts pvisor targets have
  * neither idle page tracking nor DAMON's virtual-address monitor, and KVM's guest accesses do not
- * reach the host's accessed bits, so a block counts as cold when its CRC32C has not changed for
- * `coldAfterMs` (writes), and a block that a read brings back soon after it was dropped (a
- * refault) waits twice as long each time before it is tried again (reads). A block lz4 cannot
- * shrink enough stays resident and is not tried again until its content changes.
+ * reach the host's accessed bits, so a block counts as cold when a checksum of it (sampled: the
+ * first 256 bytes of each page) has not changed for `coldAfterMs` (writes), and a block that a
+ * read brings back soon after it was dropped (a refault), or that is written while it is being
+ * compressed, waits twice as long each time before it is tried again (reads, and writes the
+ * sample missed). A block lz4 cannot shrink enough stays resident and is not tried again until
+ * its content changes.
  *
  * Compressing a block never loses a write: the native server write-protects it first, lz4-napi
  * compresses a copy on the libuv pool, and the block is dropped only if nothing wrote into it
@@ -52,8 +54,9 @@ export interface ColdCompressionOptions {
 
 const SCAN_INTERVAL_MS = 1000;
 /**
- * Guest RAM read per tick: a 512 MiB VM in one tick. Only fully present blocks are checksummed
- * (CRC32C at about 10 GB/s), so a tick costs a few milliseconds per 64 MiB resident.
+ * Guest RAM looked at per tick: a 512 MiB VM in one tick. Only fully present blocks are
+ * checksummed, a sixteenth of each page, so a tick costs well under a millisecond per 64 MiB
+ * resident.
  */
 const SCAN_BYTES_PER_TICK = 512 * 1024 * 1024;
 /** At most this much is compressed per tick (a batch at a time); the rest waits for the next. */
@@ -164,15 +167,16 @@ export class ColdCompression implements MemoryStrategy {
       if (!faulted[b]) continue;
       this.counts.refaults++;
       const soon = now - this.storedAt[b] < SOON_PERIODS * this.coldAfterMs * 2 ** this.backoff[b];
-      if (soon) {
-        this.counts.refaultsSoon++;
-        this.backoff[b] = Math.min(MAX_BACKOFF, this.backoff[b] + 1);
-      } else {
-        this.backoff[b] = 0;
-      }
-      this.changedAt[b] = now;
-      this.notBefore[b] = now + this.coldAfterMs * 2 ** this.backoff[b];
+      if (soon) this.counts.refaultsSoon++;
+      this.touched(b, now, soon);
     }
+  }
+
+  /** Block b was in use after all: it waits, twice as long as last time if `wrongGuess`. */
+  private touched(b: number, now: number, wrongGuess: boolean): void {
+    this.backoff[b] = wrongGuess ? Math.min(MAX_BACKOFF, this.backoff[b] + 1) : 0;
+    this.changedAt[b] = now;
+    this.notBefore[b] = now + this.coldAfterMs * 2 ** this.backoff[b];
   }
 
   /** Reads the next window of blocks; those cold enough to compress join {@link pending}. */
@@ -215,8 +219,7 @@ export class ColdCompression implements MemoryStrategy {
     // which a VM that ends meanwhile unmaps.
     const copies = blocks.map((b) => Buffer.from(ctx.ram.view(b * this.blockBytes, this.blockBytes)));
     // A block written since the scan found it cold is not cold: left resident, looked at again later.
-    const { crc32c } = await import('../uffd-server');
-    const unchanged = copies.map((c, k) => crc32c(c) === expected[k]);
+    const unchanged = blocks.map((b, k) => this.sampleUnchanged(store, b, expected[k]));
     const t0 = performance.now();
     const { compress } = await import('lz4-napi');
     let compressed: (Buffer | null)[];
@@ -238,6 +241,12 @@ export class ColdCompression implements MemoryStrategy {
   }
 
 
+  /** Whether block b still has the checksum the scan found (it is write-protected by now). */
+  private sampleUnchanged(store: ColdStore, b: number, scanned: number | undefined): boolean {
+    const [now] = store.scan(b, 1);
+    return now.present === this.blockBytes / 4096 && now.crc === scanned;
+  }
+
   private account(b: number, outcome: ColdOutcome, now: number): void {
     switch (outcome) {
       case 1 /* Stored */:
@@ -249,7 +258,7 @@ export class ColdCompression implements MemoryStrategy {
         break;
       case 3 /* Written */:
         this.counts.writtenWhileCompressing++;
-        this.changedAt[b] = now;
+        this.touched(b, now, true);
         break;
       case 2 /* Zero */:
         // Dropped: it reads back as zero, as it was.
