@@ -13,10 +13,21 @@
 
 #include <stdint.h>
 
-#define CONTENT_REPETITIVE 0u
-#define CONTENT_RANDOM     1u
+#define CONTENT_REPETITIVE   0u
+#define CONTENT_RANDOM       1u
+#define CONTENT_COMPRESSIBLE 2u
+#define CONTENT_KIND_COUNT   3u
 #define CONTENT_PAGE_WORDS 1024u
 #define CONTENT_PAGE_BYTES 4096u
+
+/*
+ * Compressible pages are lines of 32 words (128 bytes): the first 8 words of each line are fresh
+ * (the random kind's words), the other 24 repeat those of line 0. A compressor keeps the fresh
+ * quarter as literals and matches the rest against line 0, so every page compresses well, yet
+ * every page still differs from every other (its fresh words carry its page index).
+ */
+#define CONTENT_LINE_WORDS  32u
+#define CONTENT_FRESH_WORDS 8u
 
 /* may_alias: pages are written through vectors and read back through u64/u32 pointers. */
 typedef uint32_t content_v4u __attribute__((vector_size(16), may_alias));
@@ -38,6 +49,8 @@ static inline uint32_t content_word_ref(uint32_t kind, uint32_t seed, uint64_t p
 {
     if (kind == CONTENT_REPETITIVE)
         return fmix32(seed + (j & 15u));
+    if (kind == CONTENT_COMPRESSIBLE && (j % CONTENT_LINE_WORDS) >= CONTENT_FRESH_WORDS)
+        j %= CONTENT_LINE_WORDS; /* repeat line 0 */
     return fmix32(fmix32(((uint32_t)(p << 10) + j) ^ seed) + fmix32(seed ^ 0x9E3779B9u));
 }
 
@@ -68,26 +81,52 @@ static inline void content_digest_ref(const uint32_t *w, uint64_t nwords, uint32
         _x;                                                                                  \
     })
 
-/* One random page: words fmix32(fmix32((base + j) ^ s) + k), base = p*1024 mod 2^32,
- * k = fmix32(s ^ 0x9E3779B9). */
-#define CONTENT_DEFINE_RANDOM_PAGE(name, tgt)                                                \
+/* Four random-kind words for the word indices idx (p*1024 + j), k = fmix32(s ^ 0x9E3779B9). */
+#define CONTENT_VRANDOM(idx, vs, vk) CONTENT_VFMIX(CONTENT_VFMIX((idx) ^ (vs)) + (vk))
+
+/*
+ * One page of a distinct kind (CONTENT_LINE_WORDS above), with `fresh` fresh words per line:
+ * CONTENT_LINE_WORDS for random (every word fresh), CONTENT_FRESH_WORDS for compressible. Fresh
+ * words are fmix32(fmix32((base + j) ^ s) + k), base = p*1024 mod 2^32, k = fmix32(s ^
+ * 0x9E3779B9). Line 0 is all fresh; later lines compute only their fresh vectors and store line
+ * 0's others again, which the generator keeps in registers.
+ */
+#define CONTENT_DEFINE_DISTINCT_PAGE(name, tgt, fresh)                                       \
     __attribute__((target(tgt), noinline)) static void name(uint32_t *dst, uint32_t base,    \
                                                             uint32_t s, uint32_t k)          \
     {                                                                                        \
         const content_v4u vs = {s, s, s, s};                                                 \
         const content_v4u vk = {k, k, k, k};                                                 \
         const content_v4u four = {4, 4, 4, 4};                                               \
+        const uint32_t skip = CONTENT_LINE_WORDS - (fresh);                                  \
+        const content_v4u vskip = {skip, skip, skip, skip};                                  \
         content_v4u idx = {base, base + 1, base + 2, base + 3};                              \
         content_v4u *d = (content_v4u *)dst;                                                 \
-        _Pragma("GCC unroll 4")                                                              \
-        for (uint32_t j = 0; j < CONTENT_PAGE_WORDS / 4; j++) {                              \
-            d[j] = CONTENT_VFMIX(CONTENT_VFMIX(idx ^ vs) + vk);                              \
+        content_v4u r[CONTENT_LINE_WORDS / 4];                                               \
+        _Pragma("GCC unroll 8")                                                              \
+        for (uint32_t v = 0; v < CONTENT_LINE_WORDS / 4; v++) {                              \
+            r[v] = CONTENT_VRANDOM(idx, vs, vk);                                             \
+            d[v] = r[v];                                                                     \
             idx += four;                                                                     \
+        }                                                                                    \
+        for (uint32_t l = 1; l < CONTENT_PAGE_WORDS / CONTENT_LINE_WORDS; l++) {             \
+            d += CONTENT_LINE_WORDS / 4;                                                     \
+            _Pragma("GCC unroll 8")                                                          \
+            for (uint32_t v = 0; v < (fresh) / 4; v++) {                                     \
+                d[v] = CONTENT_VRANDOM(idx, vs, vk);                                         \
+                idx += four;                                                                 \
+            }                                                                                \
+            _Pragma("GCC unroll 8")                                                          \
+            for (uint32_t v = (fresh) / 4; v < CONTENT_LINE_WORDS / 4; v++)                  \
+                d[v] = r[v];                                                                 \
+            idx += vskip;                                                                    \
         }                                                                                    \
     }
 
-CONTENT_DEFINE_RANDOM_PAGE(content_random_page_sse2, "sse2")
-CONTENT_DEFINE_RANDOM_PAGE(content_random_page_sse41, "sse4.1")
+CONTENT_DEFINE_DISTINCT_PAGE(content_random_page_sse2, "sse2", CONTENT_LINE_WORDS)
+CONTENT_DEFINE_DISTINCT_PAGE(content_random_page_sse41, "sse4.1", CONTENT_LINE_WORDS)
+CONTENT_DEFINE_DISTINCT_PAGE(content_compressible_page_sse2, "sse2", CONTENT_FRESH_WORDS)
+CONTENT_DEFINE_DISTINCT_PAGE(content_compressible_page_sse41, "sse4.1", CONTENT_FRESH_WORDS)
 
 /* npages consecutive pages of the 64-byte repetitive pattern pat[16]. */
 __attribute__((target("sse2"), noinline)) static void
@@ -126,12 +165,21 @@ static void content_init(void)
     }
 }
 
-static inline void content_random_page(uint32_t *dst, uint64_t p, uint32_t s, uint32_t k)
+/* Page p of a kind whose pages all differ (random or compressible); k = fmix32(s ^ 0x9E3779B9). */
+static inline void content_distinct_page(uint32_t *dst, uint32_t kind, uint64_t p, uint32_t s,
+                                         uint32_t k)
 {
-    if (content_use_sse41)
-        content_random_page_sse41(dst, (uint32_t)(p << 10), s, k);
-    else
-        content_random_page_sse2(dst, (uint32_t)(p << 10), s, k);
+    uint32_t base = (uint32_t)(p << 10);
+    if (kind == CONTENT_COMPRESSIBLE) {
+        if (content_use_sse41)
+            content_compressible_page_sse41(dst, base, s, k);
+        else
+            content_compressible_page_sse2(dst, base, s, k);
+    } else if (content_use_sse41) {
+        content_random_page_sse41(dst, base, s, k);
+    } else {
+        content_random_page_sse2(dst, base, s, k);
+    }
 }
 
 static inline void content_pattern(uint32_t seed, uint32_t *pat)
@@ -151,7 +199,7 @@ static void content_fill(uint32_t *ws, uint64_t first, uint64_t npages, uint32_t
     }
     uint32_t k = fmix32(seed ^ 0x9E3779B9u);
     for (uint64_t p = first; p < first + npages; p++)
-        content_random_page(ws + p * CONTENT_PAGE_WORDS, p, seed, k);
+        content_distinct_page(ws + p * CONTENT_PAGE_WORDS, kind, p, seed, k);
 }
 
 /*
@@ -178,7 +226,7 @@ static uint64_t content_rewrite(uint32_t *ws, uint64_t npages, uint32_t kind, ui
         if (kind == CONTENT_REPETITIVE)
             content_repetitive_pages_sse2(ws + p * CONTENT_PAGE_WORDS, 1, pat);
         else
-            content_random_page(ws + p * CONTENT_PAGE_WORDS, p, seed, k);
+            content_distinct_page(ws + p * CONTENT_PAGE_WORDS, kind, p, seed, k);
     }
     return n;
 }

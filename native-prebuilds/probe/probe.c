@@ -586,7 +586,7 @@ static void op_fill(uint32_t id, const uint8_t *p, uint32_t len)
         respond_error(id, OP_FILL, ERR_BAD_ARGUMENT, "FILL: size beyond wsLimit");
         return;
     }
-    if (kind > CONTENT_RANDOM) {
+    if (kind >= CONTENT_KIND_COUNT) {
         respond_error(id, OP_FILL, ERR_BAD_ARGUMENT, "FILL: bad content kind");
         return;
     }

@@ -64,7 +64,7 @@ static void test_path(const char *name)
     uint32_t *a = alloc_pages(npages), *b = alloc_pages(npages);
     char what[160];
 
-    for (uint32_t kind = 0; kind <= 1; kind++) {
+    for (uint32_t kind = 0; kind < CONTENT_KIND_COUNT; kind++) {
         for (size_t s = 0; s < sizeof(seeds) / sizeof(seeds[0]); s++) {
             memset(a, 0xA5, npages * 4096);
             memset(b, 0xA5, npages * 4096);
@@ -100,13 +100,16 @@ static void test_path(const char *name)
 
     /* page index wrap: p*1024 is taken mod 2^32 */
     uint64_t bigp[] = {4194303, 4194304, 4194305, 0x123456789ull};
-    for (size_t i = 0; i < sizeof(bigp) / sizeof(bigp[0]); i++) {
-        content_random_page(a, bigp[i], 42, fmix32(42 ^ 0x9E3779B9u));
-        int ok = 1;
-        for (uint32_t j = 0; j < CONTENT_PAGE_WORDS; j++)
-            ok &= a[j] == content_word_ref(CONTENT_RANDOM, 42, bigp[i], j);
-        snprintf(what, sizeof(what), "%s random page p=%#llx", name, (unsigned long long)bigp[i]);
-        check(ok, what);
+    for (uint32_t kind = CONTENT_RANDOM; kind <= CONTENT_COMPRESSIBLE; kind++) {
+        for (size_t i = 0; i < sizeof(bigp) / sizeof(bigp[0]); i++) {
+            content_distinct_page(a, kind, bigp[i], 42, fmix32(42 ^ 0x9E3779B9u));
+            int ok = 1;
+            for (uint32_t j = 0; j < CONTENT_PAGE_WORDS; j++)
+                ok &= a[j] == content_word_ref(kind, 42, bigp[i], j);
+            snprintf(what, sizeof(what), "%s kind=%u page p=%#llx", name, kind,
+                     (unsigned long long)bigp[i]);
+            check(ok, what);
+        }
     }
     free(a);
     free(b);
@@ -133,27 +136,20 @@ int main(void)
 
     const uint64_t npages = MIB / 4096;
     uint32_t *ws = alloc_pages(npages);
-    uint32_t h1, h2;
+    static const char *const names[CONTENT_KIND_COUNT] = {"repetitive", "random", "compressible"};
+    for (uint32_t kind = 0; kind < CONTENT_KIND_COUNT; kind++) {
+        uint32_t h1, h2;
+        content_fill(ws, 0, npages, kind, 42);
+        printf("%s seed=42: w[0]=%08x w[1]=%08x w[15]=%08x w[32]=%08x w[40]=%08x w[1024]=%08x\n",
+               names[kind], ws[0], ws[1], ws[15], ws[32], ws[40], ws[1024]);
+        content_digest(ws, MIB, &h1, &h2);
+        printf("DIGEST %-12s 1 MiB seed=42: h1=%08x h2=%08x\n", names[kind], h1, h2);
 
-    content_fill(ws, 0, npages, CONTENT_RANDOM, 42);
-    printf("random seed=42: w[0]=%08x w[1]=%08x w[1024]=%08x\n", ws[0], ws[1], ws[1024]);
-    content_digest(ws, MIB, &h1, &h2);
-    printf("DIGEST random     1 MiB seed=42: h1=%08x h2=%08x\n", h1, h2);
-
-    uint64_t n = content_rewrite(ws, npages, CONTENT_RANDOM, 250, 7);
-    content_digest(ws, MIB, &h1, &h2);
-    printf("DIGEST random     1 MiB seed=42 + REWRITE permille=250 seed=7 (%llu pages): "
-           "h1=%08x h2=%08x\n", (unsigned long long)n, h1, h2);
-
-    content_fill(ws, 0, npages, CONTENT_REPETITIVE, 42);
-    printf("repetitive seed=42: w[0]=%08x w[1]=%08x w[15]=%08x\n", ws[0], ws[1], ws[15]);
-    content_digest(ws, MIB, &h1, &h2);
-    printf("DIGEST repetitive 1 MiB seed=42: h1=%08x h2=%08x\n", h1, h2);
-
-    n = content_rewrite(ws, npages, CONTENT_REPETITIVE, 250, 7);
-    content_digest(ws, MIB, &h1, &h2);
-    printf("DIGEST repetitive 1 MiB seed=42 + REWRITE permille=250 seed=7 (%llu pages): "
-           "h1=%08x h2=%08x\n", (unsigned long long)n, h1, h2);
+        uint64_t n = content_rewrite(ws, npages, kind, 250, 7);
+        content_digest(ws, MIB, &h1, &h2);
+        printf("DIGEST %-12s 1 MiB seed=42 + REWRITE permille=250 seed=7 (%llu pages): "
+               "h1=%08x h2=%08x\n", names[kind], (unsigned long long)n, h1, h2);
+    }
     free(ws);
 
     if (failures) {

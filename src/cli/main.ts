@@ -47,7 +47,7 @@ Usage:
       --vm-ram-compression: the same with a zstd-compressed backing file (CompressedOffload).
       With --guest probe, CMD is a list of probe steps, e.g.
         pvisor run --guest probe -- fill 64MiB random 42, digest, memory
-      Steps: fill SIZE [repetitive|random] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
+      Steps: fill SIZE [repetitive|random|compressible] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
              digest, release [OFFSET SIZE], idle, memory, pause, suspend, resume,
              sleep SECONDS (or 500ms, 2m), wait (last step: until pvisor stop ID or a signal)
   pvisor suspend ID [--vm-offload] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]

@@ -3,12 +3,13 @@
  * separated by commas or `;`, e.g. `fill 64MiB random 42, digest, release, memory`.
  */
 import { InvalidOptionError, VmStateError, type PvisorError } from '../errors';
+import { PROBE_CONTENTS, isProbeContent, type ProbeContent } from '../guest/probe-content';
 import { parseDurationMs, parseSize } from '../units';
 import type { Vm } from '../vm';
 
 /** One parsed operation. */
 export type ProbeStep =
-  | { op: 'fill'; sizeMiB: number; content: 'repetitive' | 'random'; seed: number }
+  | { op: 'fill'; sizeMiB: number; content: ProbeContent; seed: number }
   | { op: 'rewrite'; fraction: number; seed?: number }
   | { op: 'touch'; hotMiB: number; rounds: number }
   | { op: 'digest' }
@@ -21,7 +22,7 @@ export type ProbeStep =
   | { op: 'sleep'; ms: number }
   | { op: 'wait' };
 
-const USAGE = 'fill SIZE [repetitive|random] [SEED] | rewrite PERCENT% [SEED] | touch SIZE [ROUNDS] | digest | release [OFFSET SIZE] | idle | memory | pause | suspend | resume | sleep SECONDS[s|ms|m] | wait (last)';
+const USAGE = `fill SIZE [${PROBE_CONTENTS.join('|')}] [SEED] | rewrite PERCENT% [SEED] | touch SIZE [ROUNDS] | digest | release [OFFSET SIZE] | idle | memory | pause | suspend | resume | sleep SECONDS[s|ms|m] | wait (last)`;
 
 function mib(option: string, text: string | undefined): number {
   if (text === undefined) throw new InvalidOptionError(option, `missing size; steps are: ${USAGE}`);
@@ -47,7 +48,7 @@ export function parseProbeScript(words: string[]): ProbeStep[] {
     switch (op) {
       case 'fill': {
         const content = args[1] ?? 'repetitive';
-        if (content !== 'repetitive' && content !== 'random') throw new InvalidOptionError('fill', `content must be repetitive or random, got ${content}`);
+        if (!isProbeContent(content)) throw new InvalidOptionError('fill', `content must be ${PROBE_CONTENTS.join(', ')}, got ${content}`);
         steps.push({ op, sizeMiB: mib('fill', args[0]), content, seed: int('seed', args[2], 1) });
         break;
       }

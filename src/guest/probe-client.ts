@@ -3,7 +3,7 @@
  */
 import { InvalidOptionError } from '../errors';
 import type { AgentClient } from '../protocol/agent-client';
-import type { ProbeContent } from './probe-content';
+import { PROBE_CONTENTS, PROBE_CONTENT_CODES, isProbeContent, type ProbeContent } from './probe-content';
 
 const enum ProbeOp {
   Fill = 0x0101,
@@ -21,7 +21,7 @@ const enum ProbeOp {
 export interface FillOptions {
   /** Working set size in MiB. */
   sizeMiB: number;
-  /** `repetitive` compresses well; `random` does not. */
+  /** What to write; see {@link ProbeContent}. */
   content: ProbeContent;
   /** Seed of the content (32-bit); the same seed gives the same bytes in every VM. Default 1. */
   seed?: number;
@@ -85,10 +85,10 @@ export class ProbeGuest {
   async fill(options: FillOptions): Promise<{ bytes: number } & ProbeTiming> {
     const bytes = mib('sizeMiB', options.sizeMiB);
     const seed = u32('seed', options.seed ?? 1);
-    if (options.content !== 'repetitive' && options.content !== 'random') throw new InvalidOptionError('content', 'expected "repetitive" or "random"');
+    if (!isProbeContent(options.content)) throw new InvalidOptionError('content', `expected one of ${PROBE_CONTENTS.map((c) => JSON.stringify(c)).join(', ')}`);
     const p = Buffer.alloc(16);
     p.writeBigUInt64LE(BigInt(bytes), 0);
-    p.writeUInt32LE(options.content === 'random' ? 1 : 0, 8);
+    p.writeUInt32LE(PROBE_CONTENT_CODES[options.content], 8);
     p.writeUInt32LE(seed, 12);
     const r = await this.agent.request(ProbeOp.Fill, p);
     this.fillSeed = seed;

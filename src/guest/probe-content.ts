@@ -4,10 +4,35 @@
  * against one the host computed for the same content.
  */
 
-/** What the probe writes into its working set. */
-export type ProbeContent = 'repetitive' | 'random';
+/**
+ * What the probe writes into its working set:
+ * - `repetitive`: one 64-byte pattern on every page; compresses to almost nothing, and all pages
+ *   are the same, so page sharing (KSM, a page pool) folds them too.
+ * - `random`: a pseudo-random stream; incompressible, and no two pages alike.
+ * - `compressible`: no two pages alike, as with `random`, yet each compresses several-fold: the
+ *   content that compression can shrink and page sharing cannot.
+ */
+export type ProbeContent = 'repetitive' | 'random' | 'compressible';
+
+/** Each content kind's code in the guest's FILL request (CONTENT_* in native-prebuilds/probe/content.h). */
+export const PROBE_CONTENT_CODES: Readonly<Record<ProbeContent, number>> = { repetitive: 0, random: 1, compressible: 2 };
+
+/** The content kinds' names, in the order of their codes. */
+export const PROBE_CONTENTS = Object.keys(PROBE_CONTENT_CODES) as readonly ProbeContent[];
+
+/** True if `name` names a content kind. */
+export function isProbeContent(name: string): name is ProbeContent {
+  return Object.hasOwn(PROBE_CONTENT_CODES, name);
+}
 
 const WORDS_PER_PAGE = 1024;
+
+/**
+ * A compressible page is lines of 32 words whose first 8 are fresh (random-kind words) and whose
+ * other 24 repeat line 0's: a compressor keeps a quarter as literals and matches the rest.
+ */
+const LINE_WORDS = 32;
+const FRESH_WORDS = 8;
 
 /** murmur3's 32-bit finaliser. */
 export function fmix32(x: number): number {
@@ -29,7 +54,12 @@ export function pageWords(content: ProbeContent, seed: number, page: number, out
   }
   const salt = fmix32((s ^ 0x9e3779b9) >>> 0);
   const base = Math.imul(page, WORDS_PER_PAGE) >>> 0;
-  for (let j = 0; j < WORDS_PER_PAGE; j++) out[j] = fmix32((fmix32(((base + j) ^ s) >>> 0) + salt) >>> 0);
+  const randomWord = (j: number) => fmix32((fmix32(((base + j) ^ s) >>> 0) + salt) >>> 0);
+  if (content === 'random') {
+    for (let j = 0; j < WORDS_PER_PAGE; j++) out[j] = randomWord(j);
+    return;
+  }
+  for (let j = 0; j < WORDS_PER_PAGE; j++) out[j] = randomWord(j % LINE_WORDS < FRESH_WORDS ? j : j % LINE_WORDS);
 }
 
 /** True if REWRITE with `permille` rewrites page `page` (pages spread evenly). */

@@ -36,13 +36,16 @@ describe('probe guest on KVM', () => {
     expect(d.hex).toBe(hexOf({ content: 'repetitive', seed: 11, sizeBytes: 64 * MiB, rewrites: [] }));
   });
 
-  it('a 64 MiB random fill digests to the host-computed value, and a rewrite changes it as predicted', async () => {
-    await vm.probe.fill({ sizeMiB: 64, content: 'random', seed: 42 });
-    const ws: ProbeWorkingSet = { content: 'random', seed: 42, sizeBytes: 64 * MiB, rewrites: [] };
+  it.each([
+    ['random', 64, 42, 7],
+    ['compressible', 16, 21, 8],
+  ] as const)('a %s fill of %d MiB digests to the host-computed value, and a rewrite changes it as predicted', async (content, sizeMiB, seed, rewriteSeed) => {
+    await vm.probe.fill({ sizeMiB, content, seed });
+    const ws: ProbeWorkingSet = { content, seed, sizeBytes: sizeMiB * MiB, rewrites: [] };
     expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
-    const r = await vm.probe.rewrite({ fraction: 0.25, seed: 7 });
-    expect(r.pagesRewritten).toBe(4096);
-    ws.rewrites.push({ permille: 250, seed: 7 });
+    const r = await vm.probe.rewrite({ fraction: 0.25, seed: rewriteSeed });
+    expect(r.pagesRewritten).toBe((sizeMiB * MiB) / 4096 / 4);
+    ws.rewrites.push({ permille: 250, seed: rewriteSeed });
     expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
   });
 

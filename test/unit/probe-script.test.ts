@@ -28,6 +28,15 @@ describe('pvisor run --guest probe: step parsing', () => {
     expect(() => parseProbeScript(['sleep 3h'])).toThrow(InvalidOptionError);
   });
 
+  it('fill takes each content kind by name', () => {
+    expect(parseProbeScript(['fill 16MiB compressible 9, fill 8 random, fill 4 repetitive 0'])).toEqual([
+      { op: 'fill', sizeMiB: 16, content: 'compressible', seed: 9 },
+      { op: 'fill', sizeMiB: 8, content: 'random', seed: 1 },
+      { op: 'fill', sizeMiB: 4, content: 'repetitive', seed: 0 },
+    ]);
+    expect(() => parseProbeScript(['fill 8MiB compressed'])).toThrow(/content must be repetitive, random, compressible, got compressed/);
+  });
+
   it('defaults: repetitive content, seed 1, whole-working-set release', () => {
     expect(parseProbeScript(['fill 1GiB, release'])).toEqual([{ op: 'fill', sizeMiB: 1024, content: 'repetitive', seed: 1 }, { op: 'release' }]);
   });
