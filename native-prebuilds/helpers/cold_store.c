@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "crc32c.h"
@@ -30,9 +31,53 @@ struct cold_store *cold_create(uint64_t ram_size, uint64_t block) {
 
 void cold_destroy(struct cold_store *c) {
   if (!c) return;
+  if (c->scratch) munmap(c->scratch, COLD_BATCH_BYTES);
   for (uint32_t b = 0; b < c->count; b++) free(c->blocks[b].data);
   free(c->blocks);
   free(c);
+}
+
+int cold_compress_batch(struct cold_store *c, const uint8_t *ram, const uint32_t *list, uint32_t n, uint32_t max_size) {
+  if (n > COLD_BATCH_MAX || (uint64_t)n * c->block > COLD_BATCH_BYTES || max_size <= 4) return -EINVAL;
+  if (!c->scratch) {
+    void *m = mmap(NULL, COLD_BATCH_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return -errno;
+    c->scratch = m;
+  }
+  if (max_size > c->block) max_size = (uint32_t)c->block;
+  uint8_t *out = c->scratch;
+  int fit = 0;
+  for (uint32_t k = 0; k < n; k++) {
+    int got = LZ4_compress_default((const char *)ram + (uint64_t)list[k] * c->block, (char *)out + 4, (int)c->block, (int)max_size - 4);
+    c->batch_block[k] = list[k];
+    c->batch_size[k] = got > 0 ? (uint32_t)got + 4 : 0;
+    if (got <= 0) continue;
+    out[0] = (uint8_t)c->block;
+    out[1] = (uint8_t)(c->block >> 8);
+    out[2] = (uint8_t)(c->block >> 16);
+    out[3] = (uint8_t)(c->block >> 24);
+    out += c->batch_size[k];
+    fit++;
+  }
+  c->batch_n = n;
+  return fit;
+}
+
+const uint8_t *cold_batch_take(const struct cold_store *c, const uint32_t *list, uint32_t n, uint32_t k, uint32_t *size) {
+  *size = 0;
+  if (n != c->batch_n || k >= n) return NULL;
+  for (uint32_t i = 0; i < n; i++)
+    if (c->batch_block[i] != list[i]) return NULL;
+  const uint8_t *at = c->scratch;
+  for (uint32_t i = 0; i < k; i++) at += c->batch_size[i];
+  *size = c->batch_size[k];
+  return at;
+}
+
+void cold_batch_done(struct cold_store *c) {
+  c->batch_n = 0;
+  /* A VM that idles keeps nothing here. */
+  if (c->scratch) madvise(c->scratch, COLD_BATCH_BYTES, MADV_DONTNEED);
 }
 
 static void release(struct cold_store *c, struct cold_block *k) {

@@ -9,6 +9,10 @@
 
 #include <stdint.h>
 
+/* A batch compressed at once: at most this many bytes of guest RAM. */
+#define COLD_BATCH_BYTES (1024 * 1024)
+#define COLD_BATCH_MAX (COLD_BATCH_BYTES / 16384) /* blocks, at the smallest block size */
+
 enum cold_state {
   COLD_RESIDENT = 0,    /* in guest RAM; a page missing there reads as zero */
   COLD_COMPRESSING = 1, /* write-protected in guest RAM while Node compresses it */
@@ -35,11 +39,31 @@ struct cold_store {
   uint64_t decompress_ns;
   uint64_t bad;          /* blocks that failed their check */
   uint64_t zero_dropped; /* all-zero blocks dropped without storing anything */
+  /* The batch last compressed (cold_compress_batch), until it is finished. */
+  uint8_t *scratch; /* COLD_BATCH_BYTES, mapped on first use, its pages dropped after each batch */
+  uint32_t batch_n;
+  uint32_t batch_block[COLD_BATCH_MAX];
+  uint32_t batch_size[COLD_BATCH_MAX]; /* 0: did not fit in the size asked for */
 };
 
 /* A store for `ram_size` bytes in blocks of `block`; NULL with errno set on failure. */
 struct cold_store *cold_create(uint64_t ram_size, uint64_t block);
 void cold_destroy(struct cold_store *c);
+
+/*
+ * Compresses the `n` blocks `list` (block indices) of guest RAM at `ram` into the scratch, one
+ * after the other, each as lz4-napi writes it (4-byte little-endian size, then one lz4 block) and
+ * only if that fits in max_size bytes (lz4 gives up early on content that does not shrink). The
+ * batch waits there for cold_batch_take. Returns how many fit, or -errno.
+ */
+int cold_compress_batch(struct cold_store *c, const uint8_t *ram, const uint32_t *list, uint32_t n, uint32_t max_size);
+
+/*
+ * The compressed bytes of `list`[k] from the last batch, and their size (0: keep it resident);
+ * NULL size 0 if `list` is not that batch. cold_batch_done forgets the batch.
+ */
+const uint8_t *cold_batch_take(const struct cold_store *c, const uint32_t *list, uint32_t n, uint32_t k, uint32_t *size);
+void cold_batch_done(struct cold_store *c);
 
 /* Keeps a copy of `size` bytes as block b's compressed form: COMPRESSED. 0, or -ENOMEM. */
 int cold_keep(struct cold_store *c, uint32_t b, const uint8_t *data, uint32_t size, uint32_t crc);

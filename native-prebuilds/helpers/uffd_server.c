@@ -33,8 +33,8 @@
  * removed): with nothing left to load, faults fill normally at no cost to this thread.
  *
  * ColdCompression's block store (cold_store.h), once attached, keeps RAM registered in MISSING and
- * WRITE-PROTECT modes. Node compresses a block in place while it is write-protected
- * (pv_uffd_cold_begin), then hands its compressed bytes over (pv_uffd_cold_finish): unless
+ * WRITE-PROTECT modes. A block is compressed in place while it is write-protected
+ * (pv_uffd_cold_begin, pv_uffd_cold_compress on Node's thread), then (pv_uffd_cold_finish): unless
  * something wrote, or faulted, into the block meanwhile (a write-protect fault, which this thread
  * answers by lifting the protection and marking the block), the block is dropped and kept here.
  * A write blocked in a fault has not happened yet, so nothing written is ever lost. A fault in a
@@ -922,17 +922,34 @@ int32_t pv_uffd_cold_begin(struct pv_uffd_server *s, const uint32_t *list, int32
   return rc;
 }
 
+/*
+ * Compresses the listed blocks (being compressed: pv_uffd_cold_begin; at most 1 MiB of them)
+ * from guest RAM with lz4, keeping each only if it fits in max_size bytes. On Node's thread: a
+ * page it reads that went missing meanwhile faults into this server like any other. Returns how
+ * many fit, or -errno; pv_uffd_cold_finish takes the batch.
+ */
+int32_t pv_uffd_cold_compress(struct pv_uffd_server *s, const uint32_t *list, int32_t n, int32_t max_size) {
+  api_lock(s);
+  int32_t rc = check_blocks(s, list, n);
+  for (int32_t k = 0; rc >= 0 && k < n; k++)
+    if (s->cold->blocks[list[k]].state != COLD_COMPRESSING) rc = -EINVAL;
+  api_unlock(s);
+  if (rc < 0) return rc;
+  /* Without the mutex: reading guest RAM may fault into this server. */
+  return cold_compress_batch(s->cold, (const uint8_t *)(uintptr_t)s->base, list, (uint32_t)n, max_size > 0 ? (uint32_t)max_size : 0);
+}
+
 /* What pv_uffd_cold_finish did with a block. */
 enum cold_outcome { COLD_KEPT = 0, COLD_STORED = 1, COLD_ZERO = 2, COLD_WRITTEN = 3, COLD_NOT_BEGUN = 4 };
 
 /*
- * Ends the compression of the listed blocks. sizes[k] bytes of `data` (concatenated in list
- * order) are block list[k]'s compressed form; 0 keeps it resident (it did not compress enough).
- * A block written or faulted into since pv_uffd_cold_begin stays resident; an all-zero block is
- * dropped without storing anything (it reads back as zero); any other is dropped and stored.
- * out[k] is an enum cold_outcome. Returns how many were stored.
+ * Ends the compression of the listed blocks (the batch pv_uffd_cold_compress made of them; any
+ * other list keeps them all resident). A block written or faulted into since pv_uffd_cold_begin
+ * stays resident; an all-zero block is dropped without storing anything (it reads back as zero);
+ * a block whose compressed form fitted is dropped and stored; any other stays resident. out[k] is
+ * an enum cold_outcome. Returns how many were stored.
  */
-int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int32_t n, const uint32_t *sizes, const uint8_t *data, uint8_t *out) {
+int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int32_t n, uint8_t *out) {
   api_lock(s);
   int32_t rc = check_blocks(s, list, n);
   uint64_t block = s->cold ? s->cold->block : 0;
@@ -948,17 +965,18 @@ int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int3
   }
   for (int32_t k = 0; k < n; k++) {
     const uint8_t *at = (const uint8_t *)(uintptr_t)(s->base + (uint64_t)list[k] * block);
-    zero[k] = sizes[k] && cold_is_zero(at, block);
-    crc[k] = sizes[k] && !zero[k] ? pv_crc32c(at, block) : 0;
+    uint32_t size;
+    cold_batch_take(s->cold, list, (uint32_t)n, (uint32_t)k, &size);
+    zero[k] = size && cold_is_zero(at, block);
+    crc[k] = size && !zero[k] ? pv_crc32c(at, block) : 0;
   }
   api_lock(s);
   struct cold_store *c = s->cold;
-  const uint8_t *next = data;
   for (int32_t k = 0; k < n; k++) {
     struct cold_block *blk = &c->blocks[list[k]];
     uint64_t off = (uint64_t)list[k] * block;
-    const uint8_t *bytes = next;
-    next += sizes[k];
+    uint32_t size;
+    const uint8_t *bytes = cold_batch_take(c, list, (uint32_t)n, (uint32_t)k, &size);
     if (blk->state != COLD_COMPRESSING) {
       out[k] = COLD_NOT_BEGUN;
       continue;
@@ -970,7 +988,7 @@ int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int3
     } else if (zero[k]) {
       out[k] = COLD_ZERO;
       c->zero_dropped++;
-    } else if (sizes[k] && cold_keep(c, list[k], bytes, sizes[k], crc[k]) == 0) {
+    } else if (size && cold_keep(c, list[k], bytes, size, crc[k]) == 0) {
       out[k] = COLD_STORED;
       stored = 1;
       rc++;
@@ -985,6 +1003,7 @@ int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int3
       write_protect(s, off, block, 0);
     }
   }
+  cold_batch_done(c);
   api_unlock(s);
   free(crc);
   free(zero);

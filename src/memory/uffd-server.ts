@@ -127,7 +127,8 @@ const fns = define({
   pv_uffd_cold_attach: { library: LIB, retType: I32, paramsType: [U64, U64] },
   pv_uffd_cold_scan: { library: LIB, retType: I32, paramsType: [U64, U32, I32, BYTES] },
   pv_uffd_cold_begin: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32, BYTES] },
-  pv_uffd_cold_finish: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32, BYTES, BYTES, BYTES] },
+  pv_uffd_cold_compress: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32, I32] },
+  pv_uffd_cold_finish: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32, BYTES] },
   pv_uffd_cold_states: { library: LIB, retType: I32, paramsType: [U64, BYTES, BYTES, I32, I32] },
   pv_uffd_cold_forget: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32] },
   pv_uffd_cold_figure: { library: LIB, retType: U64, paramsType: [U64, I32] },
@@ -292,6 +293,9 @@ export const enum ColdOutcome {
   NotBegun = 4,
 }
 
+/** Most guest RAM {@link ColdStore.compress} takes at once (COLD_BATCH_BYTES in cold_store.h). */
+export const COLD_BATCH_BYTES = 1024 * 1024;
+
 /** A block's state in {@link ColdStore.states}. */
 export const enum ColdState {
   Resident = 0,
@@ -310,23 +314,24 @@ export interface ColdStoreFigures {
   zeroBlocksDropped: number;
 }
 
-/** A block's reading in {@link ColdStore.scan}. */
-export interface ColdScan {
-  /** Pages of the block present in guest RAM; -1 if the block is compressed (or bad). */
-  present: number;
-  /**
-   * A checksum of the first 256 bytes of each page (the block changed if it differs from the last
-   * scan's) when every page is present, else 0.
-   */
-  crc: number;
-}
+/**
+ * Readings of {@link ColdStore.scan}, two words per block: [2k] a checksum of the first 256 bytes
+ * of each page of block k (it changed if the checksum did) when every page is present, else 0;
+ * [2k+1] how many of its pages are present in guest RAM, or 0xffffffff if it is compressed (or
+ * bad).
+ */
+export type ColdScan = Uint32Array;
 
 /**
  * ColdCompression's block store in the native server (native-prebuilds/helpers/cold_store.h):
- * blocks are compressed in place while write-protected ({@link begin}, then {@link finish}), and
- * a fault in a dropped block is served by the thread (lz4, CRC32C check, UFFDIO_COPY).
+ * blocks are compressed in place while write-protected ({@link begin}, {@link compress},
+ * {@link finish}), and a fault in a dropped block is served by the thread (lz4, CRC32C check,
+ * UFFDIO_COPY).
  */
 export class ColdStore {
+  private readonly stateBytes: Buffer;
+  private readonly faultedBytes: Buffer;
+
   /** @internal */
   constructor(
     private readonly server: UffdServer,
@@ -334,16 +339,19 @@ export class ColdStore {
     readonly blockCount: number,
     /** @internal */
     readonly onError: (why: string, offset: number) => void,
-  ) {}
+  ) {
+    this.stateBytes = Buffer.alloc(blockCount);
+    this.faultedBytes = Buffer.alloc(blockCount);
+  }
 
-  /** Present pages and checksums of blocks [first, first+count). */
-  scan(first: number, count: number): ColdScan[] {
-    const out = Buffer.alloc(Math.max(1, count) * 8);
-    check('pv_uffd_cold_scan', fns.pv_uffd_cold_scan([this.server.live(), first, count, out]) as number);
-    return Array.from({ length: count }, (_, k) => {
-      const present = out.readUInt32LE(k * 8 + 4);
-      return { present: present === 0xffffffff ? -1 : present, crc: out.readUInt32LE(k * 8) };
-    });
+  /**
+   * Present pages and checksums of blocks [first, first+count) into `out` (at least 2 x count
+   * words; reused from scan to scan, so that a scan allocates nothing).
+   */
+  scan(first: number, count: number, out: ColdScan): void {
+    if (out.length < 2 * count) throw new InvalidOptionError('out', `needs ${2 * count} words, has ${out.length}`);
+    const bytes = Buffer.from(out.buffer, out.byteOffset, out.byteLength);
+    check('pv_uffd_cold_scan', fns.pv_uffd_cold_scan([this.server.live(), first, count, bytes]) as number);
   }
 
   /** Write-protects the blocks that are resident; returns which of `blocks` it did. */
@@ -354,27 +362,33 @@ export class ColdStore {
   }
 
   /**
-   * Ends the compression of `blocks` (begun): `compressed[k]` is block k's lz4-napi output, or
-   * null to keep it resident. Returns what became of each.
+   * Compresses `blocks` (begun; at most {@link COLD_BATCH_BYTES} of them) with lz4 into the
+   * store's scratch, in C on this thread, each kept only if it fits in `maxSize` bytes. The
+   * compressed bytes never pass through JavaScript. Returns how many fitted.
    */
-  finish(blocks: readonly number[], compressed: readonly (Buffer | null)[]): ColdOutcome[] {
-    const sizes = Buffer.alloc(Math.max(1, blocks.length) * 4);
-    compressed.forEach((c, k) => sizes.writeUInt32LE(c ? c.length : 0, k * 4));
-    const data = Buffer.concat([...compressed.filter((c): c is Buffer => c !== null), Buffer.alloc(1)]);
+  compress(blocks: readonly number[], maxSize: number): number {
+    return check('pv_uffd_cold_compress', fns.pv_uffd_cold_compress([this.server.live(), blockList(blocks), blocks.length, maxSize]) as number);
+  }
+
+  /**
+   * Ends the compression of `blocks` (begun): those {@link compress} just compressed and that
+   * fitted are stored and dropped, unless written meanwhile; any other list stays resident.
+   * Returns what became of each.
+   */
+  finish(blocks: readonly number[]): ColdOutcome[] {
     const out = Buffer.alloc(Math.max(1, blocks.length));
-    check('pv_uffd_cold_finish', fns.pv_uffd_cold_finish([this.server.live(), blockList(blocks), blocks.length, sizes, data, out]) as number);
+    check('pv_uffd_cold_finish', fns.pv_uffd_cold_finish([this.server.live(), blockList(blocks), blocks.length, out]) as number);
     return blocks.map((_, k) => out[k] as ColdOutcome);
   }
 
   /**
    * Each block's {@link ColdState}, and which blocks a fault brought back since those marks were
-   * last cleared (by a call with `clearFaulted`).
+   * last cleared (by a call with `clearFaulted`). The arrays are the store's own, overwritten by
+   * the next call.
    */
   states(clearFaulted: boolean): { states: Uint8Array; faulted: Uint8Array } {
-    const states = Buffer.alloc(this.blockCount);
-    const faulted = Buffer.alloc(this.blockCount);
-    check('pv_uffd_cold_states', fns.pv_uffd_cold_states([this.server.live(), states, faulted, this.blockCount, clearFaulted ? 1 : 0]) as number);
-    return { states, faulted };
+    check('pv_uffd_cold_states', fns.pv_uffd_cold_states([this.server.live(), this.stateBytes, this.faultedBytes, this.blockCount, clearFaulted ? 1 : 0]) as number);
+    return { states: this.stateBytes, faulted: this.faultedBytes };
   }
 
   /** Forgets the stored bytes of these blocks (the guest freed them): they read as zero. Returns how many it forgot. */
