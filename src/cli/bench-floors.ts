@@ -73,9 +73,33 @@ export async function measureMemoryFloors(options: MemoryFloorsOptions): Promise
   }
 }
 
-function compile(source: string, exe: string): void {
+/** Faults served per second by native-prebuilds/bench/uffd-fault-loop.c: min/median/max over its runs. */
+export interface NativeFaultRate {
+  sizeMiB: number;
+  blockKiB: number;
+  /** Min, median and max over the runs (in `runsMs`, although they are faults per second). */
+  faultsPerSecond: FloorStats;
+}
+
+/**
+ * Compiles and runs uffd-fault-loop.c: the native floor of serving faults of `blockKiB` blocks
+ * through userfaultfd (a touching thread, a thread answering with UFFDIO_COPY), no VM involved.
+ */
+export async function measureNativeFaultRate(sizeMiB: number, blockKiB: number, runs: number): Promise<NativeFaultRate> {
+  const build = mkdtempSync(join(tmpdir(), 'pvisor-floors-'));
   try {
-    execFileSync('gcc', ['-O2', '-o', exe, source], { stdio: ['ignore', 'ignore', 'pipe'] });
+    const exe = join(build, 'uffd-fault-loop');
+    compile(join(PACKAGE_ROOT, 'native-prebuilds', 'bench', 'uffd-fault-loop.c'), exe, ['-pthread']);
+    const raw = JSON.parse(await run(exe, [String(sizeMiB), String(blockKiB), String(runs)], (line) => progress(`fault loop: ${line}`))) as { faultsPerSecond: number[] };
+    return { sizeMiB, blockKiB, faultsPerSecond: { ...stats(raw.faultsPerSecond), runsMs: raw.faultsPerSecond } };
+  } finally {
+    rmSync(build, { recursive: true, force: true });
+  }
+}
+
+function compile(source: string, exe: string, flags: string[] = []): void {
+  try {
+    execFileSync('gcc', ['-O2', ...flags, '-o', exe, source], { stdio: ['ignore', 'ignore', 'pipe'] });
   } catch (e) {
     const err = e as NodeJS.ErrnoException & { stderr?: Buffer };
     if (err.code === 'ENOENT') throw new HostUnsupportedError('the memory floors are measured by a C program compiled at bench time: install gcc (apt-get install gcc)');

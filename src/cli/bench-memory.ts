@@ -10,6 +10,13 @@
  * the digest after resume must equal the one before the offload or the cell fails. Before the
  * cells, the same run measures the physical floors for the working set (bench-floors.ts), and
  * Table 2 prints pvisor's times as multiples of them.
+ *
+ * Cold compression cells run no operation: the VM idles (the mix cell reads its first 16 MiB
+ * over and over) until the compressed store stops growing, then the same 5 s reading; after it,
+ * a host thread touches one byte of every stored block, timing the faults that the native server
+ * answers (decompress, check, UFFDIO_COPY) against a native userfaultfd loop that answers the
+ * same touches with UFFDIO_COPY alone (native-prebuilds/bench/uffd-fault-loop.c), built and run
+ * in the same run; then the guest's digest must equal the one taken before.
  */
 import { spawn } from 'node:child_process';
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
@@ -20,7 +27,8 @@ import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
 import { processResident } from '../memory-usage';
 import { printTable as printRows } from './bench';
-import { floorRows, measureMemoryFloors, type MemoryFloors } from './bench-floors';
+import { floorRows, measureMemoryFloors, measureNativeFaultRate, type MemoryFloors, type NativeFaultRate } from './bench-floors';
+import { ColdCompression } from '../memory/strategies/cold-compression';
 import { CompressedOffload } from '../memory/strategies/compressed-offload';
 import { IdleRelease } from '../memory/strategies/idle-release';
 import { Offload } from '../memory/strategies/offload';
@@ -33,19 +41,28 @@ import { GOALS, STUDY_TABLE1, STUDY_TABLE2, savingPercent, studyRowOf, type PerC
 const MiB = 2 ** 20;
 const STUDY_WORKING_SET_MIB = 64;
 const READ_AFTER_MS = 5000;
-const SEEDS = { repetitive: 1, random: 42 } as const;
+/** `compressible` (distinct pages that lz4 shrinks to about 31%) is the study's extra cold case. */
+const SEEDS = { repetitive: 1, random: 42, compressible: 7 } as const;
+/** Short, so that a cell settles in seconds; what it measures does not depend on it. */
+const BENCH_COLD_AFTER_MS = 2000;
+/** The mix cell's hot part, read over and over while the rest goes cold (the study's case). */
+const HOT_MIB = 16;
+/** A cold cell is settled when its store has not grown for this long. */
+const COLD_SETTLED_MS = 3000;
 type Content = keyof typeof SEEDS;
 
 /** A mode of Table 1: the strategies a VM starts with and what is done after the fill. */
 interface Mode {
   name: string;
   strategies(backingDir: string): MemoryStrategy[];
-  operation: 'none' | 'release' | 'suspend';
+  operation: 'none' | 'release' | 'suspend' | 'cold' | 'cold-mix';
 }
 
 const MODES: Mode[] = [
   { name: 'default', strategies: () => [], operation: 'none' },
   { name: 'idle-release', strategies: () => [new IdleRelease()], operation: 'release' },
+  { name: 'cold-compression', strategies: () => [new ColdCompression({ coldAfterMs: BENCH_COLD_AFTER_MS })], operation: 'cold' },
+  { name: 'cold-compression-mix', strategies: () => [new ColdCompression({ coldAfterMs: BENCH_COLD_AFTER_MS })], operation: 'cold-mix' },
   { name: 'offload', strategies: (dir) => [new Offload({ dir })], operation: 'suspend' },
   { name: 'offload-lazy', strategies: (dir) => [new Offload({ dir, reload: 'lazy' })], operation: 'suspend' },
   { name: 'offload-cached', strategies: (dir) => [new Offload({ dir, pageCache: 'keep' })], operation: 'suspend' },
@@ -90,6 +107,12 @@ interface CellResult {
   resumeAndTaskMs?: number;
   /** Offload modes: the backing's allocated size after suspend, bytes. */
   backingBytes?: number;
+  /** Cold modes: share of one CPU the strategy's scans and compression took during the reading, %. */
+  scannerCpuPercent?: number;
+  /** Cold modes: blocks brought back by touching the working set, per second of the time they added. */
+  faultsPerSecond?: number;
+  /** Cold modes: blocks that touch brought back. */
+  faultsTimed?: number;
   strategies: StrategyStats[];
 }
 
@@ -113,7 +136,12 @@ async function cellChild(config: CellConfig): Promise<void> {
   const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
   const vms: Vm[] = [];
   try {
-    for (let i = 0; i < config.vms; i++) vms.push(await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies: mode.strategies(config.backingDir) }));
+    let firstStrategies: MemoryStrategy[] = [];
+    for (let i = 0; i < config.vms; i++) {
+      const strategies = mode.strategies(config.backingDir);
+      if (i === 0) firstStrategies = strategies;
+      vms.push(await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies }));
+    }
     const [vm] = vms;
     for (const v of vms) await v.probe.fill({ sizeMiB: config.workingSetMiB, content: config.content, seed: SEEDS[config.content] });
     say({ event: 'filled' });
@@ -126,6 +154,11 @@ async function cellChild(config: CellConfig): Promise<void> {
       digestBefore = (await vm.probe.digest()).hex;
     }
     const guestRamPssBeforeBytes = vms.reduce((sum, v) => sum + v.memoryUsage().guestRamPssBytes, 0);
+    if (mode.operation === 'cold' || mode.operation === 'cold-mix') {
+      const cold = firstStrategies.find((s): s is ColdCompression => s instanceof ColdCompression)!;
+      await coldCell(vm, cold, config, mode.operation === 'cold-mix', guestRamPssBeforeBytes, say, lines);
+      return;
+    }
     let operationMs = 0;
     let releaseMs: number | undefined;
     for (const v of vms) {
@@ -161,6 +194,50 @@ async function cellChild(config: CellConfig): Promise<void> {
   }
 }
 
+const coldFigures = (vm: Vm) => vm.memoryUsage().strategies.find((s) => s.strategy === 'cold-compression')!.figures;
+
+/** A cold compression cell, after the fill (see the header). */
+async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: boolean, guestRamPssBeforeBytes: number, say: (msg: object) => void, lines: AsyncIterator<string>): Promise<void> {
+  const digestBefore = (await vm.probe.digest()).hex;
+  let hot = mix;
+  const hotLoop = (async () => {
+    while (hot) {
+      await vm.probe.touch({ hotMiB: HOT_MIB });
+      await sleep(100);
+    }
+  })();
+  // Settled: nothing more stored for a while; operationMs is when the store last grew.
+  const t0 = performance.now();
+  let stored = -1;
+  let grewAt = t0;
+  while (performance.now() - grewAt < COLD_SETTLED_MS || performance.now() - t0 < BENCH_COLD_AFTER_MS) {
+    if (performance.now() - t0 > 120_000) break;
+    const now = coldFigures(vm).blocksStored;
+    if (now !== stored) {
+      stored = now;
+      grewAt = performance.now();
+    }
+    await sleep(250);
+  }
+  const operationMs = grewAt - t0;
+  say({ event: 'operated', operationMs });
+  const busy = () => coldFigures(vm).scanMs + coldFigures(vm).compressMs;
+  const busyBefore = busy();
+  let t = performance.now();
+  await sleep(READ_AFTER_MS);
+  const scannerCpuPercent = ((busy() - busyBefore) / (performance.now() - t)) * 100;
+  say({ event: 'reading', guestRamPssBytes: vm.memoryUsage().guestRamPssBytes, guestRamPssBeforeBytes, strategies: vm.memoryUsage().strategies, operationMs, scannerCpuPercent });
+  await lines.next(); // the parent has read the group's figures
+  hot = false;
+  await hotLoop;
+  // Faults served as the native loop serves them: a host thread touching one byte per block.
+  const touched = cold.touchStoredBlocks();
+  const faultsPerSecond = touched.blocks / (Math.max(touched.ms, 0.001) / 1000);
+  const digestAfter = (await vm.probe.digest()).hex;
+  if (digestAfter !== digestBefore) throw new Error(`digest after the cold blocks came back ${digestAfter} != ${digestBefore} before`);
+  say({ event: 'done', faultsTimed: touched.blocks, faultsPerSecond, strategies: vm.memoryUsage().strategies });
+}
+
 /** Runs one cell in a fresh process and cgroup; resolves with its results. */
 async function runCell(config: CellConfig, label: string): Promise<CellResult> {
   const cgroup = CellCgroup.create(`pvisor-bench-${process.pid}-${config.mode}-${config.content}-${config.vms}`);
@@ -192,11 +269,14 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
         result.taskMs = msg.taskMs as number | undefined;
         result.strategies = msg.strategies as StrategyStats[];
         result.backingBytes = backingBytesOf(result.strategies);
+        result.scannerCpuPercent = msg.scannerCpuPercent as number | undefined;
         child.stdin.write('continue\n');
       }
       if (msg.event === 'done') {
         result.resumeAndTaskMs = msg.resumeAndTaskMs as number | undefined;
         result.resumeMs = msg.resumeMs as number | undefined;
+        result.faultsPerSecond = msg.faultsPerSecond as number | undefined;
+        result.faultsTimed = msg.faultsTimed as number | undefined;
         child.stdin.end();
       }
     }
@@ -250,7 +330,7 @@ async function benchMemory(argv: string[]): Promise<number> {
   });
   if (!modes.some((m) => m.name === 'default')) modes.unshift(MODES[0]); // savings need the baseline
   const contents = values.contents.split(',') as Content[];
-  for (const c of contents) if (!(c in SEEDS)) throw new InvalidOptionError('--contents', `unknown working set ${c}; use repetitive,random`);
+  for (const c of contents) if (!(c in SEEDS)) throw new InvalidOptionError('--contents', `unknown working set ${c}; use repetitive, random or compressible`);
   const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
   if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1) throw new InvalidOptionError('--working-set', 'expected whole MiB, at least 1MiB');
   if (workingSetMiB !== STUDY_WORKING_SET_MIB) progress(`warning: the study's cells use ${STUDY_WORKING_SET_MIB} MiB; with ${workingSetMiB} MiB its figures do not compare`);
@@ -270,6 +350,15 @@ async function benchMemory(argv: string[]): Promise<number> {
     } catch (e) {
       // The cells can still be measured (e.g. on tmpfs, which the floors refuse): say why not.
       progress(`warning: no physical floors, so no ratios or floor-bound goals: ${(e as Error).message}`);
+    }
+  }
+  let nativeFaults: NativeFaultRate | undefined;
+  if (modes.some((m) => m.operation === 'cold' || m.operation === 'cold-mix')) {
+    progress(`native userfaultfd fault loop, ${workingSetMiB} MiB in 64 KiB blocks`);
+    try {
+      nativeFaults = await measureNativeFaultRate(workingSetMiB, 64, 5);
+    } catch (e) {
+      progress(`warning: no native fault loop, so no fault service ratio: ${(e as Error).message}`);
     }
   }
   const probe = CellCgroup.create(`pvisor-bench-${process.pid}-probe`);
@@ -315,6 +404,22 @@ async function benchMemory(argv: string[]): Promise<number> {
     process.stdout.write(`${shared.vms} offloaded VMs in one process (${shared.content}): group PSS ${(shared.groupPssBytes / MiB).toFixed(1)} MiB, ${(shared.groupPssBytes / shared.vms / MiB).toFixed(1)} MiB per VM; guest RAM ${(shared.guestRamPssBytes / MiB).toFixed(1)} MiB in all\n\n`);
   }
 
+  const colds = cells.filter((c) => c.faultsPerSecond !== undefined);
+  // A rate over a handful of blocks (random content leaves almost nothing stored) says nothing.
+  const timedEnough = (c: CellResult) => c.faultsPerSecond !== undefined && (c.faultsTimed ?? 0) >= 64;
+  const faultPercent = (c: CellResult) => (nativeFaults && timedEnough(c) ? (c.faultsPerSecond! / nativeFaults.faultsPerSecond.median) * 100 : undefined);
+  if (colds.length) {
+    const native = nativeFaults ? `${Math.round(nativeFaults.faultsPerSecond.median)} faults/s (median of ${nativeFaults.faultsPerSecond.runsMs.length} runs)` : 'not measured';
+    process.stdout.write(`Cold compression (coldAfter ${BENCH_COLD_AFTER_MS / 1000} s; "settled" = time until the store last grew; native userfaultfd loop, 64 KiB blocks, this run: ${native})\n`);
+    const tc: string[][] = [['mode', 'working set', 'settled after ms', 'blocks stored', 'store MiB', 'incompressible blocks', 'scanner CPU % at idle', 'faults/s (host thread touching)', '% of native']];
+    for (const c of colds) {
+      const f = c.strategies.find((s) => s.strategy === 'cold-compression')?.figures ?? {};
+      const pct = faultPercent(c);
+      tc.push([c.mode, c.content, c.operationMs.toFixed(0), String(f.blocksStored ?? 'n/a'), ((f.storeBytes ?? 0) / MiB).toFixed(2), String(f.blocksIncompressible ?? 'n/a'), (c.scannerCpuPercent ?? 0).toFixed(2), timedEnough(c) ? `${Math.round(c.faultsPerSecond!)} (${c.faultsTimed} blocks)` : `n/a (${c.faultsTimed} blocks)`, pct === undefined ? 'n/a' : pct.toFixed(0)]);
+    }
+    printTable(tc);
+  }
+
   const floorOf = floors && { a: fastest(floors.a.uffdCopy2M, floors.a.uffdCopy64K, floors.a.copyFaults), c: fastest(floors.c.readCold, floors.c.readColdDirect, floors.c.readColdUffd) };
   if (floors) {
     process.stdout.write(`Physical floors for the same ${workingSetMiB} MiB, measured in this run (${floors.runs} runs, files in ${floors.dir}, ${floors.filesystem})\n`);
@@ -346,7 +451,7 @@ async function benchMemory(argv: string[]): Promise<number> {
     printTable(t2);
   }
 
-  process.stdout.write('Goals (issue 9, and those of issue 4 that stand; figure: ours vs bound)\n');
+  process.stdout.write('Goals (issues 9 and 12, and those of issue 4 that stand; figure: ours vs bound)\n');
   const goals: string[][] = [['issue', 'goal', 'mode', 'working set', 'ours', 'bound', 'met']];
   const goalResults: object[] = [];
   for (const g of GOALS) {
@@ -360,6 +465,7 @@ async function benchMemory(argv: string[]): Promise<number> {
         savingPercent: savingPercent(base.groupPssBytes, c.groupPssBytes),
         groupPssMiB: c.groupPssBytes / MiB,
         guestRamReleasedPercent: c.guestRamPssBeforeBytes > 0 ? (1 - c.guestRamPssBytes / c.guestRamPssBeforeBytes) * 100 : undefined,
+        faultServicePercentOfNative: faultPercent(c),
       }[g.key];
       if (ours === undefined) continue;
       const bound = 'floor' in g.bound ? (floorOf ? g.bound.times * floorOf[g.bound.floor] : undefined) : g.bound[c.content];
@@ -378,7 +484,7 @@ async function benchMemory(argv: string[]): Promise<number> {
   printTable(goals);
   process.stdout.write(`Backing files in ${backingDir} (${fsType}). Resident and group memory are never added together.\n`);
 
-  const json = { setup: { memoryMiB: 512, vcpus: 2, workingSetMiB, readAfterMs: READ_AFTER_MS, backingDir, backingFilesystem: fsType }, floors, floorMs: floorOf, cells, sharedProcess: shared, goals: goalResults };
+  const json = { setup: { memoryMiB: 512, vcpus: 2, workingSetMiB, readAfterMs: READ_AFTER_MS, backingDir, backingFilesystem: fsType, coldAfterMs: BENCH_COLD_AFTER_MS }, floors, floorMs: floorOf, nativeFaults, cells, sharedProcess: shared, goals: goalResults };
   if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
   else process.stdout.write(`${JSON.stringify(json)}\n`);
   return 0;

@@ -65,6 +65,9 @@ Usage:
   pvisor bench memory [--modes LIST] [--contents repetitive,random] [--backing-dir DIR] [--json FILE]
       The reference study's Tables 1 and 2: each cell a fresh 512 MiB VM in its own process and
       cgroup, resident (group PSS), guest RAM PSS, group memory, offload costs, the study beside.
+      Modes cold-compression and cold-compression-mix (16 MiB hot, the rest cold) add a cold
+      compression table: time to settle, store size, scanner CPU, faults/s against a native
+      userfaultfd loop; --contents compressible is the study's distinct compressible pages.
   pvisor bench floors [--dir DIR] [--size 64MiB] [--runs 5] [--json FILE]
       The host's physical floors for the same bytes (C, no VM): copies into fresh memory and by
       UFFDIO_COPY, write + fdatasync, cold and warm reads back; DIR must be on a disk.
