@@ -18,12 +18,17 @@ enum cold_state {
   COLD_COMPRESSING = 1, /* write-protected in guest RAM while Node compresses it */
   COLD_COMPRESSED = 2,  /* dropped from guest RAM; its bytes are in the store */
   COLD_BAD = 3,         /* its stored bytes failed their check: never mapped */
+  COLD_SAVED = 4,       /* dropped; its compressed bytes are in a file while the VM is suspended */
 };
 
 struct cold_block {
-  uint8_t *data; /* COMPRESSED, BAD: what Node compressed */
-  uint32_t size; /* bytes at data */
-  uint32_t crc;  /* CRC32C of the block as it was compressed */
+  union {
+    uint8_t *data;     /* COMPRESSED, BAD: the compressed bytes */
+    uint64_t file_off; /* SAVED: where they are in the saved file */
+  };
+  uint32_t size;      /* compressed bytes */
+  uint32_t crc;       /* CRC32C of the block as it was compressed */
+  uint32_t bytes_crc; /* SAVED: CRC32C of the compressed bytes in the file */
   uint8_t state;
   uint8_t dirtied; /* COMPRESSING: something wrote, or faulted, into it meanwhile */
   uint8_t faulted; /* a fault brought it back since Node last asked */
@@ -39,6 +44,9 @@ struct cold_store {
   uint64_t decompress_ns;
   uint64_t bad;          /* blocks that failed their check */
   uint64_t zero_dropped; /* all-zero blocks dropped without storing anything */
+  uint32_t saved;        /* blocks SAVED */
+  uint64_t saved_bytes;
+  int saved_fd;          /* a dup of the file they are in, -1 if none */
   /* The batch last compressed (cold_compress_batch), until it is finished. */
   uint8_t *scratch; /* COLD_BATCH_BYTES, mapped on first use, its pages dropped after each batch */
   uint32_t batch_n;
@@ -72,11 +80,25 @@ int cold_keep(struct cold_store *c, uint32_t b, const uint8_t *data, uint32_t si
 void cold_forget(struct cold_store *c, uint32_t b);
 
 /*
- * Decompresses block b into out (block bytes) and checks its size and CRC32C. On success the
- * stored bytes are freed and the block is RESIDENT (the caller maps out) and marked faulted;
- * otherwise it is BAD. Returns 0 or -1.
+ * Decompresses block b (COMPRESSED, or SAVED: read from the file first) into out (block bytes)
+ * and checks its size and CRC32C. On success the stored bytes are freed and the block is
+ * RESIDENT (the caller maps out) and marked faulted; otherwise it is BAD. Returns 0 or -1.
  */
 int cold_take(struct cold_store *c, uint32_t b, uint8_t *out);
+
+/*
+ * Writes every COMPRESSED block's bytes to fd (from offset 0; made durable with fdatasync), keeps
+ * a dup of fd and frees them: those blocks are SAVED, and a fault there reads its block back from
+ * the file (cold_take). Nothing changes if a write fails. Returns how many blocks, or -errno.
+ */
+int cold_save(struct cold_store *c, int fd);
+
+/*
+ * Reads every SAVED block's bytes back from the saved file and checks their CRC32C: they are
+ * COMPRESSED again and the file is let go. If one cannot be read or fails its check, nothing
+ * changes: -EBADMSG, -ENODATA (the file is short) or another -errno.
+ */
+int cold_load(struct cold_store *c);
 
 /* Whether [p, p+len) is all zero bytes. */
 int cold_is_zero(const uint8_t *p, uint64_t len);

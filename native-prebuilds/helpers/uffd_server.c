@@ -359,7 +359,7 @@ static int serve_cold(struct pv_uffd_server *s, uint64_t off, pid_t tid) {
     return 0;
   }
   if (k->state == COLD_RESIDENT) return 0;
-  if (k->state == COLD_COMPRESSED) {
+  if (k->state == COLD_COMPRESSED || k->state == COLD_SAVED) {
     uint8_t *out = bounce_buffer(s);
     if (out && cold_take(c, b, out) == 0) {
       if (fill(s, (uint64_t)b * c->block, c->block, out, NULL) == 0) return 1;
@@ -1044,7 +1044,8 @@ int32_t pv_uffd_cold_forget(struct pv_uffd_server *s, const uint32_t *list, int3
 
 /*
  * The store's figures: 0 blocks stored, 1 bytes stored, 2 blocks a fault brought back, 3
- * nanoseconds spent decompressing, 4 blocks that failed their check, 5 all-zero blocks dropped.
+ * nanoseconds spent decompressing, 4 blocks that failed their check, 5 all-zero blocks dropped,
+ * 6 blocks saved to a file (while suspended), 7 their bytes.
  */
 uint64_t pv_uffd_cold_figure(struct pv_uffd_server *s, int32_t which) {
   api_lock(s);
@@ -1058,10 +1059,32 @@ uint64_t pv_uffd_cold_figure(struct pv_uffd_server *s, int32_t which) {
       case 3: v = c->decompress_ns; break;
       case 4: v = c->bad; break;
       case 5: v = c->zero_dropped; break;
+      case 6: v = c->saved; break;
+      case 7: v = c->saved_bytes; break;
     }
   }
   api_unlock(s);
   return v;
+}
+
+/*
+ * While the VM is suspended: writes the stored blocks to fd (durably) and frees them (SAVED; a
+ * fault there reads its block from the file), or reads them all back (COMPRESSED again). See
+ * cold_save and cold_load. Return how many blocks, or -errno. File I/O under the mutex: the
+ * thread has nothing to serve while the VM is suspended but what these calls decide.
+ */
+int32_t pv_uffd_cold_save(struct pv_uffd_server *s, int32_t fd) {
+  api_lock(s);
+  int32_t rc = s->cold ? cold_save(s->cold, fd) : -ENOENT;
+  api_unlock(s);
+  return rc;
+}
+
+int32_t pv_uffd_cold_load(struct pv_uffd_server *s) {
+  api_lock(s);
+  int32_t rc = s->cold ? cold_load(s->cold) : -ENOENT;
+  api_unlock(s);
+  return rc;
 }
 
 /* For tests of the integrity check only: flips one stored byte of a compressed block. */

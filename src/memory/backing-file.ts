@@ -9,7 +9,7 @@ import { basename, dirname, extname, join } from 'node:path';
 import { BackingFileError } from '../errors';
 
 /** `pvisor-NAME-PID-RANDOM.EXT`: how backing files are named, and how a stale one is recognised. */
-const BACKING_FILE_NAME = /^pvisor-.+-(\d+)-[0-9a-f]{8}\.(ram|zframes)$/;
+const BACKING_FILE_NAME = /^pvisor-.+-(\d+)-[0-9a-f]{8}\.(ram|zframes|cold)$/;
 
 /** A fresh, unguessable path for a VM's backing file in `dir`. */
 export function backingFilePath(dir: string, vmName: string, extension: string): string {

@@ -133,6 +133,8 @@ const fns = define({
   pv_uffd_cold_forget: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32] },
   pv_uffd_cold_figure: { library: LIB, retType: U64, paramsType: [U64, I32] },
   pv_uffd_cold_damage: { library: LIB, retType: I32, paramsType: [U64, U32] },
+  pv_uffd_cold_save: { library: LIB, retType: I32, paramsType: [U64, I32] },
+  pv_uffd_cold_load: { library: LIB, retType: I32, paramsType: [U64] },
   pv_crc32c_sw: { library: LIB, retType: U32, paramsType: [BYTES, U64] },
 });
 // The same function over an address (guest RAM, read in place): ffi-rs names a descriptor by its key.
@@ -209,7 +211,7 @@ export class UffdServer {
   /** pv_record: tag = source id; done: value = ranges loaded; error: err = reason, value = offset. */
   private onRecord(r: NativeRecord): void {
     if (r.kind === RECORD_COLD_ERROR) {
-      this.cold?.onError(r.err === -1 ? 'its lz4 data or CRC32C does not match what was compressed' : LOAD_ERRORS[r.err] ?? `no memory to decompress it: ${errnoName(r.err)}`, r.value);
+      this.cold?.onError(r.err === -1 ? 'its lz4 data, its CRC32C or its saved copy does not match what was compressed' : LOAD_ERRORS[r.err] ?? `no memory to decompress it: ${errnoName(r.err)}`, r.value);
       return;
     }
     const source = this.sources.get(r.tag);
@@ -312,6 +314,9 @@ export interface ColdStoreFigures {
   decompressNs: number;
   blocksBad: number;
   zeroBlocksDropped: number;
+  /** Blocks whose compressed bytes wait in a file while the VM is suspended ({@link ColdStore.save}). */
+  blocksSaved: number;
+  bytesSaved: number;
 }
 
 /**
@@ -400,7 +405,26 @@ export class ColdStore {
   figures(): ColdStoreFigures {
     const h = this.server.live();
     const f = (which: number) => fns.pv_uffd_cold_figure([h, which]) as number;
-    return { blocksStored: f(0), bytesStored: f(1), blocksFaultedBack: f(2), decompressNs: f(3), blocksBad: f(4), zeroBlocksDropped: f(5) };
+    return { blocksStored: f(0), bytesStored: f(1), blocksFaultedBack: f(2), decompressNs: f(3), blocksBad: f(4), zeroBlocksDropped: f(5), blocksSaved: f(6), bytesSaved: f(7) };
+  }
+
+  /**
+   * While the VM is suspended: writes the stored blocks' compressed bytes to `fd` (a fresh file,
+   * made durable) and frees them; until {@link load}, a touch of one reads it from that file
+   * (the server keeps a duplicate of `fd`). Returns how many blocks; throws with nothing changed
+   * if the file cannot take them.
+   */
+  save(fd: number): number {
+    return check('pv_uffd_cold_save', fns.pv_uffd_cold_save([this.server.live(), fd]) as number);
+  }
+
+  /**
+   * Reads every saved block back into the store, each checked against the CRC32C taken when it
+   * was saved, and lets the file go. Throws with nothing changed (EBADMSG: a block's bytes
+   * changed; ENODATA: the file is short) so that the VM can stay suspended.
+   */
+  load(): number {
+    return check('pv_uffd_cold_load', fns.pv_uffd_cold_load([this.server.live()]) as number);
   }
 
   /** @internal For tests of the integrity check: flips one stored byte of a compressed block. */

@@ -1,10 +1,11 @@
 // ColdCompression on real KVM with the probe guest: cold blocks are compressed while the VM runs,
 // come back through the native userfaultfd server on first touch, and compose with the other
 // strategies. Needs /dev/kvm.
-import { ColdBlockError, ColdCompression, IdleRelease, type ColdCompressionOptions, InvalidOptionError, KsmAdvice, Offload, Vm, type PvisorError, type VmOptions } from '../../src';
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { BackingFileError, ColdBlockError, ColdCompression, CompressedOffload, IdleRelease, type ColdCompressionOptions, InvalidOptionError, KsmAdvice, Offload, Vm, type PvisorError, type VmOptions } from '../../src';
+import { chmodSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { hexOf } from '../probe-digest';
 import { processThreads } from '../process-threads';
 
 const MiB = 2 ** 20;
@@ -129,23 +130,71 @@ describe('ColdCompression', () => {
     }
   }, 150_000 * SLOW);
 
-  it('composes with Offload and IdleRelease: suspend and resume keep the digest, a freed block is forgotten', () => {
+  it('composes with Offload and IdleRelease: suspend writes both, resume brings both back, a freed block is forgotten', () => {
     const dir = mkdtempSync(join(tmpdir(), 'pvisor-cold-'));
-    return withVm({ strategies: [new IdleRelease(), cold(), new Offload({ dir })] }, async (vm) => {
+    return withVm({ strategies: [new IdleRelease(), cold({ dir }), new Offload({ dir })] }, async (vm) => {
       await vm.probe.fill({ sizeMiB: 32, content: 'repetitive', seed: 11 });
       await vm.probe.rewrite({ fraction: 0.5, seed: 12 });
       const digest = (await vm.probe.digest()).hex;
       expect(await waitFor(() => figures(vm).blocksStored >= 200, COLD_AFTER_MS + 8000 * SLOW)).toBe(true);
+      const stored = figures(vm).blocksStored;
       await vm.suspend();
       await vm.memoryReleased();
-      // Offload wrote the resident random half; the compressed half stayed in the store.
-      expect(figures(vm).blocksStored).toBeGreaterThanOrEqual(200);
+      // The compressed blocks went to their file as they were; Offload wrote what was resident.
+      expect(figures(vm).blocksStored).toBe(0);
+      expect(figures(vm).blocksSaved).toBe(stored);
+      expect(figures(vm).bytesOnDisk).toBeGreaterThan(0);
+      expect(figures(vm).storeBytes).toBe(0);
       await vm.resume();
+      // Back in the store, still compressed: nothing was decompressed for the round trip.
+      expect(figures(vm).blocksStored).toBe(stored);
+      expect(figures(vm).blocksSaved).toBe(0);
       expect((await vm.probe.digest()).hex).toBe(digest);
       // Freed by the guest: whatever the store still held of it goes.
       expect(await waitFor(() => figures(vm).blocksStored >= 200, COLD_AFTER_MS + 8000 * SLOW)).toBe(true);
       await vm.probe.release();
       expect(figures(vm).blocksStored).toBeLessThan(16);
+    }).finally(() => rmSync(dir, { recursive: true, force: true }));
+  });
+
+  it('composes with CompressedOffload, which reads saved blocks back from their file while it writes its frames', () => {
+    const dir = mkdtempSync(join(tmpdir(), 'pvisor-cold-'));
+    // 4 MiB frames: a frame holds resident pages and saved blocks side by side, and CompressedOffload
+    // reads its frames whole.
+    return withVm({ strategies: [cold({ dir }), new CompressedOffload({ dir, frameSizeBytes: 4 * MiB })] }, async (vm) => {
+      await vm.probe.fill({ sizeMiB: 32, content: 'repetitive', seed: 21 });
+      await vm.probe.rewrite({ fraction: 0.5, seed: 22 });
+      expect(await waitFor(() => figures(vm).blocksStored >= 400, COLD_AFTER_MS + 8000 * SLOW)).toBe(true);
+      // The first MiB written again: resident, in the same frame as three MiB of stored blocks.
+      // (A digest now would bring every block back: the host computes the one to expect.)
+      await vm.probe.zero({ offsetMiB: 0, sizeMiB: 1 });
+      const digest = hexOf({ content: 'repetitive', seed: 21, sizeBytes: 32 * MiB, rewrites: [{ permille: 500, seed: 22 }], zeroed: [{ offset: 0, length: MiB }] });
+      const faultsBefore = figures(vm).faultsServed;
+      await vm.suspend();
+      await vm.memoryReleased();
+      expect(figures(vm).faultsServed - faultsBefore).toBeGreaterThanOrEqual(32);
+      expect(vm.memoryUsage().guestRamPssBytes).toBeLessThan(4 * MiB);
+      await vm.resume();
+      expect((await vm.probe.digest()).hex).toBe(digest);
+    }).finally(() => rmSync(dir, { recursive: true, force: true }));
+  });
+
+  it('refuses to resume from a saved store whose file was changed, and stays suspended', () => {
+    const dir = mkdtempSync(join(tmpdir(), 'pvisor-cold-'));
+    return withVm({ strategies: [cold({ dir })] }, async (vm) => {
+      await vm.probe.fill({ sizeMiB: 16, content: 'repetitive', seed: 31 });
+      expect(await waitFor(() => figures(vm).blocksStored >= 200, COLD_AFTER_MS + 8000 * SLOW)).toBe(true);
+      await vm.suspend();
+      const [file] = readdirSync(dir).filter((f) => f.endsWith('.cold'));
+      const path = join(dir, file);
+      const bytes = readFileSync(path);
+      bytes[Math.floor(bytes.length / 2)] ^= 0xff;
+      chmodSync(path, 0o600);
+      writeFileSync(path, bytes);
+      const error = await vm.resume().catch((e: unknown) => e);
+      expect(error).toBeInstanceOf(BackingFileError);
+      expect((error as Error).message).toMatch(/no longer has the bytes written at suspend/);
+      expect(vm.state).toBe('suspended');
     }).finally(() => rmSync(dir, { recursive: true, force: true }));
   });
 

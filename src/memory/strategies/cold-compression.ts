@@ -18,7 +18,10 @@
  * uffd_server.c). Every stored block carries the CRC32C of its bytes; one that fails it ends the
  * VM before the guest reads a wrong byte.
  */
-import { InvalidOptionError, PvisorError } from '../../errors';
+import { closeSync, constants } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { BackingFileError, InvalidOptionError, PvisorError, SystemCallError } from '../../errors';
+import { backingFilePath, createBackingFile, removeBackingFile } from '../backing-file';
 import { parseTimeoutMs } from '../../units';
 import type { ColdOutcome, ColdScan, ColdStore } from '../uffd-server';
 /** COLD_BATCH_BYTES of ../uffd-server, which is not imported here: importing pvisor loads no native code. */
@@ -53,6 +56,12 @@ export interface ColdCompressionOptions {
    * Default 25.
    */
   minSavingPercent?: number;
+  /**
+   * Directory of the file that holds the compressed blocks while the VM is suspended (they are
+   * written there as they are, never decompressed, and read back on resume). Default: the OS
+   * temp directory.
+   */
+  dir?: string;
 }
 
 const SCAN_INTERVAL_MS = 1000;
@@ -95,8 +104,12 @@ export class ColdCompression implements MemoryStrategy {
   private readonly blockBytes: number;
   private readonly maxStoreBytesOption: number | undefined;
   private readonly minSaving: number;
+  private readonly dir: string;
+  /** The file holding the store while the VM is suspended. */
+  private savedPath: string | undefined;
   private store: ColdStore | undefined;
   private ram: StrategyContext['ram'] | undefined;
+  private vmNameForFiles = 'vm';
   private storeReady: Promise<ColdStore> | undefined;
   private closed = false;
   private cursor = 0;
@@ -121,10 +134,12 @@ export class ColdCompression implements MemoryStrategy {
     const cpuShare = option('cpuShare', options.cpuShare, 0.05, (v) => v >= 0.001 && v <= 1, 'from 0.001 to 1');
     this.minSaving = option('minSavingPercent', options.minSavingPercent, 25, (v) => v >= 1 && v <= 99, 'from 1 to 99') / 100;
     this.periodic = { intervalMs: SCAN_INTERVAL_MS, cpuShare };
+    this.dir = options.dir ?? tmpdir();
   }
 
   map(ctx: StrategyContext): void {
     this.ram = ctx.ram;
+    this.vmNameForFiles = ctx.vmName;
     const size = ctx.ram.sizeBytes;
     if (size % this.blockBytes) throw new InvalidOptionError('blockBytes', `${this.blockBytes} does not divide guest RAM (${size} bytes)`);
     const n = size / this.blockBytes;
@@ -278,6 +293,47 @@ export class ColdCompression implements MemoryStrategy {
     }
   }
 
+  /**
+   * The compressed blocks go to a file as they are (a suspended VM keeps nothing in memory), and
+   * leave memory once it is durable; a block touched meanwhile (another strategy reading guest
+   * RAM) is read back from the file. A file that cannot take them fails the suspend with nothing
+   * changed.
+   */
+  async suspend(): Promise<void> {
+    const store = this.store;
+    if (!store || this.closed || store.figures().blocksStored === 0) return;
+    const path = backingFilePath(this.dir, this.vmNameForFiles, 'cold');
+    let fd: number;
+    try {
+      fd = createBackingFile(path, constants.O_RDWR);
+    } catch (e) {
+      throw new BackingFileError(path, `cannot create the file for the compressed blocks: ${(e as Error).message}`, { cause: e });
+    }
+    try {
+      store.save(fd);
+      this.savedPath = path;
+    } catch (e) {
+      removeBackingFile(path);
+      throw new BackingFileError(path, `cannot write the compressed blocks: ${(e as Error).message}`, { cause: e });
+    } finally {
+      closeSync(fd);
+    }
+  }
+
+  /** Reads the compressed blocks back, each checked; a bad file leaves the VM suspended and the file as it is. */
+  async resume(): Promise<void> {
+    const path = this.savedPath;
+    if (!path || !this.store) return;
+    try {
+      this.store.load();
+    } catch (e) {
+      const why = e instanceof SystemCallError && e.errno === 74 /* EBADMSG */ ? 'a block no longer has the bytes written at suspend' : (e as Error).message;
+      throw new BackingFileError(path, `cannot read the compressed blocks back: ${why}`, { cause: e });
+    }
+    this.savedPath = undefined;
+    removeBackingFile(path);
+  }
+
   /** The guest freed a range: blocks wholly inside it keep nothing (they read back as zero). */
   freePagesReported(_ctx: StrategyContext, gpa: number, length: number): void {
     if (!this.store || this.closed) return;
@@ -300,6 +356,8 @@ export class ColdCompression implements MemoryStrategy {
         blocksCompressed: this.counts.blocksCompressed,
         blocksIncompressible: incompressible,
         zeroBlocksDropped: f?.zeroBlocksDropped ?? 0,
+        blocksSaved: f?.blocksSaved ?? 0,
+        bytesOnDisk: f?.bytesSaved ?? 0,
         faultsServed: f?.blocksFaultedBack ?? 0,
         refaults: this.counts.refaults,
         refaultsSoon: this.counts.refaultsSoon,
@@ -348,5 +406,7 @@ export class ColdCompression implements MemoryStrategy {
   close(): void {
     // The store lives in the VM's userfaultfd server, destroyed right after every close.
     this.closed = true;
+    if (this.savedPath) removeBackingFile(this.savedPath);
+    this.savedPath = undefined;
   }
 }
