@@ -367,7 +367,7 @@ export class ColdStore {
   }
 
   /**
-   * Compresses `blocks` (begun; at most {@link COLD_BATCH_BYTES} of them) with lz4 into the
+   * Compresses `blocks` (begun; at most 1 MiB of them: COLD_BATCH_BYTES) with lz4 into the
    * store's scratch, in C on this thread, each kept only if it fits in `maxSize` bytes. The
    * compressed bytes never pass through JavaScript. Returns how many fitted.
    */

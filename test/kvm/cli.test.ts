@@ -15,6 +15,18 @@ describe('pvisor run --guest probe', () => {
     expect(r.status).toBe(0);
   });
 
+  it('--vm-cold-ram-compression compresses an idle working set, which comes back intact', () => {
+    // Under the nested harness's emulation, scans take 10-50 times as long.
+    const idle = process.env.PVISOR_NESTED === '1' ? '40s' : '4s';
+    const r = pvisor('run', '--guest', 'probe', '--memory', '256MiB', '--vm-cold-ram-compression', '--vm-cold-after', '500ms', '--', `fill 16MiB repetitive 3, sleep ${idle}, memory, digest`);
+    const stored = /cold-compression: blocksStored (\d+)/.exec(r.stdout);
+    expect(stored).not.toBeNull();
+    expect(Number(stored![1])).toBeGreaterThanOrEqual(200); // of the 256 blocks of 64 KiB
+    expect(r.stdout).toMatch(/memory: guest RAM PSS [0-3]\.\d MiB of 256\.0 MiB/);
+    expect(r.stdout).toContain(`digest: ${hexOf({ content: 'repetitive', seed: 3, sizeBytes: 16 * 2 ** 20, rewrites: [] })} over 16.0 MiB`);
+    expect(r.status).toBe(0);
+  });
+
   it('a guest-side error fails the run with a clear message and status 125', () => {
     const r = pvisor('run', '--guest', 'probe', '--memory', '64MiB', '--', 'fill 512MiB');
     expect(r.stderr).toMatch(/pvisor: guest refused op 0x101: FILL: size beyond wsLimit/);
