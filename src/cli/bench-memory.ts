@@ -113,6 +113,8 @@ interface CellResult {
   faultsPerSecond?: number;
   /** Cold modes: blocks that touch brought back. */
   faultsTimed?: number;
+  /** The mix cell: pages of the hot part brought back per second during the reading, % of the hot part. */
+  hotRefaultPercentPerSecond?: number;
   strategies: StrategyStats[];
 }
 
@@ -223,10 +225,15 @@ async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: 
   say({ event: 'operated', operationMs });
   const busy = () => coldFigures(vm).scanMs + coldFigures(vm).compressMs;
   const busyBefore = busy();
+  const refaultsBefore = coldFigures(vm).refaults;
   let t = performance.now();
   await sleep(READ_AFTER_MS);
-  const scannerCpuPercent = ((busy() - busyBefore) / (performance.now() - t)) * 100;
-  say({ event: 'reading', guestRamPssBytes: vm.memoryUsage().guestRamPssBytes, guestRamPssBeforeBytes, strategies: vm.memoryUsage().strategies, operationMs, scannerCpuPercent });
+  const seconds = (performance.now() - t) / 1000;
+  const scannerCpuPercent = ((busy() - busyBefore) / (seconds * 1000)) * 100;
+  // Once settled, how much of the hot part still comes back: pages per second, % of its pages.
+  const hotPages = (HOT_MIB * MiB) / 4096;
+  const hotRefaultPercentPerSecond = mix ? (((coldFigures(vm).refaults - refaultsBefore) * (64 * 1024)) / 4096 / hotPages / seconds) * 100 : undefined;
+  say({ event: 'reading', guestRamPssBytes: vm.memoryUsage().guestRamPssBytes, guestRamPssBeforeBytes, strategies: vm.memoryUsage().strategies, operationMs, scannerCpuPercent, hotRefaultPercentPerSecond });
   await lines.next(); // the parent has read the group's figures
   hot = false;
   await hotLoop;
@@ -270,6 +277,7 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
         result.strategies = msg.strategies as StrategyStats[];
         result.backingBytes = backingBytesOf(result.strategies);
         result.scannerCpuPercent = msg.scannerCpuPercent as number | undefined;
+        result.hotRefaultPercentPerSecond = msg.hotRefaultPercentPerSecond as number | undefined;
         child.stdin.write('continue\n');
       }
       if (msg.event === 'done') {
@@ -411,11 +419,11 @@ async function benchMemory(argv: string[]): Promise<number> {
   if (colds.length) {
     const native = nativeFaults ? `${Math.round(nativeFaults.faultsPerSecond.median)} faults/s (median of ${nativeFaults.faultsPerSecond.runsMs.length} runs)` : 'not measured';
     process.stdout.write(`Cold compression (coldAfter ${BENCH_COLD_AFTER_MS / 1000} s; "settled" = time until the store last grew; native userfaultfd loop, 64 KiB blocks, this run: ${native})\n`);
-    const tc: string[][] = [['mode', 'working set', 'settled after ms', 'blocks stored', 'store MiB', 'incompressible blocks', 'scanner CPU % at idle', 'faults/s (host thread touching)', '% of native']];
+    const tc: string[][] = [['mode', 'working set', 'settled after ms', 'blocks stored', 'store MiB', 'incompressible blocks', 'scanner CPU % at idle', 'hot refaults, % of hot pages/s', 'faults/s (host thread touching)', '% of native']];
     for (const c of colds) {
       const f = c.strategies.find((s) => s.strategy === 'cold-compression')?.figures ?? {};
       const pct = faultPercent(c);
-      tc.push([c.mode, c.content, c.operationMs.toFixed(0), String(f.blocksStored ?? 'n/a'), ((f.storeBytes ?? 0) / MiB).toFixed(2), String(f.blocksIncompressible ?? 'n/a'), (c.scannerCpuPercent ?? 0).toFixed(2), timedEnough(c) ? `${Math.round(c.faultsPerSecond!)} (${c.faultsTimed} blocks)` : `n/a (${c.faultsTimed} blocks)`, pct === undefined ? 'n/a' : pct.toFixed(0)]);
+      tc.push([c.mode, c.content, c.operationMs.toFixed(0), String(f.blocksStored ?? 'n/a'), ((f.storeBytes ?? 0) / MiB).toFixed(2), String(f.blocksIncompressible ?? 'n/a'), (c.scannerCpuPercent ?? 0).toFixed(2), c.hotRefaultPercentPerSecond === undefined ? 'n/a' : c.hotRefaultPercentPerSecond.toFixed(3), timedEnough(c) ? `${Math.round(c.faultsPerSecond!)} (${c.faultsTimed} blocks)` : `n/a (${c.faultsTimed} blocks)`, pct === undefined ? 'n/a' : pct.toFixed(0)]);
     }
     printTable(tc);
   }
@@ -466,6 +474,7 @@ async function benchMemory(argv: string[]): Promise<number> {
         groupPssMiB: c.groupPssBytes / MiB,
         guestRamReleasedPercent: c.guestRamPssBeforeBytes > 0 ? (1 - c.guestRamPssBytes / c.guestRamPssBeforeBytes) * 100 : undefined,
         faultServicePercentOfNative: faultPercent(c),
+        hotRefaultPercentPerSecond: c.hotRefaultPercentPerSecond,
       }[g.key];
       if (ours === undefined) continue;
       const bound = 'floor' in g.bound ? (floorOf ? g.bound.times * floorOf[g.bound.floor] : undefined) : g.bound[c.content];

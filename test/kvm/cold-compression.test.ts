@@ -137,17 +137,17 @@ describe('ColdCompression', () => {
       await vm.probe.rewrite({ fraction: 0.5, seed: 12 });
       const digest = (await vm.probe.digest()).hex;
       expect(await waitFor(() => figures(vm).blocksStored >= 200, COLD_AFTER_MS + 8000 * SLOW)).toBe(true);
-      const stored = figures(vm).blocksStored;
       await vm.suspend();
       await vm.memoryReleased();
       // The compressed blocks went to their file as they were; Offload wrote what was resident.
+      const saved = figures(vm).blocksSaved;
+      expect(saved).toBeGreaterThanOrEqual(200);
       expect(figures(vm).blocksStored).toBe(0);
-      expect(figures(vm).blocksSaved).toBe(stored);
       expect(figures(vm).bytesOnDisk).toBeGreaterThan(0);
       expect(figures(vm).storeBytes).toBe(0);
       await vm.resume();
       // Back in the store, still compressed: nothing was decompressed for the round trip.
-      expect(figures(vm).blocksStored).toBe(stored);
+      expect(figures(vm).blocksStored).toBe(saved);
       expect(figures(vm).blocksSaved).toBe(0);
       expect((await vm.probe.digest()).hex).toBe(digest);
       // Freed by the guest: whatever the store still held of it goes.

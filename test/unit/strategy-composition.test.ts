@@ -1,6 +1,6 @@
 // The memory layer checks a composition before anything is allocated: pure logic, no KVM.
-import { CompressedOffload, IdleRelease, KsmAdvice, Offload, StrategyConflictError, type MemoryStrategy, type RamBackingRequest } from '../../src';
-import { nextTickDelayMs, planComposition } from '../../src/memory/composition';
+import { ColdCompression, CompressedOffload, IdleRelease, KsmAdvice, Offload, StrategyConflictError, type MemoryStrategy, type RamBackingRequest } from '../../src';
+import { MemoryComposition, nextTickDelayMs, planComposition } from '../../src/memory/composition';
 
 // Strategies as a snapshot or pool strategy declares itself: pure data here.
 const providing = (name: string, ramBacking: RamBackingRequest): MemoryStrategy => ({ name, needs: [], exclusive: [], ramBacking, stats: () => ({ strategy: name, figures: {}, notes: [] }) });
@@ -39,6 +39,20 @@ describe('memory strategy composition', () => {
     const ksm = conflict([new KsmAdvice(), memfd]);
     expect(ksm.strategies).toEqual(['memfd-ram', 'ksm-advice']);
     expect(ksm.message).toMatch(/ksm-advice needs ksm-mergeable/);
+    // A memfd's dropped page stays in its file; a private file mapping has no userfaultfd.
+    expect(conflict([memfd, new ColdCompression()]).message).toMatch(/cold-compression needs userfaultfd-write-protect, which memfd-backed guest RAM \(from memfd-ram\) does not offer/);
+    expect(conflict([new ColdCompression(), privateFile]).strategies).toEqual(['shared-snapshot', 'cold-compression']);
+  });
+
+  it('sends free-page reports to the strategy that drives them first, then to those that listen', () => {
+    const heard: string[] = [];
+    const listener = (name: string, exclusive: MemoryStrategy['exclusive']): MemoryStrategy => ({ name, needs: [], exclusive, freePagesReported: () => heard.push(name), stats: () => ({ strategy: name, figures: {}, notes: [] }) });
+    const composition = new MemoryComposition([listener('listens', []), listener('drives', ['free-page-reporting'])], 'vm', { fail: () => {}, warn: () => {} });
+    composition.attach({ hostAddr: 0, sizeBytes: 0, backing: { kind: 'anonymous' }, hostView: () => Buffer.alloc(0), advise: () => {}, discard: () => {}, discardHost: () => {}, mapFileOver: () => {} });
+    composition.freePageSink!(0, 4096);
+    expect(heard).toEqual(['drives', 'listens']);
+    // Without a strategy that drives reporting, the balloon offers none.
+    expect(new MemoryComposition([listener('listens', [])], 'vm', { fail: () => {}, warn: () => {} }).freePageSink).toBeUndefined();
   });
 
   it('spaces periodic work so that it stays within its CPU share', () => {

@@ -109,7 +109,7 @@ export class ColdCompression implements MemoryStrategy {
   private savedPath: string | undefined;
   private store: ColdStore | undefined;
   private ram: StrategyContext['ram'] | undefined;
-  private vmNameForFiles = 'vm';
+  private vmName = 'vm';
   private storeReady: Promise<ColdStore> | undefined;
   private closed = false;
   private cursor = 0;
@@ -125,7 +125,7 @@ export class ColdCompression implements MemoryStrategy {
   private readings: ColdScan = new Uint32Array(0);
   /** Cold blocks found by the scan and not compressed yet, with the CRC32C they had then. */
   private pending = new Map<number, number>();
-  private readonly counts = { blocksCompressed: 0, refaultsSoon: 0, refaults: 0, writtenWhileCompressing: 0, scanMs: 0, compressMs: 0, longestBatchMs: 0, ticks: 0 };
+  private readonly counts = { blocksCompressed: 0, refaultsSoon: 0, refaults: 0, writtenWhileCompressing: 0, scanMs: 0, compressMs: 0, longestBatchMs: 0 };
 
   constructor(options: ColdCompressionOptions = {}) {
     this.coldAfterMs = options.coldAfterMs === undefined ? 10_000 : parseTimeoutMs('coldAfterMs', options.coldAfterMs);
@@ -139,7 +139,7 @@ export class ColdCompression implements MemoryStrategy {
 
   map(ctx: StrategyContext): void {
     this.ram = ctx.ram;
-    this.vmNameForFiles = ctx.vmName;
+    this.vmName = ctx.vmName;
     const size = ctx.ram.sizeBytes;
     if (size % this.blockBytes) throw new InvalidOptionError('blockBytes', `${this.blockBytes} does not divide guest RAM (${size} bytes)`);
     const n = size / this.blockBytes;
@@ -164,7 +164,6 @@ export class ColdCompression implements MemoryStrategy {
   async tick(ctx: StrategyContext): Promise<void> {
     const store = await this.storeReady;
     if (this.closed || !store) return;
-    this.counts.ticks++;
     const t0 = performance.now();
     this.noteRefaults(store, t0);
     this.scan(store, t0);
@@ -302,7 +301,7 @@ export class ColdCompression implements MemoryStrategy {
   async suspend(): Promise<void> {
     const store = this.store;
     if (!store || this.closed || store.figures().blocksStored === 0) return;
-    const path = backingFilePath(this.dir, this.vmNameForFiles, 'cold');
+    const path = backingFilePath(this.dir, this.vmName, 'cold');
     let fd: number;
     try {
       fd = createBackingFile(path, constants.O_RDWR);
