@@ -295,15 +295,14 @@ export const enum ColdOutcome {
   NotBegun = 4,
 }
 
-/** Most guest RAM {@link ColdStore.compress} takes at once (COLD_BATCH_BYTES in cold_store.h). */
-export const COLD_BATCH_BYTES = 1024 * 1024;
-
 /** A block's state in {@link ColdStore.states}. */
 export const enum ColdState {
   Resident = 0,
   Compressing = 1,
   Compressed = 2,
   Bad = 3,
+  /** Dropped; its compressed bytes wait in a file while the VM is suspended. */
+  Saved = 4,
 }
 
 /** What the store holds and the thread has done for it. */
