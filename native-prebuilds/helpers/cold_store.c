@@ -195,6 +195,10 @@ int cold_take(struct cold_store *c, uint32_t b, uint8_t *out) {
   return 0;
 }
 
+int cold_busy(const struct cold_store *c) {
+  return c->compressing || c->compressed || c->saved || c->bad;
+}
+
 int cold_is_zero(const uint8_t *p, uint64_t len) {
   const uint64_t *w = (const uint64_t *)p;
   for (uint64_t i = 0; i < len / 8; i++)

@@ -39,6 +39,7 @@ struct cold_store {
   uint32_t count;
   struct cold_block *blocks;
   uint32_t compressed;   /* blocks COMPRESSED */
+  uint32_t compressing;  /* blocks COMPRESSING */
   uint64_t stored_bytes; /* bytes held for them */
   uint64_t faults;       /* blocks a fault brought back */
   uint64_t decompress_ns;
@@ -99,6 +100,12 @@ int cold_save(struct cold_store *c, int fd);
  * changes: -EBADMSG, -ENODATA (the file is short) or another -errno.
  */
 int cold_load(struct cold_store *c);
+
+/*
+ * Whether some block is not simply resident (being compressed, compressed, saved or bad): only
+ * then must guest RAM stay registered with userfaultfd for the store.
+ */
+int cold_busy(const struct cold_store *c);
 
 /* Whether [p, p+len) is all zero bytes. */
 int cold_is_zero(const uint8_t *p, uint64_t len);

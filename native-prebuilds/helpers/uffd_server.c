@@ -32,8 +32,8 @@
  * Guest RAM is registered (MISSING mode) only while some source is active (not done, not
  * removed): with nothing left to load, faults fill normally at no cost to this thread.
  *
- * ColdCompression's block store (cold_store.h), once attached, keeps RAM registered in MISSING and
- * WRITE-PROTECT modes. A block is compressed in place while it is write-protected
+ * ColdCompression's block store (cold_store.h) keeps RAM registered in MISSING and WRITE-PROTECT
+ * modes while it holds a block. A block is compressed in place while it is write-protected
  * (pv_uffd_cold_begin, pv_uffd_cold_compress on Node's thread), then (pv_uffd_cold_finish): unless
  * something wrote, or faulted, into the block meanwhile (a write-protect fault, which this thread
  * answers by lifting the protection and marking the block), the block is dropped and kept here.
@@ -255,11 +255,13 @@ static int any_active(struct pv_uffd_server *s) {
 }
 
 /*
- * Registers guest RAM while some source is active or the block store is attached (then also for
- * write-protect faults), unregisters it otherwise. Returns 0 or -errno.
+ * Registers guest RAM while some source is active or the block store holds something (then also
+ * for write-protect faults), unregisters it otherwise: while nothing is compressed, the guest's
+ * first touches of fresh RAM are the kernel's alone (through this thread they cost a fill of 64
+ * MiB 255-350 ms against 433-453 ms, measured on kvm_pvm). Returns 0 or -errno.
  */
 static int update_registration(struct pv_uffd_server *s) {
-  int want = any_active(s) || s->cold;
+  int want = any_active(s) || (s->cold && cold_busy(s->cold));
   int mode = UFFDIO_REGISTER_MODE_MISSING | (s->cold ? UFFDIO_REGISTER_MODE_WP : 0);
   if (want && s->registered != mode) {
     /* Registering again with more modes is allowed for the same userfaultfd. */
@@ -362,14 +364,19 @@ static int serve_cold(struct pv_uffd_server *s, uint64_t off, pid_t tid) {
   if (k->state == COLD_COMPRESSED || k->state == COLD_SAVED) {
     uint8_t *out = bounce_buffer(s);
     if (out && cold_take(c, b, out) == 0) {
-      if (fill(s, (uint64_t)b * c->block, c->block, out, NULL) == 0) return 1;
+      if (fill(s, (uint64_t)b * c->block, c->block, out, NULL) == 0) {
+        update_registration(s); /* the store may be empty now */
+        return 1;
+      }
       k->state = COLD_BAD;
+      c->bad++;
       pv_record_send(s->notify_fd, PV_REC_COLD_ERROR, 0, PV_ERR_UFFD, (uint64_t)b * c->block);
     } else {
       pv_record_send(s->notify_fd, PV_REC_COLD_ERROR, 0, out ? PV_ERR_CHECKSUM : errno, (uint64_t)b * c->block);
       if (!out) { /* no memory to decompress into: as lost as a bad block */
         cold_forget(c, b);
         k->state = COLD_BAD;
+        c->bad++;
       }
     }
   }
@@ -829,8 +836,8 @@ void pv_uffd_destroy(struct pv_uffd_server *s) {
 
 /*
  * Attaches a block store of `block`-byte blocks (a power of two, 4 KiB to 4 MiB, dividing guest
- * RAM): from now on guest RAM stays registered, also for write-protect faults. -EOPNOTSUPP if the
- * kernel cannot write-protect it, -EBUSY if a store is attached already.
+ * RAM): guest RAM is registered, also for write-protect faults, while the store holds something.
+ * -EOPNOTSUPP if the kernel cannot write-protect it, -EBUSY if a store is attached already.
  */
 int32_t pv_uffd_cold_attach(struct pv_uffd_server *s, uint64_t block) {
   if (block > MAX_RANGE) return -EINVAL;
@@ -838,7 +845,16 @@ int32_t pv_uffd_cold_attach(struct pv_uffd_server *s, uint64_t block) {
   int32_t rc = 0;
   if (s->cold) rc = -EBUSY;
   if (!rc && !(s->cold = cold_create(s->size, block))) rc = -errno;
-  if (!rc && (rc = update_registration(s)) != 0) {
+  /* Fail now, not at the first compression, where the kernel cannot write-protect guest RAM:
+   * register as a compression would, then go back to what the sources need. */
+  if (!rc) {
+    s->cold->compressing = 1;
+    rc = update_registration(s);
+    s->cold->compressing = 0;
+    int back = update_registration(s);
+    if (!rc) rc = back;
+  }
+  if (rc && s->cold) {
     cold_destroy(s->cold);
     s->cold = NULL;
     update_registration(s);
@@ -908,6 +924,13 @@ int32_t pv_uffd_cold_scan(struct pv_uffd_server *s, uint32_t first, int32_t coun
 int32_t pv_uffd_cold_begin(struct pv_uffd_server *s, const uint32_t *list, int32_t n, uint8_t *began) {
   api_lock(s);
   int32_t rc = check_blocks(s, list, n);
+  /* Registered for write-protect faults before the first block is protected. */
+  if (rc >= 0 && n > 0) {
+    s->cold->compressing++;
+    int reg = update_registration(s);
+    s->cold->compressing--;
+    if (reg) rc = reg;
+  }
   for (int32_t k = 0; rc >= 0 && k < n; k++) {
     struct cold_block *blk = &s->cold->blocks[list[k]];
     began[k] = 0;
@@ -915,9 +938,11 @@ int32_t pv_uffd_cold_begin(struct pv_uffd_server *s, const uint32_t *list, int32
     if (write_protect(s, (uint64_t)list[k] * s->cold->block, s->cold->block, 1) != 0) continue;
     blk->state = COLD_COMPRESSING;
     blk->dirtied = 0;
+    s->cold->compressing++;
     began[k] = 1;
     rc++;
   }
+  if (s->cold) update_registration(s);
   api_unlock(s);
   return rc;
 }
@@ -982,6 +1007,7 @@ int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int3
       continue;
     }
     blk->state = COLD_RESIDENT;
+    c->compressing--;
     int stored = 0;
     if (blk->dirtied) {
       out[k] = COLD_WRITTEN;
@@ -1004,6 +1030,7 @@ int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int3
     }
   }
   cold_batch_done(c);
+  update_registration(s);
   api_unlock(s);
   free(crc);
   free(zero);
@@ -1038,6 +1065,7 @@ int32_t pv_uffd_cold_forget(struct pv_uffd_server *s, const uint32_t *list, int3
     cold_forget(s->cold, list[k]);
     rc++;
   }
+  if (rc > 0) update_registration(s);
   api_unlock(s);
   return rc;
 }
