@@ -126,6 +126,16 @@ export class ControlSocketError extends PvisorError {
   }
 }
 
+/**
+ * Saved machine state (a snapshot's description of vCPUs, VM or devices) is malformed, from
+ * another format version, or cannot be applied to this machine. Raised before any of it is applied.
+ */
+export class SnapshotError extends PvisorError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super('PVISOR_SNAPSHOT', message, options);
+  }
+}
+
 const ERRNO_NAMES: Record<number, string> = {
   1: 'EPERM', 2: 'ENOENT', 4: 'EINTR', 5: 'EIO', 9: 'EBADF', 11: 'EAGAIN', 12: 'ENOMEM', 13: 'EACCES',
   14: 'EFAULT', 16: 'EBUSY', 17: 'EEXIST', 19: 'ENODEV', 22: 'EINVAL', 24: 'EMFILE', 25: 'ENOTTY',

@@ -28,6 +28,7 @@ export {
   TimeoutError,
   BackingFileError,
   OutputLimitError,
+  SnapshotError,
 } from './errors';
 export { IdleRelease } from './memory/strategies/idle-release';
 export { ColdCompression, ColdBlockError } from './memory/strategies/cold-compression';

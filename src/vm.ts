@@ -512,6 +512,11 @@ export class Vm extends EventEmitter<VmEvents> {
     };
   }
 
+  /** @internal The KVM machine under this VM, for tests of its saved state. */
+  get kvmMachine(): KvmMachine {
+    return this.machine;
+  }
+
   /** @internal Guest RAM host ranges of every live VM in this process (for the bench). */
   static liveGuestRam(): { start: number; length: number }[] {
     return [...live].map((vm) => ({ start: vm.machine.memory.hostAddr, length: vm.machine.memory.sizeBytes }));

@@ -60,6 +60,57 @@ export const KVM_IOEVENTFD_FLAG_DATAMATCH = 1;
 export const KVM_CREATE_PIT2 = 0x4040ae77; // _IOW(KVMIO, 0x77, struct kvm_pit_config)
 export const KVM_GET_LAPIC = 0x8400ae8e; // _IOR(KVMIO, 0x8e, struct kvm_lapic_state)
 export const KVM_SET_LAPIC = 0x4400ae8f; // _IOW(KVMIO, 0x8f, struct kvm_lapic_state)
+// Machine state (vCPU and VM) for snapshots; docs/snapshot-state.md says which this host refuses.
+export const KVM_GET_MSR_INDEX_LIST = 0xc004ae02; // _IOWR(KVMIO, 0x02, struct kvm_msr_list)
+export const KVM_GET_MSR_FEATURE_INDEX_LIST = 0xc004ae0a; // _IOWR(KVMIO, 0x0a, struct kvm_msr_list)
+export const KVM_GET_MSRS = 0xc008ae88; // _IOWR(KVMIO, 0x88, struct kvm_msrs)
+export const KVM_SET_MSRS = 0x4008ae89; // _IOW(KVMIO, 0x89, struct kvm_msrs)
+export const KVM_GET_FPU = 0x81a0ae8c; // _IOR(KVMIO, 0x8c, struct kvm_fpu)
+export const KVM_SET_FPU = 0x41a0ae8d; // _IOW(KVMIO, 0x8d, struct kvm_fpu)
+export const KVM_GET_MP_STATE = 0x8004ae98; // _IOR(KVMIO, 0x98, struct kvm_mp_state)
+export const KVM_SET_MP_STATE = 0x4004ae99; // _IOW(KVMIO, 0x99, struct kvm_mp_state)
+export const KVM_GET_VCPU_EVENTS = 0x8040ae9f; // _IOR(KVMIO, 0x9f, struct kvm_vcpu_events)
+export const KVM_SET_VCPU_EVENTS = 0x4040aea0; // _IOW(KVMIO, 0xa0, struct kvm_vcpu_events)
+export const KVM_GET_DEBUGREGS = 0x8080aea1; // _IOR(KVMIO, 0xa1, struct kvm_debugregs)
+export const KVM_SET_DEBUGREGS = 0x4080aea2; // _IOW(KVMIO, 0xa2, struct kvm_debugregs)
+export const KVM_SET_TSC_KHZ = 0xaea2; // _IO(KVMIO, 0xa2)
+export const KVM_GET_TSC_KHZ = 0xaea3; // _IO(KVMIO, 0xa3)
+export const KVM_GET_XSAVE = 0x9000aea4; // _IOR(KVMIO, 0xa4, struct kvm_xsave)
+export const KVM_SET_XSAVE = 0x5000aea5; // _IOW(KVMIO, 0xa5, struct kvm_xsave)
+// The number carries 4096 (struct kvm_xsave's size); with KVM_CAP_XSAVE2 the buffer is as large as
+// KVM_CHECK_EXTENSION(KVM_CAP_XSAVE2) says, and KVM_SET_XSAVE takes that size too.
+export const KVM_GET_XSAVE2 = 0x9000aecf; // _IOR(KVMIO, 0xcf, struct kvm_xsave)
+export const KVM_GET_XCRS = 0x8188aea6; // _IOR(KVMIO, 0xa6, struct kvm_xcrs)
+export const KVM_SET_XCRS = 0x4188aea7; // _IOW(KVMIO, 0xa7, struct kvm_xcrs)
+export const KVM_GET_SREGS2 = 0x8140aecc; // _IOR(KVMIO, 0xcc, struct kvm_sregs2)
+export const KVM_SET_SREGS2 = 0x4140aecd; // _IOW(KVMIO, 0xcd, struct kvm_sregs2)
+export const KVM_GET_IRQCHIP = 0xc208ae62; // _IOWR(KVMIO, 0x62, struct kvm_irqchip)
+export const KVM_SET_IRQCHIP = 0x8208ae63; // _IOR(KVMIO, 0x63, struct kvm_irqchip): _IOR, as the header has it
+export const KVM_GET_PIT2 = 0x8070ae9f; // _IOR(KVMIO, 0x9f, struct kvm_pit_state2)
+export const KVM_SET_PIT2 = 0x4070aea0; // _IOW(KVMIO, 0xa0, struct kvm_pit_state2)
+export const KVM_GET_CLOCK = 0x8030ae7c; // _IOR(KVMIO, 0x7c, struct kvm_clock_data)
+export const KVM_SET_CLOCK = 0x4030ae7b; // _IOW(KVMIO, 0x7b, struct kvm_clock_data)
+export const KVM_FPU_SIZE = 416;
+export const KVM_XSAVE_SIZE = 4096;
+export const KVM_XCRS_SIZE = 392;
+export const KVM_SREGS2_SIZE = 320;
+export const KVM_VCPU_EVENTS_SIZE = 64;
+export const KVM_DEBUGREGS_SIZE = 128;
+export const KVM_MP_STATE_SIZE = 4;
+/** struct kvm_msr_entry: __u32 index; __u32 reserved; __u64 data (after an 8-byte kvm_msrs header). */
+export const KVM_MSR_ENTRY_SIZE = 16;
+/** struct kvm_irqchip: __u32 chip_id; __u32 pad; a 512-byte union (PIC state or IOAPIC state). */
+export const KVM_IRQCHIP_SIZE = 520;
+export const KVM_IRQCHIP_DATA_SIZE = 512;
+/** kvm_irqchip.chip_id of each in-kernel chip (KVM_IRQCHIP_PIC_MASTER, _PIC_SLAVE, _IOAPIC). */
+export const KVM_IRQCHIP_IDS = { picMaster: 0, picSlave: 1, ioapic: 2 } as const;
+/** struct kvm_pit_state2: 3 kvm_pit_channel_state of 24 bytes, __u32 flags, __u32 reserved[9]. */
+export const KVM_PIT_STATE2_SIZE = 112;
+/** struct kvm_clock_data: __u64 clock; __u32 flags; __u32 pad0; __u64 realtime; __u64 host_tsc; __u32 pad[4]. */
+export const KVM_CLOCK_DATA_SIZE = 48;
+export const KVM_CLOCK_DATA_FLAGS = 8;
+/** kvm_clock_data.flags: `realtime` is valid; on KVM_SET_CLOCK, advance the clock by the time since. */
+export const KVM_CLOCK_REALTIME = 1 << 2;
 export const KVM_PIT_SPEAKER_DUMMY = 1;
 export const KVM_PIT_CONFIG_SIZE = 64;
 export const KVM_LAPIC_STATE_SIZE = 1024;
@@ -68,6 +119,18 @@ export const KVM_LAPIC_STATE_SIZE = 1024;
 export const KVM_CAP_USER_MEMORY = 3;
 export const KVM_CAP_NR_MEMSLOTS = 10;
 export const KVM_CAP_IMMEDIATE_EXIT = 136;
+export const KVM_CAP_IRQCHIP = 0;
+export const KVM_CAP_MP_STATE = 14;
+export const KVM_CAP_PIT_STATE2 = 35;
+export const KVM_CAP_ADJUST_CLOCK = 39;
+export const KVM_CAP_VCPU_EVENTS = 41;
+export const KVM_CAP_DEBUGREGS = 50;
+export const KVM_CAP_XSAVE = 55;
+export const KVM_CAP_XCRS = 56;
+export const KVM_CAP_GET_TSC_KHZ = 61;
+export const KVM_CAP_GET_MSR_FEATURES = 153;
+export const KVM_CAP_SREGS2 = 200;
+export const KVM_CAP_XSAVE2 = 208;
 
 // <linux/kvm.h>: exit reasons
 export const KVM_EXIT_UNKNOWN = 0;

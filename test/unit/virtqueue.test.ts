@@ -1,5 +1,6 @@
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
-import { ChainError, QueueError, SplitQueue } from '../../src/backends/kvm/virtio/queue';
+import { SnapshotError } from '../../src/errors';
+import { ChainError, parseQueueState, QueueError, SplitQueue } from '../../src/backends/kvm/virtio/queue';
 
 // Real guest memory (an anonymous mapping, no KVM needed) with rings the test writes as a guest would.
 describe('split virtqueue, device side', () => {
@@ -110,5 +111,50 @@ describe('split virtqueue, device side', () => {
     expect(renewals).toBe(1);
     drain();
     expect(taken).toBe(2 * SIZE);
+  });
+
+  // Saved state: a queue restored from its JSON state goes on exactly where the saved one was.
+  it('a queue restored from its JSON state takes the next chain and publishes the next used index', () => {
+    for (let i = 0; i < 11; i++) {
+      desc(i % SIZE, 0x8000, 64, 2);
+      offer(i % SIZE);
+      q.push(q.pop()!.head, 64);
+      q.renewBudget(); // a new turn of the event loop, as the transport gives one
+    }
+    desc(3, 0x8000, 64, 2);
+    offer(3);
+    const state = q.saveState();
+    expect(state).toEqual({ version: 1, size: SIZE, descGpa: DESC, availGpa: AVAIL, usedGpa: USED, nextAvail: 11, nextUsed: 11 });
+    const back = SplitQueue.fromState(mem, parseQueueState(JSON.parse(JSON.stringify(state))));
+    expect(back.usedIndex).toBe(11);
+    expect(back.pop()!.head).toBe(3);
+    back.push(3, 64);
+    expect(mem.readU16(USED + 2)).toBe(12);
+    expect(back.hasAvailable()).toBe(false);
+  });
+
+  it('a broken queue stays broken after a restore', () => {
+    mem.writeU16(AVAIL + 2, SIZE + 5);
+    expect(() => q.pop()).toThrow(/more than the 8 the ring holds/);
+    const back = SplitQueue.fromState(mem, parseQueueState(JSON.parse(JSON.stringify(q.saveState()))));
+    expect(back.broken).toMatch(/more than the 8/);
+    expect(back.pop()).toBeNull();
+  });
+
+  it.each<[string, (s: any) => void, RegExp]>([
+    ['a newer version', (s) => { s.version = 2; }, /queue\.version: this pvisor reads version 1/],
+    ['a size not a power of 2', (s) => { s.size = 6; }, /queue\.size: a split queue's size is a power of 2, not 6/],
+    ['an index beyond 16 bits', (s) => { s.nextUsed = 65536; }, /queue\.nextUsed: expected an integer in \[0, 65535\]/],
+    ['a missing ring address', (s) => { delete s.usedGpa; }, /queue\.usedGpa: .*missing/],
+  ])('a saved state with %s is refused', (_what, mutate, message) => {
+    const s = JSON.parse(JSON.stringify(q.saveState()));
+    mutate(s);
+    expect(() => parseQueueState(s)).toThrow(SnapshotError);
+    expect(() => parseQueueState(s)).toThrow(message);
+  });
+
+  it('a saved state with rings outside guest RAM is refused when the queue is rebuilt', () => {
+    const s = parseQueueState({ ...q.saveState(), descGpa: 0x200000 });
+    expect(() => SplitQueue.fromState(mem, s, 'console.queues[0]')).toThrow(/console\.queues\[0\]: virtqueue rings lie outside guest RAM/);
   });
 });

@@ -3,7 +3,7 @@
  * nothing of the agent protocol or of memory strategies: `Vm` composes those on top.
  */
 import { writeSync } from 'node:fs';
-import { GuestCrashError, InvalidOptionError, PvisorError, SystemCallError } from '../../errors';
+import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, SystemCallError, VmStateError } from '../../errors';
 import * as C from '../../sys/constants';
 import { closeFd, createEventFd, EVENTFD_ONE } from '../../sys/libc';
 import { CmosRtc, CMOS_BASE, CMOS_PORTS } from './devices/cmos-rtc';
@@ -18,7 +18,10 @@ import { IoBus, type VcpuAction } from './io-bus';
 import { Kvm, VmFd, VcpuFd } from './ioctls';
 import { cpuidForVcpu, loadLinux, setupLapic, setupLinuxBootVcpu } from './linux-boot';
 import { loadProbe, setupProbeVcpu } from './probe-boot';
+import { MACHINE_STATE_VERSION, parseMachineState, type MachineState, type VcpuActivity } from './machine-state';
 import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
+import { captureVcpu, checkVcpuStateFits, restoreVcpu, vcpuStateFormat, type VcpuStateFormat } from './vcpu-state';
+import { captureVm, checkVmStateFits, restoreVm } from './vm-state';
 import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type VirtioDevice } from './virtio/mmio-transport';
 
 // Resolve the runner's native functions while this module loads, on the main thread.
@@ -113,7 +116,8 @@ export interface MachineConfig {
   disk?: DiskConfig;
 }
 
-type VcpuState = 'created' | 'running' | 'held' | 'idle' | 'parked';
+/** `settling`: in KVM_RUN with immediate_exit set, only to finish its last exit (see {@link KvmMachine.captureState}). */
+type VcpuState = 'created' | 'running' | 'held' | 'idle' | 'parked' | 'settling';
 
 interface Vcpu {
   fd: VcpuFd;
@@ -144,6 +148,12 @@ export class KvmMachine {
   private readonly linux: boolean;
   /** The guest's last console lines, to say why a Linux guest ended. */
   private readonly recentConsole: string[] = [];
+  /** KVM_GET_SUPPORTED_CPUID, as the vCPUs were given it. */
+  private readonly cpuid: Buffer;
+  /** What this host saves of a vCPU; found at the first capture or restore. */
+  private stateFormat: VcpuStateFormat | undefined;
+  /** vCPUs finishing their last exit, and what each goes back to (see {@link settleVcpu}). */
+  private readonly settling = new Map<number, { resume: VcpuState; resolve: () => void; reject: (e: Error) => void }>();
 
   private constructor(
     private readonly kvm: Kvm,
@@ -221,7 +231,7 @@ export class KvmMachine {
       if (boot.kind === 'probe') loadProbe(this.memory, boot.image, { consoleMmio: CONSOLE_MMIO_BASE, balloonMmio: BALLOON_MMIO_BASE, vcpuCount: config.vcpus });
       this.runner = new VcpuRunner((rec) => this.onRecord(rec));
       const mmapSize = kvm.vcpuMmapSize();
-      const cpuid = kvm.supportedCpuid();
+      const cpuid = (this.cpuid = kvm.supportedCpuid());
       for (let i = 0; i < config.vcpus; i++) {
         const fd = vm.createVcpu(i, mmapSize);
         this.vcpus.push({ fd, state: 'created', seenUsedIndex: 0 });
@@ -289,6 +299,7 @@ export class KvmMachine {
 
   /** Lets paused vCPUs run again and delivers agent bytes and notifications held while paused. */
   resume(): void {
+    if (this.settling.size > 0) throw new VmStateError('the machine is capturing or restoring its state: resume after it has finished');
     this.pausing = false;
     const notifies = [...this.heldNotifies];
     this.heldNotifies.clear();
@@ -297,6 +308,114 @@ export class KvmMachine {
     const held = this.heldAgentBytes;
     this.heldAgentBytes = [];
     for (const b of held) this.console.send(b);
+  }
+
+  /**
+   * The KVM-side state of the paused machine: the VM's (irqchip, PIT, kvm-clock) and every
+   * vCPU's, and where the VMM had left each vCPU. Each vCPU that stopped on an exit first enters
+   * KVM_RUN once with immediate_exit set, which completes that exit's instruction (KVM writes an
+   * MMIO read's value into its register, or moves RIP past a write) and returns before any guest
+   * code runs: captured earlier, a restore would replay the access.
+   */
+  async captureState(): Promise<MachineState> {
+    this.requirePausedFor('capture');
+    await this.settleVcpus();
+    this.requirePausedFor('capture');
+    const format = this.vcpuStateFormat();
+    return {
+      version: MACHINE_STATE_VERSION,
+      vm: captureVm(this.vm, this.linux),
+      vcpus: this.vcpus.map((v) => ({ kvm: captureVcpu(v.fd, format), activity: activityOf(v) })),
+    };
+  }
+
+  /**
+   * Puts a state from {@link captureState} (of this machine, or of one built the same way) back
+   * into the paused machine; it continues from there at {@link resume}. `value` is checked whole
+   * first: a malformed description, another version, or one this machine cannot take (another
+   * vCPU count, irqchip or state format) is a {@link SnapshotError} before any ioctl. Device state
+   * and guest RAM are not part of it.
+   */
+  async restoreState(value: unknown): Promise<void> {
+    this.requirePausedFor('restore');
+    const state = parseMachineState(value);
+    if (state.vcpus.length !== this.vcpus.length) throw new SnapshotError(`machine.vcpus: the state has ${state.vcpus.length} vCPUs, this machine ${this.vcpus.length}`);
+    const format = this.vcpuStateFormat();
+    checkVmStateFits(state.vm, this.linux, 'machine.vm');
+    state.vcpus.forEach((v, i) => checkVcpuStateFits(v.kvm, format, `machine.vcpus[${i}].kvm`));
+    // A vCPU with an exit half-done would finish it on the restored registers at its next KVM_RUN.
+    await this.settleVcpus();
+    this.requirePausedFor('restore');
+    restoreVm(this.vm, state.vm);
+    state.vcpus.forEach((v, i) => {
+      restoreVcpu(this.vcpus[i].fd, v.kvm);
+      this.setActivity(i, v.activity);
+    });
+  }
+
+  private requirePausedFor(what: string): void {
+    if (this.ended) throw new VmStateError(`cannot ${what} the state of a stopped machine`);
+    if (!this.pausing || this.vcpus.some((v) => v.state === 'running')) throw new VmStateError(`cannot ${what} the state of a running machine: pause it first`);
+    if (this.settling.size > 0) throw new VmStateError(`cannot ${what} the state while another capture or restore is under way`);
+  }
+
+  private vcpuStateFormat(): VcpuStateFormat {
+    this.stateFormat ??= vcpuStateFormat(this.kvm, this.vm, this.linux, this.cpuid);
+    return this.stateFormat;
+  }
+
+  private settleVcpus(): Promise<void> {
+    return Promise.all(this.vcpus.map((v, i) => (v.state === 'created' ? undefined : this.settleVcpu(i, v.state)))).then(() => {});
+  }
+
+  /** Enters KVM_RUN with immediate_exit set; {@link onSettleRecord} takes what comes back. */
+  private settleVcpu(i: number, resume: VcpuState): Promise<void> {
+    return new Promise((resolve, reject) => {
+      this.settling.set(i, { resume, resolve, reject });
+      this.vcpus[i].state = 'settling';
+      this.vcpus[i].fd.run[C.KVM_RUN_IMMEDIATE_EXIT] = 1;
+      this.runner.go(i);
+    });
+  }
+
+  private onSettleRecord(rec: VcpuRecord, s: { resume: VcpuState; resolve: () => void; reject: (e: Error) => void }): void {
+    const v = this.vcpus[rec.index];
+    this.settling.delete(rec.index);
+    if (rec.kind === RecordKind.Interrupted) {
+      v.state = s.resume;
+      s.resolve();
+      return;
+    }
+    let error: PvisorError = new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}, finishing its last exit`);
+    if (rec.kind === RecordKind.Exit) {
+      // Finishing the instruction made another access (e.g. a string instruction's next element):
+      // handled as any exit, then settled again.
+      let action: VcpuAction;
+      try {
+        action = this.handleExit(v);
+      } catch (e) {
+        action = { kind: 'crash', reason: 'vmm-error', message: `vCPU ${rec.index}: ${(e as Error).message}` };
+      }
+      if (action.kind !== 'crash') {
+        if (action.kind === 'idle') v.seenUsedIndex = action.seenUsedIndex;
+        this.settling.set(rec.index, { ...s, resume: action.kind === 'continue' ? 'held' : action.kind === 'idle' ? 'idle' : 'parked' });
+        v.fd.run[C.KVM_RUN_IMMEDIATE_EXIT] = 1;
+        this.runner.go(rec.index);
+        return;
+      }
+      error = new GuestCrashError(action.reason, action.message);
+    }
+    s.reject(error);
+    this.crash(error);
+  }
+
+  private setActivity(i: number, activity: VcpuActivity): void {
+    const v = this.vcpus[i];
+    if (activity.kind === 'parked') v.state = 'parked';
+    else if (activity.kind === 'idle' && activity.seenUsedIndex === this.console.receiveUsedIndex) {
+      v.state = 'idle';
+      v.seenUsedIndex = activity.seenUsedIndex;
+    } else v.state = 'held'; // runnable, or idle with console data it has not seen yet
   }
 
   /** Sends bytes to the guest agent (held while paused, so RAM is not written under a strategy). */
@@ -315,6 +434,8 @@ export class KvmMachine {
     this.tryStep('ending hook', () => this.hooks.onEnding?.());
     this.tryStep('teardown', () => this.release());
     for (const w of this.pauseWaiters.splice(0)) w();
+    for (const s of this.settling.values()) s.reject(new VmStateError('the machine stopped while its state was being captured or restored'));
+    this.settling.clear();
   }
 
   private tryStep(what: string, step: () => void): void {
@@ -388,6 +509,11 @@ export class KvmMachine {
 
   private onRecord(rec: VcpuRecord): void {
     if (this.ended || rec.kind === RecordKind.Stopped) return;
+    const settling = rec.kind !== RecordKind.Notify ? this.settling.get(rec.index) : undefined;
+    if (settling) {
+      this.onSettleRecord(rec, settling);
+      return;
+    }
     try {
       if (rec.kind === RecordKind.Notify) {
         // While paused, guest RAM belongs to the memory strategies: devices wait for resume.
@@ -486,6 +612,13 @@ export class KvmMachine {
         return { kind: 'crash', reason: 'unexpected-exit', message: `unexpected KVM exit ${C.KVM_EXIT_NAMES[reason] ?? reason}` };
     }
   }
+}
+
+/** Where the VMM had left a paused vCPU, as a saved state says it. */
+function activityOf(v: Vcpu): VcpuActivity {
+  if (v.state === 'idle') return { kind: 'idle', seenUsedIndex: v.seenUsedIndex };
+  if (v.state === 'parked') return { kind: 'parked' };
+  return { kind: 'runnable' };
 }
 
 /** Guest console text in an error: trimmed, control characters shown as `?`, at most 300 characters. */

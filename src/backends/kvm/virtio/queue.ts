@@ -3,7 +3,9 @@
  * available and returning them used. Everything the guest wrote is untrusted: addresses are
  * checked against guest RAM, chains are bounded (no loops), indirect descriptors are refused.
  */
+import { SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
+import { checkVersion, integerAt, objectAt } from '../state-fields';
 
 const VIRTQ_DESC_F_NEXT = 1;
 const VIRTQ_DESC_F_WRITE = 2;
@@ -55,6 +57,44 @@ export interface QueueConfig {
   usedGpa: number;
 }
 
+/** The version of {@link QueueState} this code writes and reads. */
+export const QUEUE_STATE_VERSION = 1;
+
+/**
+ * A queue's saved state (as rust-vmm's virtio-queue `QueueState`): where its rings are and how far
+ * the device has gone in them. The rings themselves are in guest RAM, saved with it. Chains a
+ * device has taken and not yet returned are the device's to save.
+ */
+export interface QueueState extends QueueConfig {
+  version: typeof QUEUE_STATE_VERSION;
+  /** The next available-ring entry the device reads. */
+  nextAvail: number;
+  /** The used index published to the driver. */
+  nextUsed: number;
+  /** Why the queue was broken, if it was: it stays broken until the driver resets the device. */
+  brokenBy?: string;
+}
+
+/** Checks a queue state read back from a file. Throws {@link SnapshotError} naming the field. */
+export function parseQueueState(value: unknown, path = 'queue'): QueueState {
+  const o = objectAt(value, path);
+  checkVersion(o, path, QUEUE_STATE_VERSION);
+  const size = integerAt(o, 'size', path, 1, 32768);
+  if ((size & (size - 1)) !== 0) throw new SnapshotError(`${path}.size: a split queue's size is a power of 2, not ${size}`);
+  if (o.brokenBy !== undefined && typeof o.brokenBy !== 'string') throw new SnapshotError(`${path}.brokenBy: expected a string`);
+  const gpa = (key: string) => integerAt(o, key, path, 0, Number.MAX_SAFE_INTEGER);
+  return {
+    version: QUEUE_STATE_VERSION,
+    size,
+    descGpa: gpa('descGpa'),
+    availGpa: gpa('availGpa'),
+    usedGpa: gpa('usedGpa'),
+    nextAvail: integerAt(o, 'nextAvail', path, 0, 0xffff),
+    nextUsed: integerAt(o, 'nextUsed', path, 0, 0xffff),
+    ...(typeof o.brokenBy === 'string' && { brokenBy: o.brokenBy }),
+  };
+}
+
 /** The device side of one split virtqueue. */
 export class SplitQueue {
   private nextAvail = 0;
@@ -83,6 +123,32 @@ export class SplitQueue {
     if (!mem.contains(descGpa, 16 * size) || !mem.contains(availGpa, 6 + 2 * size) || !mem.contains(usedGpa, 6 + 8 * size)) {
       throw new QueueError('virtqueue rings lie outside guest RAM');
     }
+  }
+
+  /** This queue's state, for a snapshot (see {@link QueueState}). */
+  saveState(): QueueState {
+    const { size, descGpa, availGpa, usedGpa } = this.config;
+    return {
+      version: QUEUE_STATE_VERSION, size, descGpa, availGpa, usedGpa, nextAvail: this.nextAvail, nextUsed: this.nextUsed,
+      ...(this.brokenBy !== undefined && { brokenBy: this.brokenBy }),
+    };
+  }
+
+  /**
+   * A queue as {@link saveState} left it, over `mem` (the restored guest RAM). `state` has been
+   * through {@link parseQueueState}; rings outside guest RAM are a {@link SnapshotError}.
+   */
+  static fromState(mem: GuestMemory, state: QueueState, path = 'queue'): SplitQueue {
+    let q: SplitQueue;
+    try {
+      q = new SplitQueue(mem, { size: state.size, descGpa: state.descGpa, availGpa: state.availGpa, usedGpa: state.usedGpa });
+    } catch (e) {
+      throw new SnapshotError(`${path}: ${(e as Error).message}`);
+    }
+    q.nextAvail = state.nextAvail;
+    q.nextUsed = state.nextUsed;
+    q.brokenBy = state.brokenBy;
+    return q;
   }
 
   /** The used index as last published to the driver. */
