@@ -2,7 +2,8 @@
  * The host end of the agent protocol: numbered requests with several outstanding at once,
  * responses matched by id, guest events delivered to a callback.
  */
-import { GuestRequestError, TimeoutError, VmStateError } from '../errors';
+import { GuestRequestError, SnapshotError, TimeoutError, VmStateError } from '../errors';
+import { arrayAt, base64Of, bytesAt, checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
 import { encodeFrame, FrameDecoder, FrameType, type Frame } from './frame';
 
 /** Common ops (both guests). */
@@ -34,12 +35,33 @@ export interface StartedRequest {
   done: Promise<Buffer>;
 }
 
+/** The version of {@link AgentChannelState} this code writes and reads. */
+export const AGENT_CHANNEL_STATE_VERSION = 1;
+
+/**
+ * The host end of the channel as a snapshot saves it. Requests in flight when the snapshot is
+ * taken are the snapshotted VM's: their callers live in its process and get their answers there.
+ * A VM restored from the snapshot runs a guest that may still answer them; its client knows them
+ * by id, so such an answer is reported and dropped (never taken for a new request's, since ids
+ * go on from `nextId`), and nobody waits on them. The bytes of a frame half received are kept, so
+ * the decoder resumes mid-frame.
+ */
+export interface AgentChannelState {
+  version: typeof AGENT_CHANNEL_STATE_VERSION;
+  nextId: number;
+  inFlight: { id: number; op: number }[];
+  /** Bytes of the frame being received, base64. */
+  partialFrame: string;
+}
+
 /** Requests to, and events from, one guest agent. */
 export class AgentClient {
   private readonly decoder = new FrameDecoder();
   private readonly pending = new Map<number, Pending>();
   private nextId = 1;
   private closedWith: Error | undefined;
+  /** Requests in flight when the snapshot this client was restored from was taken (id to op). */
+  private readonly orphans = new Map<number, number>();
 
   constructor(
     private readonly send: (bytes: Buffer) => void,
@@ -59,12 +81,55 @@ export class AgentClient {
     for (const f of frames) this.dispatch(f);
   }
 
+  /** See {@link AgentChannelState}. */
+  saveState(): AgentChannelState {
+    return {
+      version: AGENT_CHANNEL_STATE_VERSION,
+      nextId: this.nextId,
+      inFlight: [...this.pending].map(([id, p]) => ({ id, op: p.op })),
+      partialFrame: base64Of(this.decoder.pendingBytes()),
+    };
+  }
+
+  /**
+   * Takes a {@link saveState} value (unchecked, from a file) into this fresh client, before any
+   * request. A malformed one is a {@link SnapshotError} naming the field, and nothing changes.
+   */
+  restoreState(value: unknown, path = 'agent'): void {
+    if (this.pending.size > 0 || this.nextId !== 1) throw new SnapshotError(`${path}: the agent client has already been used`);
+    const o = objectAt(value, path);
+    checkVersion(o, path, AGENT_CHANNEL_STATE_VERSION);
+    const nextId = integerAt(o, 'nextId', path, 1, 0xffffffff);
+    const inFlight = arrayAt(o, 'inFlight', path, 65536).map((r, i) => {
+      const e = objectAt(r, `${path}.inFlight[${i}]`);
+      return [integerAt(e, 'id', `${path}.inFlight[${i}]`, 1, 0xffffffff), integerAt(e, 'op', `${path}.inFlight[${i}]`, 0, 0xffff)] as const;
+    });
+    const partial = bytesAt(o, 'partialFrame', path, { min: 0, max: 64 * 1024 * 1024 });
+    const decoder = new FrameDecoder();
+    try {
+      decoder.push(partial);
+    } catch (e) {
+      throw new SnapshotError(`${path}.partialFrame: ${(e as Error).message}`);
+    }
+    this.nextId = nextId;
+    for (const [id, op] of inFlight) this.orphans.set(id, op);
+    this.decoder.push(partial);
+  }
+
   private dispatch(f: Frame): void {
     if (f.type === FrameType.Event) {
       this.onEvent(f);
       return;
     }
     const p = this.pending.get(f.id);
+    const orphanOp = p ? undefined : this.orphans.get(f.id);
+    if (orphanOp !== undefined) {
+      // Failed, not lost silently: its caller was in the snapshotted VM (see AgentChannelState).
+      if (f.type === FrameType.StreamChunk) return;
+      this.orphans.delete(f.id);
+      this.onProtocolError(`request ${f.id} (op 0x${orphanOp.toString(16)}) was in flight when the snapshot was taken; its answer after the restore has no caller and was dropped`);
+      return;
+    }
     if (!p) {
       if (f.type === FrameType.Error) this.onProtocolError(`guest error for request ${f.id}: ${errorText(f.payload)}`);
       return;

@@ -60,6 +60,16 @@ export class FrameDecoder {
   private frame: Frame | undefined;
   private payloadFill = 0;
 
+  /**
+   * The bytes of the frame being assembled, as they came: what a fresh decoder must be fed to
+   * carry on where this one is (a snapshot of the channel).
+   */
+  pendingBytes(): Buffer {
+    if (!this.frame) return Buffer.from(this.headerBytes.subarray(0, this.headerFill));
+    // The header stays in headerBytes until the next frame's header starts to overwrite it.
+    return Buffer.concat([this.headerBytes, this.frame.payload.subarray(0, this.payloadFill)]);
+  }
+
   /** Adds bytes and returns every frame now complete. Throws {@link FrameError} on garbage. */
   push(bytes: Buffer): Frame[] {
     const frames: Frame[] = [];

@@ -32,3 +32,30 @@ describe('agent client', () => {
     c.receive(encodeFrame({ type: FrameType.Response, id, op: 0x104, payload: Buffer.alloc(0) }));
   });
 });
+
+describe('agent channel state across a snapshot', () => {
+  it('a restored client goes on mid-frame, and answers to requests in flight at the snapshot are reported, not taken for new ones', async () => {
+    const warnings: string[] = [];
+    const a = new AgentClient(() => {}, () => {}, () => {});
+    void a.request(0x0104).catch(() => {}); // id 1: in flight at the snapshot
+    const answer = encodeFrame({ type: FrameType.Response, id: 2, op: 0x0104, payload: Buffer.from('new') });
+    a.receive(answer.subarray(0, 20)); // a frame half received
+    const state = JSON.parse(JSON.stringify(a.saveState()));
+    expect(state.inFlight).toEqual([{ id: 1, op: 0x0104 }]);
+
+    const b = new AgentClient(() => {}, () => {}, (m) => warnings.push(m));
+    b.restoreState(state);
+    // The restored guest finishes request 1 (its caller was in the snapshotted VM) ...
+    b.receive(answer.subarray(20));
+    b.receive(encodeFrame({ type: FrameType.Response, id: 1, op: 0x0104, payload: Buffer.alloc(0) }));
+    expect(warnings).toEqual(['request 1 (op 0x104) was in flight when the snapshot was taken; its answer after the restore has no caller and was dropped']);
+    // ... and new requests take ids after the snapshot's.
+    const sent: Buffer[] = [];
+    const c = new AgentClient((bytes) => sent.push(bytes), () => {}, () => {});
+    c.restoreState(state);
+    void c.request(0x0104).catch(() => {});
+    expect(new FrameDecoder().push(sent[0])[0].id).toBe(2);
+    expect(() => c.restoreState(state)).toThrow(/already been used/);
+    expect(() => new AgentClient(() => {}, () => {}, () => {}).restoreState({ ...state, partialFrame: Buffer.from('garbage!!garbage!').toString('base64') })).toThrow(/agent\.partialFrame: bad frame magic/);
+  });
+});

@@ -6,8 +6,8 @@ import { writeSync } from 'node:fs';
 import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, SystemCallError, VmStateError } from '../../errors';
 import * as C from '../../sys/constants';
 import { closeFd, createEventFd, EVENTFD_ONE } from '../../sys/libc';
-import { CmosRtc, CMOS_BASE, CMOS_PORTS } from './devices/cmos-rtc';
-import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS } from './devices/serial';
+import { CmosRtc, CMOS_BASE, CMOS_PORTS, type CmosState } from './devices/cmos-rtc';
+import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS, type SerialState } from './devices/serial';
 import { ProbeDoorbell, PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE } from './devices/probe-doorbell';
 import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
 import { AGENT_PORT_PATH, VirtioConsole } from './devices/virtio-console';
@@ -22,7 +22,8 @@ import { MACHINE_STATE_VERSION, parseMachineState, type MachineState, type VcpuA
 import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
 import { captureVcpu, checkVcpuStateFits, restoreVcpu, vcpuStateFormat, type VcpuStateFormat } from './vcpu-state';
 import { captureVm, checkVmStateFits, restoreVm } from './vm-state';
-import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type VirtioDevice } from './virtio/mmio-transport';
+import { arrayAt, checkVersion, objectAt } from './state-fields';
+import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type TransportState, type VirtioDevice } from './virtio/mmio-transport';
 
 // Resolve the runner's native functions while this module loads, on the main thread.
 loadVcpuRunner();
@@ -116,6 +117,19 @@ export interface MachineConfig {
   disk?: DiskConfig;
 }
 
+/** The version of {@link DevicesState} this code writes and reads. */
+export const DEVICES_STATE_VERSION = 1;
+
+/** Every device of a machine, as {@link KvmMachine.captureDevices} saves them. */
+export interface DevicesState {
+  version: typeof DEVICES_STATE_VERSION;
+  serial: SerialState;
+  /** The RTC (the Linux machine only). */
+  cmos?: CmosState;
+  /** Every virtio-mmio transport in build order: console, balloon, then the disk if any. */
+  transports: TransportState[];
+}
+
 /** `settling`: in KVM_RUN with immediate_exit set, only to finish its last exit (see {@link KvmMachine.captureState}). */
 type VcpuState = 'created' | 'running' | 'held' | 'idle' | 'parked' | 'settling';
 
@@ -132,6 +146,7 @@ export class KvmMachine {
   private readonly console: VirtioConsole;
   private readonly disk: VirtioBlk | undefined;
   private readonly serial: Serial8250;
+  private readonly rtc: CmosRtc | undefined;
   private readonly pio = new IoBus('pio');
   private readonly mmio = new IoBus('mmio');
   private readonly vcpus: Vcpu[] = [];
@@ -139,7 +154,6 @@ export class KvmMachine {
   private pausing = false;
   private pauseWaiters: (() => void)[] = [];
   private ended = false;
-  private heldAgentBytes: Buffer[] = [];
   /** Queue notifications (record tags) that arrived while paused. */
   private heldNotifies = new Set<number>();
   private readonly transports: MmioTransport[] = [];
@@ -193,7 +207,7 @@ export class KvmMachine {
       // The probe uses no port I/O (kvm_pvm clears IOPL): it prints and parks through its doorbell.
       if (!linux) this.mmio.add(PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE, new ProbeDoorbell((byte) => this.serial.write(0, byte)));
       else {
-        const rtc = new CmosRtc();
+        const rtc = (this.rtc = new CmosRtc());
         this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
       }
 
@@ -305,9 +319,7 @@ export class KvmMachine {
     this.heldNotifies.clear();
     for (const tag of notifies) this.onRecord({ index: tag, kind: RecordKind.Notify, err: 0 });
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'held') this.continueVcpu(i);
-    const held = this.heldAgentBytes;
-    this.heldAgentBytes = [];
-    for (const b of held) this.console.send(b);
+    this.console.deliver();
   }
 
   /**
@@ -350,6 +362,42 @@ export class KvmMachine {
     state.vcpus.forEach((v, i) => {
       restoreVcpu(this.vcpus[i].fd, v.kvm);
       this.setActivity(i, v.activity);
+    });
+  }
+
+  /**
+   * The paused machine's device state: the UART, the RTC when there is one, and every virtio
+   * transport with its device, in the order they were built (see {@link DevicesState}).
+   */
+  captureDevices(): DevicesState {
+    this.requirePausedFor('capture');
+    return {
+      version: DEVICES_STATE_VERSION,
+      serial: this.serial.saveState(),
+      ...(this.rtc && { cmos: this.rtc.saveState() }),
+      transports: this.transports.map((t) => t.saveState()),
+    };
+  }
+
+  /**
+   * Puts a {@link captureDevices} value (unchecked, from a file) into this paused machine, which
+   * must be freshly built the same way and not yet run. A malformed or mismatched state is a
+   * {@link SnapshotError} naming the field; devices before it may have taken their part, so a
+   * machine whose restore failed is stopped, never run. Every live queue is notified once at resume: a guest
+   * may have notified while the snapshotted machine was paused, and a spare notification is harmless.
+   */
+  restoreDevices(value: unknown, path = 'devices'): void {
+    this.requirePausedFor('restore');
+    const o = objectAt(value, path);
+    checkVersion(o, path, DEVICES_STATE_VERSION);
+    const transports = arrayAt(o, 'transports', path, 16);
+    if (transports.length !== this.transports.length) throw new SnapshotError(`${path}.transports: the state has ${transports.length} virtio devices, this machine ${this.transports.length}`);
+    if ((o.cmos !== undefined) !== (this.rtc !== undefined)) throw new SnapshotError(`${path}.cmos: the state ${o.cmos === undefined ? 'has no' : 'has an'} RTC, this machine ${this.rtc ? 'has one' : 'none'}`);
+    this.serial.restoreState(o.serial, `${path}.serial`);
+    if (this.rtc) this.rtc.restoreState(o.cmos, `${path}.cmos`);
+    transports.forEach((t, i) => this.transports[i].restoreState(t, `${path}.transports[${i}]`));
+    this.transports.forEach((t, d) => {
+      for (let q = 0; q < t.queueCount; q++) this.heldNotifies.add(d * QUEUES_PER_TAG + q);
     });
   }
 
@@ -421,7 +469,7 @@ export class KvmMachine {
   /** Sends bytes to the guest agent (held while paused, so RAM is not written under a strategy). */
   sendToAgent(bytes: Buffer): void {
     if (this.ended) return;
-    if (this.pausing) this.heldAgentBytes.push(bytes);
+    if (this.pausing) this.console.hold(bytes);
     else this.console.send(bytes);
   }
 

@@ -32,6 +32,13 @@ export function integerAt(obj: Record<string, unknown>, key: string, path: strin
   return v;
 }
 
+/** A boolean field. */
+export function booleanAt(obj: Record<string, unknown>, key: string, path: string): boolean {
+  const v = obj[key];
+  if (typeof v !== 'boolean') throw new SnapshotError(`${path}.${key}: expected true or false, got ${describe(v)}`);
+  return v;
+}
+
 /** A string field that is one of `allowed`. */
 export function choiceAt<T extends string>(obj: Record<string, unknown>, key: string, path: string, allowed: readonly T[]): T {
   const v = obj[key];

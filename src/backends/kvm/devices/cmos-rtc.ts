@@ -4,6 +4,7 @@
  * unclaimed port would read all ones, i.e. "update in progress" forever, and the kernel would
  * give up with "Unable to read current time from RTC" after polling it.
  */
+import { checkVersion, integerAt, objectAt } from '../state-fields';
 
 /** The index port; 0x71 is data. */
 export const CMOS_BASE = 0x70;
@@ -30,11 +31,34 @@ const STATUS_D_VALID = 0x80;
 
 const bcd = (n: number) => ((Math.floor(n / 10) % 10) << 4) | n % 10;
 
+/** The version of {@link CmosState} this code writes and reads. */
+export const CMOS_STATE_VERSION = 1;
+
+/**
+ * The RTC's saved state: the register the guest selected. The time itself is the host's at each
+ * read, so a restored guest reads the time of now, not of the snapshot.
+ */
+export interface CmosState {
+  version: typeof CMOS_STATE_VERSION;
+  index: number;
+}
+
 /** Reads the host's UTC time through the RTC's registers. */
 export class CmosRtc {
   private index = 0;
 
   constructor(private readonly now: () => Date = () => new Date()) {}
+
+  saveState(): CmosState {
+    return { version: CMOS_STATE_VERSION, index: this.index };
+  }
+
+  /** Takes a {@link saveState} value (unchecked) back; a malformed one is a SnapshotError naming the field. */
+  restoreState(value: unknown, path = 'cmos'): void {
+    const o = objectAt(value, path);
+    checkVersion(o, path, CMOS_STATE_VERSION);
+    this.index = integerAt(o, 'index', path, 0, 0x7f);
+  }
 
   write(offset: number, value: number): void {
     // Bit 7 of the index port is the NMI mask on a PC; only the register number matters here.

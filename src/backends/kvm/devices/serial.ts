@@ -4,6 +4,7 @@
  * and, once userspace writes to the port, waits for the "transmitter empty" interrupt on IRQ 4.
  * Transmit completes at once; there is no receive path (input goes through the agent channel).
  */
+import { base64Of, booleanAt, bytesAt, checkVersion, integerAt, objectAt } from '../state-fields';
 
 /** First port of COM1. */
 export const COM1_BASE = 0x3f8;
@@ -28,6 +29,23 @@ const LSR_THR_EMPTY = 0x20;
 const LSR_TX_IDLE = 0x40;
 const MCR_LOOP = 0x10;
 
+/** The version of {@link SerialState} this code writes and reads. */
+export const SERIAL_STATE_VERSION = 1;
+
+/** The UART's saved registers, and the line the guest was printing (so it is not cut in two). */
+export interface SerialState {
+  version: typeof SERIAL_STATE_VERSION;
+  ier: number;
+  lcr: number;
+  mcr: number;
+  scr: number;
+  dll: number;
+  dlm: number;
+  thriPending: boolean;
+  /** Bytes of the unfinished line, base64. */
+  line: string;
+}
+
 /** The UART; `onOutput` receives each line (or partial line on flush) the guest prints. */
 export class Serial8250 {
   private ier = 0;
@@ -45,6 +63,25 @@ export class Serial8250 {
     private readonly onOutput: (text: string) => void,
     private readonly interrupt: () => void = () => {},
   ) {}
+
+  /** See {@link SerialState}. */
+  saveState(): SerialState {
+    const { ier, lcr, mcr, scr, dll, dlm, thriPending } = this;
+    return { version: SERIAL_STATE_VERSION, ier, lcr, mcr, scr, dll, dlm, thriPending, line: base64Of(Buffer.from(this.line)) };
+  }
+
+  /** Takes a {@link saveState} value (unchecked) back; a malformed one is a SnapshotError naming the field, and nothing changes. */
+  restoreState(value: unknown, path = 'serial'): void {
+    const o = objectAt(value, path);
+    checkVersion(o, path, SERIAL_STATE_VERSION);
+    const byte = (key: string) => integerAt(o, key, path, 0, 0xff);
+    const regs = { ier: integerAt(o, 'ier', path, 0, 0x0f), lcr: byte('lcr'), mcr: integerAt(o, 'mcr', path, 0, 0x1f), scr: byte('scr'), dll: byte('dll'), dlm: byte('dlm') };
+    const thriPending = booleanAt(o, 'thriPending', path);
+    const line = bytesAt(o, 'line', path, { min: 0, max: 4095 });
+    Object.assign(this, regs);
+    this.thriPending = thriPending;
+    this.line = [...line];
+  }
 
   write(offset: number, value: number): void {
     const dlab = (this.lcr & LCR_DLAB) !== 0;

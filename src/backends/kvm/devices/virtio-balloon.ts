@@ -3,6 +3,7 @@
  * the guest hands back ranges it has freed, the host drops the pages behind them. No inflate or
  * deflate: pvisor never asks a guest to give memory up, it takes back what the guest freed.
  */
+import { checkVersion, objectAt } from '../state-fields';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import type { SplitQueue } from '../virtio/queue';
 
@@ -14,6 +15,18 @@ const REPORTING_QUEUE = 2;
 
 /** What the host does with a reported range; the default drops its pages. */
 export type FreePageSink = (gpa: number, len: number) => void;
+
+/** The version of {@link BalloonState} this code writes and reads. */
+export const BALLOON_STATE_VERSION = 1;
+
+/**
+ * The balloon's saved state: nothing beyond its version. A report is handled whole when the
+ * guest notifies (the pages are dropped before the chain goes back used), so none is ever half
+ * done; whether reporting was negotiated is in the transport's acked features.
+ */
+export interface BalloonState {
+  version: typeof BALLOON_STATE_VERSION;
+}
 
 /** Free page reporting device model. */
 export class VirtioBalloon implements VirtioDevice {
@@ -42,6 +55,15 @@ export class VirtioBalloon implements VirtioDevice {
 
   reset(): void {
     this.reporting = null;
+  }
+
+  saveState(): BalloonState {
+    return { version: BALLOON_STATE_VERSION };
+  }
+
+  restoreState(value: unknown, queues: (SplitQueue | null)[], acked: bigint, path: string): void {
+    checkVersion(objectAt(value, path), path, BALLOON_STATE_VERSION);
+    this.activate(queues, acked);
   }
 
   notify(index: number): void {

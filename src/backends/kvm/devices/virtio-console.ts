@@ -10,6 +10,7 @@
  * multiport and gets the plain two-queue console.
  */
 import type { GuestMemory } from '../guest-memory';
+import { arrayAt, base64Of, bytesAt, checkVersion, objectAt } from '../state-fields';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import type { Descriptor, SplitQueue } from '../virtio/queue';
 
@@ -45,6 +46,26 @@ const TRANSMIT_BYTES_PER_TURN = 8 * 1024 * 1024;
 const PORT_NAME_TEXT = 'pvisor.agent';
 /** The port's device node in a Linux guest: virtio device 0 (the first on the command line), port 0. */
 export const AGENT_PORT_PATH = '/dev/vport0p0';
+
+/** The version of {@link ConsoleState} this code writes and reads. */
+export const CONSOLE_STATE_VERSION = 1;
+
+/** Most bytes a saved console may hold for the guest (what `JSON.parse` of a snapshot can carry). */
+const MAX_SAVED_OUTBOX_BYTES = 64 * 1024 * 1024;
+
+/**
+ * The console's saved state: bytes the host queued for the guest that no receive buffer has taken
+ * yet, kept whole so that the agent protocol's framing survives a restore (half a frame dropped
+ * would desynchronise the guest's decoder for good). Which queues are which follows from the
+ * features the driver acked, saved by the transport.
+ */
+export interface ConsoleState {
+  version: typeof CONSOLE_STATE_VERSION;
+  /** Port 0's pending bytes, base64. */
+  outbox: string;
+  /** Pending control messages, one base64 entry each (never split across buffers). */
+  controlOutbox: string[];
+}
 
 /** The agent channel's device model. */
 export class VirtioConsole implements VirtioDevice {
@@ -83,17 +104,42 @@ export class VirtioConsole implements VirtioDevice {
   }
 
   activate(queues: (SplitQueue | null)[], acked: bigint): void {
+    this.takeQueues(queues, acked);
+    this.flush();
+  }
+
+  private takeQueues(queues: (SplitQueue | null)[], acked: bigint): void {
     this.rx = queues[RECEIVEQ];
     this.tx = queues[TRANSMITQ];
     const multiport = (acked & VIRTIO_CONSOLE_F_MULTIPORT) !== 0n;
     this.controlRx = multiport ? queues[CONTROL_RECEIVEQ] : null;
     this.controlTx = multiport ? queues[CONTROL_TRANSMITQ] : null;
-    this.flush();
   }
 
   reset(): void {
     this.rx = this.tx = this.controlRx = this.controlTx = null;
     this.controlOutbox = [];
+  }
+
+  /** See {@link ConsoleState}. */
+  saveState(): ConsoleState {
+    return {
+      version: CONSOLE_STATE_VERSION,
+      outbox: base64Of(Buffer.concat(this.outbox)),
+      controlOutbox: this.controlOutbox.map(base64Of),
+    };
+  }
+
+  restoreState(value: unknown, queues: (SplitQueue | null)[], acked: bigint, path: string): void {
+    const o = objectAt(value, path);
+    checkVersion(o, path, CONSOLE_STATE_VERSION);
+    const outbox = bytesAt(o, 'outbox', path, { min: 0, max: MAX_SAVED_OUTBOX_BYTES });
+    const controlOutbox = arrayAt(o, 'controlOutbox', path, 64).map((_, i) => bytesAt(o.controlOutbox as Record<string, unknown>, String(i), `${path}.controlOutbox`, { min: CONTROL_BYTES, max: 4096 }));
+    this.outbox = outbox.length ? [outbox] : [];
+    this.controlOutbox = controlOutbox;
+    // As activate, but without delivering: the machine is paused; the notifications it gives
+    // every live queue at resume flush them.
+    this.takeQueues(queues, acked);
   }
 
   /** The receive queue's used index, as the guest will see it. */
@@ -103,7 +149,21 @@ export class VirtioConsole implements VirtioDevice {
 
   /** Queues bytes for the guest and delivers what fits now. */
   send(bytes: Buffer): void {
+    this.hold(bytes);
+    this.flush();
+  }
+
+  /**
+   * Queues bytes for the guest without touching guest RAM (while the machine is paused, RAM
+   * belongs to the memory strategies and to a snapshot); {@link deliver} sends them later. They are
+   * part of {@link saveState}.
+   */
+  hold(bytes: Buffer): void {
     if (bytes.length) this.outbox.push(bytes);
+  }
+
+  /** Delivers what {@link hold} queued, as far as receive buffers allow. */
+  deliver(): void {
     this.flush();
   }
 

@@ -2,8 +2,10 @@
  * The virtio-mmio transport (virtio 1.x "modern", register layout of spec 4.2.2): feature
  * negotiation, device status, queue configuration and notifications, dispatched to one device.
  */
+import { SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
-import { QueueError, SplitQueue } from './queue';
+import { arrayAt, booleanAt, checkVersion, integerAt, objectAt, u64At, hexU64 } from '../state-fields';
+import { QueueError, SplitQueue, parseQueueState, type QueueState } from './queue';
 
 /** Register window size of one virtio-mmio device. */
 export const VIRTIO_MMIO_SIZE = 0x200;
@@ -66,14 +68,55 @@ export interface VirtioDevice {
   notify(index: number): void;
   /** The driver reset the device (status 0). */
   reset(): void;
+  /**
+   * The device's own state for a snapshot, beyond its queues (the transport saves those): bytes
+   * it holds for the guest, for instance. Absent on a device that cannot be snapshotted yet.
+   */
+  saveState?(): DeviceSavedState;
+  /**
+   * Takes a {@link saveState} value (unchecked, from a file) back in place of {@link activate}:
+   * `queues` and `acked` are as they were. Checks all of `state` first and throws
+   * {@link SnapshotError} naming the field under `path`, before it changes anything.
+   */
+  restoreState?(state: unknown, queues: (SplitQueue | null)[], acked: bigint, path: string): void;
 }
 
-interface QueueSlot {
+/** What a device's {@link VirtioDevice.saveState} returns: JSON, with its own version. */
+export interface DeviceSavedState {
+  version: number;
+}
+
+/** The version of {@link TransportState} this code writes and reads. */
+export const TRANSPORT_STATE_VERSION = 1;
+
+/** One queue's registers as the driver wrote them (whether or not the device was activated). */
+export interface QueueSlotState {
   num: number;
   ready: boolean;
   desc: number;
   driver: number;
   device: number;
+}
+
+/**
+ * A transport's saved state: its registers, and once the driver set DRIVER_OK, the live queues'
+ * positions and the device's own state. Interrupts pending in `interruptStatus` are raised again
+ * by the guest's driver reading it; a device the driver has not activated has no device state.
+ */
+export interface TransportState {
+  version: typeof TRANSPORT_STATE_VERSION;
+  deviceId: number;
+  status: number;
+  deviceFeaturesSel: number;
+  driverFeaturesSel: number;
+  /** 64 bits, as `0x` hex. */
+  driverFeatures: string;
+  queueSel: number;
+  interruptStatus: number;
+  configGeneration: number;
+  queues: QueueSlotState[];
+  /** Present once activated: one entry per queue, null where the driver made none ready. */
+  active?: { queues: (QueueState | null)[]; device: DeviceSavedState };
 }
 
 /** A device's register window; `interrupt` raises its interrupt line (edge). */
@@ -85,7 +128,7 @@ export class MmioTransport {
   private queueSel = 0;
   private interruptStatus = 0;
   private configGeneration = 0;
-  private queues: QueueSlot[];
+  private queues: QueueSlotState[];
   /** The queues the device was activated with (null where the driver made none ready). */
   private liveQueues: (SplitQueue | null)[] = [];
   private active = false;
@@ -100,7 +143,77 @@ export class MmioTransport {
     this.queues = this.freshQueues();
   }
 
-  private freshQueues(): QueueSlot[] {
+  /** This transport's state, for a snapshot of a paused machine (see {@link TransportState}). */
+  saveState(): TransportState {
+    const d = this.device;
+    if (this.active && !d.saveState) throw new SnapshotError(`virtio device ${d.deviceId} cannot save its state yet`);
+    return {
+      version: TRANSPORT_STATE_VERSION,
+      deviceId: d.deviceId,
+      status: this.status,
+      deviceFeaturesSel: this.deviceFeaturesSel,
+      driverFeaturesSel: this.driverFeaturesSel,
+      driverFeatures: hexU64(this.driverFeatures),
+      queueSel: this.queueSel,
+      interruptStatus: this.interruptStatus,
+      configGeneration: this.configGeneration,
+      queues: this.queues.map((q) => ({ ...q })),
+      ...(this.active && { active: { queues: this.liveQueues.map((q) => q?.saveState() ?? null), device: d.saveState!() } }),
+    };
+  }
+
+  /**
+   * Puts a {@link saveState} value (unchecked, from a file) into this transport, which must be
+   * fresh (built, never driven) over the restored guest RAM. Everything is checked first, the
+   * device's part included; a mismatch with this device (another id, queue count, features it
+   * does not offer) or a malformed field is a {@link SnapshotError} naming it, and nothing changes.
+   */
+  restoreState(value: unknown, path = 'transport'): void {
+    const o = objectAt(value, path);
+    checkVersion(o, path, TRANSPORT_STATE_VERSION);
+    const d = this.device;
+    const deviceId = integerAt(o, 'deviceId', path, 0, 0xffff);
+    if (deviceId !== d.deviceId) throw new SnapshotError(`${path}.deviceId: the state is of virtio device ${deviceId}, this transport drives ${d.deviceId}`);
+    const u32 = (key: string) => integerAt(o, key, path, 0, 0xffffffff);
+    const driverFeatures = u64At(o, 'driverFeatures', path);
+    const slots = arrayAt(o, 'queues', path, d.queueCount).map((q, i) => parseSlot(q, `${path}.queues[${i}]`));
+    if (slots.length !== d.queueCount) throw new SnapshotError(`${path}.queues: the state has ${slots.length} queues, this device ${d.queueCount}`);
+    const status = integerAt(o, 'status', path, 0, 0xff);
+    const fields = {
+      deviceFeaturesSel: u32('deviceFeaturesSel'), driverFeaturesSel: u32('driverFeaturesSel'), queueSel: u32('queueSel'),
+      interruptStatus: integerAt(o, 'interruptStatus', path, 0, 3), configGeneration: u32('configGeneration'),
+    };
+    let live: (SplitQueue | null)[] = [];
+    if (o.active !== undefined) {
+      const at = `${path}.active`;
+      const a = objectAt(o.active, at);
+      // Features agreed with the driver must be ones this device offers: a snapshot of a balloon
+      // with free page reporting cannot go into one without it.
+      const unknown = driverFeatures & ~d.features;
+      if (unknown !== 0n) throw new SnapshotError(`${path}.driverFeatures: ${hexU64(unknown)} are features this device does not offer`);
+      if (!(status & STATUS_DRIVER_OK)) throw new SnapshotError(`${path}.status: an active device has DRIVER_OK set, the state has ${status}`);
+      const queues = arrayAt(a, 'queues', at, d.queueCount);
+      if (queues.length !== d.queueCount) throw new SnapshotError(`${at}.queues: the state has ${queues.length} queues, this device ${d.queueCount}`);
+      live = queues.map((q, i) => (q === null ? null : SplitQueue.fromState(this.mem, parseQueueState(q, `${at}.queues[${i}]`), `${at}.queues[${i}]`)));
+      if (!d.restoreState) throw new SnapshotError(`${at}.device: virtio device ${d.deviceId} cannot restore its state yet`);
+      d.restoreState(a.device, live, driverFeatures, `${at}.device`);
+      live.forEach((q, i) => q && this.wireQueue(q, i));
+    }
+    this.status = status;
+    this.driverFeatures = driverFeatures;
+    this.queues = slots;
+    Object.assign(this, fields);
+    this.liveQueues = live;
+    this.active = o.active !== undefined;
+  }
+
+  private wireQueue(queue: SplitQueue, i: number): void {
+    // A budget-stopped device goes on in a later turn of the event loop, as if notified.
+    queue.onBudgetRenewed = () => this.notify(i);
+    queue.onBroken = (why) => this.needsReset(`queue ${i}: ${why}`);
+  }
+
+  private freshQueues(): QueueSlotState[] {
     return Array.from({ length: this.device.queueCount }, () => ({ num: 0, ready: false, desc: 0, driver: 0, device: 0 }));
   }
 
@@ -230,9 +343,7 @@ export class MmioTransport {
         // inside one guest RAM view, whose seams are page-aligned.
         if (q.desc % 16 || q.driver % 2 || q.device % 4) throw new QueueError(`queue ${i} rings are not aligned (descriptors 16, available 2, used 4 bytes)`);
         const queue = new SplitQueue(this.mem, { size: q.num, descGpa: q.desc, availGpa: q.driver, usedGpa: q.device });
-        // A budget-stopped device goes on in a later turn of the event loop, as if notified.
-        queue.onBudgetRenewed = () => this.notify(i);
-        queue.onBroken = (why) => this.needsReset(`queue ${i}: ${why}`);
+        this.wireQueue(queue, i);
         return queue;
       });
       this.device.activate(queues, this.driverFeatures);
@@ -244,6 +355,12 @@ export class MmioTransport {
       this.onDeviceError(`virtio device ${this.device.deviceId}: ${(e as Error).message}`);
     }
   }
+}
+
+function parseSlot(value: unknown, path: string): QueueSlotState {
+  const q = objectAt(value, path);
+  const gpa = (key: string) => integerAt(q, key, path, 0, Number.MAX_SAFE_INTEGER);
+  return { num: integerAt(q, 'num', path, 0, 0xffffffff), ready: booleanAt(q, 'ready', path), desc: gpa('desc'), driver: gpa('driver'), device: gpa('device') };
 }
 
 function setLow(addr: number, value: number): number {
