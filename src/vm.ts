@@ -192,6 +192,41 @@ export class Vm extends EventEmitter<VmEvents> {
   }
 
   private async boot(kvmPath: string, boot: MachineBoot, bootTimeoutMs: number, disk: DiskConfig | undefined): Promise<void> {
+    await this.build(kvmPath, disk);
+    const ready = new Promise<void>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.hello = undefined;
+        reject(new TimeoutError(`the ${this.guest} guest did not become ready within ${bootTimeoutMs} ms`));
+      }, bootTimeoutMs);
+      this.hello = () => {
+        clearTimeout(timer);
+        this.hello = undefined;
+        resolve();
+      };
+      this.once('exit', ({ error }) => {
+        clearTimeout(timer);
+        reject(error ?? new VmStateError('the VM stopped while booting'));
+      });
+    });
+    ready.catch(() => {}); // a failure before it is awaited is thrown below
+    try {
+      // The guest is in RAM before the strategies take it over, as a restore's RAM is.
+      this.machine.boot(boot);
+      this.memory.attach(this.machine.memory);
+      this.machine.start();
+      await ready;
+    } catch (e) {
+      this.stop();
+      throw e;
+    }
+    this.becomeRunning();
+  }
+
+  /**
+   * Builds the machine (RAM, devices, vCPUs) and the agent client over it; nothing runs yet, and
+   * the memory strategies are attached once RAM holds the guest.
+   */
+  private async build(kvmPath: string, disk: DiskConfig | undefined): Promise<void> {
     // Loaded here, not at the top: importing pvisor must not load native code until a VM starts.
     const { KvmMachine } = await import('./backends/kvm/kvm-machine');
     this.agent = new AgentClient(
@@ -203,7 +238,7 @@ export class Vm extends EventEmitter<VmEvents> {
       {
         memoryBytes: this.memoryBytes,
         vcpus: this.vcpus,
-        boot,
+        guest: this.guest,
         openRamBacking: () => this.memory.openBacking(this.memoryBytes),
         // Free page reporting is offered only when a strategy takes the reports (IdleRelease).
         freePageSink: this.memory.freePageSink,
@@ -220,36 +255,11 @@ export class Vm extends EventEmitter<VmEvents> {
       kvmPath,
     );
     live.add(this);
-    try {
-      this.memory.attach(this.machine.memory);
-    } catch (e) {
-      this.stop();
-      throw e;
-    }
-    const ready = new Promise<void>((resolve, reject) => {
-      const timer = setTimeout(() => {
-        this.hello = undefined;
-        reject(new TimeoutError(`the ${this.guest} guest did not become ready within ${bootTimeoutMs} ms`));
-      }, bootTimeoutMs);
-      this.hello = () => {
-        clearTimeout(timer);
-        this.hello = undefined;
-        resolve();
-      };
-      this.once('exit', ({ error }) => {
-        clearTimeout(timer);
-        reject(error ?? new VmStateError('the VM stopped while booting'));
-      });
-    });
-    this.machine.start();
-    try {
-      await ready;
-    } catch (e) {
-      this.stop();
-      throw e;
-    }
-    if (this.guest === 'probe') this._probe = new ProbeGuest(this.agent);
-    else this._linux = new LinuxGuest(this.agent);
+  }
+
+  private becomeRunning(): void {
+    if (this.guest === 'probe') this._probe ??= new ProbeGuest(this.agent);
+    else this._linux ??= new LinuxGuest(this.agent);
     this.setState('running');
     this.memory.setRunning(true);
   }

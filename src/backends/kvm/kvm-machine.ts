@@ -10,7 +10,8 @@ import { CmosRtc, CMOS_BASE, CMOS_PORTS, type CmosState } from './devices/cmos-r
 import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS, type SerialState } from './devices/serial';
 import { ProbeDoorbell, PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE } from './devices/probe-doorbell';
 import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
-import { AGENT_PORT_PATH, VirtioConsole } from './devices/virtio-console';
+import { VirtioConsole } from './devices/virtio-console';
+import { VirtioLayout, type VirtioRole } from './device-layout';
 import { VirtioBlk, type DiskConfig } from './devices/virtio-blk';
 import type { RamBacking } from '../../memory/ram-backing';
 import { GuestMemory } from './guest-memory';
@@ -28,16 +29,6 @@ import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type Transpo
 // Resolve the runner's native functions while this module loads, on the main thread.
 loadVcpuRunner();
 
-/** MMIO address of the agent channel (virtio-console). */
-export const CONSOLE_MMIO_BASE = 0xd0000000;
-/** MMIO address of the free page reporting device (virtio-balloon). */
-export const BALLOON_MMIO_BASE = 0xd0001000;
-/** MMIO address of the optional disk (virtio-blk). */
-export const DISK_MMIO_BASE = 0xd0002000;
-/** Interrupt lines of the virtio devices (ISA IRQs the MP table routes to the I/O APIC). */
-const CONSOLE_IRQ = 5;
-const BALLOON_IRQ = 6;
-const DISK_IRQ = 7;
 /** Notify-record tags: device index * QUEUES_PER_TAG + queue index. */
 const QUEUES_PER_TAG = 256;
 
@@ -89,7 +80,10 @@ export interface MachineHooks {
   onEnding?(): void;
 }
 
-/** What the machine boots. */
+/** Which guest a machine is built for: it decides the interrupt controller and the signalling. */
+export type MachineGuest = 'probe' | 'linux';
+
+/** What {@link KvmMachine.boot} loads. */
 export type MachineBoot =
   /** The probe guest's flat image, entered at CPL3; it polls, so no interrupt controller. */
   | { kind: 'probe'; image: Buffer }
@@ -99,11 +93,14 @@ export type MachineBoot =
    */
   | { kind: 'linux'; kernel: Buffer; initrd?: Buffer; cmdline: string };
 
-/** What to build. */
+/**
+ * What to build: the machine's description. Building makes RAM, devices and vCPUs; it neither
+ * loads a guest nor sets registers, so the machine can then be booted or given saved state.
+ */
 export interface MachineConfig {
   memoryBytes: number;
   vcpus: number;
-  boot: MachineBoot;
+  guest: MachineGuest;
   /**
    * Opens guest RAM's backing (the memory layer's choice); called once, right before RAM is
    * mapped, which takes over its fd. Default: private anonymous memory.
@@ -142,9 +139,12 @@ interface Vcpu {
 /** A running (or paused) KVM VM. */
 export class KvmMachine {
   readonly memory: GuestMemory;
-  private readonly balloon: VirtioBalloon;
-  private readonly console: VirtioConsole;
-  private readonly disk: VirtioBlk | undefined;
+  private balloon!: VirtioBalloon;
+  private console!: VirtioConsole;
+  private disk: VirtioBlk | undefined;
+  private readonly layout: VirtioLayout;
+  /** Booted or restored: a machine is either, once. */
+  private prepared = false;
   private readonly serial: Serial8250;
   private readonly rtc: CmosRtc | undefined;
   private readonly pio = new IoBus('pio');
@@ -179,7 +179,7 @@ export class KvmMachine {
     this.memory = GuestMemory.map(config.memoryBytes, config.openRamBacking?.());
     try {
       this.memory.register(vm);
-      const linux = (this.linux = config.boot.kind === 'linux');
+      const linux = (this.linux = config.guest === 'linux');
       if (linux) {
         vm.createIrqchip();
         vm.createPit2();
@@ -211,53 +211,31 @@ export class KvmMachine {
         this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
       }
 
+      const layout = (this.layout = new VirtioLayout({ disk: config.disk !== undefined }));
       const transports = this.transports;
       const used = (i: number) => () => transports[i]?.signalUsed();
-      this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), used(0), deviceError);
-      const reporting = config.freePageSink !== undefined;
-      this.balloon = new VirtioBalloon(config.freePageSink ?? (() => {}), used(1), deviceError, reporting);
-      // The console stays first: the agent channel's name depends on its being virtio index 0.
-      const devices: [number, number, VirtioDevice][] = [[CONSOLE_MMIO_BASE, CONSOLE_IRQ, this.console], [BALLOON_MMIO_BASE, BALLOON_IRQ, this.balloon]];
-      if (config.disk) {
-        this.disk = new VirtioBlk(this.memory, config.disk, used(devices.length), deviceError);
-        devices.push([DISK_MMIO_BASE, DISK_IRQ, this.disk]);
-      }
-      for (const [base, irq, dev] of devices) {
-        const t = new MmioTransport(base, dev, this.memory, pulse(irq), deviceError);
+      const devices: Record<VirtioRole, () => VirtioDevice> = {
+        console: () => (this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), used(0), deviceError)),
+        // Free page reporting is offered only when something takes the reports.
+        balloon: () => (this.balloon = new VirtioBalloon(config.freePageSink ?? (() => {}), used(1), deviceError, config.freePageSink !== undefined)),
+        disk: () => (this.disk = new VirtioBlk(this.memory, config.disk!, used(2), deviceError)),
+      };
+      for (const slot of layout.slots) {
+        const t = new MmioTransport(slot.base, devices[slot.role](), this.memory, pulse(slot.irq), deviceError);
         transports.push(t);
-        this.mmio.add(base, VIRTIO_MMIO_SIZE, { read: (o, s) => t.read(o, s), write: (o, s, v) => t.write(o, s, v) });
+        this.mmio.add(slot.base, VIRTIO_MMIO_SIZE, { read: (o, s) => t.read(o, s), write: (o, s, v) => t.write(o, s, v) });
       }
 
-      const boot = config.boot;
-      const entry = boot.kind === 'linux'
-        ? loadLinux(this.memory, {
-          kernel: boot.kernel,
-          initrd: boot.initrd,
-          vcpus: config.vcpus,
-          cmdline: [
-            boot.cmdline,
-            ...devices.map(([base, irq]) => `virtio_mmio.device=${VIRTIO_MMIO_SIZE}@0x${base.toString(16)}:${irq}`),
-            // The agent's channel is the console device's generic port (see virtio-console.ts).
-            `pvisor.channel=${AGENT_PORT_PATH}`,
-          ].join(' '),
-        })
-        : undefined;
-      if (boot.kind === 'probe') loadProbe(this.memory, boot.image, { consoleMmio: CONSOLE_MMIO_BASE, balloonMmio: BALLOON_MMIO_BASE, vcpuCount: config.vcpus });
       this.runner = new VcpuRunner((rec) => this.onRecord(rec));
       const mmapSize = kvm.vcpuMmapSize();
       const cpuid = (this.cpuid = kvm.supportedCpuid());
       for (let i = 0; i < config.vcpus; i++) {
         const fd = vm.createVcpu(i, mmapSize);
         this.vcpus.push({ fd, state: 'created', seenUsedIndex: 0 });
-        if (entry) {
+        if (linux) {
           fd.setCpuid(cpuidForVcpu(cpuid, i));
           setupLapic(fd);
-          // Application processors stay in wait-for-SIPI inside KVM until the kernel starts them.
-          if (i === 0) setupLinuxBootVcpu(fd, entry);
-        } else {
-          fd.setCpuid(cpuid);
-          setupProbeVcpu(fd, i);
-        }
+        } else fd.setCpuid(cpuid);
         this.runner.start(i, fd.fd, fd.runAddr);
       }
       if (signalling.notify === 'ioeventfd') {
@@ -275,7 +253,45 @@ export class KvmMachine {
     }
   }
 
-  /** Creates the VM with its RAM, devices and (not yet running) vCPUs. */
+  /**
+   * Loads the guest into RAM and sets up its vCPUs' registers, once, on a machine just built;
+   * {@link start} then runs it.
+   */
+  boot(boot: MachineBoot): void {
+    this.prepare(boot.kind);
+    const vcpus = this.vcpus.length;
+    if (boot.kind === 'probe') {
+      const info = { consoleMmio: this.layout.slot('console').base, balloonMmio: this.layout.slot('balloon').base, vcpuCount: vcpus };
+      loadProbe(this.memory, boot.image, info);
+      this.vcpus.forEach((v, i) => setupProbeVcpu(v.fd, i));
+      return;
+    }
+    const cmdline = `${boot.cmdline} ${this.layout.linuxCmdline()}`;
+    const entry = loadLinux(this.memory, { kernel: boot.kernel, initrd: boot.initrd, vcpus, cmdline });
+    // Application processors stay in wait-for-SIPI inside KVM until the kernel starts them.
+    setupLinuxBootVcpu(this.vcpus[0].fd, entry);
+  }
+
+  /**
+   * Gives a machine just built the state a snapshot saved, instead of booting it: device state
+   * (see {@link restoreDevices}), then the KVM state (see {@link restoreState}). Guest RAM must
+   * already hold the snapshot's bytes. The machine is then paused; {@link resume} runs it. A
+   * state that does not fit is a {@link SnapshotError}; the machine must then be stopped.
+   */
+  async restoreSaved(saved: { machine: unknown; devices: unknown }): Promise<void> {
+    this.prepare(this.linux ? 'linux' : 'probe');
+    this.pausing = true;
+    this.restoreDevices(saved.devices);
+    await this.restoreState(saved.machine);
+  }
+
+  private prepare(guest: MachineGuest): void {
+    if (this.prepared) throw new VmStateError('this machine has already been booted or restored');
+    if ((guest === 'linux') !== this.linux) throw new VmStateError(`this machine was built for the ${this.linux ? 'linux' : 'probe'} guest, not ${guest}`);
+    this.prepared = true;
+  }
+
+  /** Creates the VM with its RAM, devices and vCPUs: nothing runs until it is booted or restored. */
   static create(config: MachineConfig, hooks: MachineHooks, kvmPath: string): KvmMachine {
     const kvm = Kvm.open(kvmPath);
     let vm: VmFd | undefined;
@@ -296,8 +312,9 @@ export class KvmMachine {
     }
   }
 
-  /** Lets every vCPU run. */
+  /** Lets every vCPU of a booted machine run. */
   start(): void {
+    if (!this.prepared) throw new VmStateError('boot the machine before starting it');
     for (let i = 0; i < this.vcpus.length; i++) this.continueVcpu(i);
   }
 
