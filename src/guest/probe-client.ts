@@ -2,6 +2,7 @@
  * The probe guest's operations as typed calls over the agent protocol.
  */
 import { InvalidOptionError } from '../errors';
+import { checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
 import type { AgentClient } from '../protocol/agent-client';
 import { PROBE_CONTENTS, PROBE_CONTENT_CODES, isProbeContent, type ProbeContent } from './probe-content';
 
@@ -80,6 +81,27 @@ export class ProbeGuest {
 
   /** @internal */
   constructor(private readonly agent: AgentClient) {}
+
+  /**
+   * What the host remembers of the guest's working set (its seed and size, the defaults of
+   * rewrite and release), for a snapshot.
+   * @internal
+   */
+  saveState(): { version: 1; fillSeed: number; fillBytes: number } {
+    return { version: 1, fillSeed: this.fillSeed, fillBytes: this.fillBytes };
+  }
+
+  /**
+   * Takes a {@link saveState} value (unchecked) back; a malformed one is a SnapshotError naming the field.
+   * @internal
+   */
+  restoreState(value: unknown, path = 'guestClient'): void {
+    const o = objectAt(value, path);
+    checkVersion(o, path, 1);
+    const fillSeed = integerAt(o, 'fillSeed', path, 0, 0xffffffff);
+    this.fillBytes = integerAt(o, 'fillBytes', path, 0, Number.MAX_SAFE_INTEGER);
+    this.fillSeed = fillSeed;
+  }
 
   /** Fills the working set with `sizeMiB` MiB of content (replacing the previous one). */
   async fill(options: FillOptions): Promise<{ bytes: number } & ProbeTiming> {
