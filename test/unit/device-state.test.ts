@@ -9,38 +9,12 @@ import { VirtioBalloon, VIRTIO_BALLOON_F_FREE_PAGE_REPORTING } from '../../src/b
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { MmioTransport } from '../../src/backends/kvm/virtio/mmio-transport';
+import { DriverQueue as Ring, SIZE } from '../virtio-driver';
 
-const SIZE = 16;
 const ACK = 1;
 const DRIVER = 2;
 const DRIVER_OK = 4;
 const FEATURES_OK = 8;
-
-/** The driver's side of one queue whose rings sit at `base` (descriptors, +0x400 avail, +0x800 used). */
-class Ring {
-  private availIdx = 0;
-  private seenUsed = 0;
-  constructor(private readonly mem: GuestMemory, readonly base: number) {}
-  offer(gpa: number, len: number, writable: boolean): void {
-    const d = this.availIdx % SIZE;
-    this.mem.writeU64(this.base + 16 * d, gpa);
-    this.mem.writeU32(this.base + 16 * d + 8, len);
-    this.mem.writeU16(this.base + 16 * d + 12, writable ? 2 : 0);
-    this.mem.writeU16(this.base + 0x400 + 4 + 2 * d, d);
-    this.availIdx++;
-    this.mem.writeU16(this.base + 0x400 + 2, this.availIdx);
-  }
-  used(): [number, number][] {
-    const out: [number, number][] = [];
-    const idx = this.mem.readU16(this.base + 0x800 + 2);
-    while (this.seenUsed !== idx) {
-      const e = this.base + 0x800 + 4 + 8 * (this.seenUsed % SIZE);
-      out.push([this.mem.readU32(e), this.mem.readU32(e + 4)]);
-      this.seenUsed = (this.seenUsed + 1) & 0xffff;
-    }
-    return out;
-  }
-}
 
 /** Brings a transport to DRIVER_OK as a virtio 1 driver does, with `features` and every queue at `rings`. */
 function driverUp(t: MmioTransport, features: bigint, rings: Ring[]): void {

@@ -1,64 +1,11 @@
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
-import { SplitQueue } from '../../src/backends/kvm/virtio/queue';
+import { DriverQueue, SIZE } from '../virtio-driver';
 
 // The agent channel as Linux's virtio_console driver drives it with multiport: real guest memory,
 // rings and buffers written the way the driver writes them. No KVM needed.
-const SIZE = 16;
 const MULTIPORT = 1n << 1n;
 const VERSION_1 = 1n << 32n;
-
-class DriverQueue {
-  private availIdx = 0;
-  private seenUsed = 0;
-  private nextDesc = 0;
-  readonly queue: SplitQueue;
-  constructor(private readonly mem: GuestMemory, private readonly base: number) {
-    this.queue = new SplitQueue(mem, { size: SIZE, descGpa: base, availGpa: base + 0x400, usedGpa: base + 0x800 });
-  }
-  /** Offers one buffer at `gpa` (device-writable if `writable`). */
-  offer(gpa: number, len: number, writable: boolean): void {
-    const d = this.nextDesc++ % SIZE;
-    this.mem.writeU64(this.base + 16 * d, gpa);
-    this.mem.writeU32(this.base + 16 * d + 8, len);
-    this.mem.writeU16(this.base + 16 * d + 12, writable ? 2 : 0);
-    this.mem.writeU16(this.base + 0x400 + 4 + 2 * (this.availIdx % SIZE), d);
-    this.availIdx++;
-    this.mem.writeU16(this.base + 0x400 + 2, this.availIdx);
-  }
-  /** Offers one chain of driver-readable buffers, chained with NEXT. */
-  offerChain(buffers: { gpa: number; len: number }[]): void {
-    const first = this.nextDesc % SIZE;
-    buffers.forEach((b, k) => {
-      const d = (first + k) % SIZE;
-      this.mem.writeU64(this.base + 16 * d, b.gpa);
-      this.mem.writeU32(this.base + 16 * d + 8, b.len);
-      this.mem.writeU16(this.base + 16 * d + 12, k < buffers.length - 1 ? 1 : 0);
-      this.mem.writeU16(this.base + 16 * d + 14, (d + 1) % SIZE);
-    });
-    this.nextDesc += buffers.length;
-    this.mem.writeU16(this.base + 0x400 + 4 + 2 * (this.availIdx % SIZE), first);
-    this.availIdx++;
-    this.mem.writeU16(this.base + 0x400 + 2, this.availIdx);
-  }
-  /** Used elements since the last call: [descriptor, written length]. */
-  used(): [number, number][] {
-    const out: [number, number][] = [];
-    const idx = this.mem.readU16(this.base + 0x800 + 2);
-    while (this.seenUsed !== idx) {
-      const e = this.base + 0x800 + 4 + 8 * (this.seenUsed % SIZE);
-      out.push([this.mem.readU32(e), this.mem.readU32(e + 4)]);
-      this.seenUsed = (this.seenUsed + 1) & 0xffff;
-    }
-    return out;
-  }
-  get usedFlags(): number {
-    return this.mem.readU16(this.base + 0x800);
-  }
-  set noInterrupt(on: boolean) {
-    this.mem.writeU16(this.base + 0x400, on ? 1 : 0);
-  }
-}
 
 function control(id: number, event: number, value: number): Buffer {
   const b = Buffer.alloc(8);
