@@ -15,7 +15,11 @@ export class PvisorError extends Error {
   }
 }
 
-/** An option given to pvisor is out of range or malformed; nothing was allocated. */
+/**
+ * An option given to pvisor is out of range, malformed or unusable; nothing was allocated. One
+ * that can only be checked when it is used (a strategy's backing directory, at each suspend)
+ * fails that operation and leaves the VM as it was.
+ */
 export class InvalidOptionError extends PvisorError {
   /** The option that was rejected, e.g. `memory`. */
   readonly option: string;

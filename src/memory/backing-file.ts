@@ -1,12 +1,77 @@
 /**
- * What every suspend image shares: where it lives and how it is named, that nobody else may read
- * or pre-create it, and that a short write is an error. Plain node:fs only, so that the frame
- * workers (which must never load ffi-rs) can import the frame file code that uses it.
+ * What every suspend image shares: where it lives and how it is named, that its directory is on
+ * a disk, that nobody else may read or pre-create it, and that a short write is an error. Plain
+ * node:fs only, so that the frame workers (which must never load ffi-rs) can import the frame
+ * file code that uses it.
  */
 import { randomBytes } from 'node:crypto';
-import { constants, openSync, readdirSync, renameSync, rm, rmSync, writeSync } from 'node:fs';
+import { constants, openSync, readdirSync, renameSync, rm, rmSync, statfsSync, writeSync } from 'node:fs';
 import { basename, dirname, extname, join } from 'node:path';
-import { BackingFileError } from '../errors';
+import { BackingFileError, InvalidOptionError } from '../errors';
+import { RAMFS_MAGIC, TMPFS_MAGIC } from '../sys/constants';
+
+/**
+ * Where backing files go unless a strategy is told otherwise. Not the temp directory: /tmp is
+ * tmpfs on many systems, where a backing file would keep guest RAM in RAM, while /var/tmp is for
+ * larger temporary files and kept on disk (systemd's file-hierarchy(7), the FHS).
+ */
+export const DEFAULT_BACKING_DIR = '/var/tmp';
+
+/** Where a strategy that writes guest RAM to a file (Offload, CompressedOffload) puts it. */
+export interface BackingDirOptions {
+  /**
+   * Directory for the backing file; it must exist and be on a disk (see
+   * {@link allowMemoryBackedDir}). Default `/var/tmp`, which is kept on disk where `/tmp` is
+   * often tmpfs.
+   */
+  dir?: string;
+  /**
+   * Write the backing file to a tmpfs or ramfs directory anyway. A file there stays in host RAM
+   * (as shared memory), so offloading to it frees nothing: each suspend checks `dir` when it
+   * makes the file and, unless this is true, refuses a memory-backed one with an
+   * {@link InvalidOptionError} (option `dir`) and leaves the VM running as it was. For tests and
+   * measurements of the offload path itself. Default false.
+   */
+  allowMemoryBackedDir?: boolean;
+}
+
+/** {@link BackingDirOptions} checked, with their defaults. */
+export function backingDirOptions(options: BackingDirOptions): Required<BackingDirOptions> {
+  const dir = options.dir ?? DEFAULT_BACKING_DIR;
+  if (typeof dir !== 'string' || !dir) throw new InvalidOptionError('dir', `expected a directory path, got ${JSON.stringify(dir)}`);
+  const allowMemoryBackedDir = options.allowMemoryBackedDir ?? false;
+  if (typeof allowMemoryBackedDir !== 'boolean') throw new InvalidOptionError('allowMemoryBackedDir', `expected true or false, got ${JSON.stringify(allowMemoryBackedDir)}`);
+  return { dir, allowMemoryBackedDir };
+}
+
+/** `tmpfs` or `ramfs` if `dir` is on one of them; undefined otherwise, or if it cannot be read. */
+export function memoryBackedFilesystem(dir: string): 'tmpfs' | 'ramfs' | undefined {
+  let type: number;
+  try {
+    type = statfsSync(dir).type;
+  } catch {
+    return undefined; // creating the file in it will say what is wrong with it
+  }
+  if (type === TMPFS_MAGIC) return 'tmpfs';
+  if (type === RAMFS_MAGIC) return 'ramfs';
+  return undefined;
+}
+
+/**
+ * Refuses a backing directory on tmpfs or ramfs unless the options allow it: there, offloading
+ * would move guest RAM into shared memory and free nothing. Checked at each suspend rather than
+ * once, because a strategy costs nothing until then (the CLI composes Offload into every VM) and
+ * what is mounted at `dir` may change in between.
+ */
+export function checkBackingDir(options: Required<BackingDirOptions>): void {
+  if (options.allowMemoryBackedDir) return;
+  const fs = memoryBackedFilesystem(options.dir);
+  if (!fs) return;
+  throw new InvalidOptionError(
+    'dir',
+    `${options.dir} is on ${fs}, so a backing file there would stay in host RAM and offloading would free nothing; give a directory on a disk (the default is ${DEFAULT_BACKING_DIR}), or set allowMemoryBackedDir to offload there anyway`,
+  );
+}
 
 /** `pvisor-NAME-PID-RANDOM.EXT`: how backing files are named, and how a stale one is recognised. */
 const BACKING_FILE_NAME = /^pvisor-.+-(\d+)-[0-9a-f]{8}\.(ram|zframes)$/;

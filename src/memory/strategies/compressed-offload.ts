@@ -11,10 +11,9 @@
  * durable (fdatasync), as in Offload: a failure loses nothing, a resume meanwhile stops the
  * write-out and brings back only the units already dropped.
  */
-import { tmpdir } from 'node:os';
 import { InvalidOptionError, type BackingFileError } from '../../errors';
 import { MADV_POPULATE_WRITE } from '../../sys/constants';
-import { backingFilePath, removeBackingFile } from '../backing-file';
+import { backingDirOptions, backingFilePath, checkBackingDir, removeBackingFile, type BackingDirOptions } from '../backing-file';
 import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from '../frame-file';
 import type { FramePool } from '../frame-pool';
 import { releaseFileCache } from '../page-cache';
@@ -23,9 +22,7 @@ import type { Offload } from './offload';
 import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats, type SuspendWork } from '../strategy';
 
 /** Options of {@link CompressedOffload}. */
-export interface CompressedOffloadOptions {
-  /** Directory for the backing file. Default: the OS temp directory. */
-  dir?: string;
+export interface CompressedOffloadOptions extends BackingDirOptions {
   /**
    * zstd compression level: -7 to -1 (faster, larger) or 1 to 22 (slower, smaller). Default 1,
    * which compresses at several hundred MB/s per worker.
@@ -86,7 +83,7 @@ export class CompressedOffload implements MemoryStrategy {
   /** A unit is dropped whole and its zero pages are not copied back: they must read zero. */
   readonly needs = ['zero-on-discard'] as const;
   readonly exclusive = ['suspend-image'] as const;
-  private readonly dir: string;
+  private readonly backingDir: Required<BackingDirOptions>;
   private readonly level: number;
   private readonly frameBytes: number;
   /** Whether the workers stay between operations. */
@@ -113,7 +110,7 @@ export class CompressedOffload implements MemoryStrategy {
   };
 
   constructor(options: CompressedOffloadOptions = {}) {
-    this.dir = options.dir ?? tmpdir();
+    this.backingDir = backingDirOptions(options);
     this.level = options.level ?? 1;
     if (!Number.isInteger(this.level) || this.level < -7 || this.level > 22 || this.level === 0) {
       throw new InvalidOptionError('level', `must be a whole number from -7 to -1 or 1 to 22, got ${options.level}`);
@@ -147,8 +144,9 @@ export class CompressedOffload implements MemoryStrategy {
   async suspend(ctx: StrategyContext): Promise<SuspendWork> {
     const t0 = performance.now();
     const ram = ctx.ram;
+    checkBackingDir(this.backingDir);
     // A fresh path each time: nothing planted at a known path can get in the way.
-    this.path = backingFilePath(this.dir, ctx.vmName, 'zframes');
+    this.path = backingFilePath(this.backingDir.dir, ctx.vmName, 'zframes');
     const header: FrameFileHeader = { frameBytes: this.frameBytes, guestRamBytes: ram.sizeBytes };
     // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const units = unitsTouched(ram.ownPageRuns(), this.frameBytes);
