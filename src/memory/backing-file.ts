@@ -5,7 +5,7 @@
  * file code that uses it.
  */
 import { randomBytes } from 'node:crypto';
-import { constants, openSync, readdirSync, renameSync, rm, rmSync, statfsSync, writeSync } from 'node:fs';
+import { constants, lstatSync, openSync, readdirSync, renameSync, rm, rmSync, statfsSync, writeSync } from 'node:fs';
 import { basename, dirname, extname, join } from 'node:path';
 import { BackingFileError, InvalidOptionError } from '../errors';
 import { RAMFS_MAGIC, TMPFS_MAGIC } from '../sys/constants';
@@ -83,12 +83,19 @@ export function backingFilePath(dir: string, vmName: string, extension: string):
 
 /**
  * Creates the backing file for writing: 0600 and O_EXCL, because it holds the guest's memory and
- * nobody else may read or pre-create it. Removes first the backing files in the same directory
- * that a process which no longer exists left behind (it died while a VM was suspended).
+ * nobody else may read or pre-create it (O_EXCL also follows no symlink and opens no fifo: whatever
+ * is at the path already is left alone). Removes first the backing files in the same directory
+ * that a process which no longer exists left behind (it died while a VM was suspended). A file
+ * that cannot be created (something at the path, a missing or read-only directory, no space) is
+ * a {@link BackingFileError} with the system's error as its cause.
  */
 export function createBackingFile(path: string, flags = constants.O_WRONLY): number {
   removeStaleBackingFiles(dirname(path));
-  return openSync(path, flags | constants.O_CREAT | constants.O_EXCL, 0o600);
+  try {
+    return openSync(path, flags | constants.O_CREAT | constants.O_EXCL, 0o600);
+  } catch (e) {
+    throw new BackingFileError(path, `cannot create the backing file (${(e as Error).message})`, { cause: e });
+  }
 }
 
 /**
@@ -99,7 +106,7 @@ export function createDirectBackingFile(path: string): { fd: number; direct: boo
   try {
     return { fd: createBackingFile(path, constants.O_RDWR | constants.O_DIRECT), direct: true };
   } catch (e) {
-    if ((e as NodeJS.ErrnoException).code !== 'EINVAL') throw e;
+    if (((e as Error).cause as NodeJS.ErrnoException | undefined)?.code !== 'EINVAL') throw e;
     // The kernel refuses O_DIRECT after it has created the file: ours, fresh, so remove it first.
     rmSync(path, { force: true });
     return { fd: createBackingFile(path, constants.O_RDWR), direct: false };
@@ -137,7 +144,11 @@ function removeUnlinking(): void {
   unlinking.clear();
 }
 
-/** Removes pvisor backing files in `dir` whose process is gone. Best effort. */
+/**
+ * Removes pvisor backing files in `dir` whose process is gone. Best effort, and only regular
+ * files: anyone who can write to a shared directory such as /var/tmp can make a directory or a
+ * fifo of that name, which must neither stop this sweep nor the suspend that runs it.
+ */
 export function removeStaleBackingFiles(dir: string): void {
   let names: string[];
   try {
@@ -148,7 +159,12 @@ export function removeStaleBackingFiles(dir: string): void {
   for (const name of names) {
     const m = BACKING_FILE_NAME.exec(name);
     if (!m || !processGone(Number(m[1]))) continue;
-    rmSync(join(dir, basename(name)), { force: true });
+    const path = join(dir, basename(name));
+    try {
+      if (lstatSync(path).isFile()) rmSync(path, { force: true });
+    } catch {
+      // Gone meanwhile, or not ours to remove: the next sweep tries again.
+    }
   }
 }
 

@@ -1,21 +1,38 @@
-// Where Offload and CompressedOffload put guest RAM, on real KVM: a directory that would keep it
-// in RAM is refused, and the VM goes on as it was. Needs /dev/kvm.
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
-import { CompressedOffload, InvalidOptionError, Offload, Vm, type MemoryStrategy } from '../../src';
+// Where Offload and CompressedOffload put guest RAM, on real KVM, and what goes wrong there: a
+// directory that would keep it in RAM, something planted at the file's path, a missing or
+// read-only directory. Each is a typed error, the VM runs on with every byte intact, and nothing
+// of pvisor's is left behind. Needs /dev/kvm.
+import { spawnSync } from 'node:child_process';
+import nodeCrypto from 'node:crypto';
+import { chmodSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, rmSync, symlinkSync } from 'node:fs';
+import { basename, join } from 'node:path';
+import { BackingFileError, CompressedOffload, InvalidOptionError, Offload, Vm, type MemoryStrategy } from '../../src';
 import type { ProbeWorkingSet } from '../../src/guest/probe-content';
+import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { hexOf } from '../probe-digest';
 
 const MiB = 2 ** 20;
-const FILL: ProbeWorkingSet = { content: 'random', seed: 11, sizeBytes: 4 * MiB, rewrites: [] };
 
-/** A 64 MiB probe VM with 4 MiB of known content; stopped whatever the body does. */
-async function withVm(strategy: MemoryStrategy, body: (vm: Vm, digest: string) => Promise<void>): Promise<void> {
-  const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1, strategies: [strategy] });
+/** A probe VM with `sizeMiB` of known content; stopped whatever the body does. */
+async function withVm(strategy: MemoryStrategy, body: (vm: Vm, digest: string) => Promise<void>, { memory = '64MiB', sizeMiB = 4 } = {}): Promise<void> {
+  const ws: ProbeWorkingSet = { content: 'random', seed: 11, sizeBytes: sizeMiB * MiB, rewrites: [] };
+  const vm = await Vm.start({ guest: 'probe', memory, vcpus: 1, strategies: [strategy] });
   try {
-    await vm.probe.fill({ sizeMiB: FILL.sizeBytes / MiB, content: FILL.content, seed: FILL.seed });
-    await body(vm, hexOf(FILL));
+    await vm.probe.fill({ sizeMiB, content: ws.content, seed: ws.seed });
+    await body(vm, hexOf(ws));
   } finally {
     vm.stop();
+  }
+}
+
+const openFds = () => readdirSync('/proc/self/fd').length;
+
+/** The names in `dir` once every backing file being removed in the background is gone. */
+async function settledNames(dir: string): Promise<string[]> {
+  for (;;) {
+    const names = readdirSync(dir).sort();
+    if (!names.some((n) => n.startsWith('pvisor-removed-'))) return names;
+    await new Promise((r) => setTimeout(r, 10));
   }
 }
 
@@ -47,3 +64,90 @@ describe('a backing directory on tmpfs', () => {
       expect((await vm.probe.digest()).hex).toBe(digest);
     }));
 });
+
+describe('faults on the backing path', () => {
+  let dir: string;
+  beforeEach(() => (dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-faults-'))));
+  afterEach(() => {
+    jest.restoreAllMocks();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  /**
+   * The path of `vm`'s next backing file: its random part is made `deadbeef` until the mock is
+   * restored, so that a test can plant something there first, as someone who guessed it would.
+   */
+  function nextBackingPath(vm: Vm, extension: string): string {
+    jest.spyOn(nodeCrypto, 'randomBytes').mockImplementation((() => Buffer.from('deadbeef', 'hex')) as never);
+    return join(dir, `pvisor-${vm.name}-${process.pid}-deadbeef.${extension}`);
+  }
+
+  const plant = {
+    directory: (path: string) => mkdirSync(path),
+    // Dangling: a create that followed it would make the target.
+    symlink: (path: string) => symlinkSync(join(dir, 'target'), path),
+    fifo: (path: string) => expect(spawnSync('mkfifo', [path]).status).toBe(0),
+  };
+  const kindOf = (path: string) => {
+    const st = lstatSync(path);
+    return st.isDirectory() ? 'directory' : st.isSymbolicLink() ? 'symlink' : st.isFIFO() ? 'fifo' : 'other';
+  };
+
+  it.each([
+    ['Offload', 'directory', 'ram'],
+    ['Offload', 'symlink', 'ram'],
+    ['Offload', 'fifo', 'ram'],
+    ['CompressedOffload', 'directory', 'zframes'],
+    ['CompressedOffload', 'fifo', 'zframes'],
+  ] as const)('%s: a %s planted at the backing path is a typed error at suspend; the VM runs on intact, the plant is left alone, nothing of ours stays', (strategy, kind, extension) => {
+    const fds = openFds();
+    return withVm(strategy === 'Offload' ? new Offload({ dir }) : new CompressedOffload({ dir }), async (vm, digest) => {
+      const path = nextBackingPath(vm, extension);
+      plant[kind](path);
+      const err = await vm.suspend().catch((e: unknown) => e);
+      jest.restoreAllMocks();
+      expect(err).toBeInstanceOf(BackingFileError);
+      expect((err as Error).message).toMatch(/cannot create the backing file \(EEXIST/);
+      expect(vm.state).toBe('running');
+      expect((await vm.probe.digest()).hex).toBe(digest);
+      // Stopping cleans up what is ours, which the plant is not.
+      vm.stop();
+      await new Promise((r) => setTimeout(r, 50)); // the closed socket's handle goes on the next tick
+      expect(kindOf(path)).toBe(kind);
+      expect(await settledNames(dir)).toEqual([basename(path)]); // no target, no file of ours
+      expect(openFds()).toBeLessThanOrEqual(fds + 1); // Node may open one of its own
+    });
+  });
+
+  it.each([
+    ['missing', (d: string) => join(d, 'missing'), /ENOENT/],
+    ['read-only', readOnlyDir, /EROFS|EACCES/],
+  ] as const)('a %s directory is a typed error at suspend; the VM runs on intact', (_what, make, code) => {
+    const target = make(dir);
+    return withVm(new Offload({ dir: target }), async (vm, digest) => {
+      const err = await vm.suspend().catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(BackingFileError);
+      expect((err as Error).message).toMatch(code);
+      expect(vm.state).toBe('running');
+      expect((await vm.probe.digest()).hex).toBe(digest);
+      if (existsSync(target)) expect(readdirSync(target)).toEqual([]);
+    }).finally(() => spawnSync('umount', [target]));
+  });
+});
+
+/**
+ * A directory in `parent` that this process cannot create files in: a read-only bind mount of
+ * itself for root (which ignores permissions), else mode 0500.
+ */
+function readOnlyDir(parent: string): string {
+  const path = join(parent, 'read-only');
+  mkdirSync(path);
+  if (process.getuid?.() === 0) {
+    const bind = spawnSync('mount', ['--bind', path, path], { encoding: 'utf8' });
+    const ro = spawnSync('mount', ['-o', 'remount,ro,bind', path], { encoding: 'utf8' });
+    if (bind.status !== 0 || ro.status !== 0) throw new Error(`cannot make a read-only bind mount: ${bind.stderr}${ro.stderr}`);
+  } else {
+    chmodSync(path, 0o500);
+  }
+  return path;
+}

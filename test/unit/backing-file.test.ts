@@ -2,8 +2,8 @@
 import { spawnSync } from 'node:child_process';
 import { existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, statfsSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
-import { InvalidOptionError } from '../../src/errors';
+import { basename, join } from 'node:path';
+import { BackingFileError, InvalidOptionError } from '../../src/errors';
 import { backingDirOptions, backingFilePath, checkBackingDir, createBackingFile, DEFAULT_BACKING_DIR, removeBackingFile } from '../../src/memory/backing-file';
 import { PACKAGE_ROOT } from '../../src/native';
 import { TMPFS_MAGIC } from '../../src/sys/constants';
@@ -25,6 +25,35 @@ describe('backing files', () => {
     expect(existsSync(alive)).toBe(true);
     expect(existsSync(other)).toBe(true);
     expect(existsSync(path)).toBe(true);
+  });
+
+  it('a directory or fifo named like a dead process\'s file neither stops the sweep nor is removed by it', () => {
+    const dirLike = join(dir, 'pvisor-vm-1-99999999-0123abcd.ram');
+    const fifoLike = join(dir, 'pvisor-vm-1-99999999-4567cdef.zframes');
+    const dead = join(dir, 'pvisor-vm-1-99999999-89abcdef.ram');
+    mkdirSync(dirLike);
+    expect(spawnSync('mkfifo', [fifoLike]).status).toBe(0);
+    writeFileSync(dead, 'x');
+    const path = backingFilePath(dir, 'vm-2', 'ram');
+    createBackingFile(path);
+    expect(readdirSync(dir).sort()).toEqual([basename(path), basename(dirLike), basename(fifoLike)].sort());
+  });
+
+  it('a file that cannot be created is a typed error carrying the system\'s', () => {
+    const path = backingFilePath(dir, 'vm-1', 'ram');
+    mkdirSync(path);
+    const err = (() => {
+      try {
+        createBackingFile(path);
+      } catch (e) {
+        return e as BackingFileError;
+      }
+    })();
+    expect(err).toBeInstanceOf(BackingFileError);
+    expect(err!.path).toBe(path);
+    expect(err!.message).toMatch(/cannot create the backing file \(EEXIST/);
+    expect((err!.cause as NodeJS.ErrnoException).code).toBe('EEXIST');
+    expect(() => createBackingFile(join(dir, 'missing', 'pvisor-vm-1-1-00000000.ram'))).toThrow(/ENOENT/);
   });
 
   it('removal frees the path at once, and a process that exits right after leaves no file', () => {

@@ -145,12 +145,14 @@ export class CompressedOffload implements MemoryStrategy {
     const t0 = performance.now();
     const ram = ctx.ram;
     checkBackingDir(this.backingDir);
-    // A fresh path each time: nothing planted at a known path can get in the way.
-    this.path = backingFilePath(this.backingDir.dir, ctx.vmName, 'zframes');
+    // A fresh path each time: nothing planted at a known path can get in the way. It is ours
+    // (this.path, which close() removes) only once created: what was there is someone else's.
+    const path = backingFilePath(this.backingDir.dir, ctx.vmName, 'zframes');
     const header: FrameFileHeader = { frameBytes: this.frameBytes, guestRamBytes: ram.sizeBytes };
     // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const units = unitsTouched(ram.ownPageRuns(), this.frameBytes);
-    const writer = new FrameFileWriter(this.path, header);
+    const writer = new FrameFileWriter(path, header);
+    this.path = path;
     const w: WriteOut = { writer, header, written: [], dropped: new Set(), stopping: false, ended: false, done: Promise.resolve() };
     w.done = this.writeFrames(ram, w, units).finally(() => (w.ended = true));
     w.done.catch(() => {}); // observed through `released`
@@ -292,6 +294,8 @@ export class CompressedOffload implements MemoryStrategy {
   }
 
   close(): void {
+    // Only a file that still holds something: a path whose file is gone may be someone else's now.
+    const path = this.backingPath;
     const w = this.writeOut;
     if (w) {
       // The write-out touches RAM no more; the frame in a worker ends by itself.
@@ -302,7 +306,7 @@ export class CompressedOffload implements MemoryStrategy {
     const pool = this.pool;
     this.pool = undefined;
     void pool?.then((p) => p.close(), () => {});
-    if (this.path) removeBackingFile(this.path);
+    if (path) removeBackingFile(path);
     this.image = undefined;
   }
 

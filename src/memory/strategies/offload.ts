@@ -157,14 +157,16 @@ export class Offload implements MemoryStrategy {
     if (this.source) await this.finishLoading();
     const t0 = performance.now();
     checkBackingDir(this.backingDir);
-    // A fresh path each time: nothing planted at a known path can get in the way.
-    this.path = backingFilePath(this.backingDir.dir, ctx.vmName, 'ram');
-    const path = this.path;
+    // Before the file exists: a failure to load leaves nothing behind.
+    const { crc32c } = await this.native();
+    // A fresh path each time: nothing planted at a known path can get in the way. It is ours
+    // (this.path, which close() removes) only once created: what was there is someone else's.
+    const path = backingFilePath(this.backingDir.dir, ctx.vmName, 'ram');
     const { fd, direct } = this.pageCache === 'keep' ? { fd: createBackingFile(path, constants.O_RDWR), direct: false } : createDirectBackingFile(path);
+    this.path = path;
     this.writeDirect = direct;
     // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const pieces = cutRuns(ctx.ram.ownPageRuns(), PIECE_BYTES);
-    const { crc32c } = await this.native();
     const checksum = (offset: number, length: number) => crc32c({ addr: ctx.ram.hostAddr + offset, length });
     const writeOut = new WriteOut(ctx.ram, fd, path, pieces, { batchBytes: BATCH_BYTES, checksum });
     this.writeOut = writeOut;
@@ -359,13 +361,15 @@ export class Offload implements MemoryStrategy {
   }
 
   close(): void {
+    // Only a file that still holds something: a path whose file is gone may be someone else's now.
+    const path = this.backingPath;
     // The write-out touches RAM no more; its write in flight ends by itself.
     this.writeOut?.abandon();
     this.writeOut = undefined;
     // The composition destroys the userfaultfd server next, which releases any vCPU in a fault.
     this.source = undefined;
     for (const w of this.loadWaiters.splice(0)) w.reject(this.loadError ?? new BackingFileError(this.path ?? '', 'the VM stopped during a lazy reload'));
-    if (this.path) removeBackingFile(this.path);
+    if (path) removeBackingFile(path);
     this.image = undefined;
   }
 }
