@@ -177,12 +177,17 @@ function processGone(pid: number): boolean {
   }
 }
 
-/** Writes all of `data` at `position`; a write that makes no progress is a BackingFileError. */
+/** Writes all of `data` at `position`; a failed write (a full disk) or one that makes no progress is a BackingFileError. */
 export function writeFully(fd: number, data: Uint8Array, position: number, path: string): void {
   let done = 0;
   while (done < data.length) {
-    const n = writeSync(fd, data, done, data.length - done, position + done);
-    if (n <= 0) throw new BackingFileError(path, `write failed at offset ${position + done}`);
+    let n: number;
+    try {
+      n = writeSync(fd, data, done, data.length - done, position + done);
+    } catch (e) {
+      throw new BackingFileError(path, `write failed at offset ${position + done} (${(e as Error).message})`, { cause: e });
+    }
+    if (n <= 0) throw new BackingFileError(path, `write made no progress at offset ${position + done}`);
     done += n;
   }
 }

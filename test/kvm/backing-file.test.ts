@@ -1,10 +1,11 @@
 // Where Offload and CompressedOffload put guest RAM, on real KVM, and what goes wrong there: a
 // directory that would keep it in RAM, something planted at the file's path, a missing or
-// read-only directory. Each is a typed error, the VM runs on with every byte intact, and nothing
-// of pvisor's is left behind. Needs /dev/kvm.
+// read-only directory, a disk that fills up during the write-out. Each is a typed error, the VM
+// runs on (or stays suspended and resumes) with every byte intact, and nothing of pvisor's is
+// left behind. Needs /dev/kvm; the full disk also needs root (a loop-mounted ext4).
 import { spawnSync } from 'node:child_process';
 import nodeCrypto from 'node:crypto';
-import { chmodSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, rmSync, symlinkSync } from 'node:fs';
+import { chmodSync, closeSync, existsSync, lstatSync, mkdirSync, mkdtempSync, openSync, readdirSync, rmSync, statfsSync, symlinkSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
 import { basename, join } from 'node:path';
 import { BackingFileError, CompressedOffload, InvalidOptionError, Offload, Vm, type MemoryStrategy } from '../../src';
 import type { ProbeWorkingSet } from '../../src/guest/probe-content';
@@ -150,4 +151,86 @@ function readOnlyDir(parent: string): string {
     chmodSync(path, 0o500);
   }
   return path;
+}
+
+describe('a disk that fills up during the write-out', () => {
+  // A small ext4 of its own on a loop device: filling it harms nothing else, and its space can be
+  // given back. tmpfs with size= would do, but backing files on tmpfs are refused.
+  let base: string;
+  let mnt: string;
+  let unavailable: string | undefined;
+  beforeAll(() => {
+    base = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-enospc-'));
+    const image = join(base, 'fs.img');
+    mnt = join(base, 'mnt');
+    mkdirSync(mnt);
+    writeFileSync(image, '');
+    truncateSync(image, 96 * MiB);
+    const mkfs = spawnSync('mkfs.ext4', ['-q', '-F', '-m', '0', '-O', '^has_journal', image], { encoding: 'utf8' });
+    const mount = mkfs.status === 0 ? spawnSync('mount', ['-o', 'loop', image, mnt], { encoding: 'utf8' }) : mkfs;
+    if (mount.status !== 0) unavailable = `cannot make and loop-mount an ext4 here (${(mount.stderr || mount.error?.message || '').trim()})`;
+  });
+  afterAll(() => {
+    // Lazily if a failed test left a file open there: the next run must not find it mounted.
+    if (!unavailable && spawnSync('umount', [mnt]).status !== 0) spawnSync('umount', ['-l', mnt]);
+    rmSync(base, { recursive: true, force: true });
+  });
+
+  // Offload reads back what it dropped without writing anything, so it resumes even with no space
+  // left at all; CompressedOffload first writes the frame table, so it resumes once space returns.
+  it.each([
+    ['Offload', () => new Offload({ dir: mnt }), true],
+    ['CompressedOffload', () => new CompressedOffload({ dir: mnt }), false],
+  ])('%s: release fails with a typed error, the VM stays suspended and resumes intact; once space returns, a suspend releases everything', async (_name, make, resumesWhileFull) => {
+    if (unavailable) {
+      console.log(`skipped: ${unavailable}`);
+      return;
+    }
+    // 28 MiB left: the first 16 MiB batch becomes durable and leaves RAM, the second cannot.
+    const st = statfsSync(mnt);
+    const filler = join(mnt, 'filler');
+    writeFileSync(filler, Buffer.alloc(st.bavail * st.bsize - 28 * MiB));
+    try {
+      await withVm(make(), async (vm, digest) => {
+        const before = vm.memoryUsage().guestRamRssBytes;
+        await vm.suspend();
+        expect(vm.state).toBe('suspended');
+        const err = await vm.memoryReleased().catch((e: unknown) => e);
+        expect(err).toBeInstanceOf(BackingFileError);
+        expect((err as Error).message).toMatch(/ENOSPC/);
+        expect(vm.state).toBe('suspended');
+        // The first batch left RAM (it is in the file), the rest stayed. A batch is 16 MiB of
+        // guest RAM, not all of it resident (the probe's own pages are sparse).
+        const during = vm.memoryUsage().guestRamRssBytes;
+        expect(before - during).toBeGreaterThanOrEqual(8 * MiB);
+        expect(during).toBeGreaterThan(16 * MiB);
+        if (resumesWhileFull) fillUp(join(mnt, 'filler-2'));
+        else rmSync(filler);
+        await vm.resume();
+        expect((await vm.probe.digest()).hex).toBe(digest);
+        for (const f of [filler, join(mnt, 'filler-2')]) rmSync(f, { force: true });
+        await vm.suspend();
+        await vm.memoryReleased();
+        expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(2 * MiB);
+        await vm.resume();
+        expect((await vm.probe.digest()).hex).toBe(digest);
+      }, { memory: '128MiB', sizeMiB: 48 });
+      expect(await settledNames(mnt)).toEqual(['lost+found']);
+    } finally {
+      for (const f of [filler, join(mnt, 'filler-2')]) rmSync(f, { force: true });
+    }
+  });
+});
+
+/** Writes `path` until the filesystem has no space left. */
+function fillUp(path: string): void {
+  const fd = openSync(path, 'w');
+  const chunk = Buffer.alloc(MiB, 1);
+  try {
+    for (;;) writeSync(fd, chunk);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== 'ENOSPC') throw e;
+  } finally {
+    closeSync(fd);
+  }
 }

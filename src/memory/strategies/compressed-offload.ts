@@ -239,18 +239,21 @@ export class CompressedOffload implements MemoryStrategy {
       if (!w.ended) this.figures.lastReleaseCancelled = 1;
       w.stopping = true;
       await w.done.catch(() => {});
-      this.writeOut = undefined;
       if (!this.image) {
         try {
           this.finishFile(w);
         } catch (e) {
           // Nothing was dropped unless it is in the file: a file that cannot be finished now is
-          // only a problem if something must come back from it.
+          // only a problem if something must come back from it. Then the write-out is kept, so
+          // that the next resume tries again (the table may not fit on a full disk until space
+          // returns) instead of finding nothing to bring back.
           if (w.dropped.size) throw e;
+          this.writeOut = undefined;
           w.writer.abort();
           return;
         }
       }
+      this.writeOut = undefined;
     }
     const image = this.image;
     if (!image) return;
