@@ -67,6 +67,12 @@ Usage:
       The host's physical floors for the same bytes (C, no VM): copies into fresh memory and by
       UFFDIO_COPY, write + fdatasync, cold and warm reads back; DIR (default
       /var/tmp/pvisor-bench-floors) must be on a disk.
+  pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms 1] [--working-set 16MiB]
+                    [--backing-dir DIR] [--json FILE]
+      Suspend/resume cycles of 128 MiB probe VMs, each checked against the guest's digest, per
+      strategy (none, idle-release, offload-eager, offload-lazy, compressed-offload) in a fresh
+      process: cycles, failures, host RSS/PSS before and after, time per cycle (median, p99).
+      --vms N runs N VMs in one process at once. Exits 1 if a cycle failed.
   pvisor help | --help
 `;
 
