@@ -2,9 +2,11 @@
  * `pvisor bench soak`: many suspend/resume cycles of probe VMs, one memory strategy at a time,
  * each cycle checked against the digest the guest reported before the first: a cycle that loses
  * a byte, throws or leaves the VM in another state is a failure. It reports the cycles, the
- * failures, the host process's RSS and PSS before the first cycle and after the last (what grows
- * in between is what the cycles leak), and the time per cycle. Each strategy runs in a process of
- * its own, so that its memory figures are its own.
+ * failures, the host process's RSS and PSS before the first cycle and after the last, how much
+ * the live JavaScript heap grew in between (read after a full garbage collection at both points),
+ * and the time per cycle. RSS grows also by garbage V8 has not needed to collect yet and by memory
+ * the allocators keep once grown, and levels off; live heap that keeps growing is a leak of the
+ * cycles. Each strategy runs in a process of its own, so that its memory figures are its own.
  */
 import { spawnSync } from 'node:child_process';
 import { mkdirSync, writeFileSync } from 'node:fs';
@@ -89,6 +91,12 @@ export interface SoakRun {
   processBefore: ResidentBytes;
   /** The same process after the last cycle, its VMs resumed and still live. */
   processAfter: ResidentBytes;
+  /**
+   * JavaScript heap in use after a full garbage collection, before the first cycle and after the
+   * last; null where the process cannot ask for a collection. (Not external memory: it counts
+   * the views of guest RAM, and native buffers whose finalisers run some time after a collection.)
+   */
+  liveHeapBytes: { before: number; after: number } | null;
   /** Time per cycle over all VMs, ms. */
   cycleMs: { median: number; p99: number; max: number };
   wallMs: number;
@@ -108,6 +116,14 @@ function percentile(sorted: number[], p: number): number {
   return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(p * sorted.length) - 1))];
 }
 
+/** The JavaScript heap in use after a full collection; null without --expose-gc (runSoak gives it). */
+function liveHeapBytes(): number | null {
+  const gc = (globalThis as { gc?: () => void }).gc;
+  if (!gc) return null;
+  gc();
+  return process.memoryUsage().heapUsed;
+}
+
 /** Runs one strategy's soak in this process (the child's side). */
 async function soakChild(config: SoakConfig): Promise<SoakRun> {
   const make = SOAK_STRATEGIES[config.strategy];
@@ -119,6 +135,7 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
       await vm.probe.fill({ sizeMiB: config.workingSetMiB, content: 'random', seed: 1000 + i });
     }
     const digests = await Promise.all(vms.map(async (vm) => (await vm.probe.digest()).hex));
+    const liveBefore = liveHeapBytes();
     const processBefore = processResident();
     const t0 = performance.now();
     const total = config.vms * config.cycles;
@@ -133,6 +150,7 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
     );
     const wallMs = performance.now() - t0;
     const processAfter = processResident();
+    const liveAfter = liveHeapBytes();
     const all = results.flatMap((r) => r.cycleMs).sort((a, b) => a - b);
     return {
       strategy: config.strategy,
@@ -144,6 +162,7 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
       firstFailure: results.find((r) => r.firstFailure)?.firstFailure,
       processBefore,
       processAfter,
+      liveHeapBytes: liveBefore === null || liveAfter === null ? null : { before: liveBefore, after: liveAfter },
       cycleMs: { median: percentile(all, 0.5), p99: percentile(all, 0.99), max: all[all.length - 1] ?? NaN },
       wallMs,
     };
@@ -154,7 +173,7 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
 
 /** Runs one strategy's soak in a fresh process; its progress lines go to our stderr. */
 function runSoak(config: SoakConfig): SoakRun {
-  const r = spawnSync(process.execPath, [join(__dirname, 'main.js'), 'bench', 'soak-run', JSON.stringify(config)], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'inherit'], maxBuffer: 16 * MiB });
+  const r = spawnSync(process.execPath, ['--expose-gc', join(__dirname, 'main.js'), 'bench', 'soak-run', JSON.stringify(config)], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'inherit'], maxBuffer: 16 * MiB });
   if (r.status !== 0) throw new Error(`the soak of ${config.strategy} failed (exit ${r.status ?? r.signal})`);
   return JSON.parse(r.stdout) as SoakRun;
 }
@@ -191,7 +210,7 @@ async function benchSoak(argv: string[]): Promise<number> {
   const f = (b: number) => (b / MiB).toFixed(1);
   const ms = (x: number) => x.toFixed(1);
   process.stdout.write(`Soak: suspend, release, resume and digest check, ${cycles} cycles per VM, ${vms} VM(s) of ${VM_MEMORY_MIB} MiB per process, ${workingSetMiB} MiB working set; backing files in ${dir}\n`);
-  const rows = [['strategy', 'cycles', 'failures', 'host RSS MiB before -> after', 'host PSS MiB before -> after', 'cycle ms median', 'p99', 'max']];
+  const rows = [['strategy', 'cycles', 'failures', 'host RSS MiB before -> after', 'host PSS MiB before -> after', 'live JS heap MiB growth', 'cycle ms median', 'p99', 'max']];
   for (const r of runs) {
     rows.push([
       r.strategy,
@@ -199,6 +218,7 @@ async function benchSoak(argv: string[]): Promise<number> {
       String(r.failures),
       `${f(r.processBefore.rssBytes)} -> ${f(r.processAfter.rssBytes)}`,
       `${f(r.processBefore.pssBytes)} -> ${f(r.processAfter.pssBytes)}`,
+      r.liveHeapBytes ? `${r.liveHeapBytes.after >= r.liveHeapBytes.before ? '+' : ''}${f(r.liveHeapBytes.after - r.liveHeapBytes.before)}` : 'n/a',
       ms(r.cycleMs.median),
       ms(r.cycleMs.p99),
       ms(r.cycleMs.max),

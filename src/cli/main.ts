@@ -71,7 +71,8 @@ Usage:
                     [--backing-dir DIR] [--json FILE]
       Suspend/resume cycles of 128 MiB probe VMs, each checked against the guest's digest, per
       strategy (none, idle-release, offload-eager, offload-lazy, compressed-offload) in a fresh
-      process: cycles, failures, host RSS/PSS before and after, time per cycle (median, p99).
+      process: cycles, failures, host RSS/PSS before and after, growth of the live JS heap
+      (after a full collection), time per cycle (median, p99).
       --vms N runs N VMs in one process at once. Exits 1 if a cycle failed.
   pvisor help | --help
 `;
