@@ -22,7 +22,8 @@
 #   PVISOR_NESTED_CACHE      cache dir (default REPO/.cache/nested-kvm), one subdir per kernel version
 #   PVISOR_NESTED_SILENCE_S  silence watchdog in seconds (default 120)
 #   CI, PVISOR_*, JEST_*, NODE_OPTIONS, FORCE_COLOR are passed through to CMD when set.
-# Needs qemu-system-x86, busybox-static, cpio, kmod (installed with apt-get when running as root).
+# Needs qemu-system-x86, busybox-static, cpio, kmod, e2fsprogs (installed with apt-get when running
+# as root).
 set -euo pipefail
 
 usage() {
@@ -59,7 +60,7 @@ done
 # Cleanup: QEMU must not outlive this script (Ctrl-C, kill, errors).
 # ---------------------------------------------------------------------------------------------
 
-QEMU_PID="" FILTER_PID="" RUN="" BUILD_TMP=""
+QEMU_PID="" FILTER_PID="" RUN="" BUILD_TMP="" VAR_TMP_IMG=""
 stop_qemu() {
   [[ -n $QEMU_PID ]] || return 0
   if kill -0 "$QEMU_PID" 2>/dev/null; then
@@ -80,6 +81,7 @@ cleanup() {
   # The console filter ends by itself once QEMU is gone (end of its input).
   [[ -z $FILTER_PID ]] || wait "$FILTER_PID" 2>/dev/null || true
   [[ -z $RUN ]] || rm -rf "$RUN"
+  [[ -z $VAR_TMP_IMG ]] || rm -f "$VAR_TMP_IMG"
   [[ -z $BUILD_TMP ]] || rm -rf "$BUILD_TMP"
 }
 trap cleanup EXIT
@@ -103,7 +105,7 @@ find_static_busybox() {
 
 missing_tools() {
   local t missing=()
-  for t in qemu-system-x86_64 cpio depmod modprobe; do
+  for t in qemu-system-x86_64 cpio depmod modprobe mkfs.ext4; do
     command -v "$t" >/dev/null 2>&1 || missing+=("$t")
   done
   find_static_busybox || missing+=("static busybox")
@@ -119,7 +121,7 @@ ensure_tools() {
   fi
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
     note "installing missing host tools ($missing)"
-    local pkgs=(qemu-system-x86 busybox-static cpio kmod)
+    local pkgs=(qemu-system-x86 busybox-static cpio kmod e2fsprogs)
     # A fresh machine often has no package lists yet: update only when the install fails.
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" >&2 ||
       { apt-get update -q >&2 &&
@@ -153,7 +155,8 @@ apt_kernel_version() {
 # Modules the L1 needs, in insmod order (dependencies first). Measured deps: irqbypass, kvm, ccp,
 # kvm-amd; virtio_ring, virtio, virtio_pci_{modern,legacy}_dev, virtio_pci; 9pnet, 9pnet_virtio;
 # netfs, fscache, 9p.
-L1_MODULES=(kvm-amd virtio_pci 9pnet_virtio 9p)
+# virtio_blk and ext4: the L1's /var/tmp is an ext4 disk; loop: tests mount small filesystems.
+L1_MODULES=(kvm-amd virtio_pci 9pnet_virtio 9p virtio_blk ext4 loop)
 
 # Write the uncompressed ELF vmlinux inside a bzImage to $2, if QEMU can boot it directly (it can
 # when the ELF has a PVH note; Debian 6.1 has one). Booting it skips the in-guest decompression,
@@ -273,6 +276,18 @@ mkdir -p $R/run/nested-kvm
 mount -o bind /share $R/run/nested-kvm
 mkdir -p "$R$NK_REPO" || fail "cannot create $NK_REPO in the chroot"
 mount -t 9p -o "$P9,cache=loose" repo "$R$NK_REPO" || fail "cannot mount the repository"
+# A git worktree's node_modules may link to another checkout's, outside the repository share.
+if [ -n "$NK_NODE_MODULES" ]; then
+  mkdir -p "$R$NK_NODE_MODULES" && mount -t 9p -o "$P9,cache=loose,ro" node_modules "$R$NK_NODE_MODULES" ||
+    fail "cannot mount $NK_NODE_MODULES"
+fi
+# /var/tmp on a disk, as on most hosts (where /tmp may be tmpfs): Offload's default backing
+# directory, which refuses tmpfs. This run's ext4 image, the L1's virtio disk: real block
+# accounting, O_DIRECT and fdatasync, which the 9p share does not give.
+n=0
+while [ ! -b /dev/vda ] && [ $n -lt 50 ]; do sleep 0.1; n=$((n + 1)); done
+mount -t ext4 /dev/vda $R/var/tmp || fail "cannot mount /var/tmp (the ext4 disk /dev/vda)"
+chmod 1777 $R/var/tmp
 hostname nested-kvm
 ip link set lo up 2>/dev/null || true
 
@@ -348,6 +363,7 @@ build_cache() {
     echo bzImage >"$tmp/out/kernel.kind"
   fi
   echo "$kver" >"$tmp/out/kernel.version"
+  echo "${L1_MODULES[*]}" >"$tmp/out/modules.wanted"
   rm -rf "$dest"
   mv "$tmp/out" "$dest"
   rm -rf "$tmp"
@@ -373,7 +389,8 @@ prepare() {
     KVER=$v
   fi
   L1DIR=$CACHE/$KVER
-  if [[ ! -f $L1DIR/kernel.version ]]; then
+  # Built again when the kernel or the list of modules changed.
+  if [[ ! -f $L1DIR/kernel.version || $(cat "$L1DIR/modules.wanted" 2>/dev/null) != "${L1_MODULES[*]}" ]]; then
     build_cache "$KVER" "$L1DIR"
     # A new kernel makes the older entries useless (about 70 MB each).
     local d
@@ -426,8 +443,24 @@ for d in bin sbin lib lib32 lib64 libx32; do
     note "warning: /$d is a directory, not a link into /usr: the L1 chroot will not have it"
   fi
 done
+# The L1's /var/tmp: a fresh ext4 image per run (sparse: it costs what is written to it, and
+# the L1's discards give that back), beside the cache rather than in $RUN, which may be on a tmpfs.
+mkdir -p "$REPO/.cache"
+VAR_TMP_IMG=$(mktemp "$REPO/.cache/nested-var-tmp.XXXXXX")
+truncate -s 16G "$VAR_TMP_IMG"
+# A scratch filesystem: no journal, few inodes (one per MiB), inode tables written now, so that the
+# L1 has no background initialisation to emulate; about 4 MB on the host until used.
+mkfs.ext4 -q -F -m 0 -i 1048576 -O ^has_journal -E lazy_itable_init=0 "$VAR_TMP_IMG" >&2 || die "mkfs.ext4 failed on $VAR_TMP_IMG"
+# node_modules that links outside the repository (a git worktree sharing another checkout's) is
+# shared too, read-only, and mounted at the path the link resolves to.
+NODE_MODULES=""
+if [[ -L $REPO/node_modules ]]; then
+  NODE_MODULES=$(readlink -f "$REPO/node_modules")
+  if [[ $NODE_MODULES == "$REPO"/* ]]; then NODE_MODULES=""; fi
+fi
 {
   echo "NK_REPO=$(sq "$REPO")"
+  echo "NK_NODE_MODULES=$(sq "$NODE_MODULES")"
   echo "NK_LINKS=$(sq "${links# }")"
 } >"$SHARE/l1.conf"
 
@@ -470,7 +503,10 @@ qemu_args=(
   -virtfs local,path=/etc,mount_tag=etc,security_model=none,readonly=on,multidevs=remap
   -virtfs "local,path=$(qe "$REPO"),mount_tag=repo,security_model=none,multidevs=remap"
   -virtfs "local,path=$(qe "$SHARE"),mount_tag=run,security_model=none,readonly=on,multidevs=remap"
+  -drive "file=$(qe "$VAR_TMP_IMG"),if=virtio,format=raw,discard=unmap"
 )
+[[ -z $NODE_MODULES ]] ||
+  qemu_args+=(-virtfs "local,path=$(qe "$NODE_MODULES"),mount_tag=node_modules,security_model=none,readonly=on,multidevs=remap")
 
 # The console filter: prints the L1's console to our stdout without the marker lines, which it
 # appends to $RUN/status instead; everything after the exit marker (the kernel's "reboot:" line)

@@ -15,7 +15,11 @@ export class PvisorError extends Error {
   }
 }
 
-/** An option given to pvisor is out of range or malformed; nothing was allocated. */
+/**
+ * An option given to pvisor is out of range, malformed or unusable; nothing was allocated. One
+ * that can only be checked when it is used (a strategy's backing directory, at each suspend)
+ * fails that operation and leaves the VM as it was.
+ */
 export class InvalidOptionError extends PvisorError {
   /** The option that was rejected, e.g. `memory`. */
   readonly option: string;
@@ -87,8 +91,12 @@ export class OutputLimitError extends PvisorError {
 }
 
 /**
- * A memory strategy's backing file is missing, truncated or corrupt. The VM stays suspended, the
- * file untouched, and the guest never sees a wrong byte.
+ * A memory strategy's backing file cannot be made or used. At suspend, it cannot be created
+ * (something is at the path already, the directory is missing or read-only): the suspend fails
+ * and the VM runs on as it was. While it is written, a write fails (a full disk): what was not
+ * written stays resident, the VM stays suspended and resumes as usual. At resume, it is missing,
+ * truncated or corrupt: the VM stays suspended, the file untouched. The guest never sees a wrong
+ * byte.
  */
 export class BackingFileError extends PvisorError {
   /** The file. */

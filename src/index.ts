@@ -38,6 +38,7 @@ export { Offload } from './memory/strategies/offload';
 export type { OffloadOptions, OffloadReload } from './memory/strategies/offload';
 export { CompressedOffload } from './memory/strategies/compressed-offload';
 export type { CompressedOffloadOptions } from './memory/strategies/compressed-offload';
+export type { BackingDirOptions } from './memory/backing-file';
 export { StrategyConflictError } from './memory/strategy';
 export type {
   MemoryStrategy,

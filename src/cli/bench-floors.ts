@@ -12,6 +12,7 @@ import { join, resolve } from 'node:path';
 import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { HostUnsupportedError, InvalidOptionError } from '../errors';
+import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import { PACKAGE_ROOT } from '../native';
 import { parseSize } from '../units';
 import { printTable, progress, stats } from './bench';
@@ -162,8 +163,8 @@ export async function benchFloors(argv: string[]): Promise<number> {
     args: argv,
     options: {
       // On a disk: the floors of writing and reading back are those of the disk under pvisor's
-      // backing files (tmpfs is refused by the program).
-      dir: { type: 'string', default: join(tmpdir(), 'pvisor-bench-floors') },
+      // backing files, so by default where they go (tmpfs is refused by the program).
+      dir: { type: 'string', default: join(DEFAULT_BACKING_DIR, 'pvisor-bench-floors') },
       size: { type: 'string', default: '64MiB' },
       runs: { type: 'string', default: '5' },
       json: { type: 'string' },

@@ -20,11 +20,11 @@
  */
 import { spawn } from 'node:child_process';
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
+import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import { processResident } from '../memory-usage';
 import { printTable as printRows } from './bench';
 import { floorRows, measureMemoryFloors, measureNativeFaultRate, type MemoryFloors, type NativeFaultRate } from './bench-floors';
@@ -321,7 +321,7 @@ async function benchMemory(argv: string[]): Promise<number> {
       json: { type: 'string' },
       modes: { type: 'string', default: MODES.map((m) => m.name).join(',') },
       contents: { type: 'string', default: 'repetitive,random' },
-      'backing-dir': { type: 'string', default: join(tmpdir(), 'pvisor-bench-backing') },
+      'backing-dir': { type: 'string', default: join(DEFAULT_BACKING_DIR, 'pvisor-bench-backing') },
       // The study's cells use 64 MiB; a smaller set makes a quick check (the study's figures then
       // do not compare).
       'working-set': { type: 'string', default: `${STUDY_WORKING_SET_MIB}MiB` },

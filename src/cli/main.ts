@@ -21,7 +21,7 @@ const HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 Usage:
   pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
-             [--vm-ram-compression] [--kernel BZIMAGE] [--initrd CPIO]
+             [--vm-ram-compression] [--vm-backing-dir DIR] [--kernel BZIMAGE] [--initrd CPIO]
              [--rootfs IMAGE [--rootfs-readonly]] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
@@ -45,6 +45,8 @@ Usage:
         lets the guest run at once, each piece loaded on first touch and the rest in the
         background (lazy, through userfaultfd).
       --vm-ram-compression: the same with a zstd-compressed backing file (CompressedOffload).
+      --vm-backing-dir DIR: where the backing file goes (default /var/tmp); a directory on
+        tmpfs or ramfs is refused at suspend, since offloading into RAM frees nothing.
       With --guest probe, CMD is a list of probe steps, e.g.
         pvisor run --guest probe -- fill 64MiB random 42, digest, memory
       Steps: fill SIZE [repetitive|random|compressible] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
@@ -70,7 +72,15 @@ Usage:
       userfaultfd loop; --contents compressible is the study's distinct compressible pages.
   pvisor bench floors [--dir DIR] [--size 64MiB] [--runs 5] [--json FILE]
       The host's physical floors for the same bytes (C, no VM): copies into fresh memory and by
-      UFFDIO_COPY, write + fdatasync, cold and warm reads back; DIR must be on a disk.
+      UFFDIO_COPY, write + fdatasync, cold and warm reads back; DIR (default
+      /var/tmp/pvisor-bench-floors) must be on a disk.
+  pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms 1] [--working-set 16MiB]
+                    [--backing-dir DIR] [--json FILE]
+      Suspend/resume cycles of 128 MiB probe VMs, each checked against the guest's digest, per
+      strategy (none, idle-release, offload-eager, offload-lazy, compressed-offload) in a fresh
+      process: cycles, failures, host RSS/PSS before and after, growth of the live JS heap
+      (after a full collection), time per cycle (median, p99).
+      --vms N runs N VMs in one process at once. Exits 1 if a cycle failed.
   pvisor help | --help
 `;
 
@@ -95,6 +105,7 @@ async function cmdRun(argv: string[]): Promise<number> {
       'vm-offload': { type: 'boolean', default: false },
       'vm-offload-reload': { type: 'string' },
       'vm-ram-compression': { type: 'boolean', default: false },
+      'vm-backing-dir': { type: 'string' },
       'vm-cold-ram-compression': { type: 'boolean', default: false },
       'vm-cold-after': { type: 'string' },
       name: { type: 'string' },
@@ -122,12 +133,13 @@ async function cmdRun(argv: string[]): Promise<number> {
   const strategies: MemoryStrategy[] = [];
   if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
   if (values['vm-idle-release']) strategies.push(new IdleRelease());
-  if (values['vm-cold-ram-compression']) strategies.push(new ColdCompression({ coldAfterMs: coldAfter === undefined ? undefined : parseDurationMs('--vm-cold-after', coldAfter) }));
-  if (values['vm-offload']) strategies.push(new Offload({ reload }));
-  if (values['vm-ram-compression']) strategies.push(new CompressedOffload());
+  const dir = values['vm-backing-dir'];
+  if (values['vm-cold-ram-compression']) strategies.push(new ColdCompression({ coldAfterMs: coldAfter === undefined ? undefined : parseDurationMs('--vm-cold-after', coldAfter), dir }));
+  if (values['vm-offload']) strategies.push(new Offload({ reload, dir }));
+  if (values['vm-ram-compression']) strategies.push(new CompressedOffload({ dir }));
   // `pvisor suspend ID --vm-offload` must work on any VM, as in the reference CLI: Offload costs
   // nothing until a suspend, so it is composed unless another suspend-image strategy was chosen.
-  if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload());
+  if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload({ dir }));
   // Claim the id before booting, so that a taken id fails without starting anything.
   const control = await RunControl.open({ name: values.name, socketPath: values['vm-socket'], guest, memoryBytes: memory, vcpus });
   try {

@@ -7,7 +7,7 @@
  *
  * Pure logic over real files and byte buffers: no ffi-rs, so the compression workers load it too.
  */
-import { closeSync, constants, fdatasync, fstatSync, openSync, readSync, rmSync } from 'node:fs';
+import { closeSync, constants, fdatasync, fstatSync, ftruncateSync, openSync, readSync, rmSync } from 'node:fs';
 import { crc32 } from 'node:zlib';
 import type { CCtx, DCtx } from 'zstd-napi/binding';
 import { BackingFileError } from '../errors';
@@ -209,6 +209,9 @@ export class FrameFileWriter {
    * (the frames themselves were made durable by {@link sync} before their units left RAM).
    */
   finish(): { entries: FrameEntry[]; fileBytes: number; allocatedBytes: number } {
+    // A frame whose write failed part way (a full disk) may have left bytes past the last whole
+    // one: the table goes right after that, and the file ends with the footer, as a reader checks.
+    ftruncateSync(this.fd, this.end);
     const entries = [...this.entries].sort((a, b) => a.guestOffset - b.guestOffset);
     const table = encodeTable(entries);
     const footer = Buffer.alloc(FOOTER_BYTES);

@@ -32,6 +32,10 @@ export const EINTR = 4;
 export const EAGAIN = 11;
 export const EINVAL = 22;
 
+// <linux/magic.h>: statfs f_type of the filesystems whose files live in RAM
+export const TMPFS_MAGIC = 0x01021994;
+export const RAMFS_MAGIC = 0x858458f6;
+
 /** The host's page size; pvisor's guest RAM granule. */
 export const PAGE_SIZE = 4096;
 

@@ -2,8 +2,8 @@
 // real processes, the control socket between them. Needs /dev/kvm.
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { hexOf } from '../probe-digest';
 
 const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
@@ -23,9 +23,10 @@ describe('pvisor suspend/resume/stop/ps on a VM started by pvisor run', () => {
   let runs: Run[];
 
   beforeEach(() => {
-    dir = mkdtempSync(join(tmpdir(), 'pvisor-cli-control-'));
-    // The runtime directory and the Offload backing files of these runs, both watched by the tests.
-    env = { ...process.env, PVISOR_RUNTIME_DIR: join(dir, 'run'), TMPDIR: dir };
+    // On a disk: the runtime directory, and the Offload backing files of these runs (the temp
+    // directory may be tmpfs, which Offload refuses); both watched by the tests.
+    dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-cli-control-'));
+    env = { ...process.env, PVISOR_RUNTIME_DIR: join(dir, 'run') };
     runs = [];
   });
   afterEach(() => {
@@ -34,7 +35,7 @@ describe('pvisor suspend/resume/stop/ps on a VM started by pvisor run', () => {
   });
 
   function start(...args: string[]): Run {
-    const child = spawn(process.execPath, [main, 'run', ...args], { env, stdio: ['ignore', 'pipe', 'pipe'] });
+    const child = spawn(process.execPath, [main, 'run', '--vm-backing-dir', dir, ...args], { env, stdio: ['ignore', 'pipe', 'pipe'] });
     let out = '';
     let err = '';
     const waiters: (() => void)[] = [];

@@ -3,7 +3,7 @@
 // strategies. Needs /dev/kvm.
 import { BackingFileError, ColdBlockError, ColdCompression, CompressedOffload, IdleRelease, type ColdCompressionOptions, InvalidOptionError, KsmAdvice, Offload, Vm, type PvisorError, type VmOptions } from '../../src';
 import { chmodSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { join } from 'node:path';
 import { hexOf } from '../probe-digest';
 import { processThreads } from '../process-threads';
@@ -131,7 +131,7 @@ describe('ColdCompression', () => {
   }, 150_000 * SLOW);
 
   it('composes with Offload and IdleRelease: suspend writes both, resume brings both back, a freed block is forgotten', () => {
-    const dir = mkdtempSync(join(tmpdir(), 'pvisor-cold-'));
+    const dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-cold-'));
     return withVm({ strategies: [new IdleRelease(), cold({ dir }), new Offload({ dir })] }, async (vm) => {
       await vm.probe.fill({ sizeMiB: 32, content: 'repetitive', seed: 11 });
       await vm.probe.rewrite({ fraction: 0.5, seed: 12 });
@@ -158,7 +158,7 @@ describe('ColdCompression', () => {
   });
 
   it('composes with CompressedOffload, which reads saved blocks back from their file while it writes its frames', () => {
-    const dir = mkdtempSync(join(tmpdir(), 'pvisor-cold-'));
+    const dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-cold-'));
     // 4 MiB frames: a frame holds resident pages and saved blocks side by side, and CompressedOffload
     // reads its frames whole.
     return withVm({ strategies: [cold({ dir }), new CompressedOffload({ dir, frameSizeBytes: 4 * MiB })] }, async (vm) => {
@@ -180,7 +180,7 @@ describe('ColdCompression', () => {
   });
 
   it('refuses to resume from a saved store whose file was changed, and stays suspended', () => {
-    const dir = mkdtempSync(join(tmpdir(), 'pvisor-cold-'));
+    const dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-cold-'));
     return withVm({ strategies: [cold({ dir })] }, async (vm) => {
       await vm.probe.fill({ sizeMiB: 16, content: 'repetitive', seed: 31 });
       expect(await waitFor(() => figures(vm).blocksStored >= 200, COLD_AFTER_MS + 8000 * SLOW)).toBe(true);

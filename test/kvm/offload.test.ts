@@ -1,9 +1,9 @@
 // Offload on real guest pages: suspend writes RAM out and drops it, resume brings it back and
 // verifies it; a broken backing file never reaches the guest. Needs /dev/kvm.
 import { existsSync, readdirSync, readFileSync, renameSync, rmSync, statSync, truncateSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { BackingFileError, KsmAdvice, Offload, Vm } from '../../src';
+import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { hexOf } from '../probe-digest';
 
 const MiB = 2 ** 20;
@@ -136,14 +136,14 @@ describe('Offload', () => {
     const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies: [new Offload()] });
     await vm.probe.fill({ sizeMiB: 128, content: 'random', seed: 6 });
     await vm.suspend();
-    const path = readdirSync(tmpdir()).filter((n) => n.startsWith(`pvisor-${vm.name}-${process.pid}-`));
+    const path = readdirSync(DEFAULT_BACKING_DIR).filter((n) => n.startsWith(`pvisor-${vm.name}-${process.pid}-`));
     expect(path.length).toBe(1);
     vm.stop();
     expect(vm.state).toBe('stopped');
-    expect(existsSync(join(tmpdir(), path[0]))).toBe(false);
+    expect(existsSync(join(DEFAULT_BACKING_DIR, path[0]))).toBe(false);
     await new Promise((r) => setTimeout(r, 200)); // the write in flight ends, its fd closes
     expect(readdirSync('/proc/self/fd').length).toBeLessThanOrEqual(fds + 1); // Node may open one of its own
-    expect(existsSync(join(tmpdir(), path[0]))).toBe(false);
+    expect(existsSync(join(DEFAULT_BACKING_DIR, path[0]))).toBe(false);
   });
 
   it('the backing file is removed when a suspended VM stops', async () => {

@@ -2,11 +2,11 @@
 // a page the guest zeroed reads back as zero after an offload and resume whether guest RAM is
 // private anonymous memory, a memfd or a file mapped MAP_PRIVATE. Needs /dev/kvm.
 import { closeSync, mkdtempSync, openSync, readdirSync, readFileSync, readlinkSync, rmSync, writeSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { KsmAdvice, Offload, StrategyConflictError, Vm, type MemoryStrategy, type RamBackingRequest } from '../../src';
 import { pageWords, type ProbeWorkingSet } from '../../src/guest/probe-content';
 import type { StrategyContext } from '../../src';
+import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { hexOf } from '../probe-digest';
 
 const MiB = 2 ** 20;
@@ -25,7 +25,8 @@ const backedBy = (ramBacking: RamBackingRequest): MemoryStrategy => ({
 let dir: string;
 let ramFile: string;
 beforeAll(() => {
-  dir = mkdtempSync(join(tmpdir(), 'pvisor-ram-backing-'));
+  // On a disk, where Offload's backing files may go (the temp directory may be tmpfs).
+  dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-ram-backing-'));
   // Zero where the probe keeps its own tables and queues (it expects fresh RAM to read zero);
   // 0x5a from the working set on, so a page that fell back to the file would show.
   ramFile = join(dir, 'ram');

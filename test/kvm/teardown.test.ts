@@ -1,5 +1,5 @@
 // Stopping a VM gives back everything it took: fds, mappings, threads. Needs /dev/kvm.
-import { readdirSync, readFileSync, readlinkSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync, readlinkSync } from 'node:fs';
 import { Offload, Vm, type MemoryStrategy } from '../../src';
 import { processThreads } from '../process-threads';
 
@@ -16,6 +16,7 @@ function kvmFds(): number {
 const maps = () => readFileSync('/proc/self/maps', 'utf8');
 const kvmMappings = () => maps().split('\n').filter((l) => /kvm/.test(l)).length;
 const threads = processThreads;
+const throwsOnClose: MemoryStrategy = { name: 'broken', needs: [], exclusive: [], stats: () => ({ strategy: 'broken', figures: {}, notes: [] }), close: () => { throw new Error('cannot close'); } };
 
 describe('teardown', () => {
   it('leaks no fd, mapping or thread across start/stop', async () => {
@@ -58,9 +59,8 @@ describe('teardown', () => {
     const threadsBefore = threads();
     const kvmFdsBefore = kvmFds();
     const closed: string[] = [];
-    const broken: MemoryStrategy = { name: 'broken', needs: [], exclusive: [], stats: () => ({ strategy: 'broken', figures: {}, notes: [] }), close: () => { throw new Error('cannot close'); } };
     const fine: MemoryStrategy = { name: 'fine', needs: [], exclusive: [], stats: () => ({ strategy: 'fine', figures: {}, notes: [] }), close: () => void closed.push('fine') };
-    const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 2, strategies: [broken, new Offload(), fine] });
+    const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 2, strategies: [throwsOnClose, new Offload(), fine] });
     const warnings: string[] = [];
     vm.on('warning', (w) => warnings.push(w));
     const [ram] = Vm.liveGuestRam();
@@ -75,4 +75,29 @@ describe('teardown', () => {
     expect(kvmFds()).toBe(kvmFdsBefore);
     expect(maps()).not.toContain(`${ram.start.toString(16)}-${(ram.start + ram.length).toString(16)} `);
   });
+
+  it('a strategy whose close throws during a lazy reload: stop still ends the userfaultfd server, the vCPUs, the mapping, every fd and the file', async () => {
+    const threadsBefore = threads();
+    const fdsBefore = readdirSync('/proc/self/fd').length;
+    const kvmMapsBefore = kvmMappings();
+    const offload = new Offload({ reload: 'lazy', prefetch: false });
+    const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 2, strategies: [throwsOnClose, offload] });
+    const [ram] = Vm.liveGuestRam();
+    await vm.probe.fill({ sizeMiB: 8, content: 'random' });
+    await vm.suspend();
+    await vm.memoryReleased();
+    await vm.resume(); // lazy, no prefetch: the pieces wait in the file for a touch
+    const path = offload.backingPath!;
+    expect(existsSync(path)).toBe(true);
+    expect(threads()).toBeGreaterThan(threadsBefore + 2); // the vCPUs and the server's thread
+    vm.stop();
+    await new Promise((r) => setTimeout(r, 50));
+    expect(vm.state).toBe('stopped');
+    expect(existsSync(path)).toBe(false);
+    expect(threads()).toBe(threadsBefore);
+    expect(readdirSync('/proc/self/fd').length).toBeLessThanOrEqual(fdsBefore + 1); // Node may open one of its own
+    expect(kvmMappings()).toBe(kvmMapsBefore);
+    expect(maps()).not.toContain(`${ram.start.toString(16)}-${(ram.start + ram.length).toString(16)} `);
+  });
 });
+

@@ -1,5 +1,5 @@
 // Offload's options are checked when it is made, before any VM exists. No KVM needed.
-import { InvalidOptionError, Offload, type MemoryStrategy } from '../../src';
+import { CompressedOffload, InvalidOptionError, Offload, type MemoryStrategy } from '../../src';
 import { planComposition } from '../../src/memory/composition';
 import { hotFirst } from '../../src/memory/strategies/offload';
 
@@ -37,5 +37,12 @@ describe('Offload options', () => {
   it('refuses a prefetch or page cache setting that is not one', () => {
     expect(() => new Offload({ prefetch: 'yes' as never })).toThrow(/prefetch: expected true or false/);
     expect(() => new Offload({ pageCache: 'sometimes' as never })).toThrow(/pageCache: expected "bypass" or "keep"/);
+  });
+
+  it('refuses a backing directory or a memory-backed opt-in that is not one, as CompressedOffload does', () => {
+    for (const make of [(o: object) => new Offload(o), (o: object) => new CompressedOffload(o)]) {
+      expect(() => make({ dir: '' })).toThrow(/dir: expected a directory path/);
+      expect(() => make({ allowMemoryBackedDir: 1 })).toThrow(/allowMemoryBackedDir: expected true or false, got 1/);
+    }
   });
 });

@@ -19,17 +19,20 @@
  * VM before the guest reads a wrong byte.
  */
 import { closeSync, constants } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { BackingFileError, InvalidOptionError, PvisorError, SystemCallError } from '../../errors';
-import { backingFilePath, createBackingFile, removeBackingFile } from '../backing-file';
+import { backingDirOptions, backingFilePath, checkBackingDir, createBackingFile, removeBackingFile, type BackingDirOptions } from '../backing-file';
 import { parseTimeoutMs } from '../../units';
 import type { ColdOutcome, ColdScan, ColdStore } from '../uffd-server';
 /** COLD_BATCH_BYTES of ../uffd-server, which is not imported here: importing pvisor loads no native code. */
 const COLD_BATCH_BYTES = 1024 * 1024;
 import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, type StrategyStats } from '../strategy';
 
-/** Options of {@link ColdCompression}. */
-export interface ColdCompressionOptions {
+/**
+ * Options of {@link ColdCompression}. `dir` and `allowMemoryBackedDir` are for the file that holds
+ * the compressed blocks while the VM is suspended (they are written there as they are, never
+ * decompressed, and read back on resume).
+ */
+export interface ColdCompressionOptions extends BackingDirOptions {
   /**
    * How long a block's content must stay unchanged before it is compressed. Default 10 s, an
    * agent's pause between tool calls. What bears on it, measured on kvm_pvm (docs/cold-compression.md):
@@ -64,12 +67,6 @@ export interface ColdCompressionOptions {
    * Default 25.
    */
   minSavingPercent?: number;
-  /**
-   * Directory of the file that holds the compressed blocks while the VM is suspended (they are
-   * written there as they are, never decompressed, and read back on resume). Default: the OS
-   * temp directory.
-   */
-  dir?: string;
 }
 
 const SCAN_INTERVAL_MS = 1000;
@@ -112,7 +109,7 @@ export class ColdCompression implements MemoryStrategy {
   private readonly blockBytes: number;
   private readonly maxStoreBytesOption: number | undefined;
   private readonly minSaving: number;
-  private readonly dir: string;
+  private readonly backingDir: Required<BackingDirOptions>;
   /** The file holding the store while the VM is suspended. */
   private savedPath: string | undefined;
   private store: ColdStore | undefined;
@@ -142,7 +139,7 @@ export class ColdCompression implements MemoryStrategy {
     const cpuShare = option('cpuShare', options.cpuShare, 0.05, (v) => v >= 0.001 && v <= 1, 'from 0.001 to 1');
     this.minSaving = option('minSavingPercent', options.minSavingPercent, 25, (v) => v >= 1 && v <= 99, 'from 1 to 99') / 100;
     this.periodic = { intervalMs: SCAN_INTERVAL_MS, cpuShare };
-    this.dir = options.dir ?? tmpdir();
+    this.backingDir = backingDirOptions(options);
   }
 
   map(ctx: StrategyContext): void {
@@ -309,7 +306,8 @@ export class ColdCompression implements MemoryStrategy {
   async suspend(): Promise<void> {
     const store = this.store;
     if (!store || this.closed || store.figures().blocksStored === 0) return;
-    const path = backingFilePath(this.dir, this.vmName, 'cold');
+    checkBackingDir(this.backingDir);
+    const path = backingFilePath(this.backingDir.dir, this.vmName, 'cold');
     let fd: number;
     try {
       fd = createBackingFile(path, constants.O_RDWR);

@@ -11,10 +11,9 @@
  * durable (fdatasync), as in Offload: a failure loses nothing, a resume meanwhile stops the
  * write-out and brings back only the units already dropped.
  */
-import { tmpdir } from 'node:os';
 import { InvalidOptionError, type BackingFileError } from '../../errors';
 import { MADV_POPULATE_WRITE } from '../../sys/constants';
-import { backingFilePath, removeBackingFile } from '../backing-file';
+import { backingDirOptions, backingFilePath, checkBackingDir, removeBackingFile, type BackingDirOptions } from '../backing-file';
 import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from '../frame-file';
 import type { FramePool } from '../frame-pool';
 import { releaseFileCache } from '../page-cache';
@@ -23,9 +22,7 @@ import type { Offload } from './offload';
 import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats, type SuspendWork } from '../strategy';
 
 /** Options of {@link CompressedOffload}. */
-export interface CompressedOffloadOptions {
-  /** Directory for the backing file. Default: the OS temp directory. */
-  dir?: string;
+export interface CompressedOffloadOptions extends BackingDirOptions {
   /**
    * zstd compression level: -7 to -1 (faster, larger) or 1 to 22 (slower, smaller). Default 1,
    * which compresses at several hundred MB/s per worker.
@@ -86,7 +83,7 @@ export class CompressedOffload implements MemoryStrategy {
   /** A unit is dropped whole and its zero pages are not copied back: they must read zero. */
   readonly needs = ['zero-on-discard'] as const;
   readonly exclusive = ['suspend-image'] as const;
-  private readonly dir: string;
+  private readonly backingDir: Required<BackingDirOptions>;
   private readonly level: number;
   private readonly frameBytes: number;
   /** Whether the workers stay between operations. */
@@ -113,7 +110,7 @@ export class CompressedOffload implements MemoryStrategy {
   };
 
   constructor(options: CompressedOffloadOptions = {}) {
-    this.dir = options.dir ?? tmpdir();
+    this.backingDir = backingDirOptions(options);
     this.level = options.level ?? 1;
     if (!Number.isInteger(this.level) || this.level < -7 || this.level > 22 || this.level === 0) {
       throw new InvalidOptionError('level', `must be a whole number from -7 to -1 or 1 to 22, got ${options.level}`);
@@ -147,12 +144,15 @@ export class CompressedOffload implements MemoryStrategy {
   async suspend(ctx: StrategyContext): Promise<SuspendWork> {
     const t0 = performance.now();
     const ram = ctx.ram;
-    // A fresh path each time: nothing planted at a known path can get in the way.
-    this.path = backingFilePath(this.dir, ctx.vmName, 'zframes');
+    checkBackingDir(this.backingDir);
+    // A fresh path each time: nothing planted at a known path can get in the way. It is ours
+    // (this.path, which close() removes) only once created: what was there is someone else's.
+    const path = backingFilePath(this.backingDir.dir, ctx.vmName, 'zframes');
     const header: FrameFileHeader = { frameBytes: this.frameBytes, guestRamBytes: ram.sizeBytes };
     // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const units = unitsTouched(ram.ownPageRuns(), this.frameBytes);
-    const writer = new FrameFileWriter(this.path, header);
+    const writer = new FrameFileWriter(path, header);
+    this.path = path;
     const w: WriteOut = { writer, header, written: [], dropped: new Set(), stopping: false, ended: false, done: Promise.resolve() };
     w.done = this.writeFrames(ram, w, units).finally(() => (w.ended = true));
     w.done.catch(() => {}); // observed through `released`
@@ -239,18 +239,21 @@ export class CompressedOffload implements MemoryStrategy {
       if (!w.ended) this.figures.lastReleaseCancelled = 1;
       w.stopping = true;
       await w.done.catch(() => {});
-      this.writeOut = undefined;
       if (!this.image) {
         try {
           this.finishFile(w);
         } catch (e) {
           // Nothing was dropped unless it is in the file: a file that cannot be finished now is
-          // only a problem if something must come back from it.
+          // only a problem if something must come back from it. Then the write-out is kept, so
+          // that the next resume tries again (the table may not fit on a full disk until space
+          // returns) instead of finding nothing to bring back.
           if (w.dropped.size) throw e;
+          this.writeOut = undefined;
           w.writer.abort();
           return;
         }
       }
+      this.writeOut = undefined;
     }
     const image = this.image;
     if (!image) return;
@@ -294,6 +297,8 @@ export class CompressedOffload implements MemoryStrategy {
   }
 
   close(): void {
+    // Only a file that still holds something: a path whose file is gone may be someone else's now.
+    const path = this.backingPath;
     const w = this.writeOut;
     if (w) {
       // The write-out touches RAM no more; the frame in a worker ends by itself.
@@ -304,7 +309,7 @@ export class CompressedOffload implements MemoryStrategy {
     const pool = this.pool;
     this.pool = undefined;
     void pool?.then((p) => p.close(), () => {});
-    if (this.path) removeBackingFile(this.path);
+    if (path) removeBackingFile(path);
     this.image = undefined;
   }
 

@@ -15,10 +15,9 @@
  * file mapping) an eager reload copies the pieces back instead.
  */
 import { closeSync, constants, fstatSync, openSync, readSync, statSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { BackingFileError, InvalidOptionError } from '../../errors';
 import { PAGE_SIZE } from '../../sys/constants';
-import { backingFilePath, createBackingFile, createDirectBackingFile, removeBackingFile } from '../backing-file';
+import { backingDirOptions, backingFilePath, checkBackingDir, createBackingFile, createDirectBackingFile, removeBackingFile, type BackingDirOptions } from '../backing-file';
 import { releaseFileCache } from '../page-cache';
 import { cutRuns } from '../pages';
 import { roundMs, type ExclusiveResource, type MemoryStrategy, type RamCapability, type StrategyContext, type StrategyStats, type SuspendWork } from '../strategy';
@@ -34,9 +33,7 @@ import { WriteOut, type WrittenPiece } from '../write-out';
 export type OffloadReload = 'eager' | 'lazy';
 
 /** Options of {@link Offload}. */
-export interface OffloadOptions {
-  /** Directory for the backing file. Default: the OS temp directory. */
-  dir?: string;
+export interface OffloadOptions extends BackingDirOptions {
   /** How resume brings RAM back. Default `eager`. */
   reload?: OffloadReload;
   /**
@@ -90,7 +87,7 @@ export class Offload implements MemoryStrategy {
   readonly pageCache: 'bypass' | 'keep';
   /** Whether a lazy reload also loads, in the background, what the guest does not touch. */
   readonly prefetch: boolean;
-  private readonly dir: string;
+  private readonly backingDir: Required<BackingDirOptions>;
   private path: string | undefined;
   /** The write-out of the last suspend, until it is cancelled by a resume. */
   private writeOut: WriteOut | undefined;
@@ -123,7 +120,7 @@ export class Offload implements MemoryStrategy {
   private lastFullLoadMs: number | undefined;
 
   constructor(options: OffloadOptions = {}) {
-    this.dir = options.dir ?? tmpdir();
+    this.backingDir = backingDirOptions(options);
     const reload = options.reload ?? 'eager';
     if (reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('reload', `expected "eager" or "lazy", got ${JSON.stringify(reload)}`);
     this.reload = reload;
@@ -159,14 +156,17 @@ export class Offload implements MemoryStrategy {
     // A lazy reload still in progress: everything comes back first, then RAM goes out as usual.
     if (this.source) await this.finishLoading();
     const t0 = performance.now();
-    // A fresh path each time: nothing planted at a known path can get in the way.
-    this.path = backingFilePath(this.dir, ctx.vmName, 'ram');
-    const path = this.path;
+    checkBackingDir(this.backingDir);
+    // Before the file exists: a failure to load leaves nothing behind.
+    const { crc32c } = await this.native();
+    // A fresh path each time: nothing planted at a known path can get in the way. It is ours
+    // (this.path, which close() removes) only once created: what was there is someone else's.
+    const path = backingFilePath(this.backingDir.dir, ctx.vmName, 'ram');
     const { fd, direct } = this.pageCache === 'keep' ? { fd: createBackingFile(path, constants.O_RDWR), direct: false } : createDirectBackingFile(path);
+    this.path = path;
     this.writeDirect = direct;
     // The vCPUs are stopped and agent traffic is held: the VM's pages cannot change until resume.
     const pieces = cutRuns(ctx.ram.ownPageRuns(), PIECE_BYTES);
-    const { crc32c } = await this.native();
     const checksum = (offset: number, length: number) => crc32c({ addr: ctx.ram.hostAddr + offset, length });
     const writeOut = new WriteOut(ctx.ram, fd, path, pieces, { batchBytes: BATCH_BYTES, checksum });
     this.writeOut = writeOut;
@@ -361,13 +361,15 @@ export class Offload implements MemoryStrategy {
   }
 
   close(): void {
+    // Only a file that still holds something: a path whose file is gone may be someone else's now.
+    const path = this.backingPath;
     // The write-out touches RAM no more; its write in flight ends by itself.
     this.writeOut?.abandon();
     this.writeOut = undefined;
     // The composition destroys the userfaultfd server next, which releases any vCPU in a fault.
     this.source = undefined;
     for (const w of this.loadWaiters.splice(0)) w.reject(this.loadError ?? new BackingFileError(this.path ?? '', 'the VM stopped during a lazy reload'));
-    if (this.path) removeBackingFile(this.path);
+    if (path) removeBackingFile(path);
     this.image = undefined;
   }
 }
