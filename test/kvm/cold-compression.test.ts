@@ -3,7 +3,8 @@
 // strategies. Needs /dev/kvm.
 import { BackingFileError, ColdBlockError, ColdCompression, CompressedOffload, IdleRelease, type ColdCompressionOptions, InvalidOptionError, KsmAdvice, Offload, Vm, type PvisorError, type VmOptions } from '../../src';
 import { chmodSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
+import { tmpdir } from 'node:os';
+import { DEFAULT_BACKING_DIR, memoryBackedFilesystem } from '../../src/memory/backing-file';
 import { join } from 'node:path';
 import { hexOf } from '../probe-digest';
 import { processThreads } from '../process-threads';
@@ -196,6 +197,21 @@ describe('ColdCompression', () => {
       expect((error as Error).message).toMatch(/no longer has the bytes written at suspend/);
       expect(vm.state).toBe('suspended');
     }).finally(() => rmSync(dir, { recursive: true, force: true }));
+  });
+
+  it('refuses to save its store on tmpfs, where it would stay in RAM, and the VM goes on running', async () => {
+    const shm = ['/dev/shm', tmpdir()].find((d) => memoryBackedFilesystem(d) === 'tmpfs');
+    if (!shm) return; // no tmpfs here to try it on
+    await withVm({ strategies: [cold({ dir: shm })] }, async (vm) => {
+      await vm.probe.fill({ sizeMiB: 8, content: 'repetitive', seed: 41 });
+      expect(await waitFor(() => figures(vm).blocksStored >= 100, COLD_AFTER_MS + 8000 * SLOW)).toBe(true);
+      const error = await vm.suspend().catch((e: unknown) => e);
+      expect(error).toBeInstanceOf(InvalidOptionError);
+      expect((error as Error).message).toContain(`${shm} is on tmpfs`);
+      expect(vm.state).toBe('running');
+      expect(figures(vm).blocksSaved).toBe(0);
+      expect((await vm.probe.digest()).hex).toBe(hexOf({ content: 'repetitive', seed: 41, sizeBytes: 8 * MiB, rewrites: [] }));
+    });
   });
 
   it('ends the VM with a typed error when a stored block fails its check, and stops cleanly with a vCPU in that fault', async () => {
