@@ -47,8 +47,16 @@ const SEEDS = { repetitive: 1, random: 42, compressible: 7 } as const;
 const BENCH_COLD_AFTER_MS = 2000;
 /** The mix cell's hot part, read over and over while the rest goes cold (the study's case). */
 const HOT_MIB = 16;
-/** A cold cell is settled when its store has not grown for this long. */
+/** A cold cell is settled when its store has not grown for this long... */
 const COLD_SETTLED_MS = 3000;
+/** ...and not before this long after the fill (a few scans past coldAfter)... */
+const COLD_MIN_SETTLE_MS = BENCH_COLD_AFTER_MS + 5000;
+/**
+ * ...or, in the mix cell, this long: the hot part has come back a few times by then and waits
+ * 4^k x coldAfter before the next try. Its refaults are then counted over HOT_WINDOW_MS.
+ */
+const MIX_SETTLE_MS = 45_000;
+const HOT_WINDOW_MS = 60_000;
 type Content = keyof typeof SEEDS;
 
 /** A mode of Table 1: the strategies a VM starts with and what is done after the fill. */
@@ -146,6 +154,7 @@ async function cellChild(config: CellConfig): Promise<void> {
     }
     const [vm] = vms;
     for (const v of vms) await v.probe.fill({ sizeMiB: config.workingSetMiB, content: config.content, seed: SEEDS[config.content] });
+    const filledAt = performance.now();
     say({ event: 'filled' });
     // Table 2's task is timed on a lone VM only.
     const timed = mode.operation === 'suspend' && vms.length === 1;
@@ -158,7 +167,7 @@ async function cellChild(config: CellConfig): Promise<void> {
     const guestRamPssBeforeBytes = vms.reduce((sum, v) => sum + v.memoryUsage().guestRamPssBytes, 0);
     if (mode.operation === 'cold' || mode.operation === 'cold-mix') {
       const cold = firstStrategies.find((s): s is ColdCompression => s instanceof ColdCompression)!;
-      await coldCell(vm, cold, config, mode.operation === 'cold-mix', guestRamPssBeforeBytes, say, lines);
+      await coldCell(vm, cold, config, mode.operation === 'cold-mix', filledAt, guestRamPssBeforeBytes, say, lines);
       return;
     }
     let operationMs = 0;
@@ -199,7 +208,7 @@ async function cellChild(config: CellConfig): Promise<void> {
 const coldFigures = (vm: Vm) => vm.memoryUsage().strategies.find((s) => s.strategy === 'cold-compression')!.figures;
 
 /** A cold compression cell, after the fill (see the header). */
-async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: boolean, guestRamPssBeforeBytes: number, say: (msg: object) => void, lines: AsyncIterator<string>): Promise<void> {
+async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: boolean, filledAt: number, guestRamPssBeforeBytes: number, say: (msg: object) => void, lines: AsyncIterator<string>): Promise<void> {
   const digestBefore = (await vm.probe.digest()).hex;
   let hot = mix;
   const hotLoop = (async () => {
@@ -208,12 +217,14 @@ async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: 
       await sleep(100);
     }
   })();
-  // Settled: nothing more stored for a while; operationMs is when the store last grew.
-  const t0 = performance.now();
+  // Settled: nothing more stored for a while; operationMs is when the store last grew, from the
+  // end of the fill.
+  const t0 = filledAt;
   let stored = -1;
   let grewAt = t0;
-  while (performance.now() - grewAt < COLD_SETTLED_MS || performance.now() - t0 < BENCH_COLD_AFTER_MS) {
-    if (performance.now() - t0 > 120_000) break;
+  const minSettleMs = mix ? MIX_SETTLE_MS : COLD_MIN_SETTLE_MS;
+  while (performance.now() - grewAt < COLD_SETTLED_MS || performance.now() - t0 < minSettleMs) {
+    if (performance.now() - t0 > 180_000) break;
     const now = coldFigures(vm).blocksStored;
     if (now !== stored) {
       stored = now;
@@ -223,16 +234,21 @@ async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: 
   }
   const operationMs = grewAt - t0;
   say({ event: 'operated', operationMs });
+  // Once settled, how much of the hot part still comes back: pages per second, % of its pages.
+  let hotRefaultPercentPerSecond: number | undefined;
+  if (mix) {
+    const refaultsBefore = coldFigures(vm).refaults;
+    const w0 = performance.now();
+    await sleep(HOT_WINDOW_MS);
+    const hotPages = (HOT_MIB * MiB) / 4096;
+    const pagesBack = ((coldFigures(vm).refaults - refaultsBefore) * (64 * 1024)) / 4096;
+    hotRefaultPercentPerSecond = (pagesBack / hotPages / ((performance.now() - w0) / 1000)) * 100;
+  }
   const busy = () => coldFigures(vm).scanMs + coldFigures(vm).compressMs;
   const busyBefore = busy();
-  const refaultsBefore = coldFigures(vm).refaults;
   let t = performance.now();
   await sleep(READ_AFTER_MS);
-  const seconds = (performance.now() - t) / 1000;
-  const scannerCpuPercent = ((busy() - busyBefore) / (seconds * 1000)) * 100;
-  // Once settled, how much of the hot part still comes back: pages per second, % of its pages.
-  const hotPages = (HOT_MIB * MiB) / 4096;
-  const hotRefaultPercentPerSecond = mix ? (((coldFigures(vm).refaults - refaultsBefore) * (64 * 1024)) / 4096 / hotPages / seconds) * 100 : undefined;
+  const scannerCpuPercent = ((busy() - busyBefore) / (performance.now() - t)) * 100;
   say({ event: 'reading', guestRamPssBytes: vm.memoryUsage().guestRamPssBytes, guestRamPssBeforeBytes, strategies: vm.memoryUsage().strategies, operationMs, scannerCpuPercent, hotRefaultPercentPerSecond });
   await lines.next(); // the parent has read the group's figures
   hot = false;
@@ -418,7 +434,7 @@ async function benchMemory(argv: string[]): Promise<number> {
   const faultPercent = (c: CellResult) => (nativeFaults && timedEnough(c) ? (c.faultsPerSecond! / nativeFaults.faultsPerSecond.median) * 100 : undefined);
   if (colds.length) {
     const native = nativeFaults ? `${Math.round(nativeFaults.faultsPerSecond.median)} faults/s (median of ${nativeFaults.faultsPerSecond.runsMs.length} runs)` : 'not measured';
-    process.stdout.write(`Cold compression (coldAfter ${BENCH_COLD_AFTER_MS / 1000} s; "settled" = time until the store last grew; native userfaultfd loop, 64 KiB blocks, this run: ${native})\n`);
+    process.stdout.write(`Cold compression (coldAfter ${BENCH_COLD_AFTER_MS / 1000} s; "settled" = from the fill until the store last grew; hot refaults counted over ${HOT_WINDOW_MS / 1000} s from ${MIX_SETTLE_MS / 1000} s after the fill; native userfaultfd loop, 64 KiB blocks, this run: ${native})\n`);
     const tc: string[][] = [['mode', 'working set', 'settled after ms', 'blocks stored', 'store MiB', 'incompressible blocks', 'scanner CPU % at idle', 'hot refaults, % of hot pages/s', 'faults/s (host thread touching)', '% of native']];
     for (const c of colds) {
       const f = c.strategies.find((s) => s.strategy === 'cold-compression')?.figures ?? {};

@@ -94,7 +94,7 @@ describe('ColdCompression', () => {
       }
       const f = figures(vm);
       // The cold 48 MiB went; the hot 16 MiB (256 blocks) is resident, having come back at most
-      // a few times per block as its back-off doubled (1 s, 2 s, 4 s, 8 s).
+      // a few times per block as its wait grew fourfold (1 s, 4 s, 16 s).
       expect(before - resident(vm)).toBeGreaterThan(44 * MiB);
       expect(resident(vm)).toBeGreaterThan(15 * MiB);
       expect(f.refaultsSoon).toBeLessThanOrEqual(256 * 4);

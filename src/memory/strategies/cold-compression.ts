@@ -8,7 +8,7 @@
  * reach the host's accessed bits, so a block counts as cold when a checksum of it (sampled: the
  * first 256 bytes of each page) has not changed for `coldAfterMs` (writes), and a block that a
  * read brings back soon after it was dropped (a refault), or that is written while it is being
- * compressed, waits twice as long each time before it is tried again (reads, and writes the
+ * compressed, waits four times as long each time before it is tried again (reads, and writes the
  * sample missed). A block lz4 cannot shrink enough stays resident and is not tried again until
  * its content changes.
  *
@@ -78,9 +78,16 @@ const SCAN_INTERVAL_MS = 1000;
 const SCAN_BYTES_PER_TICK = 512 * 1024 * 1024;
 /** At most this much is compressed per tick (a batch at a time); the rest waits for the next. */
 const COMPRESS_BYTES_PER_TICK = 32 * 1024 * 1024;
-/** A block waits coldAfter x 2^level after a refault, up to 2^12 (11 hours at the default). */
-const MAX_BACKOFF = 12;
-/** A refault within this many coldAfter periods of the drop counts as a wrong guess. */
+/**
+ * After a wrong guess a block waits coldAfter x 4^level before the next try, up to 4^6 (11 hours
+ * at the default). A block back within coldAfter of its drop (needed again before it would even
+ * have counted as cold: read-hot) goes up two levels at once, one back later goes up one. A
+ * read-hot block thus comes back after 1, then 16, then 256 x coldAfter: measured in bench
+ * memory's mix cell, doubling let a whole round of the hot part come back in each 30 s window.
+ */
+const BACKOFF_FACTOR = 4;
+const MAX_BACKOFF = 6;
+/** A refault within this many of its waits after the drop counts as a wrong guess. */
 const SOON_PERIODS = 4;
 
 /** The guest read back, or wrote into, a block that failed its integrity check. */
@@ -194,17 +201,26 @@ export class ColdCompression implements MemoryStrategy {
     for (let b = 0; b < faulted.length; b++) {
       if (!faulted[b]) continue;
       this.counts.refaults++;
-      const soon = now - this.storedAt[b] < SOON_PERIODS * this.coldAfterMs * 2 ** this.backoff[b];
+      const away = now - this.storedAt[b];
+      const soon = away < SOON_PERIODS * this.waitMs(b);
       if (soon) this.counts.refaultsSoon++;
-      this.touched(b, now, soon);
+      this.touched(b, now, soon ? (away < this.coldAfterMs ? 2 : 1) : 0);
     }
   }
 
-  /** Block b was in use after all: it waits, twice as long as last time if `wrongGuess`. */
-  private touched(b: number, now: number, wrongGuess: boolean): void {
-    this.backoff[b] = wrongGuess ? Math.min(MAX_BACKOFF, this.backoff[b] + 1) : 0;
+  /**
+   * Block b was in use after all. A wrong guess (`levels` > 0) makes it wait 4^levels times as
+   * long as last time; none (it was cold a long while) starts it again from coldAfter.
+   */
+  private touched(b: number, now: number, levels: number): void {
+    this.backoff[b] = levels > 0 ? Math.min(MAX_BACKOFF, this.backoff[b] + levels) : 0;
     this.changedAt[b] = now;
-    this.notBefore[b] = now + this.coldAfterMs * 2 ** this.backoff[b];
+    this.notBefore[b] = now + this.waitMs(b);
+  }
+
+  /** How long block b waits before the next try: coldAfter, times 4 for each wrong guess in a row. */
+  private waitMs(b: number): number {
+    return this.coldAfterMs * BACKOFF_FACTOR ** this.backoff[b];
   }
 
   /** Reads the next window of blocks; those cold enough to compress join {@link pending}. */
@@ -288,7 +304,7 @@ export class ColdCompression implements MemoryStrategy {
         break;
       case 3 /* Written */:
         this.counts.writtenWhileCompressing++;
-        this.touched(b, now, true);
+        this.touched(b, now, 1);
         break;
       case 2 /* Zero */:
         // Dropped: it reads back as zero, as it was.
