@@ -255,8 +255,8 @@ export class ColdCompression implements MemoryStrategy {
   }
 
   /**
-   * Compresses one batch in C on this thread (about 2 ms at most for 1 MiB of content lz4 cannot
-   * shrink, far less otherwise): the store's bytes never pass through JavaScript or the libuv
+   * Compresses one batch in C on this thread (a few ms for 1 MiB: the longest measured was 7.6 ms,
+   * for content lz4 cannot shrink, on a loaded host): the store's bytes never pass through JavaScript or the libuv
    * pool, whose allocations stay behind in malloc arenas (lz4-napi on the pool made a VM of random
    * content cost 57 MiB more than without the strategy).
    */
