@@ -55,6 +55,7 @@ int cold_compress_batch(struct cold_store *c, const uint8_t *ram, const uint32_t
   for (uint32_t k = 0; k < n; k++) {
     int got = LZ4_compress_default((const char *)ram + (uint64_t)list[k] * c->block, (char *)out + 4, (int)c->block, (int)max_size - 4);
     c->batch_block[k] = list[k];
+    c->batch_off[k] = (uint32_t)(out - c->scratch);
     c->batch_size[k] = got > 0 ? (uint32_t)got + 4 : 0;
     if (got <= 0) continue;
     out[0] = (uint8_t)c->block;
@@ -68,15 +69,11 @@ int cold_compress_batch(struct cold_store *c, const uint8_t *ram, const uint32_t
   return fit;
 }
 
-const uint8_t *cold_batch_take(const struct cold_store *c, const uint32_t *list, uint32_t n, uint32_t k, uint32_t *size) {
-  *size = 0;
-  if (n != c->batch_n || k >= n) return NULL;
+int cold_batch_is(const struct cold_store *c, const uint32_t *list, uint32_t n) {
+  if (n != c->batch_n) return 0;
   for (uint32_t i = 0; i < n; i++)
-    if (c->batch_block[i] != list[i]) return NULL;
-  const uint8_t *at = c->scratch;
-  for (uint32_t i = 0; i < k; i++) at += c->batch_size[i];
-  *size = c->batch_size[k];
-  return at;
+    if (c->batch_block[i] != list[i]) return 0;
+  return 1;
 }
 
 void cold_batch_done(struct cold_store *c) {

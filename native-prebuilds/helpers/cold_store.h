@@ -53,6 +53,7 @@ struct cold_store {
   uint32_t batch_n;
   uint32_t batch_block[COLD_BATCH_MAX];
   uint32_t batch_size[COLD_BATCH_MAX]; /* 0: did not fit in the size asked for */
+  uint32_t batch_off[COLD_BATCH_MAX];  /* where its bytes start in the scratch */
 };
 
 /* A store for `ram_size` bytes in blocks of `block`; NULL with errno set on failure. */
@@ -63,15 +64,12 @@ void cold_destroy(struct cold_store *c);
  * Compresses the `n` blocks `list` (block indices) of guest RAM at `ram` into the scratch, one
  * after the other, each as lz4-napi writes it (4-byte little-endian size, then one lz4 block) and
  * only if that fits in max_size bytes (lz4 gives up early on content that does not shrink). The
- * batch waits there for cold_batch_take. Returns how many fit, or -errno.
+ * batch waits there (batch_off, batch_size) for its finish. Returns how many fit, or -errno.
  */
 int cold_compress_batch(struct cold_store *c, const uint8_t *ram, const uint32_t *list, uint32_t n, uint32_t max_size);
 
-/*
- * The compressed bytes of `list`[k] from the last batch, and their size (0: keep it resident);
- * NULL size 0 if `list` is not that batch. cold_batch_done forgets the batch.
- */
-const uint8_t *cold_batch_take(const struct cold_store *c, const uint32_t *list, uint32_t n, uint32_t k, uint32_t *size);
+/* Whether `list` is the batch cold_compress_batch last made; cold_batch_done forgets it. */
+int cold_batch_is(const struct cold_store *c, const uint32_t *list, uint32_t n);
 void cold_batch_done(struct cold_store *c);
 
 /* Keeps a copy of `size` bytes as block b's compressed form: COMPRESSED. 0, or -ENOMEM. */

@@ -978,6 +978,8 @@ int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int3
   api_lock(s);
   int32_t rc = check_blocks(s, list, n);
   uint64_t block = s->cold ? s->cold->block : 0;
+  /* Only Node calls compress and finish, one after the other: the batch stays put meanwhile. */
+  int ours = rc >= 0 && cold_batch_is(s->cold, list, (uint32_t)n);
   api_unlock(s);
   if (rc < 0) return rc;
   /* Checksums first, without the mutex: reading guest RAM may fault into this server. */
@@ -990,8 +992,7 @@ int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int3
   }
   for (int32_t k = 0; k < n; k++) {
     const uint8_t *at = (const uint8_t *)(uintptr_t)(s->base + (uint64_t)list[k] * block);
-    uint32_t size;
-    cold_batch_take(s->cold, list, (uint32_t)n, (uint32_t)k, &size);
+    uint32_t size = ours ? s->cold->batch_size[k] : 0;
     zero[k] = size && cold_is_zero(at, block);
     crc[k] = size && !zero[k] ? pv_crc32c(at, block) : 0;
   }
@@ -1000,8 +1001,8 @@ int32_t pv_uffd_cold_finish(struct pv_uffd_server *s, const uint32_t *list, int3
   for (int32_t k = 0; k < n; k++) {
     struct cold_block *blk = &c->blocks[list[k]];
     uint64_t off = (uint64_t)list[k] * block;
-    uint32_t size;
-    const uint8_t *bytes = cold_batch_take(c, list, (uint32_t)n, (uint32_t)k, &size);
+    uint32_t size = ours ? c->batch_size[k] : 0;
+    const uint8_t *bytes = ours ? c->scratch + c->batch_off[k] : NULL;
     if (blk->state != COLD_COMPRESSING) {
       out[k] = COLD_NOT_BEGUN;
       continue;
