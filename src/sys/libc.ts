@@ -32,6 +32,7 @@ const fns = define({
   memfd_create: { library: libc, retType: I32, paramsType: [DataType.String, I32], errno: true },
   flock: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
   lseek: { library: libc, retType: I64, paramsType: [I32, I64, I32], errno: true },
+  fallocate: { library: libc, retType: I32, paramsType: [I32, I32, I64, I64], errno: true },
   // Returns the error number itself (not -1 and errno).
   posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
   // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
@@ -117,6 +118,15 @@ export function fileDataRuns(fd: number, sizeBytes: number): [number, number][] 
     at = end;
   }
   return runs;
+}
+
+/** fallocate(2) modes from <linux/falloc.h>. */
+const FALLOC_FL_KEEP_SIZE = 1;
+const FALLOC_FL_PUNCH_HOLE = 2;
+
+/** Frees [offset, offset+length) of file `fd` (a hole reads zero), keeping its size: fallocate(PUNCH_HOLE). */
+export function punchHole(fd: number, offset: number, length: number): void {
+  check('fallocate(PUNCH_HOLE)', fns.fallocate([fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length]) as ErrnoResult<number>);
 }
 
 /** close(2). */
