@@ -154,3 +154,10 @@ const ERRNO_NAMES: Record<number, string> = {
 export function errnoName(errno: number): string {
   return ERRNO_NAMES[errno] ?? `errno ${errno}`;
 }
+
+/** The page pool daemon cannot be reached, refused, or broke its protocol. The VM runs on. */
+export class PoolUnavailableError extends PvisorError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super('PVISOR_POOL_UNAVAILABLE', message, options);
+  }
+}

@@ -1,0 +1,154 @@
+/**
+ * The page pool's protocol between a VM process (PoolClient) and pvisor-daemon, in the agent
+ * protocol's frames (../protocol/frame.ts: bounded, linear to decode): a Request with an op and an
+ * id, answered by a Response or an Error with the same id. The daemon's first answer, to Hello,
+ * comes with the pool's memfd (SCM_RIGHTS), which the client maps privately over guest pages.
+ *
+ * Payloads are little-endian arrays of fixed-size entries, each bounded so that no message makes
+ * either side hold more than a batch: the daemon never stages more than one Put of pages.
+ */
+
+/** Operations. */
+export const enum PoolOp {
+  /** JSON {version, scope, name} -> JSON {version, poolBytes, clientId}, with the memfd. */
+  Hello = 1,
+  /** Offer entries -> Answer entries: for each page, a pool page, Send, or None. */
+  Offer = 2,
+  /** Put entries (page + its 4096 bytes) -> Answer entries: the pool page holding it, or Full. */
+  Put = 3,
+  /** Settle: pool pages mapped (keep), pool pages not mapped or no longer mapped (drop) -> empty. */
+  Settle = 4,
+  /** Empty -> JSON {@link PoolStatus}. */
+  Status = 5,
+}
+
+export const POOL_PROTOCOL_VERSION = 1;
+export const PAGE_BYTES = 4096;
+/** Most entries in one Offer (12 bytes each: under the frame's 1 MiB). */
+export const MAX_OFFER_ENTRIES = 65536;
+/** Most pages in one Put (under the frame's 1 MiB): what the daemon holds of a client at once. */
+export const MAX_PUT_PAGES = 240;
+/** Most pool pages in one Settle. */
+export const MAX_SETTLE_PAGES = 131072;
+/** A longest scope or VM name. */
+export const MAX_NAME_BYTES = 256;
+
+/** Answers: a pool page number, or one of these. */
+export const ANSWER_SEND = 0xffffffff;
+export const ANSWER_NONE = 0xfffffffe;
+export const ANSWER_FULL = 0xfffffffd;
+
+/** A page's content key (see pageHashes): two 32-bit words. */
+export interface PageKey {
+  lo: number;
+  hi: number;
+}
+
+/** What `pvisor-daemon status` prints. */
+export interface PoolStatus {
+  pid: number;
+  poolBytes: number;
+  pagesUsed: number;
+  references: number;
+  clients: { id: number; scope: string; name: string; pid: number; references: number }[];
+  scopes: number;
+  candidates: number;
+  pssBytes: number;
+}
+
+/** A payload that breaks the protocol: the connection ends. */
+export class PoolProtocolError extends Error {}
+
+/** Offer entries: guest page, key. */
+export function encodeOffer(entries: { page: number; key: PageKey }[]): Buffer {
+  const b = Buffer.allocUnsafe(entries.length * 12);
+  entries.forEach((e, i) => {
+    b.writeUInt32LE(e.page, i * 12);
+    b.writeUInt32LE(e.key.lo, i * 12 + 4);
+    b.writeUInt32LE(e.key.hi, i * 12 + 8);
+  });
+  return b;
+}
+
+export function decodeOffer(p: Buffer): { page: number; key: PageKey }[] {
+  if (p.length % 12 !== 0 || p.length / 12 > MAX_OFFER_ENTRIES) throw new PoolProtocolError(`an Offer of ${p.length} bytes`);
+  const out: { page: number; key: PageKey }[] = [];
+  for (let at = 0; at < p.length; at += 12) out.push({ page: p.readUInt32LE(at), key: { lo: p.readUInt32LE(at + 4), hi: p.readUInt32LE(at + 8) } });
+  return out;
+}
+
+/** Answer entries: guest page, answer. */
+export function encodeAnswers(entries: { page: number; answer: number }[]): Buffer {
+  const b = Buffer.allocUnsafe(entries.length * 8);
+  entries.forEach((e, i) => {
+    b.writeUInt32LE(e.page, i * 8);
+    b.writeUInt32LE(e.answer >>> 0, i * 8 + 4);
+  });
+  return b;
+}
+
+export function decodeAnswers(p: Buffer, max: number): { page: number; answer: number }[] {
+  if (p.length % 8 !== 0 || p.length / 8 > max) throw new PoolProtocolError(`an answer of ${p.length} bytes`);
+  const out: { page: number; answer: number }[] = [];
+  for (let at = 0; at < p.length; at += 8) out.push({ page: p.readUInt32LE(at), answer: p.readUInt32LE(at + 4) });
+  return out;
+}
+
+/** Put: u32 count, the guest pages, then their bytes, page after page (so they can be keyed in one call). */
+export function encodePut(pages: { page: number; bytes: Buffer }[]): Buffer {
+  const data = 4 + 4 * pages.length;
+  const b = Buffer.allocUnsafe(data + pages.length * PAGE_BYTES);
+  b.writeUInt32LE(pages.length, 0);
+  pages.forEach((e, i) => {
+    b.writeUInt32LE(e.page, 4 + 4 * i);
+    e.bytes.copy(b, data + i * PAGE_BYTES, 0, PAGE_BYTES);
+  });
+  return b;
+}
+
+export function decodePut(p: Buffer): { pages: number[]; data: Buffer } {
+  const count = p.length >= 4 ? p.readUInt32LE(0) : -1;
+  if (count < 1 || count > MAX_PUT_PAGES || p.length !== 4 + count * (4 + PAGE_BYTES)) throw new PoolProtocolError(`a Put of ${p.length} bytes`);
+  const pages: number[] = [];
+  for (let i = 0; i < count; i++) pages.push(p.readUInt32LE(4 + 4 * i));
+  return { pages, data: p.subarray(4 + 4 * count) };
+}
+
+/** Settle: u32 count of kept pages, the kept pool pages, then the dropped ones. */
+export function encodeSettle(keep: readonly number[], drop: readonly number[]): Buffer {
+  const b = Buffer.allocUnsafe(4 + 4 * (keep.length + drop.length));
+  b.writeUInt32LE(keep.length, 0);
+  [...keep, ...drop].forEach((page, i) => b.writeUInt32LE(page, 4 + 4 * i));
+  return b;
+}
+
+export function decodeSettle(p: Buffer): { keep: number[]; drop: number[] } {
+  if (p.length < 4 || p.length % 4 !== 0 || (p.length - 4) / 4 > MAX_SETTLE_PAGES) throw new PoolProtocolError(`a Settle of ${p.length} bytes`);
+  const keepCount = p.readUInt32LE(0);
+  const total = (p.length - 4) / 4;
+  if (keepCount > total) throw new PoolProtocolError(`a Settle keeping ${keepCount} of ${total} pages`);
+  const pages: number[] = [];
+  for (let at = 4; at < p.length; at += 4) pages.push(p.readUInt32LE(at));
+  return { keep: pages.slice(0, keepCount), drop: pages.slice(keepCount) };
+}
+
+/** A JSON payload of at most `maxBytes`, as an object. */
+export function decodeJson(p: Buffer, maxBytes: number, what: string): Record<string, unknown> {
+  if (p.length > maxBytes) throw new PoolProtocolError(`${what}: ${p.length} bytes, at most ${maxBytes}`);
+  let v: unknown;
+  try {
+    v = JSON.parse(p.toString('utf8'));
+  } catch {
+    throw new PoolProtocolError(`${what}: not JSON`);
+  }
+  if (typeof v !== 'object' || v === null || Array.isArray(v)) throw new PoolProtocolError(`${what}: not an object`);
+  return v as Record<string, unknown>;
+}
+
+/** A scope or name: 1 to {@link MAX_NAME_BYTES} bytes of printable text. */
+export function checkName(v: unknown, what: string): string {
+  if (typeof v !== 'string' || v.length === 0 || Buffer.byteLength(v) > MAX_NAME_BYTES || /[\u0000-\u001f]/.test(v)) {
+    throw new PoolProtocolError(`${what}: expected 1 to ${MAX_NAME_BYTES} bytes of printable text`);
+  }
+  return v;
+}
