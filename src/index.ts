@@ -29,6 +29,7 @@ export {
   BackingFileError,
   OutputLimitError,
   SnapshotError,
+  PoolUnavailableError,
 } from './errors';
 export { IdleRelease } from './memory/strategies/idle-release';
 export { ColdCompression, ColdBlockError } from './memory/strategies/cold-compression';
@@ -39,6 +40,8 @@ export type { OffloadOptions, OffloadReload } from './memory/strategies/offload'
 export { CompressedOffload } from './memory/strategies/compressed-offload';
 export type { CompressedOffloadOptions } from './memory/strategies/compressed-offload';
 export { SharedSnapshot } from './memory/strategies/shared-snapshot';
+export { PoolClient } from './memory/strategies/pool-client';
+export type { PoolClientOptions } from './memory/strategies/pool-client';
 export type { SharedSnapshotOptions } from './memory/strategies/shared-snapshot';
 export type { BackingDirOptions } from './memory/backing-file';
 export { StrategyConflictError } from './memory/strategy';

@@ -196,6 +196,7 @@ export class Vm extends EventEmitter<VmEvents> {
     this.memory = new MemoryComposition(strategies, name, {
       fail: (error) => this.failByStrategy(error),
       warn: (message) => this.emit('warning', message),
+      withGuestPaused: (work) => this.withGuestPaused(work),
     });
   }
 
@@ -489,6 +490,24 @@ export class Vm extends EventEmitter<VmEvents> {
     });
     this.lifecycle = run.then(() => {}, () => {});
     return run;
+  }
+
+  /**
+   * A strategy's brief pause (see StrategyContext.withGuestPaused). It takes no part in the
+   * transitions' queue: a suspend waits for running ticks, so a tick waiting for the queue would
+   * wait for itself. Instead, a transition that starts meanwhile takes the pause over: it pauses
+   * the machine itself (already paused, at once), and the vCPUs run again only when it says so.
+   */
+  private async withGuestPaused<T>(work: () => T): Promise<T | undefined> {
+    if (this._state === 'paused' || this._state === 'suspended') return this.inTransition ? undefined : work();
+    if (this._state !== 'running' || this.inTransition) return undefined;
+    await this.machine.pause();
+    if (this._state !== 'running' && this._state !== 'paused' && this._state !== 'suspended') return undefined;
+    try {
+      return work();
+    } finally {
+      if (this._state === 'running' && !this.inTransition) this.machine.resume();
+    }
   }
 
   /** After an await inside a transition: the VM may have been stopped meanwhile. */

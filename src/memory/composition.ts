@@ -29,6 +29,8 @@ export interface CompositionHooks {
   fail(error: PvisorError): void;
   /** Something went wrong that the VM survives (a periodic tick failed). */
   warn(message: string): void;
+  /** See {@link StrategyContext.withGuestPaused}. */
+  withGuestPaused<T>(work: () => T): Promise<T | undefined>;
 }
 
 const DEFAULT_BACKING: RamBackingRequest = { kind: 'anonymous' };
@@ -128,6 +130,8 @@ export class MemoryComposition {
       },
       uffd: () => this.uffdServer(ram, backing),
       fail: (error) => this.hooks.fail(error),
+      withGuestPaused: (work) => this.hooks.withGuestPaused(work),
+      warn: (message) => this.hooks.warn(message),
     };
     for (const s of this.strategies) s.map?.(this.ctx);
   }

@@ -13,8 +13,12 @@ import type { UffdServer } from './uffd-server';
 export type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from './ram-backing';
 export type { PageRun } from './pages';
 
-/** A host resource that only one strategy of a VM may drive. */
-export type ExclusiveResource = 'free-page-reporting' | 'suspend-image';
+/**
+ * A host resource that only one strategy of a VM may drive: free page reports, the image a
+ * suspend writes, or the pages of running guest RAM themselves (a strategy that drops and refills
+ * them behind the guest's back, or maps other memory over them).
+ */
+export type ExclusiveResource = 'free-page-reporting' | 'suspend-image' | 'resident-pages';
 
 /** What a strategy sees of guest RAM. */
 export interface StrategyRam {
@@ -68,6 +72,16 @@ export interface StrategyContext {
    * every strategy's `close`.
    */
   uffd(): Promise<UffdServer>;
+  /**
+   * Runs `work` (synchronous) with every vCPU stopped, so that the guest writes nothing to RAM
+   * meanwhile: for a strategy that replaces guest pages it has just compared (the page pool). A
+   * running VM is paused for the call and runs on after; a paused or suspended one stays as it
+   * is. Resolves with `work`'s result, or `undefined` without calling it when the VM is between
+   * states or has ended (try again at the next tick). Keep `work` short: the guest waits.
+   */
+  withGuestPaused<T>(work: () => T): Promise<T | undefined>;
+  /** Tells the VM's user something went wrong that the VM survives (the VM's `warning` event). */
+  warn(message: string): void;
   /**
    * Ends the VM as a crash with `error`, for a strategy that finds, while the guest runs, that it
    * cannot go on (e.g. a corrupt piece met during a lazy reload). The VM emits `crash` and `exit`,

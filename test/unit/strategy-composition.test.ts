@@ -47,12 +47,12 @@ describe('memory strategy composition', () => {
   it('sends free-page reports to the strategy that drives them first, then to those that listen', () => {
     const heard: string[] = [];
     const listener = (name: string, exclusive: MemoryStrategy['exclusive']): MemoryStrategy => ({ name, needs: [], exclusive, freePagesReported: () => heard.push(name), stats: () => ({ strategy: name, figures: {}, notes: [] }) });
-    const composition = new MemoryComposition([listener('listens', []), listener('drives', ['free-page-reporting'])], 'vm', { fail: () => {}, warn: () => {} });
+    const composition = new MemoryComposition([listener('listens', []), listener('drives', ['free-page-reporting'])], 'vm', { fail: () => {}, warn: () => {}, withGuestPaused: async (work) => work() });
     composition.attach({ hostAddr: 0, sizeBytes: 0, backing: { kind: 'anonymous' }, hostView: () => Buffer.alloc(0), advise: () => {}, discard: () => {}, discardHost: () => {}, mapFileOver: () => {} });
     composition.freePageSink!(0, 4096);
     expect(heard).toEqual(['drives', 'listens']);
     // Without a strategy that drives reporting, the balloon offers none.
-    expect(new MemoryComposition([listener('listens', [])], 'vm', { fail: () => {}, warn: () => {} }).freePageSink).toBeUndefined();
+    expect(new MemoryComposition([listener('listens', [])], 'vm', { fail: () => {}, warn: () => {}, withGuestPaused: async (work) => work() }).freePageSink).toBeUndefined();
   });
 
   it('spaces periodic work so that it stays within its CPU share', () => {

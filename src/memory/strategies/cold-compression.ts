@@ -110,7 +110,7 @@ function option(name: string, value: number | undefined, fallback: number, ok: (
 export class ColdCompression implements MemoryStrategy {
   readonly name = 'cold-compression';
   readonly needs = ['userfaultfd-missing', 'userfaultfd-write-protect'] as const;
-  readonly exclusive = [] as const;
+  readonly exclusive = ['resident-pages'] as const;
   readonly periodic: PeriodicWork;
   private readonly coldAfterMs: number;
   private readonly blockBytes: number;

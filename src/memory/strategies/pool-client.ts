@@ -1,0 +1,330 @@
+/**
+ * PoolClient: the VM's side of pvisor-daemon's page pool. The VM starts with private RAM; each
+ * merge pass (periodic, or {@link PoolClient.mergeNow}) keys the VM's own pages, offers the keys
+ * to the pool, sends the pages the pool asks for (those another VM of the scope has too), and maps
+ * the pool's copy over each page whose bytes it has compared equal: reads then share the pool's
+ * page, a write makes a private copy again. The pass also finds pages the guest has written since
+ * (they are anonymous again) and gives their pool references back.
+ *
+ * No guest write is lost to a merge: pages are compared and replaced with every vCPU stopped
+ * (StrategyContext.withGuestPaused), in slices so that the guest waits little, and a page that
+ * changed between the offer and the slice no longer compares equal and stays the VM's.
+ *
+ * The daemon can go away at any time: pages already mapped stay valid (the memfd lives while
+ * mapped), the VM runs on, the figures and a warning say so, and the client reconnects with
+ * back-off to the next daemon, whose pool starts afresh.
+ */
+import { InvalidOptionError } from '../../errors';
+import { rangeMappings } from '../../memory-usage';
+import { MAP_SHARED, PAGE_SIZE, PROT_READ } from '../../sys/constants';
+import { closeFd, mmap, munmap, viewAt } from '../../sys/libc';
+import {
+  ANSWER_FULL,
+  ANSWER_NONE,
+  ANSWER_SEND,
+  checkName,
+  decodeAnswers,
+  encodeOffer,
+  encodePut,
+  encodeSettle,
+  MAX_OFFER_ENTRIES,
+  MAX_PUT_PAGES,
+  MAX_SETTLE_PAGES,
+  PoolOp,
+  PoolProtocolError,
+} from '../../daemon/pool-protocol';
+import type { PoolLink } from '../pool-link';
+import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, type StrategyRam, type StrategyStats } from '../strategy';
+
+/** Options of {@link PoolClient}. */
+export interface PoolClientOptions {
+  /** The daemon's socket (`pvisor-daemon serve --memory-pool --socket PATH`). */
+  socket: string;
+  /**
+   * Pages are shared only among VMs of one scope. Sharing a page across tenants lets one learn,
+   * by timing its writes, whether another holds the same content (as with KSM): give each tenant
+   * its own scope. Default `default`.
+   */
+  scope?: string;
+  /** Time between merge passes, ms. Default 10000. */
+  intervalMs?: number;
+  /** Share of one CPU the passes may take. Default 0.1. */
+  cpuShare?: number;
+  /** How long one request to the daemon may take, ms. Default 10000. */
+  requestTimeoutMs?: number;
+}
+
+/** Pages compared and replaced in one pause of the guest. */
+const PAGES_PER_PAUSE = 2048;
+const RECONNECT_FIRST_MS = 500;
+const RECONNECT_MAX_MS = 30_000;
+const VIEW_CHUNK_BYTES = 2 ** 30;
+
+/** One daemon's pool as this client maps it. */
+interface PoolGeneration {
+  id: number;
+  link: PoolLink;
+  fd: number;
+  bytes: number;
+  /** The pool mapped read-only, to compare pages against. */
+  addr: number;
+  views: Buffer[];
+}
+
+/** Shares the VM's pages with other VMs through pvisor-daemon's page pool. */
+export class PoolClient implements MemoryStrategy {
+  readonly name = 'pool-client';
+  readonly needs = [] as const;
+  /** It maps pool pages over running guest RAM: ColdCompression must not drop them behind it. */
+  readonly exclusive = ['resident-pages'] as const;
+  readonly periodic: PeriodicWork;
+  private readonly socketPath: string;
+  private readonly scope: string;
+  private readonly requestTimeoutMs: number;
+  private ctx: StrategyContext | undefined;
+  private pool: PoolGeneration | undefined;
+  private generations = 0;
+  private connecting = false;
+  private reconnectTimer: NodeJS.Timeout | undefined;
+  private reconnectMs = RECONNECT_FIRST_MS;
+  private closed = false;
+  private lastError: string | undefined;
+  /** Guest page -> [generation, pool page] of every page mapped from a pool. */
+  private readonly mapped = new Map<number, [number, number]>();
+  private zeroKey: bigint | undefined;
+  private passing: Promise<void> | undefined;
+  private readonly figures = { merges: 0, lastMergeMs: 0, pagesMapped: 0, pagesSent: 0, pagesUnshared: 0, pagesChangedBeforeMap: 0, reconnects: 0, poolFull: 0 };
+
+  constructor(options: PoolClientOptions) {
+    if (typeof options?.socket !== 'string' || options.socket.length === 0) throw new InvalidOptionError('socket', 'the pool daemon\'s socket path is required');
+    this.socketPath = options.socket;
+    try {
+      this.scope = checkName(options.scope ?? 'default', 'scope');
+    } catch (e) {
+      throw new InvalidOptionError('scope', (e as Error).message);
+    }
+    const num = (name: string, v: number | undefined, fallback: number, min: number, max: number) => {
+      if (v === undefined) return fallback;
+      if (typeof v !== 'number' || !Number.isFinite(v) || v < min || v > max) throw new InvalidOptionError(name, `must be from ${min} to ${max}, got ${String(v)}`);
+      return v;
+    };
+    this.periodic = { intervalMs: num('intervalMs', options.intervalMs, 10_000, 100, 3_600_000), cpuShare: num('cpuShare', options.cpuShare, 0.1, 0.001, 1) };
+    this.requestTimeoutMs = num('requestTimeoutMs', options.requestTimeoutMs, 10_000, 100, 600_000);
+  }
+
+  map(ctx: StrategyContext): void {
+    this.ctx = ctx;
+    this.connect();
+  }
+
+  /** Whether the client holds a live connection to the daemon. */
+  get connected(): boolean {
+    return this.pool !== undefined && !this.pool.link.closed;
+  }
+
+  /** Connects (again), without waiting; a failure is retried with back-off. */
+  private connect(): void {
+    if (this.closed || this.connecting || this.connected) return;
+    this.connecting = true;
+    import('../pool-link')
+      .then(({ PoolLink }) => PoolLink.connect(this.socketPath, { scope: this.scope, name: this.ctx!.vmName }, this.requestTimeoutMs))
+      .then(
+        (link) => {
+          this.connecting = false;
+          if (this.closed) {
+            link.close();
+            closeFd(link.poolFd);
+            return;
+          }
+          this.adopt(link);
+        },
+        (e: Error) => {
+          this.connecting = false;
+          this.lost(e.message);
+        },
+      );
+  }
+
+  private adopt(link: PoolLink): void {
+    this.dropGeneration();
+    const addr = mmap(0, link.poolBytes, PROT_READ, MAP_SHARED, link.poolFd, 0, 'the page pool (read-only)');
+    const views: Buffer[] = [];
+    for (let off = 0; off < link.poolBytes; off += VIEW_CHUNK_BYTES) views.push(viewAt(addr + off, Math.min(VIEW_CHUNK_BYTES, link.poolBytes - off)));
+    const gen = ++this.generations;
+    this.pool = { id: gen, link, fd: link.poolFd, bytes: link.poolBytes, addr, views };
+    if (gen > 1) this.figures.reconnects++;
+    this.reconnectMs = RECONNECT_FIRST_MS;
+    this.lastError = undefined;
+    link.onClose((e) => {
+      if (this.pool?.id === gen) this.lost(e.message);
+    });
+  }
+
+  /** The daemon is gone or unreachable: pages mapped from it stay; try again later. */
+  private lost(why: string): void {
+    if (this.closed) return;
+    const first = this.lastError === undefined;
+    this.lastError = why;
+    if (first) this.ctx?.warn(`pool-client: ${why}; the VM runs on with what it maps, reconnecting`);
+    clearTimeout(this.reconnectTimer);
+    this.reconnectTimer = setTimeout(() => this.connect(), this.reconnectMs);
+    this.reconnectTimer.unref();
+    this.reconnectMs = Math.min(RECONNECT_MAX_MS, this.reconnectMs * 2);
+  }
+
+  /** Unmaps the comparison view of the current pool and closes its fd (mapped guest pages keep the memfd alive). */
+  private dropGeneration(): void {
+    const p = this.pool;
+    if (!p) return;
+    this.pool = undefined;
+    p.link.close();
+    p.views.length = 0;
+    munmap(p.addr, p.bytes);
+    closeFd(p.fd);
+  }
+
+  tick(ctx: StrategyContext): Promise<void> {
+    return this.mergeNow(ctx);
+  }
+
+  /**
+   * One merge pass now (also what each periodic tick does); resolves when it is done. Does
+   * nothing while the daemon is unreachable.
+   */
+  mergeNow(ctx: StrategyContext | undefined = this.ctx): Promise<void> {
+    if (!ctx) return Promise.resolve();
+    this.passing ??= this.pass(ctx).finally(() => (this.passing = undefined));
+    return this.passing;
+  }
+
+  private async pass(ctx: StrategyContext): Promise<void> {
+    const pool = this.pool;
+    if (!pool || pool.link.closed) return;
+    const t0 = performance.now();
+    const ram = ctx.ram;
+    const pages = ram.sizeBytes / PAGE_SIZE;
+    // Pages that are the VM's own now: a page mapped from a pool and anonymous again was written.
+    const own = new Uint8Array(pages);
+    for (const r of ram.ownPageRuns()) own.fill(1, r.offset / PAGE_SIZE, (r.offset + r.length) / PAGE_SIZE);
+    const drop: number[] = [];
+    for (const [page, [gen, poolPage]] of this.mapped) {
+      if (!own[page]) continue;
+      this.mapped.delete(page);
+      this.figures.pagesUnshared++;
+      if (gen === pool.id) drop.push(poolPage);
+    }
+    // Key every own page not yet shared, except zero pages (the guest's free memory: IdleRelease's).
+    const { pageHashes, pageHashesOf } = await import('../uffd-server');
+    const keys = new BigUint64Array(pages);
+    if (this.zeroKey === undefined) {
+      const one = new BigUint64Array(1);
+      pageHashesOf(Buffer.alloc(PAGE_SIZE), one);
+      this.zeroKey = one[0];
+    }
+    const zero = this.zeroKey;
+    const offer: { page: number; key: { lo: number; hi: number } }[] = [];
+    for (const r of ram.ownPageRuns()) {
+      const first = r.offset / PAGE_SIZE;
+      const n = r.length / PAGE_SIZE;
+      pageHashes(ram.hostAddr + r.offset, n, keys.subarray(first, first + n));
+      for (let p = first; p < first + n; p++) if (keys[p] !== zero) offer.push({ page: p, key: { lo: Number(keys[p] & 0xffffffffn), hi: Number(keys[p] >> 32n) } });
+    }
+    const candidates: [number, number][] = []; // [guest page, pool page], each a reference held
+    const send: number[] = [];
+    try {
+      for (let i = 0; i < offer.length; i += MAX_OFFER_ENTRIES) {
+        const batch = offer.slice(i, i + MAX_OFFER_ENTRIES);
+        for (const a of this.answers(await pool.link.request(PoolOp.Offer, encodeOffer(batch), this.requestTimeoutMs), batch.length, pool)) {
+          if (a.answer === ANSWER_SEND) send.push(a.page);
+          else if (a.answer !== ANSWER_NONE) candidates.push([a.page, a.answer]);
+        }
+      }
+      for (let i = 0; i < send.length; i += MAX_PUT_PAGES) {
+        const batch = send.slice(i, i + MAX_PUT_PAGES).map((page) => ({ page, bytes: ram.view(page * PAGE_SIZE, PAGE_SIZE) }));
+        const answers = this.answers(await pool.link.request(PoolOp.Put, encodePut(batch), this.requestTimeoutMs), batch.length, pool);
+        this.figures.pagesSent += batch.length;
+        for (const a of answers) {
+          if (a.answer === ANSWER_FULL) this.figures.poolFull++;
+          else candidates.push([a.page, a.answer]);
+        }
+        if (answers.some((a) => a.answer === ANSWER_FULL)) break;
+      }
+      candidates.sort((a, b) => a[0] - b[0]);
+      for (let i = 0; i < candidates.length; i += PAGES_PER_PAUSE) {
+        const slice = candidates.slice(i, i + PAGES_PER_PAUSE);
+        const refused = await ctx.withGuestPaused(() => this.mapSlice(ram, pool, slice));
+        // The VM changed state or ended meanwhile: nothing of the slice was mapped.
+        drop.push(...(refused ?? slice.map(([, poolPage]) => poolPage)));
+      }
+      for (let i = 0; i < drop.length; i += MAX_SETTLE_PAGES) {
+        await pool.link.request(PoolOp.Settle, encodeSettle([], drop.slice(i, i + MAX_SETTLE_PAGES)), this.requestTimeoutMs);
+      }
+    } catch (e) {
+      // The link ended (its close listener reconnects); the daemon gave every reference back.
+      if (!pool.link.closed) throw e;
+    }
+    this.figures.merges++;
+    this.figures.lastMergeMs = roundMs(performance.now() - t0);
+  }
+
+  private answers(payload: Buffer, expected: number, pool: PoolGeneration): { page: number; answer: number }[] {
+    const answers = decodeAnswers(payload, expected);
+    const poolPages = pool.bytes / PAGE_SIZE;
+    if (answers.length !== expected || answers.some((a) => a.answer < ANSWER_FULL && a.answer >= poolPages)) {
+      pool.link.close();
+      throw new PoolProtocolError('the pool answered with pages it does not have');
+    }
+    return answers;
+  }
+
+  /**
+   * With the guest stopped: maps each candidate's pool page over its guest page if their bytes
+   * are equal, consecutive pages as one mapping. Returns the pool pages not mapped.
+   */
+  private mapSlice(ram: StrategyRam, pool: PoolGeneration, slice: [number, number][]): number[] {
+    const refused: number[] = [];
+    let run: { guest: number; pool: number; pages: number } | undefined;
+    const flush = () => {
+      if (!run) return;
+      ram.mapFileOver(run.guest * PAGE_SIZE, run.pages * PAGE_SIZE, pool.fd, run.pool * PAGE_SIZE);
+      for (let k = 0; k < run.pages; k++) this.mapped.set(run.guest + k, [pool.id, run.pool + k]);
+      this.figures.pagesMapped += run.pages;
+      run = undefined;
+    };
+    for (const [guest, poolPage] of slice) {
+      const poolOffset = poolPage * PAGE_SIZE;
+      const chunk = pool.views[Math.floor(poolOffset / VIEW_CHUNK_BYTES)];
+      const inChunk = poolOffset % VIEW_CHUNK_BYTES;
+      const same = !this.mapped.has(guest) && ram.view(guest * PAGE_SIZE, PAGE_SIZE).equals(chunk.subarray(inChunk, inChunk + PAGE_SIZE));
+      if (!same) {
+        this.figures.pagesChangedBeforeMap++;
+        refused.push(poolPage);
+        continue;
+      }
+      if (run && run.guest + run.pages === guest && run.pool + run.pages === poolPage) run.pages++;
+      else {
+        flush();
+        run = { guest, pool: poolPage, pages: 1 };
+      }
+    }
+    flush();
+    return refused;
+  }
+
+  stats(ctx: StrategyContext): StrategyStats {
+    const notes: string[] = [];
+    if (!this.connected) notes.push(`not connected to the pool at ${this.socketPath}${this.lastError ? `: ${this.lastError}` : ''}; the VM runs on with the pages it maps`);
+    const vmas = rangeMappings(ctx.ram.hostAddr, ctx.ram.sizeBytes).length;
+    return {
+      strategy: this.name,
+      figures: { connected: this.connected ? 1 : 0, pagesShared: this.mapped.size, guestRamMappings: vmas, ...this.figures },
+      notes,
+    };
+  }
+
+  close(): void {
+    this.closed = true;
+    clearTimeout(this.reconnectTimer);
+    this.dropGeneration();
+  }
+}
