@@ -1,86 +1,40 @@
 /**
- * `pvisor run`: starts one VM, runs CMD in it (probe steps on the probe guest), and answers its
- * control socket meanwhile (./run-control.ts).
+ * `pvisor run`: starts one VM (booted, or restored from a snapshot with `--from`), runs CMD in it
+ * (probe steps on the probe guest), and answers its control socket meanwhile (./run-control.ts).
  */
 import { constants as osConstants } from 'node:os';
-import { parseArgs } from 'node:util';
-import { InvalidOptionError } from '../errors';
-import { ColdCompression } from '../memory/strategies/cold-compression';
-import { IdleRelease } from '../memory/strategies/idle-release';
-import { KsmAdvice } from '../memory/strategies/ksm-advice';
-import { Offload } from '../memory/strategies/offload';
-import type { MemoryStrategy } from '../memory/strategy';
-import { CompressedOffload } from '../memory/strategies/compressed-offload';
-import { parseDurationMs, parseSize } from '../units';
+import { formatMiB } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { parseProbeScript, runProbeScript } from './probe-script';
+import { parseRunArgs } from './run-args';
 import { RunControl } from './run-control';
 
 /** Runs `pvisor run ARGS`; resolves with the run's exit status. */
 export async function cmdRun(argv: string[]): Promise<number> {
-  const dash = argv.indexOf('--');
-  const own = dash >= 0 ? argv.slice(0, dash) : argv;
-  const command = dash >= 0 ? argv.slice(dash + 1) : [];
-  const { values } = parseArgs({
-    args: own,
-    options: {
-      memory: { type: 'string', default: '512MiB' },
-      vcpus: { type: 'string', default: '2' },
-      guest: { type: 'string', default: 'linux' },
-      console: { type: 'boolean', default: false },
-      'vm-ram-dedup': { type: 'boolean', default: false },
-      'vm-idle-release': { type: 'boolean', default: false },
-      'vm-offload': { type: 'boolean', default: false },
-      'vm-offload-reload': { type: 'string' },
-      'vm-ram-compression': { type: 'boolean', default: false },
-      'vm-backing-dir': { type: 'string' },
-      'vm-cold-ram-compression': { type: 'boolean', default: false },
-      'vm-cold-after': { type: 'string' },
-      name: { type: 'string' },
-      'vm-socket': { type: 'string' },
-      kernel: { type: 'string' },
-      initrd: { type: 'string' },
-      rootfs: { type: 'string' },
-      'rootfs-readonly': { type: 'boolean', default: false },
-    },
-    strict: true,
-  });
-  const coldAfter = values['vm-cold-after'];
-  if (coldAfter !== undefined && !values['vm-cold-ram-compression']) throw new InvalidOptionError('--vm-cold-after', 'only goes with --vm-cold-ram-compression');
-  if (values['rootfs-readonly'] && values.rootfs === undefined) throw new InvalidOptionError('--rootfs-readonly', 'only goes with --rootfs IMAGE');
-  const reload = values['vm-offload-reload'];
-  if (reload !== undefined && !values['vm-offload']) throw new InvalidOptionError('--vm-offload-reload', 'only goes with --vm-offload');
-  if (reload !== undefined && reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('--vm-offload-reload', `expected eager or lazy, got ${JSON.stringify(reload)}`);
-  if (!command.length) throw new InvalidOptionError('command', 'nothing to run: give it after --, e.g. pvisor run -- uname -a');
-  const vcpus = Number(values.vcpus);
-  const guest = values.guest as GuestKind;
-  const memory = parseSize('memory', values.memory);
-  if (guest === 'probe' && (values.kernel !== undefined || values.initrd !== undefined)) throw new InvalidOptionError('--kernel', '--kernel and --initrd are for the Linux guest');
-  if (guest === 'probe' && values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'is for the Linux guest');
-  const steps = guest === 'probe' ? parseProbeScript(command) : undefined;
-  const strategies: MemoryStrategy[] = [];
-  if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
-  if (values['vm-idle-release']) strategies.push(new IdleRelease());
-  const dir = values['vm-backing-dir'];
-  if (values['vm-cold-ram-compression']) strategies.push(new ColdCompression({ coldAfterMs: coldAfter === undefined ? undefined : parseDurationMs('--vm-cold-after', coldAfter), dir }));
-  if (values['vm-offload']) strategies.push(new Offload({ reload, dir }));
-  if (values['vm-ram-compression']) strategies.push(new CompressedOffload({ dir }));
-  // `pvisor suspend ID --vm-offload` must work on any VM, as in the reference CLI: Offload costs
-  // nothing until a suspend, so it is composed unless another suspend-image strategy was chosen.
-  if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload({ dir }));
+  const args = parseRunArgs(argv);
+  const { source } = args;
+  const machine = source.kind === 'boot' ? source : await describeSnapshot(source.dir);
+  // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
+  const steps = machine.guest === 'probe' ? parseProbeScript(args.command) : undefined;
   // Claim the id before booting, so that a taken id fails without starting anything.
-  const control = await RunControl.open({ name: values.name, socketPath: values['vm-socket'], guest, memoryBytes: memory, vcpus });
+  const control = await RunControl.open({ name: args.name, socketPath: args.socketPath, guest: machine.guest, memoryBytes: machine.memoryBytes, vcpus: machine.vcpus });
   try {
     process.stderr.write(`pvisor: VM ${control.id}, control socket ${control.socketPath}\n`);
-    process.stderr.write(`pvisor: starting a ${values.memory} ${guest} VM with ${vcpus} vCPU(s)...\n`);
     const t0 = performance.now();
-    const rootfs = values.rootfs === undefined ? undefined : { path: values.rootfs, readOnly: values['rootfs-readonly'] };
-    const vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies, kernel: values.kernel, initrd: values.initrd, rootfs });
+    let vm: Vm;
+    if (source.kind === 'boot') {
+      process.stderr.write(`pvisor: starting a ${source.memoryText} ${source.guest} VM with ${source.vcpus} vCPU(s)...\n`);
+      const { memoryBytes: memory, vcpus, guest, kernel, initrd, rootfs } = source;
+      vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies: args.strategies, kernel, initrd, rootfs });
+    } else {
+      process.stderr.write(`pvisor: restoring a ${formatMiB(machine.memoryBytes)} ${machine.guest} VM with ${machine.vcpus} vCPU(s) from ${source.dir}...\n`);
+      vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies });
+    }
     control.attach(vm);
     try {
-      if (values.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
+      if (args.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
       vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));
-      process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms\n`);
+      process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms${source.kind === 'snapshot' ? ' (restored)' : ''}\n`);
       if (steps) {
         try {
           await runProbeScript(vm, steps, (line) => process.stdout.write(`${line}\n`));
@@ -92,15 +46,26 @@ export async function cmdRun(argv: string[]): Promise<number> {
         }
         return 0;
       }
-      return await runCommand(vm, command, control);
+      return await runCommand(vm, args.command, control);
     } finally {
-      // A writable rootfs must get everything CMD wrote; otherwise there is nothing to save.
-      if (rootfs && !rootfs.readOnly) await vm.shutdown();
-      else vm.stop();
+      // The VM knows whether a writable rootfs is attached, which must get everything CMD wrote
+      // (a clean shutdown); otherwise it is stopped at once.
+      await vm[Symbol.asyncDispose]();
     }
   } finally {
     control.close();
   }
+}
+
+/**
+ * The guest, memory and vCPUs of the VM a snapshot holds, read before restoring it: the guest
+ * decides how CMD reads, and the control socket answers with them while the VM restores. A
+ * damaged snapshot fails here, before the id is claimed; Vm.restore checks it again as it reads it.
+ */
+async function describeSnapshot(dir: string): Promise<{ guest: GuestKind; memoryBytes: number; vcpus: number }> {
+  const { SnapshotReader } = await import('../snapshot/snapshot-dir');
+  const { guest, memoryBytes, vcpus } = SnapshotReader.open(dir).state;
+  return { guest, memoryBytes, vcpus };
 }
 
 /**
