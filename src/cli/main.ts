@@ -89,6 +89,10 @@ async function main(argv: string[]): Promise<number> {
       const { cmdControl } = await import('./control-commands');
       return cmdControl(cmd, rest);
     }
+    case 'snapshot': {
+      const { cmdSnapshot } = await import('./snapshot-command');
+      return cmdSnapshot(rest);
+    }
     case 'ps': {
       const { cmdPs } = await import('./control-commands');
       return cmdPs(rest);

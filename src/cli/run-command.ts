@@ -13,7 +13,7 @@ import { RunControl } from './run-control';
 export async function cmdRun(argv: string[]): Promise<number> {
   const args = parseRunArgs(argv);
   const { source } = args;
-  const machine = source.kind === 'boot' ? source : await describeSnapshot(source.dir);
+  const machine = source.kind === 'boot' ? source : await readSnapshotMachine(source.dir);
   // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
   const steps = machine.guest === 'probe' ? parseProbeScript(args.command) : undefined;
   // Claim the id before booting, so that a taken id fails without starting anything.
@@ -62,7 +62,7 @@ export async function cmdRun(argv: string[]): Promise<number> {
  * decides how CMD reads, and the control socket answers with them while the VM restores. A
  * damaged snapshot fails here, before the id is claimed; Vm.restore checks it again as it reads it.
  */
-async function describeSnapshot(dir: string): Promise<{ guest: GuestKind; memoryBytes: number; vcpus: number }> {
+async function readSnapshotMachine(dir: string): Promise<{ guest: GuestKind; memoryBytes: number; vcpus: number }> {
   const { SnapshotReader } = await import('../snapshot/snapshot-dir');
   const { guest, memoryBytes, vcpus } = SnapshotReader.open(dir).state;
   return { guest, memoryBytes, vcpus };
