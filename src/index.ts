@@ -38,6 +38,8 @@ export { Offload } from './memory/strategies/offload';
 export type { OffloadOptions, OffloadReload } from './memory/strategies/offload';
 export { CompressedOffload } from './memory/strategies/compressed-offload';
 export type { CompressedOffloadOptions } from './memory/strategies/compressed-offload';
+export { SharedSnapshot } from './memory/strategies/shared-snapshot';
+export type { SharedSnapshotOptions } from './memory/strategies/shared-snapshot';
 export type { BackingDirOptions } from './memory/backing-file';
 export { StrategyConflictError } from './memory/strategy';
 export type {

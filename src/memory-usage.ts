@@ -12,6 +12,8 @@ export interface ResidentBytes {
   rssBytes: number;
   /** Pages swapped out (always 0 on hosts without swap). */
   swapBytes: number;
+  /** Anonymous pages: private memory, including a private file mapping's written copies. */
+  anonymousBytes: number;
 }
 
 /** One mapping (VMA) as /proc/PID/smaps shows it. */
@@ -48,7 +50,7 @@ export function rangeMappings(start: number, length: number, pid: number | 'self
 /** Sums smaps entries of the mappings inside [start, start+length) of process `pid`. */
 export function rangeResident(start: number, length: number, pid: number | 'self' = 'self'): ResidentBytes {
   const text = readFileSync(`/proc/${pid}/smaps`, 'utf8');
-  const out: ResidentBytes = { pssBytes: 0, rssBytes: 0, swapBytes: 0 };
+  const out: ResidentBytes = { pssBytes: 0, rssBytes: 0, swapBytes: 0, anonymousBytes: 0 };
   const end = start + length;
   let inside = false;
   for (const line of text.split('\n')) {
@@ -66,17 +68,18 @@ export function rangeResident(start: number, length: number, pid: number | 'self
 
 /** The whole process's figures (smaps_rollup). */
 export function processResident(pid: number | 'self' = 'self'): ResidentBytes {
-  const out: ResidentBytes = { pssBytes: 0, rssBytes: 0, swapBytes: 0 };
+  const out: ResidentBytes = { pssBytes: 0, rssBytes: 0, swapBytes: 0, anonymousBytes: 0 };
   for (const line of readFileSync(`/proc/${pid}/smaps_rollup`, 'utf8').split('\n')) addField(out, line);
   return out;
 }
 
 function addField(out: ResidentBytes, line: string): void {
-  const m = /^(Pss|Rss|Swap):\s+(\d+) kB/.exec(line);
+  const m = /^(Pss|Rss|Swap|Anonymous):\s+(\d+) kB/.exec(line);
   if (!m) return;
   const bytes = Number(m[2]) * 1024;
   if (m[1] === 'Pss') out.pssBytes += bytes;
   else if (m[1] === 'Rss') out.rssBytes += bytes;
+  else if (m[1] === 'Anonymous') out.anonymousBytes += bytes;
   else out.swapBytes += bytes;
 }
 

@@ -10,6 +10,7 @@ import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
 import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError, type BackingFileError } from './errors';
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
+import { SharedSnapshot } from './memory/strategies/shared-snapshot';
 import { nativePrebuild } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
@@ -141,6 +142,16 @@ export interface VmMemoryUsage {
   guestRamPssBytes: number;
   /** RSS of the guest RAM mapping. */
   guestRamRssBytes: number;
+  /**
+   * Resident guest RAM that is still the snapshot's RAM file's (a {@link SharedSnapshot} clone's
+   * pages it has only read): page cache shared with every other clone. 0 for other VMs.
+   */
+  guestRamSharedBytes: number;
+  /**
+   * Resident guest RAM that is this VM's own: what it wrote (a clone's private copies), or all of
+   * its resident RAM when it is not a clone.
+   */
+  guestRamPrivateBytes: number;
   /** PSS of the whole host process (all its VMs, Node and pvisor itself). */
   processPssBytes: number;
   /** Number of live VMs in this process: the process's overhead is shared among them. */
@@ -205,6 +216,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const bootTimeoutMs = options.bootTimeoutMs === undefined ? 60000 : parseTimeoutMs('bootTimeoutMs', options.bootTimeoutMs);
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
     const strategies = [...(options.strategies ?? [])];
+    if (strategies.some((s) => s instanceof SharedSnapshot)) throw new InvalidOptionError('strategies', "SharedSnapshot maps a snapshot's RAM: give it to Vm.restore, not Vm.start");
     const vm = new Vm(name, memoryBytes, vcpus, guest, strategies);
     const host = checkKvmHost();
     if (guest === 'linux') requireKernelModeGuests(host, 'linux');
@@ -248,9 +260,10 @@ export class Vm extends EventEmitter<VmEvents> {
 
   /**
    * Builds the machine (RAM, devices, vCPUs) and the agent client over it; nothing runs yet, and
-   * the memory strategies are attached once RAM holds the guest.
+   * the memory strategies are attached once RAM holds the guest. A machine `restoring` a snapshot
+   * offers every device feature a saved guest may have negotiated.
    */
-  private async build(kvmPath: string, disk: DiskConfig | undefined): Promise<void> {
+  private async build(kvmPath: string, disk: DiskConfig | undefined, restoring = false): Promise<void> {
     // Loaded here, not at the top: importing pvisor must not load native code until a VM starts.
     const { KvmMachine } = await import('./backends/kvm/kvm-machine');
     this.agent = new AgentClient(
@@ -266,6 +279,7 @@ export class Vm extends EventEmitter<VmEvents> {
         openRamBacking: () => this.memory.openBacking(this.memoryBytes),
         // Free page reporting is offered only when a strategy takes the reports (IdleRelease).
         freePageSink: this.memory.freePageSink,
+        offerFreePageReporting: restoring || undefined,
         disk,
       },
       {
@@ -301,15 +315,24 @@ export class Vm extends EventEmitter<VmEvents> {
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
     const { state } = snapshot;
-    const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, [...(options.strategies ?? [])]);
+    const strategies = [...(options.strategies ?? [])];
+    // Bound before the composition is planned: its RAM file is guest RAM's backing.
+    const shared = strategies.find((s): s is SharedSnapshot => s instanceof SharedSnapshot);
+    shared?.useRamFile(snapshot.ramPath);
+    const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies);
     const host = checkKvmHost();
-    await vm.build(host.devicePath, undefined);
+    await vm.build(host.devicePath, undefined, true);
     try {
-      snapshot.readRam(vm.machine.memory);
+      const ram = vm.machine.memory;
+      if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(snapshot.checkMappedRam(ram.backing.fd, shared.verifyAgain));
+      else snapshot.readRam(ram);
       vm.agent.restoreState(state.agent, 'snapshot.agent');
       const probe = (vm._probe = new ProbeGuest(vm.agent));
       probe.restoreState(state.guestClient, 'snapshot.guestClient');
       await vm.machine.restoreSaved({ machine: state.machine, devices: state.devices });
+      if (vm.memory.freePageSink && !vm.machine.freePageReportingActive) {
+        throw new InvalidOptionError('strategies', "the snapshot's guest did not set up free page reporting (its VM ran without IdleRelease), so its clones cannot report freed pages: snapshot a VM started with IdleRelease");
+      }
       vm.memory.attach(vm.machine.memory);
       vm.machine.resume();
     } catch (e) {
@@ -611,10 +634,14 @@ export class Vm extends EventEmitter<VmEvents> {
     this.requireState('running', 'paused', 'suspended');
     const mem = this.machine.memory;
     const ram = rangeResident(mem.hostAddr, mem.sizeBytes);
+    // In a private file mapping, a page the guest wrote is an anonymous copy; the rest is the file's.
+    const sharedBytes = mem.backing.kind === 'private-file' ? ram.rssBytes - ram.anonymousBytes : 0;
     return {
       capacityBytes: this.memoryBytes,
       guestRamPssBytes: ram.pssBytes,
       guestRamRssBytes: ram.rssBytes,
+      guestRamSharedBytes: sharedBytes,
+      guestRamPrivateBytes: ram.rssBytes - sharedBytes,
       processPssBytes: processResident().pssBytes,
       vmsInProcess: live.size,
       strategies: this.memory.stats(),

@@ -8,6 +8,7 @@ import { closeSync, fstatSync, fsyncSync, ftruncateSync, openSync, readSync, wri
 import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { SnapshotError } from '../errors';
 import { crc32c } from '../memory/uffd-server';
+import { fileDataRuns } from '../sys/libc';
 
 /** Bytes per checksummed chunk: a huge page, and small enough that one bad byte costs little to find. */
 export const RAM_CHUNK_BYTES = 2 * 1024 * 1024;
@@ -66,24 +67,71 @@ export function readRamFile(path: string, mem: GuestMemory, chunkCrc32c: readonl
   try {
     const size = fstatSync(fd).size;
     if (size !== mem.sizeBytes) throw new SnapshotError(`${path}: guest RAM is ${mem.sizeBytes} bytes, the file ${size}`);
-    const scratch = Buffer.allocUnsafe(RAM_CHUNK_BYTES);
-    for (let off = 0, i = 0; off < mem.sizeBytes; off += RAM_CHUNK_BYTES, i++) {
-      const len = Math.min(RAM_CHUNK_BYTES, mem.sizeBytes - off);
-      const chunk = scratch.subarray(0, len);
-      readAll(fd, chunk, off, path);
-      const crc = crc32c(chunk);
-      if (crc !== chunkCrc32c[i]) {
-        throw new SnapshotError(`${path}: RAM chunk ${i} (bytes ${off} to ${off + len}) has CRC32C ${hex32(crc)}, the manifest says ${hex32(chunkCrc32c[i])}: the file was changed`);
-      }
-      const view = mem.hostView(off, len);
-      for (let p = 0; p < len; p += PAGE_BYTES) {
+    forEachCheckedChunk(fd, path, size, chunkCrc32c, (off, chunk) => {
+      const view = mem.hostView(off, chunk.length);
+      for (let p = 0; p < chunk.length; p += PAGE_BYTES) {
         const page = chunk.subarray(p, p + PAGE_BYTES);
         if (!page.equals(ZERO_PAGE)) page.copy(view, p);
       }
-    }
+    });
   } finally {
     closeSync(fd);
   }
+}
+
+/** What {@link checkRamFile} did. */
+export interface RamFileCheck {
+  /** Chunks read and checked. */
+  chunksRead: number;
+  /** Chunks that are holes in the file, checked against the checksum of zeros without reading. */
+  chunksHoles: number;
+}
+
+/**
+ * Checks every chunk of the RAM file open as `fd` (`path` for messages) against `chunkCrc32c`,
+ * reading only its data: what a guest mapping the file directly will read. A chunk whose checksum
+ * differs is a {@link SnapshotError}.
+ */
+export function checkRamFile(fd: number, path: string, chunkCrc32c: readonly number[]): RamFileCheck {
+  const size = fstatSync(fd).size;
+  const out: RamFileCheck = { chunksRead: 0, chunksHoles: chunkCrc32c.length };
+  forEachCheckedChunk(fd, path, size, chunkCrc32c, () => {
+    out.chunksRead++;
+    out.chunksHoles--;
+  });
+  return out;
+}
+
+/**
+ * Calls `use` with every chunk of the file that holds data, after checking it; a chunk that is
+ * all hole is not read (it reads as zeros), only its checksum compared with that of zeros. This
+ * keeps a restore's cost to the snapshot's working set, not to guest RAM's size.
+ */
+function forEachCheckedChunk(fd: number, path: string, size: number, chunkCrc32c: readonly number[], use: (offset: number, chunk: Buffer) => void): void {
+  const data = fileDataRuns(fd, size);
+  const scratch = Buffer.allocUnsafe(RAM_CHUNK_BYTES);
+  let run = 0;
+  for (let off = 0, i = 0; off < size; off += RAM_CHUNK_BYTES, i++) {
+    const len = Math.min(RAM_CHUNK_BYTES, size - off);
+    while (run < data.length && data[run][1] <= off) run++;
+    const hasData = run < data.length && data[run][0] < off + len;
+    const chunk = scratch.subarray(0, len);
+    if (hasData) readAll(fd, chunk, off, path);
+    const crc = hasData ? crc32c(chunk) : zeroChunkCrc32c(len);
+    if (crc !== chunkCrc32c[i]) {
+      throw new SnapshotError(`${path}: RAM chunk ${i} (bytes ${off} to ${off + len}) has CRC32C ${hex32(crc)}, the manifest says ${hex32(chunkCrc32c[i])}: the file was changed`);
+    }
+    if (hasData) use(off, chunk);
+  }
+}
+
+const zeroCrcs = new Map<number, number>();
+
+/** CRC32C of `length` zero bytes, computed once per length. */
+function zeroChunkCrc32c(length: number): number {
+  let crc = zeroCrcs.get(length);
+  if (crc === undefined) zeroCrcs.set(length, (crc = crc32c(Buffer.alloc(length))));
+  return crc;
 }
 
 function writeAll(fd: number, data: Buffer, position: number): void {

@@ -5,13 +5,13 @@
  * file is 0444 once written. Reading checks the manifest and the state before anything is built;
  * the RAM chunks are checked as they are read into the new machine's RAM.
  */
-import { chmodSync, closeSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, statSync, writeSync } from 'node:fs';
+import { chmodSync, closeSync, fstatSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, statSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { arrayAt, checkVersion, choiceAt, integerAt, objectAt } from '../backends/kvm/state-fields';
 import { SnapshotError } from '../errors';
 import { crc32c } from '../memory/uffd-server';
-import { hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
+import { checkRamFile, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
 
 /** The version of the directory's layout and manifest this code writes and reads. */
 export const SNAPSHOT_FORMAT_VERSION = 1;
@@ -107,11 +107,53 @@ export class SnapshotReader {
     return new SnapshotReader(dir, manifest, state);
   }
 
+  /** The RAM file's path. */
+  get ramPath(): string {
+    return join(this.dir, RAM);
+  }
+
   /** Reads guest RAM into `mem` (fresh), checking every chunk first. */
   readRam(mem: GuestMemory): void {
-    readRamFile(join(this.dir, RAM), mem, this.manifest.ramChunkCrc32c.map((h) => Number.parseInt(h, 16)));
+    readRamFile(this.ramPath, mem, this.chunkChecksums());
+  }
+
+  /**
+   * Checks every RAM chunk of the RAM file open as `fd` (the descriptor guest RAM maps, so what
+   * is checked is what the guest reads), unless this process has checked the same file before:
+   * same device, inode, size, modification and change times, and the same manifest checksums.
+   * `again` checks it anyway.
+   */
+  checkMappedRam(fd: number, again: boolean): MappedRamCheck {
+    const t0 = performance.now();
+    const st = fstatSync(fd, { bigint: true });
+    if (st.size !== BigInt(this.manifest.ramBytes)) throw new SnapshotError(`${this.ramPath}: ${st.size} bytes, the manifest says ${this.manifest.ramBytes}: the file was truncated or grown`);
+    const identity = [st.dev, st.ino, st.size, st.mtimeNs, st.ctimeNs, this.manifest.ramChunkCrc32c.join()].join(':');
+    if (!again && checkedRamFiles.has(identity)) return { checkedBefore: true, chunksRead: 0, ms: performance.now() - t0 };
+    const { chunksRead } = checkRamFile(fd, this.ramPath, this.chunkChecksums());
+    checkedRamFiles.add(identity);
+    return { checkedBefore: false, chunksRead, ms: performance.now() - t0 };
+  }
+
+  private chunkChecksums(): number[] {
+    return this.manifest.ramChunkCrc32c.map((h) => Number.parseInt(h, 16));
   }
 }
+
+/** What {@link SnapshotReader.checkMappedRam} did. */
+export interface MappedRamCheck {
+  /** The same file was checked earlier in this process; nothing was read. */
+  checkedBefore: boolean;
+  /** RAM chunks read and checked (chunks that are holes are checked without reading). */
+  chunksRead: number;
+  ms: number;
+}
+
+/**
+ * RAM files this process has checked in full, by identity. A snapshot's files are read-only and
+ * sealed; a file changed in place changes its modification and change times, so a second clone of
+ * an unchanged snapshot need not read it again.
+ */
+const checkedRamFiles = new Set<string>();
 
 function parseManifest(value: unknown, path: string): Manifest {
   const o = objectAt(value, path);

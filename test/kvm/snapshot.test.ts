@@ -5,7 +5,7 @@
 import { chmodSync, copyFileSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, openSync, writeSync, closeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { SnapshotError, Vm } from '../../src';
+import { ColdCompression, IdleRelease, InvalidOptionError, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
 import { hexOf } from '../probe-digest';
 
 const MiB = 1024 * 1024;
@@ -153,6 +153,140 @@ describe('VM snapshots (probe guest)', () => {
   });
 });
 
+describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (probe guest)', () => {
+  const ws = { content: 'random' as const, seed: 31, sizeBytes: 32 * MiB };
+  const filled = hexOf({ ...ws, rewrites: [] });
+  let dir: string;
+  beforeAll(async () => {
+    const source = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 2, name: 'shared-source' });
+    try {
+      await source.probe.fill({ sizeMiB: 32, content: 'random', seed: 31 });
+      dir = join(base, 'shared');
+      await source.snapshot(dir);
+    } finally {
+      source.stop();
+    }
+  });
+
+  it('four clones read the same pages: each digest is right, each pays a quarter of the working set, a rewrite stays in its clone', async () => {
+    const clones = await Promise.all([0, 1, 2, 3].map((i) => Vm.restore(dir, { name: `shared-${i}`, strategies: [new SharedSnapshot()] })));
+    try {
+      for (const c of clones) expect((await c.probe.digest()).hex).toBe(filled);
+      for (const c of clones) {
+        const u = c.memoryUsage();
+        // The digest read every page of the working set: it is resident, and the file's.
+        expect(u.guestRamSharedBytes).toBeGreaterThanOrEqual(31 * MiB);
+        // What the clone wrote itself: the probe's stack and bookkeeping, not the working set.
+        expect(u.guestRamPrivateBytes).toBeLessThan(2 * MiB);
+        // Four mappings of the same page-cache pages: each is charged a quarter of them.
+        expect(u.guestRamPssBytes).toBeLessThan(0.3 * 32 * MiB);
+      }
+      await clones[0].probe.rewrite({ fraction: 1, seed: 77 });
+      expect((await clones[0].probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [{ permille: 1000, seed: 77 }] }));
+      expect(clones[0].memoryUsage().guestRamPrivateBytes).toBeGreaterThanOrEqual(32 * MiB);
+      for (const c of clones.slice(1)) expect((await c.probe.digest()).hex).toBe(filled);
+      // The first clone checked the file in full; the others found it checked and unchanged.
+      const checks = clones.map((c) => c.memoryUsage().strategies.find((s) => s.strategy === 'shared-snapshot')!);
+      expect(checks.filter((s) => s.figures.ramChunksChecked > 0)).toHaveLength(1);
+      expect(checks.filter((s) => s.notes.some((n) => /checked in full for an earlier clone/.test(n)))).toHaveLength(3);
+    } finally {
+      for (const c of clones) c.stop();
+    }
+  });
+
+  it('verify: true checks the file again; a changed RAM file is refused with SnapshotError before anything runs', async () => {
+    const again = await Vm.restore(dir, { strategies: [new SharedSnapshot({ verify: true })] });
+    try {
+      expect(again.memoryUsage().strategies.find((s) => s.strategy === 'shared-snapshot')!.figures.ramChunksChecked).toBeGreaterThanOrEqual(16);
+    } finally {
+      again.stop();
+    }
+    const tampered = copyOf(dir, 'shared-tampered');
+    const fd = openSync(join(tampered, 'ram'), 'r+');
+    writeSync(fd, Buffer.from([0x5a]), 0, 1, 20 * MiB + 7);
+    closeSync(fd);
+    const liveBefore = Vm.liveGuestRam().length;
+    const err = await Vm.restore(tampered, { strategies: [new SharedSnapshot()] }).then(() => undefined, (e: unknown) => e);
+    expect(err).toBeInstanceOf(SnapshotError);
+    expect((err as Error).message).toMatch(/RAM chunk 10 \(bytes 20971520 to 23068672\) has CRC32C/);
+    expect(Vm.liveGuestRam()).toHaveLength(liveBefore);
+  });
+
+  it('is refused where it cannot work: in Vm.start, given to two VMs, beside ColdCompression', async () => {
+    await expect(Vm.start({ guest: 'probe', strategies: [new SharedSnapshot()] })).rejects.toThrow(InvalidOptionError);
+    const once = new SharedSnapshot();
+    const vm = await Vm.restore(dir, { strategies: [once] });
+    try {
+      await expect(Vm.restore(dir, { strategies: [once] })).rejects.toThrow(/already serves a VM/);
+    } finally {
+      vm.stop();
+    }
+    await expect(Vm.restore(dir, { strategies: [new SharedSnapshot(), new ColdCompression()] })).rejects.toThrow(StrategyConflictError);
+  });
+
+  it('clones outlive the snapshot directory', async () => {
+    const own = copyOf(dir, 'shared-to-delete');
+    const clones = await Promise.all([0, 1].map(() => Vm.restore(own, { strategies: [new SharedSnapshot()] })));
+    try {
+      rmSync(own, { recursive: true, force: true });
+      await clones[0].probe.rewrite({ fraction: 0.5, seed: 9 });
+      expect((await clones[0].probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [{ permille: 500, seed: 9 }] }));
+      expect((await clones[1].probe.digest()).hex).toBe(filled);
+    } finally {
+      for (const c of clones) c.stop();
+    }
+  });
+
+  it('Offload of a clone writes only the pages it wrote, and resume puts them back over the shared base', async () => {
+    const offload = new Offload();
+    const clone = await Vm.restore(dir, { strategies: [new SharedSnapshot(), offload] });
+    try {
+      await clone.probe.rewrite({ fraction: 0.25, seed: 12 }); // 8 MiB of its own
+      const rewritten = hexOf({ ...ws, rewrites: [{ permille: 250, seed: 12 }] });
+      expect((await clone.probe.digest()).hex).toBe(rewritten);
+      await clone.suspend();
+      await clone.memoryReleased();
+      const during = clone.memoryUsage();
+      const st = during.strategies.find((s) => s.strategy === 'offload')!;
+      expect(st.figures.pagesWritten * 4096).toBeGreaterThanOrEqual(8 * MiB);
+      expect(st.figures.pagesWritten * 4096).toBeLessThan(10 * MiB);
+      expect(during.guestRamPrivateBytes).toBeLessThan(MiB);
+      await clone.resume();
+      expect((await clone.probe.digest()).hex).toBe(rewritten);
+    } finally {
+      clone.stop();
+    }
+  });
+
+  it('with IdleRelease, a page the clone frees goes back to the file\'s shared page; a snapshot without reporting says why it cannot', async () => {
+    await expect(Vm.restore(dir, { strategies: [new SharedSnapshot(), new IdleRelease()] })).rejects.toThrow(/did not set up free page reporting/);
+    const source = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 2, strategies: [new IdleRelease()] });
+    const reporting = join(base, 'shared-reporting');
+    try {
+      await source.probe.fill({ sizeMiB: 32, content: 'random', seed: 31 });
+      await source.snapshot(reporting);
+    } finally {
+      source.stop();
+    }
+    const clone = await Vm.restore(reporting, { strategies: [new SharedSnapshot(), new IdleRelease()] });
+    // A clone without IdleRelease takes the guest's reports and keeps its pages.
+    const keeper = await Vm.restore(reporting, { strategies: [new SharedSnapshot()] });
+    try {
+      await clone.probe.rewrite({ fraction: 1, seed: 4 });
+      expect(clone.memoryUsage().guestRamPrivateBytes).toBeGreaterThanOrEqual(32 * MiB);
+      await clone.probe.release();
+      expect(clone.memoryUsage().guestRamPrivateBytes).toBeLessThan(2 * MiB);
+      await keeper.probe.rewrite({ fraction: 1, seed: 4 });
+      await keeper.probe.release();
+      expect(keeper.memoryUsage().guestRamPrivateBytes).toBeGreaterThanOrEqual(32 * MiB);
+      expect(keeper.state).toBe('running');
+    } finally {
+      clone.stop();
+      keeper.stop();
+    }
+  });
+});
+
 // Figures for the closing note, not timed assertions: snapshot time of a 512 MiB VM with a 64 MiB
 // working set, and restore to ready against a fresh start in the same run.
 describe('snapshot figures (probe guest, 512 MiB, 64 MiB working set)', () => {
@@ -171,9 +305,20 @@ describe('snapshot figures (probe guest, 512 MiB, 64 MiB working set)', () => {
     const readyMs = performance.now() - t1;
     expect(digest.hex).toBe(hexOf({ content: 'random', seed: 3, sizeBytes: 64 * MiB, rewrites: [] }));
     const usage = clone.memoryUsage();
+    const t2 = performance.now();
+    const shared = await Vm.restore(d, { strategies: [new SharedSnapshot()] });
+    await shared.probe.digest();
+    const sharedMs = performance.now() - t2;
+    const t3 = performance.now();
+    const shared2 = await Vm.restore(d, { strategies: [new SharedSnapshot()] });
+    await shared2.probe.digest();
+    const shared2Ms = performance.now() - t3;
+    shared.stop();
+    shared2.stop();
     console.log(`snapshot of 512 MiB with 64 MiB written: ${info.ms.toFixed(0)} ms, ${info.ramDataPageCount} pages in the RAM file; ` +
       `restore: ${restoredMs.toFixed(0)} ms to running, ${readyMs.toFixed(0)} ms to the first digest answered; ` +
-      `fresh start to the first digest: ${freshMs.toFixed(0)} ms (ratio ${(readyMs / freshMs).toFixed(2)}); clone guest RAM RSS ${(usage.guestRamRssBytes / MiB).toFixed(1)} MiB`);
+      `fresh start to the first digest: ${freshMs.toFixed(0)} ms (ratio ${(readyMs / freshMs).toFixed(2)}); clone guest RAM RSS ${(usage.guestRamRssBytes / MiB).toFixed(1)} MiB; ` +
+      `SharedSnapshot clone to the first digest: ${sharedMs.toFixed(0)} ms (file checked), a second ${shared2Ms.toFixed(0)} ms (ratio to fresh ${(shared2Ms / freshMs).toFixed(2)})`);
     clone.stop();
     fresh.stop();
   });

@@ -106,8 +106,13 @@ export interface MachineConfig {
    * mapped, which takes over its fd. Default: private anonymous memory.
    */
   openRamBacking?: () => RamBacking;
-  /** What happens to ranges the guest reports free; undefined: the balloon does not offer reporting. */
+  /** What happens to ranges the guest reports free; undefined: reports are taken and nothing is dropped. */
   freePageSink?: FreePageSink;
+  /**
+   * Whether the balloon offers free page reporting. Default: when there is a sink. A machine that
+   * will be given saved state offers it always, so that a guest which negotiated it goes on.
+   */
+  offerFreePageReporting?: boolean;
   /** Linux guest only; default from PVISOR_VIRTIO_SIGNALLING, else {@link DEFAULT_SIGNALLING}. */
   signalling?: VirtioSignalling;
   /** A disk (virtio-blk) after console and balloon: the guest's /dev/vda. */
@@ -216,8 +221,8 @@ export class KvmMachine {
       const used = (i: number) => () => transports[i]?.signalUsed();
       const devices: Record<VirtioRole, () => VirtioDevice> = {
         console: () => (this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), used(0), deviceError)),
-        // Free page reporting is offered only when something takes the reports.
-        balloon: () => (this.balloon = new VirtioBalloon(config.freePageSink ?? (() => {}), used(1), deviceError, config.freePageSink !== undefined)),
+        // Free page reporting is offered only when something takes the reports (or to restore a guest that uses it).
+        balloon: () => (this.balloon = new VirtioBalloon(config.freePageSink ?? (() => {}), used(1), deviceError, config.offerFreePageReporting ?? config.freePageSink !== undefined)),
         disk: () => (this.disk = new VirtioBlk(this.memory, config.disk!, used(2), deviceError)),
       };
       for (const slot of layout.slots) {
@@ -513,6 +518,11 @@ export class KvmMachine {
 
   get stopped(): boolean {
     return this.ended;
+  }
+
+  /** Whether the guest's balloon driver negotiated free page reporting and set up its queue. */
+  get freePageReportingActive(): boolean {
+    return this.balloon.reportingActive;
   }
 
   private release(): void {

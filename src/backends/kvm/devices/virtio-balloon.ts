@@ -57,6 +57,11 @@ export class VirtioBalloon implements VirtioDevice {
     this.reporting = null;
   }
 
+  /** Whether the driver negotiated free page reporting and its queue is live. */
+  get reportingActive(): boolean {
+    return this.reporting !== null;
+  }
+
   saveState(): BalloonState {
     return { version: BALLOON_STATE_VERSION };
   }

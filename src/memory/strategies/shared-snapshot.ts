@@ -1,0 +1,75 @@
+/**
+ * SharedSnapshot: a VM restored from a snapshot maps the snapshot's RAM file MAP_PRIVATE as its
+ * guest RAM instead of reading it into private memory. Every clone of one snapshot, in this
+ * process or another, then reads the same page-cache pages, and a page the clone writes becomes
+ * its own private copy: a clone costs the host what it wrote, plus its share of what it read.
+ *
+ * It only chooses guest RAM's backing; the rest is the memory layer's: IdleRelease gives a freed
+ * page back to the file's shared page, KsmAdvice may merge the clones' private copies, and Offload
+ * writes only a clone's own pages (a private file mapping's unwritten pages are the file's).
+ */
+import { InvalidOptionError } from '../../errors';
+import { roundMs, type MemoryStrategy, type RamBackingRequest, type StrategyStats } from '../strategy';
+
+/** Options of {@link SharedSnapshot}. */
+export interface SharedSnapshotOptions {
+  /**
+   * Check every RAM chunk against the snapshot's manifest even if this process has already checked
+   * the same, unchanged file for an earlier clone. Default false: the first clone of a snapshot in
+   * a process checks the file in full (reading only its data, not its holes), later ones reuse
+   * that check while the file's device, inode, size and times are unchanged.
+   */
+  verify?: boolean;
+}
+
+/**
+ * Guest RAM of a restored VM shared copy-on-write with every other clone of its snapshot. Give a
+ * new one to each {@link Vm.restore}: `Vm.restore(dir, { strategies: [new SharedSnapshot()] })`.
+ *
+ * The snapshot's RAM file must stay as it is while clones run: its files are read-only (0444)
+ * against accidental writes, and deleting the directory harms no clone (the file lives on while
+ * mapped), but a file truncated by root under a running clone ends it.
+ */
+export class SharedSnapshot implements MemoryStrategy {
+  readonly name = 'shared-snapshot';
+  readonly needs = [] as const;
+  readonly exclusive = [] as const;
+  /** Whether to check the RAM file even when this process has checked it before. */
+  readonly verifyAgain: boolean;
+  private ramPath: string | undefined;
+  private check: { checkedBefore: boolean; chunksRead: number; ms: number } | undefined;
+
+  constructor(options: SharedSnapshotOptions = {}) {
+    if (options.verify !== undefined && typeof options.verify !== 'boolean') throw new InvalidOptionError('verify', `expected a boolean, got ${JSON.stringify(options.verify)}`);
+    this.verifyAgain = options.verify ?? false;
+  }
+
+  /** The snapshot's RAM file mapped privately, once {@link Vm.restore} has given it one. */
+  get ramBacking(): RamBackingRequest | undefined {
+    return this.ramPath === undefined ? undefined : { kind: 'private-file', path: this.ramPath };
+  }
+
+  /**
+   * @internal Binds this strategy to the RAM file of the snapshot being restored (by
+   * {@link Vm.restore}, before the composition is planned). One strategy serves one VM.
+   */
+  useRamFile(path: string): void {
+    if (this.ramPath !== undefined) throw new InvalidOptionError('strategies', 'this SharedSnapshot already serves a VM: give each Vm.restore a new one');
+    this.ramPath = path;
+  }
+
+  /** @internal What the check of the RAM file found, for {@link stats}. */
+  noteCheck(check: { checkedBefore: boolean; chunksRead: number; ms: number }): void {
+    this.check = check;
+  }
+
+  stats(): StrategyStats {
+    const notes: string[] = [];
+    if (this.check?.checkedBefore) notes.push('the RAM file was checked in full for an earlier clone in this process and is unchanged since');
+    return {
+      strategy: this.name,
+      figures: { ramChunksChecked: this.check?.chunksRead ?? 0, ramCheckMs: roundMs(this.check?.ms ?? 0) },
+      notes,
+    };
+  }
+}
