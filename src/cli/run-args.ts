@@ -11,6 +11,7 @@ import { CompressedOffload } from '../memory/strategies/compressed-offload';
 import { IdleRelease } from '../memory/strategies/idle-release';
 import { KsmAdvice } from '../memory/strategies/ksm-advice';
 import { Offload } from '../memory/strategies/offload';
+import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import type { MemoryStrategy } from '../memory/strategy';
 import { parseDurationMs, parseSize } from '../units';
 import type { GuestKind, RootfsOptions } from '../vm';
@@ -33,6 +34,11 @@ export interface SnapshotSource {
   kind: 'snapshot';
   /** The snapshot directory, made absolute against the cwd of the run. */
   dir: string;
+  /**
+   * `--shared`: guest RAM is the snapshot's RAM file mapped copy-on-write ({@link SharedSnapshot},
+   * first in the strategies), so clones share the pages they only read.
+   */
+  shared: boolean;
 }
 
 /** Everything `pvisor run` was asked for. */
@@ -70,6 +76,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
     args: own,
     options: {
       from: { type: 'string' },
+      shared: { type: 'boolean', default: false },
       memory: { type: 'string' },
       vcpus: { type: 'string' },
       guest: { type: 'string' },
@@ -97,6 +104,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
     const given = SNAPSHOT_DECIDES.find((k) => values[k] !== undefined);
     if (given) throw new InvalidOptionError(`--${given}`, 'does not go with --from: a VM restored from a snapshot has the memory, vCPUs, guest and disks it was taken with');
   }
+  if (values.shared && from === undefined) throw new InvalidOptionError('--shared', "only goes with --from DIR: clones share the snapshot's RAM file");
   const coldAfter = values['vm-cold-after'];
   if (coldAfter !== undefined && !values['vm-cold-ram-compression']) throw new InvalidOptionError('--vm-cold-after', 'only goes with --vm-cold-ram-compression');
   if (values['rootfs-readonly'] && values.rootfs === undefined) throw new InvalidOptionError('--rootfs-readonly', 'only goes with --rootfs IMAGE');
@@ -104,9 +112,10 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   if (reload !== undefined && !values['vm-offload']) throw new InvalidOptionError('--vm-offload-reload', 'only goes with --vm-offload');
   if (reload !== undefined && reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('--vm-offload-reload', `expected eager or lazy, got ${JSON.stringify(reload)}`);
   if (!command.length) throw new InvalidOptionError('command', 'nothing to run: give it after --, e.g. pvisor run -- uname -a');
-  const source = from !== undefined ? ({ kind: 'snapshot', dir: resolve(cwd, from) } as const) : bootSource(values);
+  const source = from !== undefined ? ({ kind: 'snapshot', dir: resolve(cwd, from), shared: values.shared } as const) : bootSource(values);
 
   const strategies: MemoryStrategy[] = [];
+  if (values.shared) strategies.push(new SharedSnapshot());
   if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
   if (values['vm-idle-release']) strategies.push(new IdleRelease());
   const dir = values['vm-backing-dir'];

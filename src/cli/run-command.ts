@@ -27,7 +27,7 @@ export async function cmdRun(argv: string[]): Promise<number> {
       const { memoryBytes: memory, vcpus, guest, kernel, initrd, rootfs } = source;
       vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies: args.strategies, kernel, initrd, rootfs });
     } else {
-      process.stderr.write(`pvisor: restoring a ${formatMiB(machine.memoryBytes)} ${machine.guest} VM with ${machine.vcpus} vCPU(s) from ${source.dir}...\n`);
+      process.stderr.write(`pvisor: restoring a ${formatMiB(machine.memoryBytes)} ${machine.guest} VM with ${machine.vcpus} vCPU(s) from ${source.dir}${source.shared ? ", its RAM the snapshot's file shared copy-on-write" : ''}...\n`);
       vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies });
     }
     control.attach(vm);

@@ -14,10 +14,17 @@ describe('pvisor run: argument parsing', () => {
 
   it('--from DIR restores instead, DIR made absolute against the cwd of the run', () => {
     const a = parseRunArgs(['--from', 'snaps/base', '--name', 'C1', '--vm-ram-dedup', '--', 'digest'], cwd);
-    expect(a.source).toEqual({ kind: 'snapshot', dir: '/home/u/work/snaps/base' });
+    expect(a.source).toEqual({ kind: 'snapshot', dir: '/home/u/work/snaps/base', shared: false });
     expect(a.name).toBe('C1');
     expect(a.strategies.map((s) => s.name)).toEqual(['ksm-advice', 'offload']);
-    expect(parseRunArgs(['--from', '/abs/snap', '--', 'digest'], cwd).source).toEqual({ kind: 'snapshot', dir: '/abs/snap' });
+    expect(parseRunArgs(['--from', '/abs/snap', '--', 'digest'], cwd).source).toEqual({ kind: 'snapshot', dir: '/abs/snap', shared: false });
+  });
+
+  it('--shared maps the snapshot\'s RAM file (SharedSnapshot, first), and only goes with --from', () => {
+    const a = parseRunArgs(['--from', 'snap', '--shared', '--vm-idle-release', '--', 'digest'], cwd);
+    expect(a.source).toEqual({ kind: 'snapshot', dir: '/home/u/work/snap', shared: true });
+    expect(a.strategies.map((s) => s.name)).toEqual(['shared-snapshot', 'idle-release', 'offload']);
+    expect(() => parseRunArgs(['--guest', 'probe', '--shared', '--', 'digest'], cwd)).toThrow(/^--shared: only goes with --from DIR/);
   });
 
   it.each([
