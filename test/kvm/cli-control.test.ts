@@ -242,4 +242,41 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
     expect(clone.out()).toMatch(/^wait: S4 was stopped after/m);
     expect(existsSync(socketOf('S4'))).toBe(false);
   }, 300000);
+
+  it('--shared clones continue with the same digest, their RAM the snapshot file\'s until written; a suspend offloads only what a clone wrote', async () => {
+    const run = start('--guest', 'probe', '--name', 'S5', '--memory', '256MiB', '--vcpus', '2', '--', 'fill 64MiB random 7, wait');
+    await run.waitFor(/^fill: /m);
+    expect((await pvisor('snapshot', 'S5', join(dir, 'base'))).status).toBe(0);
+    expect((await pvisor('stop', 'S5')).status).toBe(0);
+    expect((await run.exited).code).toBe(0);
+
+    const once = await pvisor('run', '--from', join(dir, 'base'), '--shared', '--', 'digest, memory');
+    expect(once.stderr).toMatch(/from .*base, its RAM the snapshot's file shared copy-on-write\.\.\./);
+    expect(once.status).toBe(0);
+    expect(digestsOf(once.stdout)).toEqual([ws64]);
+    // It read all of its working set and wrote none of it.
+    const split = /^ {2}guest RAM resident: ([\d.]+) MiB shared \(the snapshot's RAM file\), ([\d.]+) MiB private$/m.exec(once.stdout);
+    expect(split).not.toBeNull();
+    expect(Number(split![1])).toBeGreaterThanOrEqual(64);
+    expect(Number(split![2])).toBeLessThan(4);
+
+    const rewritten = hexOf({ content: 'random', seed: 7, sizeBytes: 64 * 2 ** 20, rewrites: [{ permille: 100, seed: 3 }] });
+    const clone = start('--from', join(dir, 'base'), '--shared', '--name', 'S6', '--', 'rewrite 10% 3, digest, wait');
+    await clone.waitFor(/^digest: /m);
+    expect(digestsOf(clone.out())).toEqual([rewritten]);
+    const s = await pvisor('suspend', 'S6', '--vm-offload');
+    expect(s.status).toBe(0);
+    const m = /^S6 suspended in [\d.]+ ms: guest RAM resident .+ -> .+, (.+) on disk$/m.exec(s.stdout);
+    expect(m).not.toBeNull();
+    // The 6.4 MiB it wrote (and the probe's own pages), not the 64 MiB it shares with the file.
+    expect(mib(m![1])).toBeGreaterThanOrEqual(6 * 2 ** 20);
+    expect(mib(m![1])).toBeLessThan(16 * 2 ** 20);
+    expect((await pvisor('resume', 'S6', '--vm-load')).status).toBe(0);
+    expect((await pvisor('snapshot', 'S6', join(dir, 'after'))).status).toBe(0);
+    const after = await pvisor('run', '--from', join(dir, 'after'), '--shared', '--', 'digest');
+    expect(after.status).toBe(0);
+    expect(digestsOf(after.stdout)).toEqual([rewritten]);
+    expect((await pvisor('stop', 'S6')).status).toBe(0);
+    expect((await clone.exited).code).toBe(0);
+  }, 300000);
 });
