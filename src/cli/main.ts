@@ -41,10 +41,22 @@ Usage:
       Steps: fill SIZE [repetitive|random|compressible] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
              digest, release [OFFSET SIZE], idle, memory, pause, suspend, resume,
              sleep SECONDS (or 500ms, 2m), wait (last step: until pvisor stop ID or a signal)
+  pvisor run --from DIR [--shared] [--name ID] [--console] [--vm-... memory strategy flags] -- CMD
+      Restores the VM a snapshot holds (written by pvisor snapshot or vm.snapshot()) instead of
+      booting one, runs CMD in it as above (probe steps for a probe snapshot) and listens on its
+      control socket as above. Its memory, vCPUs, guest and disks are the snapshot's: --memory,
+      --vcpus, --guest, --kernel, --initrd and --rootfs are refused beside --from.
+      --shared: guest RAM is the snapshot's RAM file mapped copy-on-write (SharedSnapshot), so
+        clones of one snapshot share the pages they only read and each pays for what it writes.
   pvisor suspend ID [--vm-offload] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Pauses the VM started by pvisor run --name ID; with --vm-offload its RAM goes to disk too.
   pvisor resume ID [--vm-load] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Lets it run again; RAM that a suspend offloaded is loaded back and verified first.
+  pvisor snapshot ID DIR [--leave-paused] [--vm-socket PATH] [--json]
+      Writes a snapshot of the VM started by pvisor run --name ID into DIR (new or empty; relative
+      to this shell): guest RAM as a sparse file, its machine state and a checksummed manifest,
+      all read-only. The VM pauses for it and runs on after; --leave-paused: it stays paused until
+      pvisor resume ID. pvisor run --from DIR restores it.
   pvisor stop ID [--vm-socket PATH] [--json]
       Stops the VM; its run ends.
   pvisor ps [--json]
