@@ -71,7 +71,11 @@ export async function cmdSnapshot(argv: string[]): Promise<number> {
     progress.stop();
   }
   if (a.json) process.stdout.write(`${JSON.stringify(r)}\n`);
-  if (!r.ok) throw new PvisorError(r.error.code, `snapshot ${a.id} failed: ${r.error.message}${r.vm ? ` (${a.id} is ${r.vm.state})` : ''}`);
+  if (!r.ok) {
+    // The VM's state, unless the library's message already says it (a state error does).
+    const state = r.vm && !r.error.message.includes(`${a.id} is ${r.vm.state}`) ? ` (${a.id} is ${r.vm.state})` : '';
+    throw new PvisorError(r.error.code, `snapshot ${a.id} failed: ${r.error.message}${state}`);
+  }
   if (!a.json) process.stdout.write(`${formatSnapshotAnswer(a, r)}\n`);
   return 0;
 }

@@ -223,6 +223,11 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
     const s = await pvisor('suspend', 'S4', '--vm-offload');
     expect(s.stdout).toMatch(/^S4 suspended in [\d.]+ ms: guest RAM resident 6\d\.\d MiB -> \d+ KiB, 6\d\.\d MiB on disk$/m);
     expect(s.status).toBe(0);
+    // A suspended VM's RAM is on disk, not in guest RAM: the library refuses, the client says it once.
+    const refused = await pvisor('snapshot', 'S4', join(dir, 'while-suspended'));
+    expect(refused.stderr).toMatch(/^pvisor: snapshot S4 failed: S4 is suspended; this needs it running or paused$/m);
+    expect(refused.status).toBe(125);
+    expect(existsSync(join(dir, 'while-suspended'))).toBe(false);
     expect((await pvisor('resume', 'S4', '--vm-load')).status).toBe(0);
 
     // What came back from the backing file is what the snapshot of the clone holds.
