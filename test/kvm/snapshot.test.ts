@@ -5,7 +5,7 @@
 import { chmodSync, copyFileSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, openSync, writeSync, closeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { ColdCompression, IdleRelease, InvalidOptionError, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
+import { ColdCompression, IdleRelease, InvalidOptionError, KsmAdvice, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
 import { hexOf } from '../probe-digest';
 
 const MiB = 1024 * 1024;
@@ -222,6 +222,19 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       vm.stop();
     }
     await expect(Vm.restore(dir, { strategies: [new SharedSnapshot(), new ColdCompression()] })).rejects.toThrow(StrategyConflictError);
+  });
+
+  it('composes with KsmAdvice: the clone\'s file mapping is advised mergeable, so its written copies can merge', async () => {
+    const clone = await Vm.restore(dir, { strategies: [new SharedSnapshot(), new KsmAdvice()] });
+    try {
+      await clone.probe.rewrite({ fraction: 0.5, seed: 3 });
+      const ksm = clone.memoryUsage().strategies.find((s) => s.strategy === 'ksm-advice')!;
+      expect(ksm.notes.filter((n) => /not \(or no longer\) advised/.test(n))).toEqual([]);
+      expect(ksm.figures.advisedMappings).toBeGreaterThanOrEqual(1);
+      expect((await clone.probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [{ permille: 500, seed: 3 }] }));
+    } finally {
+      clone.stop();
+    }
   });
 
   it('clones outlive the snapshot directory', async () => {
