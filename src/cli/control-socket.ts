@@ -1,7 +1,7 @@
 /**
  * The control socket of a VM started by `pvisor run`: how `pvisor suspend`, `resume`, `snapshot`,
- * `stop` and `ps` in another shell reach it. The CLI runs one VM per process, so each run listens on its own
- * socket.
+ * `stop` and `ps` in another shell reach it. The CLI runs one VM per process, so each run listens
+ * on its own socket.
  *
  * **Where.** `<dir>/<ID>.sock`, where `<dir>` is `$PVISOR_RUNTIME_DIR`, else
  * `$XDG_RUNTIME_DIR/pvisor`, else `/run/pvisor` for root, else `/tmp/pvisor-$UID`. The run creates

@@ -1,7 +1,7 @@
 /**
  * `pvisor run`'s end of the control socket: claims the VM's id, answers status, suspend, resume,
- * snapshot and stop against the running {@link Vm}, and turns SIGINT/SIGTERM into a clean stop. The
- * protocol is documented in ./control-socket.ts.
+ * snapshot and stop against the running {@link Vm}, and turns SIGINT/SIGTERM into a clean stop.
+ * The protocol is documented in ./control-socket.ts.
  */
 import { randomBytes } from 'node:crypto';
 import { InvalidOptionError, VmStateError } from '../errors';
