@@ -1,7 +1,7 @@
 /**
- * The control socket of a VM started by `pvisor run`: how `pvisor suspend`, `resume`, `stop` and
- * `ps` in another shell reach it. The CLI runs one VM per process, so each run listens on its own
- * socket.
+ * The control socket of a VM started by `pvisor run`: how `pvisor suspend`, `resume`, `snapshot`,
+ * `stop` and `ps` in another shell reach it. The CLI runs one VM per process, so each run listens
+ * on its own socket.
  *
  * **Where.** `<dir>/<ID>.sock`, where `<dir>` is `$PVISOR_RUNTIME_DIR`, else
  * `$XDG_RUNTIME_DIR/pvisor`, else `/run/pvisor` for root, else `/tmp/pvisor-$UID`. The run creates
@@ -18,12 +18,17 @@
  *                                    hook runs (the CLI composes Offload by default: RAM goes to a
  *                                    file and is dropped)
  * {"op":"resume"}                    strategies bring back and verify what they took, vCPUs run
+ * {"op":"snapshot","dir":"/abs/dir","leavePaused":false}
+ *                                    Vm.snapshot(dir): pauses if running, writes a sealed snapshot
+ *                                    into dir (new or empty; absolute, since the run's cwd is not
+ *                                    the client's), resumes unless leavePaused
  * {"op":"stop"}                      answered first, then the VM stops and the run ends
  * ```
  * Every answer carries the VM (`vm`: id, pid, state, guest, memoryBytes, vcpus) and its memory
  * figures after the operation (`memory`: guestRamResidentBytes (PSS), guestRamRssBytes,
  * processPssBytes, bytesOnDisk, and each strategy's own figures); suspend and resume add the figures
- * before (`before`) and the time taken (`tookMs`). A suspend with offload is answered once the
+ * before (`before`) and the time taken (`tookMs`); a snapshot adds what it wrote (`snapshot`: dir,
+ * ramDataPageCount, ms). A suspend with offload is answered once the
  * memory is released, and adds the time that took from the request (`releasedMs`); a release that
  * fails (e.g. a full disk) is an error answer, with the VM suspended and its unwritten pages kept:
  * ```
@@ -36,13 +41,18 @@
  */
 import { lstatSync, mkdirSync, rmSync, chmodSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
-import { basename, join } from 'node:path';
+import { basename, isAbsolute, join } from 'node:path';
 import { ControlSocketError, InvalidOptionError, PvisorError, TimeoutError, VmNotFoundError } from '../errors';
 import type { StrategyStats } from '../memory/strategy';
-import type { GuestKind, VmState } from '../vm';
+import type { GuestKind, SnapshotInfo, VmState } from '../vm';
 
 /** A request to a VM's control socket. */
-export type ControlRequest = { op: 'status' } | { op: 'suspend'; offload: boolean } | { op: 'resume' } | { op: 'stop' };
+export type ControlRequest =
+  | { op: 'status' }
+  | { op: 'suspend'; offload: boolean }
+  | { op: 'resume' }
+  | { op: 'snapshot'; dir: string; leavePaused: boolean }
+  | { op: 'stop' };
 
 /** Who the VM is and what state it is in. */
 export interface ControlVmInfo {
@@ -69,7 +79,7 @@ export interface ControlMemory {
 
 /** An answer from a VM's control socket. */
 export type ControlResponse =
-  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number; releasedMs?: number }
+  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number; releasedMs?: number; snapshot?: SnapshotInfo }
   | { ok: false; error: { code: string; message: string }; vm?: ControlVmInfo; memory?: ControlMemory };
 
 /** What the server does with a request: the answer, and what to do once it has been sent. */
@@ -132,8 +142,14 @@ export function parseRequest(line: string): ControlRequest {
     case 'suspend':
       if (r!.offload !== undefined && typeof r!.offload !== 'boolean') throw new InvalidOptionError('control request', 'suspend: offload must be true or false');
       return { op: 'suspend', offload: r!.offload === true };
+    case 'snapshot': {
+      // The run's cwd is not the client's: a relative directory would land somewhere unexpected.
+      if (typeof r!.dir !== 'string' || !isAbsolute(r!.dir) || r!.dir.includes('\0')) throw new InvalidOptionError('control request', 'snapshot: dir must be an absolute path');
+      if (r!.leavePaused !== undefined && typeof r!.leavePaused !== 'boolean') throw new InvalidOptionError('control request', 'snapshot: leavePaused must be true or false');
+      return { op: 'snapshot', dir: r!.dir, leavePaused: r!.leavePaused === true };
+    }
     default:
-      throw new InvalidOptionError('control request', `expected {"op": "status" | "suspend" | "resume" | "stop"}, got ${JSON.stringify(line.slice(0, 80))}`);
+      throw new InvalidOptionError('control request', `expected {"op": "status" | "suspend" | "resume" | "snapshot" | "stop"}, got ${JSON.stringify(line.slice(0, 80))}`);
   }
 }
 

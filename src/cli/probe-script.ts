@@ -128,6 +128,11 @@ export async function runProbeScript(vm: Vm, steps: ProbeStep[], print: (line: s
       case 'memory': {
         const u = vm.memoryUsage();
         print(`memory: guest RAM PSS ${fmt(u.guestRamPssBytes)} of ${fmt(u.capacityBytes)}; process PSS ${fmt(u.processPssBytes)} (${u.vmsInProcess} VM)`);
+        // A clone's resident RAM is partly the snapshot file's page cache, shared by every clone,
+        // and partly its own copies of what it wrote: the second part is what the clone costs.
+        if (u.guestRamSharedBytes > 0 || u.strategies.some((st) => st.strategy === 'shared-snapshot')) {
+          print(`  guest RAM resident: ${fmt(u.guestRamSharedBytes)} shared (the snapshot's RAM file), ${fmt(u.guestRamPrivateBytes)} private`);
+        }
         for (const st of u.strategies) {
           const figures = Object.entries(st.figures).map(([k, v]) => `${k} ${v}`).join(', ');
           print(`  ${st.strategy}: ${figures}${st.notes.map((n) => `; note: ${n}`).join('')}`);

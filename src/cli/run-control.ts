@@ -1,7 +1,7 @@
 /**
- * `pvisor run`'s end of the control socket: claims the VM's id, answers status, suspend, resume
- * and stop against the running {@link Vm}, and turns SIGINT/SIGTERM into a clean stop. The
- * protocol is documented in ./control-socket.ts.
+ * `pvisor run`'s end of the control socket: claims the VM's id, answers status, suspend, resume,
+ * snapshot and stop against the running {@link Vm}, and turns SIGINT/SIGTERM into a clean stop.
+ * The protocol is documented in ./control-socket.ts.
  */
 import { randomBytes } from 'node:crypto';
 import { InvalidOptionError, VmStateError } from '../errors';
@@ -152,6 +152,11 @@ export class RunControl {
             const releasedMs = Math.round((performance.now() - t0) * 10) / 10;
             if (releaseError) return { response: { ok: false, error: errorPayload(releaseError), vm: this.info(), memory: this.memory() } };
             return { response: { ok: true, vm: this.info(), before, memory: this.memory(), tookMs, releasedMs } };
+          }
+          case 'snapshot': {
+            const written = await vm.snapshot(request.dir, { leavePaused: request.leavePaused });
+            const snapshot = { ...written, ms: Math.round(written.ms * 10) / 10 };
+            return { response: { ok: true, vm: this.info(), memory: this.memory(), snapshot } };
           }
           case 'stop':
             return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop('pvisor stop') };

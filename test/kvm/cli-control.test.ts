@@ -1,5 +1,6 @@
-// pvisor suspend/resume/stop/ps from another process, against a VM started by pvisor run: real KVM,
-// real processes, the control socket between them. Needs /dev/kvm.
+// pvisor suspend/resume/snapshot/stop/ps from another process, against a VM started by pvisor run
+// (booted, or restored with --from): real KVM, real processes, the control socket between them.
+// Needs /dev/kvm.
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
@@ -17,7 +18,7 @@ interface Run {
   waitFor(pattern: RegExp, stream?: 'out' | 'err'): Promise<void>;
 }
 
-describe('pvisor suspend/resume/stop/ps on a VM started by pvisor run', () => {
+describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run', () => {
   let dir: string;
   let env: NodeJS.ProcessEnv;
   let runs: Run[];
@@ -63,9 +64,10 @@ describe('pvisor suspend/resume/stop/ps on a VM started by pvisor run', () => {
     return run;
   }
 
-  const pvisor = (...args: string[]) =>
+  const pvisor = (...args: string[]) => pvisorIn(process.cwd(), ...args);
+  const pvisorIn = (cwd: string, ...args: string[]) =>
     new Promise<{ status: number; stdout: string; stderr: string }>((resolve) => {
-      execFile(process.execPath, [main, ...args], { env, encoding: 'utf8' }, (error, stdout, stderr) => {
+      execFile(process.execPath, [main, ...args], { cwd, env, encoding: 'utf8' }, (error, stdout, stderr) => {
         resolve({ status: error ? Number((error as { code?: number }).code ?? 1) : 0, stdout, stderr });
       });
     });
@@ -166,5 +168,120 @@ describe('pvisor suspend/resume/stop/ps on a VM started by pvisor run', () => {
     const after = await pvisor('resume', 'T3');
     expect(after.stderr).toMatch(/no VM named T3 is running/);
     expect(after.status).toBe(2);
+  }, 300000);
+
+  const literal = (text: string) => text.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
+  const digestsOf = (text: string) => [...text.matchAll(/^digest: ([0-9a-f]{16}) over 64\.0 MiB/gm)].map((d) => d[1]);
+  const ws64 = hexOf({ content: 'random', seed: 7, sizeBytes: 64 * 2 ** 20, rewrites: [] });
+
+  it('pvisor snapshot writes a running VM into DIR (relative to the client), pvisor run --from DIR continues it with the same digest', async () => {
+    const run = start('--guest', 'probe', '--name', 'S1', '--memory', '256MiB', '--vcpus', '2', '--', 'fill 64MiB random 7, digest, wait');
+    await run.waitFor(/^digest: /m);
+
+    // Relative to the client's cwd, which is not the run's.
+    const s = await pvisorIn(dir, 'snapshot', 'S1', 'snap');
+    expect(s.stderr).toBe('');
+    expect(s.status).toBe(0);
+    const m = new RegExp(`^S1 snapshot: (\\d+) RAM pages \\(([\\d.]+) MiB\\) written to ${literal(join(dir, 'snap'))} in [\\d.]+ ms; S1 is running$`, 'm').exec(s.stdout);
+    expect(m).not.toBeNull();
+    expect(Number(m![1])).toBeGreaterThanOrEqual((64 * 2 ** 20) / 4096);
+    expect(Number(m![1])).toBeLessThan((72 * 2 ** 20) / 4096); // the working set and the probe's own pages, not all 256 MiB
+    expect(readdirSync(join(dir, 'snap')).sort()).toEqual(['manifest.json', 'ram', 'state.json']);
+
+    // A snapshot goes into a new or empty directory; the VM is left running as it was.
+    const again = await pvisor('snapshot', 'S1', join(dir, 'snap'));
+    expect(again.stderr).toMatch(new RegExp(`^pvisor: snapshot S1 failed: ${literal(join(dir, 'snap'))} is not empty: a snapshot goes into a new or empty directory \\(S1 is running\\)`));
+    expect(again.stdout).toBe('');
+    expect(again.status).toBe(125);
+
+    const restored = await pvisor('run', '--from', join(dir, 'snap'), '--name', 'S2', '--', 'digest, memory');
+    expect(restored.stderr).toMatch(/restoring a 256\.0 MiB probe VM with 2 vCPU\(s\) from /);
+    expect(restored.stderr).toMatch(/S2 ready in \d+ ms \(restored\)/);
+    expect(restored.status).toBe(0);
+    expect(digestsOf(restored.stdout)).toEqual([ws64]);
+    expect(restored.stdout).toMatch(/^memory: guest RAM PSS 6\d\.\d MiB of 256\.0 MiB/m);
+
+    const ps = JSON.parse((await pvisor('ps', '--json')).stdout) as { id: string; response: { vm: { state: string } } }[];
+    expect(ps.map((r) => [r.id, r.response.vm.state])).toEqual([['S1', 'running']]);
+    expect((await pvisor('stop', 'S1')).status).toBe(0);
+    expect((await run.exited).code).toBe(0);
+    expect(digestsOf(run.out())).toEqual([ws64]);
+  }, 300000);
+
+  it('a VM started with --from answers suspend, resume, snapshot and stop on its control socket', async () => {
+    const run = start('--guest', 'probe', '--name', 'S3', '--memory', '128MiB', '--vcpus', '1', '--', 'fill 64MiB random 7, wait');
+    await run.waitFor(/^fill: /m);
+    expect((await pvisor('snapshot', 'S3', join(dir, 'base'))).status).toBe(0);
+    expect((await pvisor('stop', 'S3')).status).toBe(0);
+    expect((await run.exited).code).toBe(0);
+
+    const clone = start('--from', join(dir, 'base'), '--name', 'S4', '--', 'digest, wait');
+    await clone.waitFor(/^digest: /m);
+    expect(digestsOf(clone.out())).toEqual([ws64]);
+    expect(clone.err()).toContain(`pvisor: VM S4, control socket ${socketOf('S4')}`);
+
+    const s = await pvisor('suspend', 'S4', '--vm-offload');
+    expect(s.stdout).toMatch(/^S4 suspended in [\d.]+ ms: guest RAM resident 6\d\.\d MiB -> \d+ KiB, 6\d\.\d MiB on disk$/m);
+    expect(s.status).toBe(0);
+    // A suspended VM's RAM is on disk, not in guest RAM: the library refuses, the client says it once.
+    const refused = await pvisor('snapshot', 'S4', join(dir, 'while-suspended'));
+    expect(refused.stderr).toMatch(/^pvisor: snapshot S4 failed: S4 is suspended; this needs it running or paused$/m);
+    expect(refused.status).toBe(125);
+    expect(existsSync(join(dir, 'while-suspended'))).toBe(false);
+    expect((await pvisor('resume', 'S4', '--vm-load')).status).toBe(0);
+
+    // What came back from the backing file is what the snapshot of the clone holds.
+    const snap = await pvisor('snapshot', 'S4', join(dir, 'second'), '--leave-paused');
+    expect(snap.stdout).toMatch(/; S4 is paused \(pvisor resume S4 lets it run\)$/m);
+    expect(snap.status).toBe(0);
+    const ps = JSON.parse((await pvisor('ps', '--json')).stdout) as { id: string; response: { vm: { state: string } } }[];
+    expect(ps.map((r) => [r.id, r.response.vm.state])).toEqual([['S4', 'paused']]);
+    expect((await pvisor('resume', 'S4')).status).toBe(0);
+    const second = await pvisor('run', '--from', join(dir, 'second'), '--', 'digest');
+    expect(second.status).toBe(0);
+    expect(digestsOf(second.stdout)).toEqual([ws64]);
+
+    const stop = await pvisor('stop', 'S4');
+    expect(stop.stdout).toMatch(/^S4 stopped \(it was running/m);
+    expect((await clone.exited).code).toBe(0);
+    expect(clone.out()).toMatch(/^wait: S4 was stopped after/m);
+    expect(existsSync(socketOf('S4'))).toBe(false);
+  }, 300000);
+
+  it('--shared clones continue with the same digest, their RAM the snapshot file\'s until written; a suspend offloads only what a clone wrote', async () => {
+    const run = start('--guest', 'probe', '--name', 'S5', '--memory', '256MiB', '--vcpus', '2', '--', 'fill 64MiB random 7, wait');
+    await run.waitFor(/^fill: /m);
+    expect((await pvisor('snapshot', 'S5', join(dir, 'base'))).status).toBe(0);
+    expect((await pvisor('stop', 'S5')).status).toBe(0);
+    expect((await run.exited).code).toBe(0);
+
+    const once = await pvisor('run', '--from', join(dir, 'base'), '--shared', '--', 'digest, memory');
+    expect(once.stderr).toMatch(/from .*base, its RAM the snapshot's file shared copy-on-write\.\.\./);
+    expect(once.status).toBe(0);
+    expect(digestsOf(once.stdout)).toEqual([ws64]);
+    // It read all of its working set and wrote none of it.
+    const split = /^ {2}guest RAM resident: ([\d.]+) MiB shared \(the snapshot's RAM file\), ([\d.]+) MiB private$/m.exec(once.stdout);
+    expect(split).not.toBeNull();
+    expect(Number(split![1])).toBeGreaterThanOrEqual(64);
+    expect(Number(split![2])).toBeLessThan(4);
+
+    const rewritten = hexOf({ content: 'random', seed: 7, sizeBytes: 64 * 2 ** 20, rewrites: [{ permille: 100, seed: 3 }] });
+    const clone = start('--from', join(dir, 'base'), '--shared', '--name', 'S6', '--', 'rewrite 10% 3, digest, wait');
+    await clone.waitFor(/^digest: /m);
+    expect(digestsOf(clone.out())).toEqual([rewritten]);
+    const s = await pvisor('suspend', 'S6', '--vm-offload');
+    expect(s.status).toBe(0);
+    const m = /^S6 suspended in [\d.]+ ms: guest RAM resident .+ -> .+, (.+) on disk$/m.exec(s.stdout);
+    expect(m).not.toBeNull();
+    // The 6.4 MiB it wrote (and the probe's own pages), not the 64 MiB it shares with the file.
+    expect(mib(m![1])).toBeGreaterThanOrEqual(6 * 2 ** 20);
+    expect(mib(m![1])).toBeLessThan(16 * 2 ** 20);
+    expect((await pvisor('resume', 'S6', '--vm-load')).status).toBe(0);
+    expect((await pvisor('snapshot', 'S6', join(dir, 'after'))).status).toBe(0);
+    const after = await pvisor('run', '--from', join(dir, 'after'), '--shared', '--', 'digest');
+    expect(after.status).toBe(0);
+    expect(digestsOf(after.stdout)).toEqual([rewritten]);
+    expect((await pvisor('stop', 'S6')).status).toBe(0);
+    expect((await clone.exited).code).toBe(0);
   }, 300000);
 });

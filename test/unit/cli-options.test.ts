@@ -45,6 +45,25 @@ describe('pvisor run option checks', () => {
     expect(alone.status).toBe(125);
   });
 
+  it('--from refuses what the snapshot says, naming the flag, before anything is read or started', () => {
+    const r = pvisor('run', '--from', '/no/such/snapshot', '--memory', '1GiB', '--', 'digest');
+    expect(r.stderr).toMatch(/^pvisor: --memory: does not go with --from: a VM restored from a snapshot has the memory, vCPUs, guest and disks it was taken with$/m);
+    expect(r.stderr).not.toMatch(/restoring|starting/);
+    expect(r.status).toBe(125);
+  });
+
+  it('--from a directory that is not a snapshot says which file is missing, before a VM starts', () => {
+    const dir = mkdtempSync(join(tmpdir(), 'pvisor-not-a-snapshot-'));
+    try {
+      const r = pvisor('run', '--from', dir, '--', 'digest');
+      expect(r.stderr).toMatch(new RegExp(`^pvisor: ${dir}/manifest.json: ENOENT`, 'm'));
+      expect(r.stderr).not.toMatch(/restoring|control socket/);
+      expect(r.status).toBe(125);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
   it('an unknown option is a usage error', () => {
     const r = pvisor('run', '--memroy', '1G', '--', 'digest');
     expect(r.stderr).toMatch(/Unknown option '--memroy'/);
@@ -52,7 +71,7 @@ describe('pvisor run option checks', () => {
   });
 });
 
-describe('pvisor suspend/resume/stop/ps without a VM', () => {
+describe('pvisor suspend/resume/snapshot/stop/ps without a VM', () => {
   let dir: string;
   beforeAll(() => {
     dir = mkdtempSync(join(tmpdir(), 'pvisor-rt-'));
@@ -65,6 +84,19 @@ describe('pvisor suspend/resume/stop/ps without a VM', () => {
     expect(r.stderr).toMatch(/pvisor: no VM named NOPE is running/);
     expect(r.stdout).toBe('');
     expect(r.status).toBe(2);
+  });
+
+  it('snapshot of an unknown id names it and exits 2', () => {
+    const r = cli('snapshot', 'NOPE', join(dir, 'snap'));
+    expect(r.stderr).toMatch(/^pvisor: no VM named NOPE is running/);
+    expect(r.stdout).toBe('');
+    expect(r.status).toBe(2);
+  });
+
+  it('snapshot without a directory is refused', () => {
+    const r = cli('snapshot', 'T1');
+    expect(r.stderr).toMatch(/^pvisor: dir: where to\? e.g. pvisor snapshot T1 DIR/);
+    expect(r.status).toBe(125);
   });
 
   it('an id and a different job id are refused', () => {

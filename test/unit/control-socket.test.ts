@@ -64,6 +64,14 @@ describe('control socket', () => {
     for (const bad of ['', 'suspend', '{"op":"explode"}', 'null', '{"op":"suspend","offload":"yes"}']) expect(() => parseRequest(bad)).toThrow(InvalidOptionError);
   });
 
+  it('a snapshot request names an absolute directory: the run\'s cwd is not the client\'s', () => {
+    expect(parseRequest('{"op":"snapshot","dir":"/var/tmp/s1"}')).toEqual({ op: 'snapshot', dir: '/var/tmp/s1', leavePaused: false });
+    expect(parseRequest('{"op":"snapshot","dir":"/s","leavePaused":true}')).toEqual({ op: 'snapshot', dir: '/s', leavePaused: true });
+    for (const bad of ['{"op":"snapshot"}', '{"op":"snapshot","dir":"rel/s1"}', '{"op":"snapshot","dir":""}', '{"op":"snapshot","dir":7}', '{"op":"snapshot","dir":"/s","leavePaused":"no"}']) {
+      expect(() => parseRequest(bad)).toThrow(/^control request: snapshot: /);
+    }
+  });
+
   it('answers each request line with one line, in order; a malformed line gets an error answer', async () => {
     const seen: ControlRequest[] = [];
     const handler: ControlHandler = async (r) => {

@@ -1,0 +1,141 @@
+/**
+ * `pvisor run`'s arguments: where the VM comes from (a fresh boot, or a snapshot with `--from`),
+ * its memory strategies and the command, all checked before anything is allocated. Pure: it reads
+ * no file and starts nothing, so every refusal here happens before a VM exists.
+ */
+import { resolve } from 'node:path';
+import { parseArgs } from 'node:util';
+import { InvalidOptionError } from '../errors';
+import { ColdCompression } from '../memory/strategies/cold-compression';
+import { CompressedOffload } from '../memory/strategies/compressed-offload';
+import { IdleRelease } from '../memory/strategies/idle-release';
+import { KsmAdvice } from '../memory/strategies/ksm-advice';
+import { Offload } from '../memory/strategies/offload';
+import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
+import type { MemoryStrategy } from '../memory/strategy';
+import { parseDurationMs, parseSize } from '../units';
+import type { GuestKind, RootfsOptions } from '../vm';
+
+/** A VM booted fresh from a guest image. */
+export interface BootSource {
+  kind: 'boot';
+  memoryBytes: number;
+  /** `--memory` as given (default `512MiB`), for messages. */
+  memoryText: string;
+  vcpus: number;
+  guest: GuestKind;
+  kernel?: string;
+  initrd?: string;
+  rootfs?: RootfsOptions;
+}
+
+/** A VM restored from a snapshot directory (`--from DIR`). */
+export interface SnapshotSource {
+  kind: 'snapshot';
+  /** The snapshot directory, made absolute against the cwd of the run. */
+  dir: string;
+  /**
+   * `--shared`: guest RAM is the snapshot's RAM file mapped copy-on-write ({@link SharedSnapshot},
+   * first in the strategies), so clones share the pages they only read.
+   */
+  shared: boolean;
+}
+
+/** Everything `pvisor run` was asked for. */
+export interface RunArgs {
+  source: BootSource | SnapshotSource;
+  /** `--name`: the VM's id. */
+  name?: string;
+  /** `--vm-socket`: the control socket's path. */
+  socketPath?: string;
+  /** `--console`: the guest's serial console goes to stderr. */
+  console: boolean;
+  /** The memory strategies, in composition order. */
+  strategies: MemoryStrategy[];
+  /** The words after `--`: an argv for the Linux guest, probe steps for the probe guest. */
+  command: string[];
+}
+
+/**
+ * Options a snapshot decides: the VM it restores has the memory, vCPUs, guest and disks it was
+ * taken with, so giving one beside `--from` can only be a mistake.
+ */
+const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootfs', 'rootfs-readonly'] as const;
+
+/**
+ * Parses `pvisor run [OPTIONS] -- CMD...`. A wrong or conflicting option is an
+ * {@link InvalidOptionError} naming it; an unknown one is Node's `ERR_PARSE_ARGS_UNKNOWN_OPTION`.
+ * @param cwd what a relative `--from` is relative to.
+ */
+export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunArgs {
+  const dash = argv.indexOf('--');
+  const own = dash >= 0 ? argv.slice(0, dash) : argv;
+  const command = dash >= 0 ? argv.slice(dash + 1) : [];
+  // No defaults for what a snapshot decides: a flag given must be told apart from one left out.
+  const { values } = parseArgs({
+    args: own,
+    options: {
+      from: { type: 'string' },
+      shared: { type: 'boolean', default: false },
+      memory: { type: 'string' },
+      vcpus: { type: 'string' },
+      guest: { type: 'string' },
+      kernel: { type: 'string' },
+      initrd: { type: 'string' },
+      rootfs: { type: 'string' },
+      'rootfs-readonly': { type: 'boolean' },
+      console: { type: 'boolean', default: false },
+      'vm-ram-dedup': { type: 'boolean', default: false },
+      'vm-idle-release': { type: 'boolean', default: false },
+      'vm-offload': { type: 'boolean', default: false },
+      'vm-offload-reload': { type: 'string' },
+      'vm-ram-compression': { type: 'boolean', default: false },
+      'vm-backing-dir': { type: 'string' },
+      'vm-cold-ram-compression': { type: 'boolean', default: false },
+      'vm-cold-after': { type: 'string' },
+      name: { type: 'string' },
+      'vm-socket': { type: 'string' },
+    },
+    strict: true,
+  });
+  const from = values.from;
+  if (from !== undefined) {
+    if (!from) throw new InvalidOptionError('--from', 'expected a snapshot directory (one that pvisor snapshot or vm.snapshot() wrote)');
+    const given = SNAPSHOT_DECIDES.find((k) => values[k] !== undefined);
+    if (given) throw new InvalidOptionError(`--${given}`, 'does not go with --from: a VM restored from a snapshot has the memory, vCPUs, guest and disks it was taken with');
+  }
+  if (values.shared && from === undefined) throw new InvalidOptionError('--shared', "only goes with --from DIR: clones share the snapshot's RAM file");
+  const coldAfter = values['vm-cold-after'];
+  if (coldAfter !== undefined && !values['vm-cold-ram-compression']) throw new InvalidOptionError('--vm-cold-after', 'only goes with --vm-cold-ram-compression');
+  if (values['rootfs-readonly'] && values.rootfs === undefined) throw new InvalidOptionError('--rootfs-readonly', 'only goes with --rootfs IMAGE');
+  const reload = values['vm-offload-reload'];
+  if (reload !== undefined && !values['vm-offload']) throw new InvalidOptionError('--vm-offload-reload', 'only goes with --vm-offload');
+  if (reload !== undefined && reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('--vm-offload-reload', `expected eager or lazy, got ${JSON.stringify(reload)}`);
+  if (!command.length) throw new InvalidOptionError('command', 'nothing to run: give it after --, e.g. pvisor run -- uname -a');
+  const source = from !== undefined ? ({ kind: 'snapshot', dir: resolve(cwd, from), shared: values.shared } as const) : bootSource(values);
+
+  const strategies: MemoryStrategy[] = [];
+  if (values.shared) strategies.push(new SharedSnapshot());
+  if (values['vm-ram-dedup']) strategies.push(new KsmAdvice());
+  if (values['vm-idle-release']) strategies.push(new IdleRelease());
+  const dir = values['vm-backing-dir'];
+  if (values['vm-cold-ram-compression']) strategies.push(new ColdCompression({ coldAfterMs: coldAfter === undefined ? undefined : parseDurationMs('--vm-cold-after', coldAfter), dir }));
+  if (values['vm-offload']) strategies.push(new Offload({ reload, dir }));
+  if (values['vm-ram-compression']) strategies.push(new CompressedOffload({ dir }));
+  // `pvisor suspend ID --vm-offload` must work on any VM, as in the reference CLI: Offload costs
+  // nothing until a suspend, so it is composed unless another suspend-image strategy was chosen.
+  if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload({ dir }));
+  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command };
+}
+
+function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean }): BootSource {
+  const memoryText = values.memory ?? '512MiB';
+  const vcpus = Number(values.vcpus ?? '2');
+  // Vm.start checks the guest's name; here only what depends on it.
+  const guest = (values.guest ?? 'linux') as GuestKind;
+  const memoryBytes = parseSize('memory', memoryText);
+  if (guest === 'probe' && (values.kernel !== undefined || values.initrd !== undefined)) throw new InvalidOptionError('--kernel', '--kernel and --initrd are for the Linux guest');
+  if (guest === 'probe' && values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'is for the Linux guest');
+  const rootfs = values.rootfs === undefined ? undefined : { path: values.rootfs, readOnly: values['rootfs-readonly'] === true };
+  return { kind: 'boot', memoryBytes, memoryText, vcpus, guest, kernel: values.kernel, initrd: values.initrd, rootfs };
+}

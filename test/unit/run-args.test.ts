@@ -1,0 +1,62 @@
+// pvisor run's arguments: a fresh boot or --from a snapshot, the strategies, the command. No KVM needed.
+import { parseRunArgs } from '../../src/cli/run-args';
+import { InvalidOptionError } from '../../src/errors';
+
+describe('pvisor run: argument parsing', () => {
+  const cwd = '/home/u/work';
+
+  it('boots a 512 MiB Linux VM with 2 vCPUs unless told otherwise, with Offload composed for pvisor suspend', () => {
+    const a = parseRunArgs(['--', 'uname', '-a'], cwd);
+    expect(a.source).toEqual({ kind: 'boot', memoryBytes: 512 * 2 ** 20, memoryText: '512MiB', vcpus: 2, guest: 'linux', kernel: undefined, initrd: undefined, rootfs: undefined });
+    expect(a.command).toEqual(['uname', '-a']);
+    expect(a.strategies.map((s) => s.name)).toEqual(['offload']);
+  });
+
+  it('--from DIR restores instead, DIR made absolute against the cwd of the run', () => {
+    const a = parseRunArgs(['--from', 'snaps/base', '--name', 'C1', '--vm-ram-dedup', '--', 'digest'], cwd);
+    expect(a.source).toEqual({ kind: 'snapshot', dir: '/home/u/work/snaps/base', shared: false });
+    expect(a.name).toBe('C1');
+    expect(a.strategies.map((s) => s.name)).toEqual(['ksm-advice', 'offload']);
+    expect(parseRunArgs(['--from', '/abs/snap', '--', 'digest'], cwd).source).toEqual({ kind: 'snapshot', dir: '/abs/snap', shared: false });
+  });
+
+  it('--shared maps the snapshot\'s RAM file (SharedSnapshot, first), and only goes with --from', () => {
+    const a = parseRunArgs(['--from', 'snap', '--shared', '--vm-idle-release', '--', 'digest'], cwd);
+    expect(a.source).toEqual({ kind: 'snapshot', dir: '/home/u/work/snap', shared: true });
+    expect(a.strategies.map((s) => s.name)).toEqual(['shared-snapshot', 'idle-release', 'offload']);
+    expect(() => parseRunArgs(['--guest', 'probe', '--shared', '--', 'digest'], cwd)).toThrow(/^--shared: only goes with --from DIR/);
+  });
+
+  it.each([
+    ['--memory', '1GiB'],
+    ['--vcpus', '4'],
+    ['--guest', 'probe'],
+    ['--kernel', 'bzImage'],
+    ['--initrd', 'initrd.cpio'],
+    ['--rootfs', 'rootfs.img'],
+  ])('%s is refused beside --from, naming the flag: the snapshot says it', (flag, value) => {
+    const parse = () => parseRunArgs(['--from', 'snap', flag, value, '--', 'digest'], cwd);
+    expect(parse).toThrow(InvalidOptionError);
+    expect(parse).toThrow(new RegExp(`^${flag}: does not go with --from`));
+  });
+
+  it('--rootfs-readonly is refused beside --from too', () => {
+    expect(() => parseRunArgs(['--from', 'snap', '--rootfs-readonly', '--', 'digest'], cwd)).toThrow(/^--rootfs-readonly: does not go with --from/);
+  });
+
+  it('--from needs a directory and a command', () => {
+    expect(() => parseRunArgs(['--from', '', '--', 'digest'], cwd)).toThrow(/^--from: expected a snapshot directory/);
+    expect(() => parseRunArgs(['--from', 'snap'], cwd)).toThrow(/^command: nothing to run/);
+  });
+
+  it('keeps the checks of a fresh boot', () => {
+    expect(() => parseRunArgs(['--guest', 'probe', '--kernel', 'k', '--', 'digest'], cwd)).toThrow(/^--kernel: --kernel and --initrd are for the Linux guest/);
+    expect(() => parseRunArgs(['--memory', '12 parsecs', '--', 'digest'], cwd)).toThrow(/^memory: cannot parse size/);
+    expect(() => parseRunArgs(['--vm-offload-reload', 'lazy', '--', 'digest'], cwd)).toThrow(/^--vm-offload-reload: only goes with --vm-offload/);
+    expect(parseRunArgs(['--rootfs', 'r.img', '--rootfs-readonly', '--', 'true'], cwd).source).toMatchObject({ rootfs: { path: 'r.img', readOnly: true } });
+  });
+
+  it('a chosen suspend-image strategy replaces the default Offload', () => {
+    expect(parseRunArgs(['--from', 'snap', '--vm-ram-compression', '--', 'digest'], cwd).strategies.map((s) => s.name)).toEqual(['compressed-offload']);
+  });
+});
