@@ -10,7 +10,8 @@ const HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 Usage:
   pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
-             [--vm-ram-compression] [--vm-backing-dir DIR] [--kernel BZIMAGE] [--initrd CPIO]
+             [--vm-ram-compression] [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]]
+             [--kernel BZIMAGE] [--initrd CPIO]
              [--rootfs IMAGE [--rootfs-readonly]] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
@@ -25,6 +26,9 @@ Usage:
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.
+      --vm-pool SOCKET: pages this VM has in common with other VMs of its scope (--vm-pool-scope,
+        default "default"; one per tenant) are kept once, in the pool of the pvisor-daemon
+        listening on SOCKET (pvisor-daemon serve --memory-pool), and mapped copy-on-write.
       --vm-cold-ram-compression: while the VM runs, blocks unchanged for a while are compressed
         (lz4) into host memory and dropped; the guest's first touch brings them back.
         --vm-cold-after DURATION: how long unchanged (default 10s; 500ms, 30s, 2m).

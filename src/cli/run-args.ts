@@ -11,6 +11,7 @@ import { CompressedOffload } from '../memory/strategies/compressed-offload';
 import { IdleRelease } from '../memory/strategies/idle-release';
 import { KsmAdvice } from '../memory/strategies/ksm-advice';
 import { Offload } from '../memory/strategies/offload';
+import { PoolClient } from '../memory/strategies/pool-client';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import type { MemoryStrategy } from '../memory/strategy';
 import { parseDurationMs, parseSize } from '../units';
@@ -93,6 +94,8 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
       'vm-backing-dir': { type: 'string' },
       'vm-cold-ram-compression': { type: 'boolean', default: false },
       'vm-cold-after': { type: 'string' },
+      'vm-pool': { type: 'string' },
+      'vm-pool-scope': { type: 'string' },
       name: { type: 'string' },
       'vm-socket': { type: 'string' },
     },
@@ -108,6 +111,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   const coldAfter = values['vm-cold-after'];
   if (coldAfter !== undefined && !values['vm-cold-ram-compression']) throw new InvalidOptionError('--vm-cold-after', 'only goes with --vm-cold-ram-compression');
   if (values['rootfs-readonly'] && values.rootfs === undefined) throw new InvalidOptionError('--rootfs-readonly', 'only goes with --rootfs IMAGE');
+  if (values['vm-pool-scope'] !== undefined && values['vm-pool'] === undefined) throw new InvalidOptionError('--vm-pool-scope', 'only goes with --vm-pool');
   const reload = values['vm-offload-reload'];
   if (reload !== undefined && !values['vm-offload']) throw new InvalidOptionError('--vm-offload-reload', 'only goes with --vm-offload');
   if (reload !== undefined && reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('--vm-offload-reload', `expected eager or lazy, got ${JSON.stringify(reload)}`);
@@ -120,6 +124,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   if (values['vm-idle-release']) strategies.push(new IdleRelease());
   const dir = values['vm-backing-dir'];
   if (values['vm-cold-ram-compression']) strategies.push(new ColdCompression({ coldAfterMs: coldAfter === undefined ? undefined : parseDurationMs('--vm-cold-after', coldAfter), dir }));
+  if (values['vm-pool'] !== undefined) strategies.push(new PoolClient({ socket: values['vm-pool'], scope: values['vm-pool-scope'] }));
   if (values['vm-offload']) strategies.push(new Offload({ reload, dir }));
   if (values['vm-ram-compression']) strategies.push(new CompressedOffload({ dir }));
   // `pvisor suspend ID --vm-offload` must work on any VM, as in the reference CLI: Offload costs

@@ -27,6 +27,13 @@ describe('pvisor run: argument parsing', () => {
     expect(() => parseRunArgs(['--guest', 'probe', '--shared', '--', 'digest'], cwd)).toThrow(/^--shared: only goes with --from DIR/);
   });
 
+  it('--vm-pool SOCKET composes a PoolClient of the given scope; --vm-pool-scope only goes with it', () => {
+    const a = parseRunArgs(['--guest', 'probe', '--vm-pool', '/run/pvisor/pool.sock', '--vm-pool-scope', 'tenant-a', '--', 'digest'], cwd);
+    expect(a.strategies.map((s) => s.name)).toEqual(['pool-client', 'offload']);
+    expect(() => parseRunArgs(['--guest', 'probe', '--vm-pool-scope', 'x', '--', 'digest'], cwd)).toThrow(/^--vm-pool-scope: only goes with --vm-pool/);
+    expect(() => parseRunArgs(['--guest', 'probe', '--vm-pool', '/s', '--vm-pool-scope', 'bad\nscope', '--', 'digest'], cwd)).toThrow(InvalidOptionError);
+  });
+
   it.each([
     ['--memory', '1GiB'],
     ['--vcpus', '4'],
