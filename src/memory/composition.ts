@@ -20,6 +20,7 @@ export interface GuestRam {
   advise(offset: number, length: number, advice: number, name: string): void;
   discard(gpa: number, length: number, to?: DiscardTo): void;
   discardHost(offset: number, length: number, to?: DiscardTo): void;
+  hostOffset(gpa: number, length: number): number;
   mapFileOver(offset: number, length: number, fd: number, fileOffset: number): void;
 }
 
@@ -125,6 +126,7 @@ export class MemoryComposition {
         advise: (offset, length, advice, name) => ram.advise(offset, length, advice, name),
         discard: (gpa, length, to) => ram.discard(gpa, length, to),
         discardHost: (offset, length, to) => ram.discardHost(offset, length, to),
+        hostOffset: (gpa, length) => ram.hostOffset(gpa, length),
         mapFileOver: (offset, length, fd, fileOffset) => ram.mapFileOver(offset, length, fd, fileOffset),
         ownPageRuns: () => ownPageRuns(ram.hostAddr, ram.sizeBytes, backing),
       },

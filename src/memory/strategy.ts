@@ -41,6 +41,8 @@ export interface StrategyRam {
    * `to` says (default zero; see {@link DiscardTo}).
    */
   discard(gpa: number, length: number, to?: DiscardTo): void;
+  /** The offset into the mapping of guest-physical [gpa, gpa+length), or -1 if it is not all RAM. */
+  hostOffset(gpa: number, length: number): number;
   /** {@link discard} by offset into the mapping. */
   discardHost(offset: number, length: number, to?: DiscardTo): void;
   /**

@@ -6,7 +6,7 @@ import { connect } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { PoolClient, Vm } from '../../src';
+import { IdleRelease, KsmAdvice, Offload, PoolClient, Vm } from '../../src';
 import { encodeFrame, FrameType } from '../../src/protocol/frame';
 import { poolStatus } from '../../src/memory/pool-link';
 import { hexOf } from '../probe-digest';
@@ -132,6 +132,33 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
       expect(pool(racers[1]).figures.pagesShared).toBeGreaterThan(0);
     } finally {
       for (const vm of racers) vm.stop();
+    }
+  });
+
+  it('composes with KsmAdvice, IdleRelease (a freed page gives its reference back) and Offload (which writes only the VM\'s own pages)', async () => {
+    const pair = [0, 1].map(() => new PoolClient({ socket, intervalMs: 3_600_000 }));
+    const offload = new Offload();
+    const vmsOf = await Promise.all(pair.map((c, i) => Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 1, strategies: [new KsmAdvice(), new IdleRelease(), c, ...(i === 1 ? [offload] : [])] })));
+    try {
+      for (const vm of vmsOf) await vm.probe.fill({ sizeMiB: 32, content: 'random', seed: 123 });
+      for (let k = 0; k < 2; k++) for (const c of pair) await c.mergeNow();
+      for (const vm of vmsOf) expect(pool(vm).figures.pagesShared).toBeGreaterThanOrEqual((32 * MiB) / 4096);
+      const refs = (await poolStatus(socket, 5000)).references;
+      const shared = pool(vmsOf[0]).figures.pagesShared;
+      await vmsOf[0].probe.release();
+      // What stays shared is the probe's own pages that both VMs have, not the working set.
+      expect(pool(vmsOf[0]).figures.pagesShared).toBeLessThanOrEqual(shared - (32 * MiB) / 4096);
+      expect(vmsOf[0].memoryUsage().guestRamRssBytes).toBeLessThan(2 * MiB); // anonymous zero, not the pool's pages
+      await pair[0].mergeNow();
+      expect((await poolStatus(socket, 5000)).references).toBeLessThanOrEqual(refs - (32 * MiB) / 4096);
+      await vmsOf[1].suspend();
+      await vmsOf[1].memoryReleased();
+      // The pool's pages are not the VM's own: they stay mapped and are not written.
+      expect(vmsOf[1].memoryUsage().strategies.find((s) => s.strategy === 'offload')!.figures.pagesWritten).toBeLessThan((4 * MiB) / 4096);
+      await vmsOf[1].resume();
+      expect((await vmsOf[1].probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 123, sizeBytes: 32 * MiB, rewrites: [] }));
+    } finally {
+      for (const vm of vmsOf) vm.stop();
     }
   });
 

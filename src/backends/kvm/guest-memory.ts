@@ -44,6 +44,11 @@ export class GuestMemory {
   private mapped = true;
   /** Whole-range advices given so far, in order, with their names. */
   private readonly advices: [number, string][] = [];
+  /**
+   * Pages of anonymous RAM that {@link mapFileOver} covered with a file's pages (one byte per
+   * page, made on first use): dropping one of them must map anonymous memory back to read zero.
+   */
+  private fileOver: Uint8Array | undefined;
 
   private constructor(readonly hostAddr: number, readonly sizeBytes: number, readonly backing: RamBacking) {
     const regions: MemoryRegion[] = [{ slot: 0, guestPhysAddr: 0, sizeBytes: Math.min(sizeBytes, MMIO_HOLE_START), hostOffset: 0 }];
@@ -223,6 +228,7 @@ export class GuestMemory {
     if (len === 0) return;
     switch (this.backing.kind) {
       case 'anonymous':
+        if (to === 'zero') this.unmapFileOver(offset, len);
         madvise(this.hostAddr + offset, len, C.MADV_DONTNEED, 'MADV_DONTNEED');
         break;
       case 'memfd':
@@ -254,6 +260,29 @@ export class GuestMemory {
     }
     mmap(this.hostAddr + offset, length, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_NORESERVE | C.MAP_FIXED, fd, fileOffset, 'a file mapped over guest RAM');
     this.adviseAgain(offset, length);
+    if (this.backing.kind === 'anonymous') (this.fileOver ??= new Uint8Array(this.sizeBytes / C.PAGE_SIZE)).fill(1, offset / C.PAGE_SIZE, (offset + length) / C.PAGE_SIZE);
+  }
+
+  /**
+   * Maps fresh anonymous memory over the pages of [offset, offset+len) that a file covers (on
+   * anonymous RAM a MADV_DONTNEED there would bring the file's page back, not zero).
+   */
+  private unmapFileOver(offset: number, len: number): void {
+    const over = this.fileOver;
+    if (!over) return;
+    const end = (offset + len) / C.PAGE_SIZE;
+    for (let p = offset / C.PAGE_SIZE; p < end;) {
+      if (!over[p]) {
+        p++;
+        continue;
+      }
+      let q = p;
+      while (q < end && over[q]) q++;
+      mmap(this.hostAddr + p * C.PAGE_SIZE, (q - p) * C.PAGE_SIZE, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE | C.MAP_FIXED, -1, 0, 'zeroed guest RAM over a file mapped over it');
+      this.adviseAgain(p * C.PAGE_SIZE, (q - p) * C.PAGE_SIZE);
+      over.fill(0, p, q);
+      p = q;
+    }
   }
 
   /** Applies the whole-range advice given so far to memory newly mapped over part of the range. */

@@ -92,6 +92,8 @@ export class PoolClient implements MemoryStrategy {
   /** Guest page -> [generation, pool page] of every page mapped from a pool. */
   private readonly mapped = new Map<number, [number, number]>();
   private zeroKey: bigint | undefined;
+  /** References of pages the guest freed, given back at the next pass. */
+  private freedPoolPages: number[] = [];
   private passing: Promise<void> | undefined;
   private readonly figures = { merges: 0, lastMergeMs: 0, pagesMapped: 0, pagesSent: 0, pagesUnshared: 0, pagesChangedBeforeMap: 0, reconnects: 0, poolFull: 0 };
 
@@ -151,6 +153,7 @@ export class PoolClient implements MemoryStrategy {
     const views: Buffer[] = [];
     for (let off = 0; off < link.poolBytes; off += VIEW_CHUNK_BYTES) views.push(viewAt(addr + off, Math.min(VIEW_CHUNK_BYTES, link.poolBytes - off)));
     const gen = ++this.generations;
+    this.freedPoolPages = [];
     this.pool = { id: gen, link, fd: link.poolFd, bytes: link.poolBytes, addr, views };
     if (gen > 1) this.figures.reconnects++;
     this.reconnectMs = RECONNECT_FIRST_MS;
@@ -183,6 +186,24 @@ export class PoolClient implements MemoryStrategy {
     closeFd(p.fd);
   }
 
+  /**
+   * The guest freed a range: its pages mapped from the pool go back to reading zero as anonymous
+   * memory (costing nothing until written), and their references go back at the next pass.
+   */
+  freePagesReported(ctx: StrategyContext, gpa: number, length: number): void {
+    const offset = ctx.ram.hostOffset(gpa, length);
+    if (offset < 0) return;
+    let dropped = false;
+    for (let page = offset / PAGE_SIZE; page < (offset + length) / PAGE_SIZE; page++) {
+      const m = this.mapped.get(page);
+      if (!m) continue;
+      this.mapped.delete(page);
+      if (m[0] === this.pool?.id) this.freedPoolPages.push(m[1]);
+      dropped = true;
+    }
+    if (dropped) ctx.ram.discardHost(offset, length, 'zero');
+  }
+
   tick(ctx: StrategyContext): Promise<void> {
     return this.mergeNow(ctx);
   }
@@ -206,7 +227,8 @@ export class PoolClient implements MemoryStrategy {
     // Pages that are the VM's own now: a page mapped from a pool and anonymous again was written.
     const own = new Uint8Array(pages);
     for (const r of ram.ownPageRuns()) own.fill(1, r.offset / PAGE_SIZE, (r.offset + r.length) / PAGE_SIZE);
-    const drop: number[] = [];
+    const drop = this.freedPoolPages;
+    this.freedPoolPages = [];
     for (const [page, [gen, poolPage]] of this.mapped) {
       if (!own[page]) continue;
       this.mapped.delete(page);
