@@ -14,6 +14,7 @@
  * mapped), the VM runs on, the figures and a warning say so, and the client reconnects with
  * back-off to the next daemon, whose pool starts afresh.
  */
+import { readFileSync } from 'node:fs';
 import { InvalidOptionError } from '../../errors';
 import { rangeMappings } from '../../memory-usage';
 import { MAP_SHARED, PAGE_SIZE, PROT_READ } from '../../sys/constants';
@@ -60,6 +61,24 @@ const RECONNECT_FIRST_MS = 500;
 const RECONNECT_MAX_MS = 30_000;
 const VIEW_CHUNK_BYTES = 2 ** 30;
 
+/** Mappings left free for everything else in the process (Node, other VMs' own needs). */
+const MAP_COUNT_RESERVE = 8192;
+
+/**
+ * How many more mappings this process may make before it nears vm.max_map_count (65530 by
+ * default, per process, shared by every VM in it), keeping {@link MAP_COUNT_RESERVE} spare.
+ */
+function mappingBudget(): number {
+  let max = 65530;
+  try {
+    max = Number(readFileSync('/proc/sys/vm/max_map_count', 'utf8').trim()) || max;
+  } catch {
+    // the default, then
+  }
+  const used = readFileSync('/proc/self/maps', 'utf8').split('\n').length - 1;
+  return Math.max(0, max - used - MAP_COUNT_RESERVE);
+}
+
 /** One daemon's pool as this client maps it. */
 interface PoolGeneration {
   id: number;
@@ -95,7 +114,9 @@ export class PoolClient implements MemoryStrategy {
   /** References of pages the guest freed, given back at the next pass. */
   private freedPoolPages: number[] = [];
   private passing: Promise<void> | undefined;
-  private readonly figures = { merges: 0, lastMergeMs: 0, pagesMapped: 0, pagesSent: 0, pagesUnshared: 0, pagesChangedBeforeMap: 0, reconnects: 0, poolFull: 0 };
+  private readonly figures = { merges: 0, lastMergeMs: 0, pagesMapped: 0, pagesSent: 0, pagesUnshared: 0, pagesChangedBeforeMap: 0, reconnects: 0, poolFull: 0, pagesNotMappedForMapCount: 0 };
+  /** New mappings this pass may still make (see {@link mappingBudget}). */
+  private mappingBudget = 0;
 
   constructor(options: PoolClientOptions) {
     if (typeof options?.socket !== 'string' || options.socket.length === 0) throw new InvalidOptionError('socket', 'the pool daemon\'s socket path is required');
@@ -272,6 +293,7 @@ export class PoolClient implements MemoryStrategy {
         if (answers.some((a) => a.answer === ANSWER_FULL)) break;
       }
       candidates.sort((a, b) => a[0] - b[0]);
+      this.mappingBudget = mappingBudget();
       for (let i = 0; i < candidates.length; i += PAGES_PER_PAUSE) {
         const slice = candidates.slice(i, i + PAGES_PER_PAUSE);
         const refused = await ctx.withGuestPaused(() => this.mapSlice(ram, pool, slice));
@@ -308,6 +330,14 @@ export class PoolClient implements MemoryStrategy {
     let run: { guest: number; pool: number; pages: number } | undefined;
     const flush = () => {
       if (!run) return;
+      // Each run may split a mapping in three: past the process's budget, the pages stay the VM's.
+      if (this.mappingBudget < 2) {
+        for (let k = 0; k < run.pages; k++) refused.push(run.pool + k);
+        this.figures.pagesNotMappedForMapCount += run.pages;
+        run = undefined;
+        return;
+      }
+      this.mappingBudget -= 2;
       ram.mapFileOver(run.guest * PAGE_SIZE, run.pages * PAGE_SIZE, pool.fd, run.pool * PAGE_SIZE);
       for (let k = 0; k < run.pages; k++) this.mapped.set(run.guest + k, [pool.id, run.pool + k]);
       this.figures.pagesMapped += run.pages;
