@@ -17,8 +17,8 @@
 import { readFileSync } from 'node:fs';
 import { InvalidOptionError } from '../../errors';
 import { rangeMappings } from '../../memory-usage';
-import { MAP_SHARED, PAGE_SIZE, PROT_READ } from '../../sys/constants';
-import { closeFd, mmap, munmap, viewAt } from '../../sys/libc';
+import { MADV_DONTNEED, MAP_SHARED, PAGE_SIZE, PROT_READ } from '../../sys/constants';
+import { closeFd, madvise, mmap, munmap, viewAt } from '../../sys/libc';
 import {
   ANSWER_FULL,
   ANSWER_NONE,
@@ -307,6 +307,9 @@ export class PoolClient implements MemoryStrategy {
       // The link ended (its close listener reconnects); the daemon gave every reference back.
       if (!pool.link.closed) throw e;
     }
+    // The comparisons mapped pool pages into the read-only view too: unmap them there, so that
+    // each page's PSS is split among the VMs that map it, not among them and their views.
+    if (this.pool === pool) madvise(pool.addr, pool.bytes, MADV_DONTNEED, 'MADV_DONTNEED');
     this.figures.merges++;
     this.figures.lastMergeMs = roundMs(performance.now() - t0);
   }
