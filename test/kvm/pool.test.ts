@@ -6,7 +6,7 @@ import { connect } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { IdleRelease, KsmAdvice, Offload, PoolClient, Vm } from '../../src';
+import { IdleRelease, KsmAdvice, Offload, PoolClient, SharedSnapshot, Vm } from '../../src';
 import { encodeFrame, FrameType } from '../../src/protocol/frame';
 import { poolStatus } from '../../src/memory/pool-link';
 import { hexOf } from '../probe-digest';
@@ -159,6 +159,30 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
       expect((await vmsOf[1].probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 123, sizeBytes: 32 * MiB, rewrites: [] }));
     } finally {
       for (const vm of vmsOf) vm.stop();
+    }
+  });
+
+  it('composes with SharedSnapshot: what two clones wrote alike is pooled over the shared base', async () => {
+    const snap = join(dir, 'snap');
+    const source = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 1 });
+    await source.probe.fill({ sizeMiB: 16, content: 'random', seed: 8 });
+    await source.snapshot(snap);
+    source.stop();
+    const pair = [0, 1].map(() => new PoolClient({ socket, intervalMs: 3_600_000 }));
+    const clones = await Promise.all(pair.map((c) => Vm.restore(snap, { strategies: [new SharedSnapshot(), c] })));
+    try {
+      // Both clones rewrite the same way: 16 MiB of private copies each, alike.
+      for (const vm of clones) await vm.probe.rewrite({ fraction: 1, seed: 31 });
+      for (const vm of clones) expect(vm.memoryUsage().guestRamPrivateBytes).toBeGreaterThanOrEqual(16 * MiB);
+      for (let k = 0; k < 2; k++) for (const c of pair) await c.mergeNow();
+      const expected = hexOf({ content: 'random', seed: 8, sizeBytes: 16 * MiB, rewrites: [{ permille: 1000, seed: 31 }] });
+      for (const vm of clones) {
+        expect((await vm.probe.digest()).hex).toBe(expected);
+        expect(pool(vm).figures.pagesShared).toBeGreaterThanOrEqual((16 * MiB) / 4096);
+        expect(vm.memoryUsage().guestRamPrivateBytes).toBeLessThan(2 * MiB);
+      }
+    } finally {
+      for (const vm of clones) vm.stop();
     }
   });
 
