@@ -1,66 +1,137 @@
 /**
- * The pool's pages: one memfd holding one copy of each page that VMs share, an index from content
- * key to pool page per scope, a reference count per pool page, and the keys offered but not yet
- * pooled (so that the second VM to offer a page is asked for it). Knows nothing of sockets.
+ * The pool's pages: per scope, one memfd holding one copy of each page that VMs of the scope
+ * share, an index from content key to pool page, a reference count per pool page, and the keys
+ * offered but not yet pooled (so that the second VM to offer a page is asked for it). Knows
+ * nothing of sockets.
  *
- * Pages are handed out in the order they are put, from the start of the memfd, so that a run of a
- * VM's consecutive pages put together lands on consecutive pool pages and is mapped as one VMA.
- * A page whose last reference goes is punched out of the memfd and forgotten at once.
+ * One memfd per scope, sealed against writes: a client holds only its own scope's memfd, so it
+ * can read no other scope's pages, and F_SEAL_FUTURE_WRITE keeps it from writing any (reopening
+ * /proc/self/fd/N read-write would otherwise give a client write access to every VM's shared
+ * pages). The daemon writes through the shared mapping it made before sealing. The seal also
+ * forbids punching holes, so a page whose last reference goes is not given back to the host: its
+ * slot is reused for the next page put in the scope, and the pool's memory is its high-water mark,
+ * bounded by --max-pool.
+ *
+ * Pages are handed out in the order they are put, so that a run of a VM's consecutive pages put
+ * together lands on consecutive pool pages and is mapped as one VMA.
  */
-import { readSync, writeSync, ftruncateSync } from 'node:fs';
-import { MFD_CLOEXEC } from '../sys/constants';
-import { closeFd, createMemfd, punchHole } from '../sys/libc';
+import { ftruncateSync } from 'node:fs';
+import { F_SEAL_FUTURE_WRITE, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, MAP_SHARED, MFD_ALLOW_SEALING, MFD_CLOEXEC, PROT_READ, PROT_WRITE } from '../sys/constants';
+import { addSeals, closeFd, createMemfd, mmap, munmap, viewAt } from '../sys/libc';
 import { PAGE_BYTES, type PageKey } from './pool-protocol';
 
-/** The most keys remembered as offered; the oldest are forgotten beyond it. */
+/** The most keys remembered as offered, in all scopes; the oldest are forgotten beyond it. */
 const MAX_CANDIDATES = 1 << 20;
+/** The most scopes a pool serves at once. */
+export const MAX_SCOPES = 4096;
+const VIEW_CHUNK_BYTES = 2 ** 30;
 
 /** 52 bits of a key as a Map key: the rest is left to the byte comparison that always follows. */
 function keyNumber(k: PageKey): number {
   return (k.hi & 0xfffff) * 0x1_0000_0000 + (k.lo >>> 0);
 }
 
-/** The pool's pages and what is known of them. */
-export class PagePool {
-  /** The memfd every client maps; closed by {@link close}. */
+/** One scope's pages. */
+class ScopePages {
   readonly fd: number;
-  readonly pageCount: number;
-  private readonly refs: Uint32Array;
-  private readonly keys: Float64Array;
-  /** Scope of each pool page, by number (0: the page is free). */
-  private readonly scopeOf: Uint16Array;
-  private readonly scopes = new Map<string, { id: number; index: Map<number, number[]>; offered: Map<number, number> }>();
-  private readonly scopeNames: string[] = [''];
-  private nextFresh = 0;
-  private readonly freePages: number[] = [];
-  private used = 0;
-  private candidateCount = 0;
-  private readonly scratch = Buffer.alloc(PAGE_BYTES);
+  private readonly addr: number;
+  private readonly views: Buffer[] = [];
+  private refs = new Uint32Array(1024);
+  private keys = new Float64Array(1024);
+  /** Slots handed out so far (the next fresh one), and those free again. */
+  allocated = 0;
+  readonly free: number[] = [];
+  used = 0;
+  readonly index = new Map<number, number[]>();
+  readonly offered = new Map<number, number>();
 
-  constructor(poolBytes: number) {
-    this.pageCount = Math.floor(poolBytes / PAGE_BYTES);
-    this.refs = new Uint32Array(this.pageCount);
-    this.keys = new Float64Array(this.pageCount);
-    this.scopeOf = new Uint16Array(this.pageCount);
-    this.fd = createMemfd('pvisor-page-pool', MFD_CLOEXEC);
+  constructor(name: string, private readonly bytes: number) {
+    this.fd = createMemfd(`pvisor-page-pool:${name.slice(0, 200)}`, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     try {
       // Sparse: a page costs memory once a client's bytes are written into it.
-      ftruncateSync(this.fd, this.pageCount * PAGE_BYTES);
+      ftruncateSync(this.fd, bytes);
+      this.addr = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, this.fd, 0, 'the page pool (the daemon\'s writable mapping)');
+      addSeals(this.fd, F_SEAL_FUTURE_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
     } catch (e) {
       closeFd(this.fd);
       throw e;
     }
+    for (let off = 0; off < bytes; off += VIEW_CHUNK_BYTES) this.views.push(viewAt(this.addr + off, Math.min(VIEW_CHUNK_BYTES, bytes - off)));
   }
 
-  private scope(name: string) {
+  page(p: number): Buffer {
+    const off = p * PAGE_BYTES;
+    const chunk = this.views[Math.floor(off / VIEW_CHUNK_BYTES)];
+    return chunk.subarray(off % VIEW_CHUNK_BYTES, (off % VIEW_CHUNK_BYTES) + PAGE_BYTES);
+  }
+
+  refsOf(p: number): number {
+    return p < this.refs.length ? this.refs[p] : 0;
+  }
+
+  setRefs(p: number, n: number): void {
+    if (p >= this.refs.length) {
+      const size = Math.max(p + 1, this.refs.length * 2);
+      const refs = new Uint32Array(size);
+      refs.set(this.refs);
+      this.refs = refs;
+      const keys = new Float64Array(size);
+      keys.set(this.keys);
+      this.keys = keys;
+    }
+    this.refs[p] = n;
+  }
+
+  keyOf(p: number): number {
+    return this.keys[p];
+  }
+
+  setKey(p: number, k: number): void {
+    this.keys[p] = k;
+  }
+
+  inUse(p: number): boolean {
+    return Number.isInteger(p) && p >= 0 && p < this.allocated && this.refsOf(p) > 0;
+  }
+
+  references(): number {
+    let n = 0;
+    for (let p = 0; p < this.allocated; p++) n += this.refs[p];
+    return n;
+  }
+
+  close(): void {
+    this.views.length = 0;
+    munmap(this.addr, this.bytes);
+    closeFd(this.fd);
+  }
+}
+
+/** The pool's pages and what is known of them. */
+export class PagePool {
+  /** Pages the whole pool may hold, over all scopes. */
+  readonly pageCount: number;
+  private readonly scopes = new Map<string, ScopePages>();
+  private allocated = 0;
+  private candidateCount = 0;
+
+  constructor(poolBytes: number) {
+    this.pageCount = Math.floor(poolBytes / PAGE_BYTES);
+  }
+
+  private scope(name: string): ScopePages {
     let s = this.scopes.get(name);
     if (!s) {
-      if (this.scopeNames.length >= 0xffff) throw new RangeError('too many scopes');
-      s = { id: this.scopeNames.length, index: new Map(), offered: new Map() };
+      if (this.scopes.size >= MAX_SCOPES) throw new RangeError(`the pool serves at most ${MAX_SCOPES} scopes`);
+      s = new ScopePages(name, this.pageCount * PAGE_BYTES);
       this.scopes.set(name, s);
-      this.scopeNames.push(name);
     }
     return s;
+  }
+
+  /** The memfd of `scope`'s pages, the one a client of that scope maps (created on first use). */
+  scopeFd(scope: string): number {
+    return this.scope(scope).fd;
   }
 
   /** The pool pages of `scope` whose key is `key` (their content still to be compared). */
@@ -95,25 +166,29 @@ export class PagePool {
   }
 
   /**
-   * A pool page of `scope` holding exactly `bytes` (whose key is `key`, as the caller computed
-   * it): an existing one, or a new one written now; undefined when the pool is full. The caller
-   * then holds one reference to it ({@link release} gives it back).
+   * A pool page of `scope` holding exactly `bytes` (whose key is `key`, as the daemon computed
+   * it): an existing one, or one written now; undefined when the pool is full. The caller then
+   * holds one reference to it ({@link release} gives it back).
    */
   put(scope: string, key: PageKey, bytes: Buffer): number | undefined {
-    const existing = this.find(scope, key, bytes);
-    if (existing !== undefined) {
-      this.refs[existing]++;
-      return existing;
-    }
-    const page = this.nextFresh < this.pageCount ? this.nextFresh++ : this.freePages.pop();
-    if (page === undefined) return undefined;
-    writeSync(this.fd, bytes, 0, PAGE_BYTES, page * PAGE_BYTES);
     const s = this.scope(scope);
     const k = keyNumber(key);
-    this.keys[page] = k;
-    this.scopeOf[page] = s.id;
-    this.refs[page] = 1;
-    this.used++;
+    for (const p of s.index.get(k) ?? []) {
+      if (s.page(p).equals(bytes)) {
+        s.setRefs(p, s.refsOf(p) + 1);
+        return p;
+      }
+    }
+    let page: number | undefined;
+    if (this.allocated < this.pageCount) {
+      page = s.allocated++;
+      this.allocated++;
+    } else page = s.free.pop();
+    if (page === undefined) return undefined;
+    bytes.copy(s.page(page), 0, 0, PAGE_BYTES);
+    s.setKey(page, k);
+    s.setRefs(page, 1);
+    s.used++;
     const list = s.index.get(k);
     if (list) list.push(page);
     else s.index.set(k, [page]);
@@ -121,48 +196,48 @@ export class PagePool {
     return page;
   }
 
-  /** A pool page of `scope` that holds exactly `bytes`. */
-  private find(scope: string, key: PageKey, bytes: Buffer): number | undefined {
-    for (const page of this.lookup(scope, key)) {
-      readSync(this.fd, this.scratch, 0, PAGE_BYTES, page * PAGE_BYTES);
-      if (this.scratch.equals(bytes)) return page;
-    }
-    return undefined;
-  }
-
   /** One more reference to a pool page in use. */
-  hold(page: number): void {
-    if (!this.inUse(page)) throw new RangeError(`pool page ${page} is not in use`);
-    this.refs[page]++;
+  hold(scope: string, page: number): void {
+    const s = this.scopes.get(scope);
+    if (!s?.inUse(page)) throw new RangeError(`pool page ${page} of scope ${scope} is not in use`);
+    s.setRefs(page, s.refsOf(page) + 1);
   }
 
-  /** Gives back one reference; the last one frees the page (punched out, forgotten). */
-  release(page: number): void {
-    if (!this.inUse(page)) throw new RangeError(`pool page ${page} is not in use`);
-    if (--this.refs[page] > 0) return;
-    const s = this.scopes.get(this.scopeNames[this.scopeOf[page]])!;
-    const k = this.keys[page];
+  /**
+   * Gives back one reference. After the last, the page is forgotten and its slot serves the next
+   * page put in the scope: only call it when no process maps the page any more.
+   */
+  release(scope: string, page: number): void {
+    const s = this.scopes.get(scope);
+    if (!s?.inUse(page)) throw new RangeError(`pool page ${page} of scope ${scope} is not in use`);
+    const left = s.refsOf(page) - 1;
+    s.setRefs(page, left);
+    if (left > 0) return;
+    const k = s.keyOf(page);
     const list = s.index.get(k)!.filter((p) => p !== page);
     if (list.length) s.index.set(k, list);
     else s.index.delete(k);
-    this.scopeOf[page] = 0;
-    punchHole(this.fd, page * PAGE_BYTES, PAGE_BYTES);
-    this.freePages.push(page);
-    this.used--;
+    s.free.push(page);
+    s.used--;
   }
 
-  inUse(page: number): boolean {
-    return Number.isInteger(page) && page >= 0 && page < this.pageCount && this.scopeOf[page] !== 0;
+  inUse(scope: string, page: number): boolean {
+    return this.scopes.get(scope)?.inUse(page) ?? false;
   }
 
   /** Figures for status. */
-  figures(): { pagesUsed: number; references: number; scopes: number; candidates: number } {
+  figures(): { pagesUsed: number; pagesAllocated: number; references: number; scopes: number; candidates: number } {
+    let used = 0;
     let references = 0;
-    for (let p = 0; p < this.nextFresh; p++) references += this.refs[p];
-    return { pagesUsed: this.used, references, scopes: this.scopes.size, candidates: this.candidateCount };
+    for (const s of this.scopes.values()) {
+      used += s.used;
+      references += s.references();
+    }
+    return { pagesUsed: used, pagesAllocated: this.allocated, references, scopes: this.scopes.size, candidates: this.candidateCount };
   }
 
   close(): void {
-    closeFd(this.fd);
+    for (const s of this.scopes.values()) s.close();
+    this.scopes.clear();
   }
 }

@@ -48,7 +48,12 @@ export interface PageKey {
 export interface PoolStatus {
   pid: number;
   poolBytes: number;
+  /** Pool pages holding a page some client references. */
   pagesUsed: number;
+  /** Pool pages written so far: the pool's memory (freed slots are reused, not given back). */
+  pagesAllocated: number;
+  /** Disconnected clients whose processes still run: their references are kept. */
+  orphanedClients: number;
   references: number;
   clients: { id: number; scope: string; name: string; pid: number; references: number }[];
   scopes: number;

@@ -2,10 +2,16 @@
  * pvisor-daemon's socket: accepts VM processes (PoolClient) and `pvisor-daemon status`, checks
  * each peer's credentials (SO_PEERCRED), hands the pool's memfd over with the answer to Hello
  * (SCM_RIGHTS), and answers Offer, Put, Settle and Status from the {@link PagePool}. A client that
- * breaks the protocol, sends more than it may, or stops reading is disconnected; every reference
- * it held is given back; other clients go on.
+ * breaks the protocol, sends more than it may, or stops reading is disconnected; other clients go
+ * on.
+ *
+ * A client's references outlive its connection for as long as its process does: a VM maps the
+ * pool pages it was granted until it says otherwise or ends, whether or not it is still
+ * connected, and a slot given to new content while a VM still maps it would change that VM's
+ * memory under it. So the references of a client that disconnects are kept until its process is
+ * gone (checked by pid and start time, against pid reuse).
  */
-import { chmodSync, chownSync, existsSync, lstatSync, unlinkSync } from 'node:fs';
+import { chmodSync, chownSync, existsSync, lstatSync, readFileSync, unlinkSync } from 'node:fs';
 import { createServer, type Server, type Socket } from 'node:net';
 import { pageHashesOf } from '../memory/uffd-server';
 import { processResident } from '../memory-usage';
@@ -41,10 +47,15 @@ export interface PoolServerOptions {
 /** A client stops reading: beyond this many unread answer bytes it is disconnected. */
 const MAX_UNREAD_BYTES = 16 * 1024 * 1024;
 
+/** How often the references of disconnected clients are checked against their processes. */
+const ORPHAN_CHECK_MS = 2000;
+
 interface Client {
   id: number;
   socket: Socket;
   pid: number;
+  /** The process's start time (/proc/PID/stat), telling it from a later process of the same pid. */
+  start: string | undefined;
   scope?: string;
   name?: string;
   /** Pool pages this client holds references to, with how many. */
@@ -55,8 +66,14 @@ interface Client {
 export class PoolServer {
   private readonly clients = new Set<Client>();
   private nextClientId = 1;
+  /** Disconnected clients whose processes may still map what they were granted. */
+  private orphans: Client[] = [];
+  private readonly orphanTimer: NodeJS.Timeout;
 
-  private constructor(private readonly server: Server, private readonly pool: PagePool, private readonly options: PoolServerOptions) {}
+  private constructor(private readonly server: Server, private readonly pool: PagePool, private readonly options: PoolServerOptions) {
+    this.orphanTimer = setInterval(() => this.reapOrphans(), ORPHAN_CHECK_MS);
+    this.orphanTimer.unref();
+  }
 
   /**
    * Creates the pool and listens on `socketPath` (0600, or 0660 with `gid`). A socket file left by
@@ -96,7 +113,7 @@ export class PoolServer {
       socket.destroy();
       return;
     }
-    const client: Client = { id: this.nextClientId++, socket, pid: peer.pid, grants: new Map() };
+    const client: Client = { id: this.nextClientId++, socket, pid: peer.pid, start: processStart(peer.pid), grants: new Map() };
     if (!this.allowed(peer)) {
       this.fail(client, 0, `uid ${peer.uid} may not use this pool`);
       return;
@@ -133,11 +150,14 @@ export class PoolServer {
       if (client.scope !== undefined) throw new PoolProtocolError('a second Hello');
       const hello = decodeJson(f.payload, 4096, 'Hello');
       if (hello.version !== POOL_PROTOCOL_VERSION) throw new PoolProtocolError(`protocol version ${JSON.stringify(hello.version)}; this daemon speaks ${POOL_PROTOCOL_VERSION}`);
-      client.scope = checkName(hello.scope, 'Hello.scope');
-      client.name = checkName(hello.name, 'Hello.name');
+      const scope = checkName(hello.scope, 'Hello.scope');
+      const name = checkName(hello.name, 'Hello.name');
+      const scopeFd = this.pool.scopeFd(scope);
+      client.scope = scope;
+      client.name = name;
       const welcome = { version: POOL_PROTOCOL_VERSION, poolBytes: this.pool.pageCount * PAGE_BYTES, clientId: client.id };
       // The first bytes this daemon writes to the client: nothing queued in Node can overtake them.
-      sendWithFd(fd, encodeFrame({ type: FrameType.Response, id: f.id, op: f.op, payload: Buffer.from(JSON.stringify(welcome)) }), this.pool.fd);
+      sendWithFd(fd, encodeFrame({ type: FrameType.Response, id: f.id, op: f.op, payload: Buffer.from(JSON.stringify(welcome)) }), scopeFd);
       return;
     }
     const scope = client.scope;
@@ -147,7 +167,7 @@ export class PoolServer {
         const answers = decodeOffer(f.payload).map(({ page, key }) => {
           const pooled = this.pool.lookup(scope, key)[0];
           if (pooled !== undefined) {
-            this.pool.hold(pooled);
+            this.pool.hold(scope, pooled);
             this.grant(client, pooled);
             return { page, answer: pooled };
           }
@@ -176,7 +196,7 @@ export class PoolServer {
           if (!n) throw new PoolProtocolError(`Settle drops pool page ${page}, which the client does not hold`);
           if (n === 1) client.grants.delete(page);
           else client.grants.set(page, n - 1);
-          this.pool.release(page);
+          this.pool.release(scope, page);
         }
         return answer(Buffer.alloc(0));
       }
@@ -200,16 +220,29 @@ export class PoolServer {
 
   private drop(client: Client): void {
     if (!this.clients.delete(client)) return;
-    for (const [page, n] of client.grants) for (let i = 0; i < n; i++) this.pool.release(page);
-    client.grants.clear();
+    if (client.grants.size) this.orphans.push(client);
+    this.reapOrphans();
+  }
+
+  /** Gives back the references of disconnected clients whose processes have ended. */
+  private reapOrphans(): void {
+    this.orphans = this.orphans.filter((c) => {
+      if (c.start !== undefined && processStart(c.pid) === c.start) return true;
+      for (const [page, n] of c.grants) for (let i = 0; i < n; i++) this.pool.release(c.scope!, page);
+      c.grants.clear();
+      return false;
+    });
   }
 
   status(): PoolStatus {
+    this.reapOrphans();
     const f = this.pool.figures();
     return {
       pid: process.pid,
       poolBytes: this.pool.pageCount * PAGE_BYTES,
       pagesUsed: f.pagesUsed,
+      pagesAllocated: f.pagesAllocated,
+      orphanedClients: this.orphans.length,
       references: f.references,
       clients: [...this.clients].filter((c) => c.scope !== undefined).map((c) => ({
         id: c.id,
@@ -226,6 +259,7 @@ export class PoolServer {
 
   /** Stops listening, disconnects every client (their VMs keep the pages they map) and frees the pool. */
   close(): Promise<void> {
+    clearInterval(this.orphanTimer);
     for (const c of this.clients) c.socket.destroy();
     return new Promise((resolve) => {
       this.server.close(() => {
@@ -250,4 +284,14 @@ async function removeStaleSocket(path: string): Promise<void> {
   });
   if (live) throw new Error(`a daemon already serves ${path}`);
   unlinkSync(path);
+}
+
+/** The start time of process `pid` (field 22 of /proc/PID/stat), or undefined if it is gone. */
+function processStart(pid: number): string | undefined {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat.slice(stat.lastIndexOf(')') + 2).split(' ')[19];
+  } catch {
+    return undefined;
+  }
 }

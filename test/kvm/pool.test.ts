@@ -228,7 +228,19 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
     }
   });
 
+  it('a daemon that ends cleanly (SIGTERM) leaves every page the VMs map as it was', async () => {
+    const digests = await Promise.all(vms.map(async (vm) => (await vm.probe.digest()).hex));
+    const peerDigests = (await peer.ask<{ digests: string[] }>({ op: 'digests' })).digests;
+    daemon.kill('SIGTERM');
+    expect(await new Promise((r) => daemon.once('exit', r))).toBe(0);
+    expect((await Promise.all(vms.map(async (vm) => (await vm.probe.digest()).hex)))).toEqual(digests);
+    expect((await peer.ask<{ digests: string[] }>({ op: 'digests' })).digests).toEqual(peerDigests);
+    daemon = await startDaemon();
+    await until('every client to reconnect', () => vms.every((vm) => pool(vm).figures.connected === 1));
+  });
+
   it('every VM survives a SIGKILL of the daemon, and reconnects to the next one', async () => {
+    const reconnects = pool(vms[1]).figures.reconnects;
     const warnings: string[] = [];
     vms[1].on('warning', (m) => warnings.push(m));
     daemon.kill('SIGKILL');
@@ -241,7 +253,7 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
     expect((await vms[1].probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 42, sizeBytes: 64 * MiB, rewrites: [{ permille: 500, seed: 6 }] }));
     daemon = await startDaemon();
     await until('every client to reconnect', () => vms.every((vm) => pool(vm).figures.connected === 1));
-    expect(pool(vms[1]).figures.reconnects).toBe(1);
+    expect(pool(vms[1]).figures.reconnects).toBe(reconnects + 1);
     // The new pool starts empty, and serves what the VMs have in common from now on.
     for (const vm of vms) await vm.probe.rewrite({ fraction: 1, seed: 77 });
     for (const c of clients) await c.mergeNow();

@@ -1,5 +1,5 @@
 // The page pool's bookkeeping over a real memfd, and its protocol's bounds. No KVM needed.
-import { fstatSync, readSync } from 'node:fs';
+import { closeSync, openSync, readSync, writeSync } from 'node:fs';
 import { PagePool } from '../../src/daemon/page-pool';
 import { decodeOffer, decodePut, decodeSettle, encodeOffer, encodePut, encodeSettle, MAX_PUT_PAGES, PoolProtocolError } from '../../src/daemon/pool-protocol';
 
@@ -7,7 +7,7 @@ const page = (fill: number) => Buffer.alloc(4096, fill);
 const key = (n: number) => ({ lo: n, hi: 0 });
 
 describe('PagePool', () => {
-  it('keeps one copy per content and scope; a second offer of a key asks for the page; the last release punches it out', () => {
+  it('keeps one copy per content and scope; a second offer of a key asks for the page; the last release forgets it', () => {
     const pool = new PagePool(16 * 4096);
     try {
       expect(pool.offered('a', key(1), 1)).toBe(false);
@@ -20,15 +20,37 @@ describe('PagePool', () => {
       const other = pool.put('a', key(1), page(8))!; // same key, other bytes: its own page
       expect(other).not.toBe(p);
       const got = Buffer.alloc(4096);
-      readSync(pool.fd, got, 0, 4096, p * 4096);
+      readSync(pool.scopeFd('a'), got, 0, 4096, p * 4096);
       expect(got.equals(page(7))).toBe(true);
-      expect(pool.figures()).toMatchObject({ pagesUsed: 2, references: 3 });
-      pool.release(p);
-      pool.release(p);
-      expect(pool.inUse(p)).toBe(false);
+      expect(pool.figures()).toMatchObject({ pagesUsed: 2, pagesAllocated: 2, references: 3 });
+      pool.release('a', p);
+      pool.release('a', p);
+      expect(pool.inUse('a', p)).toBe(false);
       expect(pool.lookup('a', key(1))).toEqual([other]);
-      expect(fstatSync(pool.fd).blocks * 512).toBeLessThanOrEqual(2 * 4096); // the freed page is a hole
-      expect(() => pool.release(p)).toThrow(RangeError);
+      expect(() => pool.release('a', p)).toThrow(RangeError);
+    } finally {
+      pool.close();
+    }
+  });
+
+  it('gives each scope its own memfd, which nobody but the daemon can write, not even by reopening it', () => {
+    const pool = new PagePool(4 * 4096);
+    try {
+      pool.put('a', key(1), page(1));
+      pool.put('b', key(2), page(2));
+      expect(pool.scopeFd('a')).not.toBe(pool.scopeFd('b'));
+      const b = Buffer.alloc(4096);
+      readSync(pool.scopeFd('b'), b, 0, 4096, 0);
+      expect(b.equals(page(2))).toBe(true); // scope b's file holds scope b's page only
+      expect(() => writeSync(pool.scopeFd('a'), page(0xee), 0, 4096, 0)).toThrow(/EPERM/);
+      const reopened = openSync(`/proc/self/fd/${pool.scopeFd('a')}`, 'r+');
+      try {
+        expect(() => writeSync(reopened, page(0xee), 0, 4096, 0)).toThrow(/EPERM/);
+      } finally {
+        closeSync(reopened);
+      }
+      readSync(pool.scopeFd('a'), b, 0, 4096, 0);
+      expect(b.equals(page(1))).toBe(true);
     } finally {
       pool.close();
     }
@@ -40,8 +62,12 @@ describe('PagePool', () => {
       const pages = [1, 2, 3, 4].map((n) => pool.put('s', key(n), page(n)));
       expect(pages).toEqual([0, 1, 2, 3]);
       expect(pool.put('s', key(5), page(5))).toBeUndefined();
-      pool.release(2);
-      expect(pool.put('s', key(6), page(6))).toBe(2);
+      expect(pool.put('t', key(5), page(5))).toBeUndefined(); // the limit holds over all scopes
+      pool.release('s', 2);
+      expect(pool.put('s', key(6), page(6))).toBe(2); // a freed slot, rewritten
+      const got = Buffer.alloc(4096);
+      readSync(pool.scopeFd('s'), got, 0, 4096, 2 * 4096);
+      expect(got.equals(page(6))).toBe(true);
     } finally {
       pool.close();
     }
