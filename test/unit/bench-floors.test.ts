@@ -37,8 +37,6 @@ describe('measureMemoryFloors (real gcc, files and userfaultfd)', () => {
       expect(s.median).toBeLessThanOrEqual(s.max);
       expect(Number.isFinite(s.max)).toBe(true);
     }
-    // 2 MiB pieces take one ioctl where 4 KiB pieces take 512: never slower.
-    expect(f.a.uffdCopy2M.min).toBeLessThanOrEqual(f.a.uffdCopy4K.min * 1.5);
     expect(readdirSync(dir)).toEqual([]);
 
     const rows = floorRows(f);
