@@ -8,7 +8,7 @@ import { closeSync, fstatSync, fsyncSync, ftruncateSync, openSync, readSync, wri
 import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { SnapshotError } from '../errors';
 import { crc32c } from '../memory/uffd-server';
-import { fileDataRuns } from '../sys/libc';
+import { adviseRandomAccess, fileDataRuns } from '../sys/libc';
 
 /** Bytes per checksummed chunk: a huge page, and small enough that one bad byte costs little to find. */
 export const RAM_CHUNK_BYTES = 2 * 1024 * 1024;
@@ -109,6 +109,9 @@ export function checkRamFile(fd: number, path: string, chunkCrc32c: readonly num
  */
 function forEachCheckedChunk(fd: number, path: string, size: number, chunkCrc32c: readonly number[], use: (offset: number, chunk: Buffer) => void): void {
   const data = fileDataRuns(fd, size);
+  // Only the data is read, without readahead: a hole read (or read ahead) is a zero page in the
+  // page cache, which every clone would then pay for.
+  adviseRandomAccess(fd);
   const scratch = Buffer.allocUnsafe(RAM_CHUNK_BYTES);
   let run = 0;
   for (let off = 0, i = 0; off < size; off += RAM_CHUNK_BYTES, i++) {
@@ -116,7 +119,14 @@ function forEachCheckedChunk(fd: number, path: string, size: number, chunkCrc32c
     while (run < data.length && data[run][1] <= off) run++;
     const hasData = run < data.length && data[run][0] < off + len;
     const chunk = scratch.subarray(0, len);
-    if (hasData) readAll(fd, chunk, off, path);
+    if (hasData) {
+      chunk.fill(0);
+      for (let r = run; r < data.length && data[r][0] < off + len; r++) {
+        const from = Math.max(off, data[r][0]);
+        const to = Math.min(off + len, data[r][1]);
+        readAll(fd, chunk.subarray(from - off, to - off), from, path);
+      }
+    }
     const crc = hasData ? crc32c(chunk) : zeroChunkCrc32c(len);
     if (crc !== chunkCrc32c[i]) {
       throw new SnapshotError(`${path}: RAM chunk ${i} (bytes ${off} to ${off + len}) has CRC32C ${hex32(crc)}, the manifest says ${hex32(chunkCrc32c[i])}: the file was changed`);

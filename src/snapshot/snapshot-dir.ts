@@ -11,6 +11,8 @@ import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { arrayAt, checkVersion, choiceAt, integerAt, objectAt } from '../backends/kvm/state-fields';
 import { SnapshotError } from '../errors';
 import { crc32c } from '../memory/uffd-server';
+import type { PageRun } from '../memory/pages';
+import { fileDataRuns } from '../sys/libc';
 import { checkRamFile, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
 
 /** The version of the directory's layout and manifest this code writes and reads. */
@@ -128,10 +130,11 @@ export class SnapshotReader {
     const st = fstatSync(fd, { bigint: true });
     if (st.size !== BigInt(this.manifest.ramBytes)) throw new SnapshotError(`${this.ramPath}: ${st.size} bytes, the manifest says ${this.manifest.ramBytes}: the file was truncated or grown`);
     const identity = [st.dev, st.ino, st.size, st.mtimeNs, st.ctimeNs, this.manifest.ramChunkCrc32c.join()].join(':');
-    if (!again && checkedRamFiles.has(identity)) return { checkedBefore: true, chunksRead: 0, ms: performance.now() - t0 };
+    const holes = holeRuns(fileDataRuns(fd, this.manifest.ramBytes), this.manifest.ramBytes);
+    if (!again && checkedRamFiles.has(identity)) return { checkedBefore: true, chunksRead: 0, ms: performance.now() - t0, holes };
     const { chunksRead } = checkRamFile(fd, this.ramPath, this.chunkChecksums());
     checkedRamFiles.add(identity);
-    return { checkedBefore: false, chunksRead, ms: performance.now() - t0 };
+    return { checkedBefore: false, chunksRead, ms: performance.now() - t0, holes };
   }
 
   private chunkChecksums(): number[] {
@@ -146,6 +149,21 @@ export interface MappedRamCheck {
   /** RAM chunks read and checked (chunks that are holes are checked without reading). */
   chunksRead: number;
   ms: number;
+  /** The file's holes (page-aligned runs of guest RAM that were zero), in address order. */
+  holes: PageRun[];
+}
+
+/** The page-aligned runs of [0, size) outside `data` (sorted [start, end) runs). */
+function holeRuns(data: readonly [number, number][], size: number): PageRun[] {
+  const out: PageRun[] = [];
+  let at = 0;
+  for (const [start, end] of [...data, [size, size] as [number, number]]) {
+    const from = Math.ceil(at / 4096) * 4096;
+    const to = Math.floor(start / 4096) * 4096;
+    if (to > from) out.push({ offset: from, length: to - from });
+    at = Math.max(at, end);
+  }
+  return out;
 }
 
 /**

@@ -42,7 +42,8 @@ const fns = define({
   memset: { library: libc, retType: DataType.External, paramsType: [U64, I32, U64] },
 });
 
-/** POSIX_FADV_DONTNEED from <fcntl.h>. */
+/** POSIX_FADV_RANDOM and POSIX_FADV_DONTNEED from <fcntl.h>. */
+const POSIX_FADV_RANDOM = 1;
 const POSIX_FADV_DONTNEED = 4;
 
 /** mmap's MAP_FAILED, (void *)-1, as ffi-rs hands back a U64 (rounded to a double). */
@@ -193,4 +194,13 @@ export function viewAt(addr: number, length: number): Buffer {
  */
 export function dropFileCache(fd: number): void {
   fns.posix_fadvise([fd, 0, 0, POSIX_FADV_DONTNEED]);
+}
+
+/**
+ * Tells the kernel that reads through this open file (and faults through its mappings) are
+ * random: no readahead beyond what is asked. For a sparse file whose holes must not be read into
+ * the page cache as zero pages. Advice only.
+ */
+export function adviseRandomAccess(fd: number): void {
+  fns.posix_fadvise([fd, 0, 0, POSIX_FADV_RANDOM]);
 }

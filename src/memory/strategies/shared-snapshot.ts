@@ -9,7 +9,10 @@
  * writes only a clone's own pages (a private file mapping's unwritten pages are the file's).
  */
 import { InvalidOptionError } from '../../errors';
-import { roundMs, type MemoryStrategy, type RamBackingRequest, type StrategyStats } from '../strategy';
+import { roundMs, type MemoryStrategy, type PageRun, type RamBackingRequest, type StrategyContext, type StrategyStats } from '../strategy';
+
+/** Holes of the RAM file mapped anonymous at most: each mapping may split guest RAM's VMA in three. */
+const MAX_HOLE_MAPPINGS = 4096;
 
 /** Options of {@link SharedSnapshot}. */
 export interface SharedSnapshotOptions {
@@ -38,6 +41,8 @@ export class SharedSnapshot implements MemoryStrategy {
   readonly verifyAgain: boolean;
   private ramPath: string | undefined;
   private check: { checkedBefore: boolean; chunksRead: number; ms: number } | undefined;
+  private holes: PageRun[] = [];
+  private holesMapped = 0;
 
   constructor(options: SharedSnapshotOptions = {}) {
     if (options.verify !== undefined && typeof options.verify !== 'boolean') throw new InvalidOptionError('verify', `expected a boolean, got ${JSON.stringify(options.verify)}`);
@@ -58,9 +63,23 @@ export class SharedSnapshot implements MemoryStrategy {
     this.ramPath = path;
   }
 
-  /** @internal What the check of the RAM file found, for {@link stats}. */
-  noteCheck(check: { checkedBefore: boolean; chunksRead: number; ms: number }): void {
+  /** @internal What the check of the RAM file found: for {@link stats}, and its holes for {@link map}. */
+  noteCheck(check: { checkedBefore: boolean; chunksRead: number; ms: number; holes: PageRun[] }): void {
     this.check = check;
+    this.holes = check.holes;
+  }
+
+  /**
+   * Maps anonymous memory over the RAM file's holes (the largest first, up to a budget of
+   * mappings): they read zero either way, but a write into a hole of the file would first read a
+   * zero page into the page cache and then copy it, so a clone would pay twice for what it writes
+   * there.
+   */
+  map(ctx: StrategyContext): void {
+    const holes = [...this.holes].sort((a, b) => b.length - a.length).slice(0, MAX_HOLE_MAPPINGS);
+    for (const h of holes) ctx.ram.discardHost(h.offset, h.length, 'zero');
+    this.holesMapped = holes.reduce((n, h) => n + h.length, 0);
+    this.holes = [];
   }
 
   stats(): StrategyStats {
@@ -68,7 +87,7 @@ export class SharedSnapshot implements MemoryStrategy {
     if (this.check?.checkedBefore) notes.push('the RAM file was checked in full for an earlier clone in this process and is unchanged since');
     return {
       strategy: this.name,
-      figures: { ramChunksChecked: this.check?.chunksRead ?? 0, ramCheckMs: roundMs(this.check?.ms ?? 0) },
+      figures: { ramChunksChecked: this.check?.chunksRead ?? 0, ramCheckMs: roundMs(this.check?.ms ?? 0), holeBytesAnonymous: this.holesMapped },
       notes,
     };
   }
