@@ -18,10 +18,8 @@
  * same touches with UFFDIO_COPY alone (native-prebuilds/bench/uffd-fault-loop.c), built and run
  * in the same run; then the guest's digest must equal the one taken before.
  */
-import { spawn } from 'node:child_process';
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
-import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
 import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
@@ -36,6 +34,7 @@ import type { MemoryStrategy, StrategyStats } from '../memory/strategy';
 import { parseSize } from '../units';
 import { Vm } from '../vm';
 import { CellCgroup } from './cell-cgroup';
+import { CellProcess, parentLink, type ParentLink } from './cell-process';
 import { GOALS, STUDY_TABLE1, STUDY_TABLE2, savingPercent, studyRowOf, type PerContent } from './study-figures';
 
 const MiB = 2 ** 20;
@@ -142,8 +141,8 @@ async function task(vm: Vm): Promise<{ ms: number; firstDigest: string }> {
 async function cellChild(config: CellConfig): Promise<void> {
   const mode = MODES.find((m) => m.name === config.mode);
   if (!mode) throw new Error(`unknown mode ${config.mode}`);
-  const say = (msg: object) => process.stdout.write(`${JSON.stringify(msg)}\n`);
-  const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
+  const link = parentLink();
+  const say = link.say;
   const vms: Vm[] = [];
   try {
     let firstStrategies: MemoryStrategy[] = [];
@@ -167,7 +166,7 @@ async function cellChild(config: CellConfig): Promise<void> {
     const guestRamPssBeforeBytes = vms.reduce((sum, v) => sum + v.memoryUsage().guestRamPssBytes, 0);
     if (mode.operation === 'cold' || mode.operation === 'cold-mix') {
       const cold = firstStrategies.find((s): s is ColdCompression => s instanceof ColdCompression)!;
-      await coldCell(vm, cold, config, mode.operation === 'cold-mix', filledAt, guestRamPssBeforeBytes, say, lines);
+      await coldCell(vm, cold, config, mode.operation === 'cold-mix', filledAt, guestRamPssBeforeBytes, link);
       return;
     }
     let operationMs = 0;
@@ -188,7 +187,7 @@ async function cellChild(config: CellConfig): Promise<void> {
     await sleep(READ_AFTER_MS);
     const guestRamPssBytes = vms.reduce((sum, v) => sum + v.memoryUsage().guestRamPssBytes, 0);
     say({ event: 'reading', guestRamPssBytes, guestRamPssBeforeBytes, strategies: vm.memoryUsage().strategies, operationMs, releaseMs, taskMs });
-    await lines.next(); // the parent has read the group's figures
+    await link.next(); // the parent has read the group's figures
     let resumeAndTaskMs: number | undefined;
     let resumeMs: number | undefined;
     if (timed) {
@@ -208,7 +207,8 @@ async function cellChild(config: CellConfig): Promise<void> {
 const coldFigures = (vm: Vm) => vm.memoryUsage().strategies.find((s) => s.strategy === 'cold-compression')!.figures;
 
 /** A cold compression cell, after the fill (see the header). */
-async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: boolean, filledAt: number, guestRamPssBeforeBytes: number, say: (msg: object) => void, lines: AsyncIterator<string>): Promise<void> {
+async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: boolean, filledAt: number, guestRamPssBeforeBytes: number, link: ParentLink): Promise<void> {
+  const say = link.say;
   const digestBefore = (await vm.probe.digest()).hex;
   let hot = mix;
   const hotLoop = (async () => {
@@ -250,7 +250,7 @@ async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: 
   await sleep(READ_AFTER_MS);
   const scannerCpuPercent = ((busy() - busyBefore) / (performance.now() - t)) * 100;
   say({ event: 'reading', guestRamPssBytes: vm.memoryUsage().guestRamPssBytes, guestRamPssBeforeBytes, strategies: vm.memoryUsage().strategies, operationMs, scannerCpuPercent, hotRefaultPercentPerSecond });
-  await lines.next(); // the parent has read the group's figures
+  await link.next(); // the parent has read the group's figures
   hot = false;
   await hotLoop;
   // Faults served as the native loop serves them: a host thread touching one byte per block.
@@ -264,17 +264,10 @@ async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: 
 /** Runs one cell in a fresh process and cgroup; resolves with its results. */
 async function runCell(config: CellConfig, label: string): Promise<CellResult> {
   const cgroup = CellCgroup.create(`pvisor-bench-${process.pid}-${config.mode}-${config.content}-${config.vms}`);
-  const node = process.execPath;
-  const args = [join(__dirname, 'main.js'), 'bench', 'memory-cell', JSON.stringify(config)];
-  const [cmd, argv] = typeof cgroup === 'string' ? [node, args] : cgroup.wrap(node, args);
-  const child = spawn(cmd, argv, { stdio: ['pipe', 'pipe', 'pipe'] });
-  let stderr = '';
-  child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
-  const exited = new Promise<number>((resolve) => child.on('close', (code) => resolve(code ?? 1)));
+  const cell = CellProcess.spawn(cgroup, ['memory-cell', JSON.stringify(config)], `cell ${label}`);
   const result: Partial<CellResult> = { mode: config.mode, content: config.content, vms: config.vms };
   try {
-    for await (const line of createInterface({ input: child.stdout })) {
-      const msg = JSON.parse(line) as Record<string, unknown>;
+    for await (const msg of cell.messages()) {
       if (msg.event === 'filled') progress(`${label}: ${config.workingSetMiB} MiB filled`);
       if (msg.event === 'operated') {
         const released = msg.releaseMs === undefined ? '' : `, memory released after ${(msg.releaseMs as number).toFixed(1)} ms`;
@@ -282,7 +275,7 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
       }
       if (msg.event === 'reading') {
         // Read the group from outside while the cell waits, so that reading costs the cell nothing.
-        result.groupPssBytes = typeof cgroup === 'string' ? processResident(child.pid!).pssBytes : cgroup.pssBytes();
+        result.groupPssBytes = typeof cgroup === 'string' ? processResident(cell.pid).pssBytes : cgroup.pssBytes();
         result.groupMemoryBytes = typeof cgroup === 'string' ? null : cgroup.memoryBytes();
         result.groupPageCacheBytes = typeof cgroup === 'string' ? null : cgroup.pageCacheBytes();
         result.guestRamPssBytes = msg.guestRamPssBytes as number;
@@ -294,22 +287,21 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
         result.backingBytes = backingBytesOf(result.strategies);
         result.scannerCpuPercent = msg.scannerCpuPercent as number | undefined;
         result.hotRefaultPercentPerSecond = msg.hotRefaultPercentPerSecond as number | undefined;
-        child.stdin.write('continue\n');
+        cell.send('continue');
       }
       if (msg.event === 'done') {
         result.resumeAndTaskMs = msg.resumeAndTaskMs as number | undefined;
         result.resumeMs = msg.resumeMs as number | undefined;
         result.faultsPerSecond = msg.faultsPerSecond as number | undefined;
         result.faultsTimed = msg.faultsTimed as number | undefined;
-        child.stdin.end();
+        cell.endInput();
       }
     }
-    const code = await exited;
-    if (code !== 0 || result.groupPssBytes === undefined) throw new Error(`cell ${label} failed (exit ${code}): ${stderr.trim()}`);
+    const code = await cell.exited;
+    if (code !== 0 || result.groupPssBytes === undefined) throw new Error(`cell ${label} failed (exit ${code}): ${cell.stderr.trim()}`);
     return result as CellResult;
   } finally {
-    child.kill('SIGKILL');
-    await exited;
+    await cell.kill();
     if (typeof cgroup !== 'string') cgroup.remove();
   }
 }
