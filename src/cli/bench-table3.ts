@@ -543,6 +543,11 @@ function printTable3(cells: Table3Cell[], opts: Table3Options): object {
       `shared snapshot, ${c.workingSet}: snapshot ${s.snapshotMs.toFixed(0)} ms, RAM file ${(s.ramFileAllocatedBytes / MiB).toFixed(1)} MiB on disk, source's page cache left after the drop ${left} MiB; Vm.restore ${r.min.toFixed(0)}-${r.max.toFixed(0)} ms per clone (4 at once); cell page cache ${c.after.groupPageCacheBytes === null ? 'n/a' : (c.after.groupPageCacheBytes / MiB).toFixed(1)} MiB, clones' written guest RAM ${perVm(c.after.guestRamAnonymousBytes)} MiB per VM (${perVm(c.afterRewrite.guestRamAnonymousBytes)} after the rewrite)`,
     );
   }
+  // A write to a shared page is a copy-on-write fault (a clone's file page, a KSM page): what it costs the guest.
+  for (const ws of opts.workingSets) {
+    const times = opts.schemes.map((sc) => `${SCHEME_NAMES[sc]} ${find(ws, sc)!.rewriteMs.toFixed(0)}`);
+    notes.push(`100% rewrite, ${VMS} VMs at once, ${ws}: ${times.join(', ')} ms`);
+  }
   notes.push(`every cell: ${VMS} digests right after the operation and after the rewrite; each VM exited alone and the others' digests stayed right (${cells.reduce((n, c) => n + c.exits.reduce((m, e) => m + e.othersChecked, 0), 0)} checks)`);
   for (const n of notes) process.stdout.write(`${n}\n`);
   process.stdout.write('\n');
