@@ -17,7 +17,7 @@
  * the operation (KSM: 60 s), then 2 s after a 100% rewrite in every VM, each with its own seed
  * (KSM also 60 s after it). Then the VMs exit one at a time, and after each exit the others'
  * digests must still be right, or the cell fails. Saving = 1 - scheme / private, same working set,
- * same run.
+ * same run. The run of record and what it found: docs/memory-table3.md.
  */
 import { closeSync, fdatasyncSync, mkdirSync, openSync, rmSync, statSync } from 'node:fs';
 import { join, resolve } from 'node:path';
