@@ -18,15 +18,13 @@
  * same touches with UFFDIO_COPY alone (native-prebuilds/bench/uffd-fault-loop.c), built and run
  * in the same run; then the guest's digest must equal the one taken before.
  */
-import { spawn } from 'node:child_process';
-import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdirSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
-import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
 import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import { processResident } from '../memory-usage';
-import { printTable as printRows } from './bench';
+import { beside, filesystemOf, printTable as printRows } from './bench';
 import { floorRows, measureMemoryFloors, measureNativeFaultRate, type MemoryFloors, type NativeFaultRate } from './bench-floors';
 import { ColdCompression } from '../memory/strategies/cold-compression';
 import { CompressedOffload } from '../memory/strategies/compressed-offload';
@@ -36,6 +34,7 @@ import type { MemoryStrategy, StrategyStats } from '../memory/strategy';
 import { parseSize } from '../units';
 import { Vm } from '../vm';
 import { CellCgroup } from './cell-cgroup';
+import { CellProcess, parentLink, type ParentLink } from './cell-process';
 import { GOALS, STUDY_TABLE1, STUDY_TABLE2, savingPercent, studyRowOf, type PerContent } from './study-figures';
 
 const MiB = 2 ** 20;
@@ -142,8 +141,8 @@ async function task(vm: Vm): Promise<{ ms: number; firstDigest: string }> {
 async function cellChild(config: CellConfig): Promise<void> {
   const mode = MODES.find((m) => m.name === config.mode);
   if (!mode) throw new Error(`unknown mode ${config.mode}`);
-  const say = (msg: object) => process.stdout.write(`${JSON.stringify(msg)}\n`);
-  const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
+  const link = parentLink();
+  const say = link.say;
   const vms: Vm[] = [];
   try {
     let firstStrategies: MemoryStrategy[] = [];
@@ -167,7 +166,7 @@ async function cellChild(config: CellConfig): Promise<void> {
     const guestRamPssBeforeBytes = vms.reduce((sum, v) => sum + v.memoryUsage().guestRamPssBytes, 0);
     if (mode.operation === 'cold' || mode.operation === 'cold-mix') {
       const cold = firstStrategies.find((s): s is ColdCompression => s instanceof ColdCompression)!;
-      await coldCell(vm, cold, config, mode.operation === 'cold-mix', filledAt, guestRamPssBeforeBytes, say, lines);
+      await coldCell(vm, cold, config, mode.operation === 'cold-mix', filledAt, guestRamPssBeforeBytes, link);
       return;
     }
     let operationMs = 0;
@@ -188,7 +187,7 @@ async function cellChild(config: CellConfig): Promise<void> {
     await sleep(READ_AFTER_MS);
     const guestRamPssBytes = vms.reduce((sum, v) => sum + v.memoryUsage().guestRamPssBytes, 0);
     say({ event: 'reading', guestRamPssBytes, guestRamPssBeforeBytes, strategies: vm.memoryUsage().strategies, operationMs, releaseMs, taskMs });
-    await lines.next(); // the parent has read the group's figures
+    await link.next(); // the parent has read the group's figures
     let resumeAndTaskMs: number | undefined;
     let resumeMs: number | undefined;
     if (timed) {
@@ -208,7 +207,8 @@ async function cellChild(config: CellConfig): Promise<void> {
 const coldFigures = (vm: Vm) => vm.memoryUsage().strategies.find((s) => s.strategy === 'cold-compression')!.figures;
 
 /** A cold compression cell, after the fill (see the header). */
-async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: boolean, filledAt: number, guestRamPssBeforeBytes: number, say: (msg: object) => void, lines: AsyncIterator<string>): Promise<void> {
+async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: boolean, filledAt: number, guestRamPssBeforeBytes: number, link: ParentLink): Promise<void> {
+  const say = link.say;
   const digestBefore = (await vm.probe.digest()).hex;
   let hot = mix;
   const hotLoop = (async () => {
@@ -250,7 +250,7 @@ async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: 
   await sleep(READ_AFTER_MS);
   const scannerCpuPercent = ((busy() - busyBefore) / (performance.now() - t)) * 100;
   say({ event: 'reading', guestRamPssBytes: vm.memoryUsage().guestRamPssBytes, guestRamPssBeforeBytes, strategies: vm.memoryUsage().strategies, operationMs, scannerCpuPercent, hotRefaultPercentPerSecond });
-  await lines.next(); // the parent has read the group's figures
+  await link.next(); // the parent has read the group's figures
   hot = false;
   await hotLoop;
   // Faults served as the native loop serves them: a host thread touching one byte per block.
@@ -264,17 +264,10 @@ async function coldCell(vm: Vm, cold: ColdCompression, config: CellConfig, mix: 
 /** Runs one cell in a fresh process and cgroup; resolves with its results. */
 async function runCell(config: CellConfig, label: string): Promise<CellResult> {
   const cgroup = CellCgroup.create(`pvisor-bench-${process.pid}-${config.mode}-${config.content}-${config.vms}`);
-  const node = process.execPath;
-  const args = [join(__dirname, 'main.js'), 'bench', 'memory-cell', JSON.stringify(config)];
-  const [cmd, argv] = typeof cgroup === 'string' ? [node, args] : cgroup.wrap(node, args);
-  const child = spawn(cmd, argv, { stdio: ['pipe', 'pipe', 'pipe'] });
-  let stderr = '';
-  child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
-  const exited = new Promise<number>((resolve) => child.on('close', (code) => resolve(code ?? 1)));
+  const cell = CellProcess.spawn(cgroup, ['memory-cell', JSON.stringify(config)], `cell ${label}`);
   const result: Partial<CellResult> = { mode: config.mode, content: config.content, vms: config.vms };
   try {
-    for await (const line of createInterface({ input: child.stdout })) {
-      const msg = JSON.parse(line) as Record<string, unknown>;
+    for await (const msg of cell.messages()) {
       if (msg.event === 'filled') progress(`${label}: ${config.workingSetMiB} MiB filled`);
       if (msg.event === 'operated') {
         const released = msg.releaseMs === undefined ? '' : `, memory released after ${(msg.releaseMs as number).toFixed(1)} ms`;
@@ -282,7 +275,7 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
       }
       if (msg.event === 'reading') {
         // Read the group from outside while the cell waits, so that reading costs the cell nothing.
-        result.groupPssBytes = typeof cgroup === 'string' ? processResident(child.pid!).pssBytes : cgroup.pssBytes();
+        result.groupPssBytes = typeof cgroup === 'string' ? processResident(cell.pid).pssBytes : cgroup.pssBytes();
         result.groupMemoryBytes = typeof cgroup === 'string' ? null : cgroup.memoryBytes();
         result.groupPageCacheBytes = typeof cgroup === 'string' ? null : cgroup.pageCacheBytes();
         result.guestRamPssBytes = msg.guestRamPssBytes as number;
@@ -294,22 +287,21 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
         result.backingBytes = backingBytesOf(result.strategies);
         result.scannerCpuPercent = msg.scannerCpuPercent as number | undefined;
         result.hotRefaultPercentPerSecond = msg.hotRefaultPercentPerSecond as number | undefined;
-        child.stdin.write('continue\n');
+        cell.send('continue');
       }
       if (msg.event === 'done') {
         result.resumeAndTaskMs = msg.resumeAndTaskMs as number | undefined;
         result.resumeMs = msg.resumeMs as number | undefined;
         result.faultsPerSecond = msg.faultsPerSecond as number | undefined;
         result.faultsTimed = msg.faultsTimed as number | undefined;
-        child.stdin.end();
+        cell.endInput();
       }
     }
-    const code = await exited;
-    if (code !== 0 || result.groupPssBytes === undefined) throw new Error(`cell ${label} failed (exit ${code}): ${stderr.trim()}`);
+    const code = await cell.exited;
+    if (code !== 0 || result.groupPssBytes === undefined) throw new Error(`cell ${label} failed (exit ${code}): ${cell.stderr.trim()}`);
     return result as CellResult;
   } finally {
-    child.kill('SIGKILL');
-    await exited;
+    await cell.kill();
     if (typeof cgroup !== 'string') cgroup.remove();
   }
 }
@@ -319,34 +311,28 @@ function backingBytesOf(strategies: StrategyStats[]): number | undefined {
   return s?.figures.bytesOnDisk;
 }
 
-/** Formats ours beside the study's figure: `35.6 (study 35.6)`. */
-function beside(ours: number | null | undefined, study: number | undefined, digits = 1): string {
-  const o = ours === null || ours === undefined ? 'n/a' : ours.toFixed(digits);
-  return study === undefined ? o : `${o} (${study.toFixed(1)})`;
-}
-
 function printTable(rows: string[][]): void {
   printRows(rows);
   process.stdout.write('\n');
 }
 
-async function benchMemory(argv: string[]): Promise<number> {
-  const { values } = parseArgs({
-    args: argv,
-    options: {
-      json: { type: 'string' },
-      modes: { type: 'string', default: MODES.map((m) => m.name).join(',') },
-      contents: { type: 'string', default: 'repetitive,random' },
-      'backing-dir': { type: 'string', default: join(DEFAULT_BACKING_DIR, 'pvisor-bench-backing') },
-      // The study's cells use 64 MiB; a smaller set makes a quick check (the study's figures then
-      // do not compare).
-      'working-set': { type: 'string', default: `${STUDY_WORKING_SET_MIB}MiB` },
-      // Also N offloaded VMs in one process (the SDK's case), read per VM; 0 skips it.
-      'shared-vms': { type: 'string', default: '4' },
-      // Runs of each physical floor, measured first in the same run (0 skips them).
-      'floor-runs': { type: 'string', default: '5' },
-    },
-  });
+/** Options of Tables 1 and 2 (`--table` and `--json` are the dispatcher's, {@link cmdBenchMemory}). */
+const TABLE12_OPTIONS = {
+  modes: { type: 'string', default: MODES.map((m) => m.name).join(',') },
+  contents: { type: 'string', default: 'repetitive,random' },
+  'backing-dir': { type: 'string', default: join(DEFAULT_BACKING_DIR, 'pvisor-bench-backing') },
+  // The study's cells use 64 MiB; a smaller set makes a quick check (the study's figures then
+  // do not compare).
+  'working-set': { type: 'string', default: `${STUDY_WORKING_SET_MIB}MiB` },
+  // Also N offloaded VMs in one process (the SDK's case), read per VM; 0 skips it.
+  'shared-vms': { type: 'string', default: '4' },
+  // Runs of each physical floor, measured first in the same run (0 skips them).
+  'floor-runs': { type: 'string', default: '5' },
+} as const;
+
+/** Tables 1 and 2: measures, prints the tables, returns the JSON. */
+async function benchMemory(argv: string[]): Promise<object> {
+  const { values } = parseArgs({ args: argv, options: TABLE12_OPTIONS, strict: true });
   const modes = values.modes.split(',').map((name) => {
     const m = MODES.find((x) => x.name === name);
     if (!m) throw new InvalidOptionError('--modes', `unknown mode ${name}; modes: ${MODES.map((x) => x.name).join(', ')}`);
@@ -510,24 +496,12 @@ async function benchMemory(argv: string[]): Promise<number> {
   process.stdout.write(`Backing files in ${backingDir} (${fsType}). Resident and group memory are never added together.\n`);
 
   const json = { setup: { memoryMiB: 512, vcpus: 2, workingSetMiB, readAfterMs: READ_AFTER_MS, backingDir, backingFilesystem: fsType, coldAfterMs: BENCH_COLD_AFTER_MS }, floors, floorMs: floorOf, nativeFaults, cells, sharedProcess: shared, goals: goalResults };
-  if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
-  else process.stdout.write(`${JSON.stringify(json)}\n`);
-  return 0;
+  return json;
 }
 
 /** The smallest median of the ways the host offers to do one thing (a way it refused is null). */
 function fastest(...ways: ({ median: number } | null)[]): number {
   return Math.min(...ways.filter((w): w is { median: number } => w !== null).map((w) => w.median));
-}
-
-/** The filesystem type holding `dir`, from /proc/mounts (longest mount point that contains it). */
-function filesystemOf(dir: string): string {
-  let best = { point: '', type: 'unknown' };
-  for (const line of readFileSync('/proc/mounts', 'utf8').split('\n')) {
-    const [, point, type] = line.split(' ');
-    if (point && (dir === point || dir.startsWith(point.endsWith('/') ? point : `${point}/`)) && point.length > best.point.length) best = { point, type };
-  }
-  return best.type;
 }
 
 /** Entry of `pvisor bench memory` and of its internal cell command. */
@@ -536,5 +510,31 @@ export async function cmdBenchMemory(argv: string[], cell: boolean): Promise<num
     await cellChild(JSON.parse(argv[0]) as CellConfig);
     return 0;
   }
-  return benchMemory(argv);
+  const { TABLE3_OPTIONS, benchTable3, parseTable3Options } = await import('./bench-table3');
+  const { values, tokens } = parseArgs({
+    args: argv,
+    options: { table: { type: 'string', default: '1,2' }, json: { type: 'string' }, ...TABLE12_OPTIONS, ...TABLE3_OPTIONS },
+    strict: true,
+    tokens: true,
+  });
+  const tables = new Set(values.table.split(','));
+  for (const t of tables) if (!['1', '2', '3'].includes(t)) throw new InvalidOptionError('--table', `expected a list of 1, 2 and 3, got ${JSON.stringify(values.table)}`);
+  // Tables 1 and 2 come from the same cells: either selects both.
+  const want12 = tables.has('1') || tables.has('2');
+  const want3 = tables.has('3');
+  // Each table gets the options it knows; one the selected tables do not know is refused.
+  const given = tokens.filter((t) => t.kind === 'option' && t.name !== 'table' && t.name !== 'json');
+  const argsOf = (names: object) => given.flatMap((t) => (t.kind === 'option' && t.name in names ? [`--${t.name}`, ...(t.value === undefined ? [] : [t.value])] : []));
+  for (const t of given) {
+    if (t.kind !== 'option') continue;
+    if (!(want12 && t.name in TABLE12_OPTIONS) && !(want3 && t.name in TABLE3_OPTIONS)) throw new InvalidOptionError(`--${t.name}`, `is not an option of --table ${values.table}`);
+  }
+  // Table 3's options are checked before Tables 1-2 spend their minutes.
+  const table3 = want3 ? parseTable3Options(argsOf(TABLE3_OPTIONS)) : undefined;
+  const table12 = want12 ? await benchMemory(argsOf(TABLE12_OPTIONS)) : undefined;
+  const json3 = table3 ? await benchTable3(table3) : undefined;
+  const json = table12 && json3 ? { ...table12, table3: json3 } : (table12 ?? json3);
+  if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
+  else process.stdout.write(`${JSON.stringify(json)}\n`);
+  return 0;
 }

@@ -3,7 +3,7 @@
  * figures beside pvisor's where the study has one) and written as JSON.
  */
 import { execFileSync, spawnSync } from 'node:child_process';
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -28,6 +28,22 @@ export const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 export function printTable(rows: string[][]): void {
   const width = rows[0].map((_, i) => Math.max(...rows.map((r) => r[i].length)));
   for (const r of rows) process.stdout.write(`${r.map((c, i) => c.padEnd(width[i])).join(' | ')}\n`);
+}
+
+/** Formats ours beside the study's figure: `35.6 (35.6)`. */
+export function beside(ours: number | null | undefined, study: number | undefined, digits = 1): string {
+  const o = ours === null || ours === undefined ? 'n/a' : ours.toFixed(digits);
+  return study === undefined ? o : `${o} (${study.toFixed(1)})`;
+}
+
+/** The filesystem type holding `dir`, from /proc/mounts (longest mount point that contains it). */
+export function filesystemOf(dir: string): string {
+  let best = { point: '', type: 'unknown' };
+  for (const line of readFileSync('/proc/mounts', 'utf8').split('\n')) {
+    const [, point, type] = line.split(' ');
+    if (point && (dir === point || dir.startsWith(point.endsWith('/') ? point : `${point}/`)) && point.length > best.point.length) best = { point, type };
+  }
+  return best.type;
 }
 
 /** Start-to-ready times of `runs` fresh probe VMs (512 MiB, 2 vCPUs), ms. */
@@ -163,11 +179,16 @@ export async function cmdBench(argv: string[]): Promise<number> {
       const { cmdBenchSoak } = await import('./bench-soak');
       return cmdBenchSoak(rest, what === 'soak-run');
     }
+    case 'memory-vm': {
+      const { vmProcess } = await import('./bench-table3');
+      await vmProcess();
+      return 0;
+    }
     case 'vmm-memory-case':
       process.stdout.write(JSON.stringify(await memoryCaseChild(Number(rest[0]))));
       return 0;
     default:
-      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--shared-vms N] [--json FILE]\n       pvisor bench linux [--runs N] [--execs N] [--file-mib N] [--signalling eventfd,exit] [--json FILE]\n       pvisor bench snapshot [--runs N] [--dir DIR] [--json FILE]\n       pvisor bench floors [--dir DIR] [--size 64MiB] [--runs 5] [--json FILE]\n       pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms N] [--working-set 16MiB] [--backing-dir DIR] [--json FILE]\n');
+      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--table 1,2,3] [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--shared-vms N]\n                           [--working-sets same-repetitive,same-random,unique-random] [--schemes private,shared-snapshot,ksm] [--ksm-read-after 60s] [--snapshot-dir DIR] [--json FILE]\n       pvisor bench linux [--runs N] [--execs N] [--file-mib N] [--signalling eventfd,exit] [--json FILE]\n       pvisor bench snapshot [--runs N] [--dir DIR] [--json FILE]\n       pvisor bench floors [--dir DIR] [--size 64MiB] [--runs 5] [--json FILE]\n       pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms N] [--working-set 16MiB] [--backing-dir DIR] [--json FILE]\n');
       return 2;
   }
 }

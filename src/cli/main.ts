@@ -69,12 +69,20 @@ Usage:
       Start-to-ready time, exits per second against a native C loop, the VMM's memory per VM.
   pvisor bench linux [--runs 3] [--execs 20] [--json FILE]
       The Linux guest: boot to agent ready, exec round trip, guest RAM once booted.
-  pvisor bench memory [--modes LIST] [--contents repetitive,random] [--backing-dir DIR] [--json FILE]
+  pvisor bench memory [--table 1,2,3] [--modes LIST] [--contents repetitive,random] [--backing-dir DIR]
+                      [--working-sets LIST] [--schemes LIST] [--ksm-read-after 60s] [--snapshot-dir DIR]
+                      [--json FILE]
       The reference study's Tables 1 and 2: each cell a fresh 512 MiB VM in its own process and
       cgroup, resident (group PSS), guest RAM PSS, group memory, offload costs, the study beside.
       Modes cold-compression and cold-compression-mix (16 MiB hot, the rest cold) add a cold
       compression table: time to settle, store size, scanner CPU, faults/s against a native
       userfaultfd loop; --contents compressible is the study's distinct compressible pages.
+      --table 3 (or 1,2,3; the default is 1,2): the study's Table 3, four 512 MiB VMs, one process
+        each, in one cgroup per cell: schemes private, shared snapshot + COW (four clones of one
+        snapshot in --snapshot-dir, on a disk) and KSM (turned on for the cell, read after
+        --ksm-read-after, default 60s; settings put back after); working sets same repetitive,
+        same random, unique random (--working-sets, --schemes); per VM = group PSS / 4, before
+        and after a 100% rewrite; then each VM exits alone and the others' digests are checked.
   pvisor bench floors [--dir DIR] [--size 64MiB] [--runs 5] [--json FILE]
       The host's physical floors for the same bytes (C, no VM): copies into fresh memory and by
       UFFDIO_COPY, write + fdatasync, cold and warm reads back; DIR (default

@@ -134,3 +134,57 @@ export const GOALS: Goal[] = [
 export function savingPercent(defaultBytes: number, modeBytes: number): number {
   return ((defaultBytes - modeBytes) / defaultBytes) * 100;
 }
+
+/** Table 3's working sets: the same bytes in all four VMs, or each VM its own seed. */
+export type Table3WorkingSet = 'same-repetitive' | 'same-random' | 'unique-random';
+
+/** Table 3's schemes; `daemon-pool` comes with PoolClient (issue 13). */
+export type Table3Scheme = 'private' | 'shared-snapshot' | 'ksm' | 'daemon-pool';
+
+/** A row of Table 3: per-VM resident (group PSS / 4), MiB, and the saving against `private`, %. */
+export interface StudyTable3Row {
+  perVmMiB: number;
+  savingPercent?: number;
+  perVmAfterRewriteMiB: number;
+  savingAfterRewritePercent?: number;
+}
+
+/** Table 3 of the study: four 512 MiB VMs, by working set and scheme. */
+export const STUDY_TABLE3: Record<Table3WorkingSet, Record<Table3Scheme, StudyTable3Row>> = {
+  'same-repetitive': {
+    private: { perVmMiB: 132.8, perVmAfterRewriteMiB: 132.9 },
+    'shared-snapshot': { perVmMiB: 41.7, savingPercent: 68.6, perVmAfterRewriteMiB: 91.2, savingAfterRewritePercent: 31.3 },
+    ksm: { perVmMiB: 48.4, savingPercent: 63.6, perVmAfterRewriteMiB: 112.6, savingAfterRewritePercent: 15.3 },
+    'daemon-pool': { perVmMiB: 61.4, savingPercent: 53.7, perVmAfterRewriteMiB: 128.2, savingAfterRewritePercent: 3.5 },
+  },
+  'same-random': {
+    private: { perVmMiB: 132.3, perVmAfterRewriteMiB: 132.4 },
+    'shared-snapshot': { perVmMiB: 42.4, savingPercent: 67.9, perVmAfterRewriteMiB: 92.2, savingAfterRewritePercent: 30.4 },
+    ksm: { perVmMiB: 64.0, savingPercent: 51.7, perVmAfterRewriteMiB: 112.3, savingAfterRewritePercent: 15.2 },
+    'daemon-pool': { perVmMiB: 80.0, savingPercent: 39.6, perVmAfterRewriteMiB: 128.9, savingAfterRewritePercent: 2.7 },
+  },
+  'unique-random': {
+    private: { perVmMiB: 132.3, perVmAfterRewriteMiB: 133.7 },
+    'shared-snapshot': { perVmMiB: 91.0, savingPercent: 31.2, perVmAfterRewriteMiB: 91.3, savingAfterRewritePercent: 31.7 },
+    ksm: { perVmMiB: 111.1, savingPercent: 16.0, perVmAfterRewriteMiB: 111.2, savingAfterRewritePercent: 16.9 },
+    'daemon-pool': { perVmMiB: 123.7, savingPercent: 6.5, perVmAfterRewriteMiB: 125.6, savingAfterRewritePercent: 6.1 },
+  },
+};
+
+/** A bound on Table 3's saving per VM (before the rewrite), against `private` of the same working set. */
+export interface Table3Goal {
+  issue: number;
+  scheme: Table3Scheme;
+  workingSet: Table3WorkingSet;
+  /** Ours must be >= this, %. */
+  minSavingPercent: number;
+  /** Where the bound comes from. */
+  why: string;
+}
+
+/** Issue 11's goals for Table 3. KSM's also needs every guest RAM mapping verified advised. */
+export const TABLE3_GOALS: Table3Goal[] = [
+  { issue: 11, scheme: 'shared-snapshot', workingSet: 'same-repetitive', minSavingPercent: 80, why: 'study 68.6' },
+  { issue: 11, scheme: 'shared-snapshot', workingSet: 'same-random', minSavingPercent: 75, why: 'study 67.9' },
+  { issue: 11, scheme: 'ksm', workingSet: 'same-repetitive', minSavingPercent: 63.6, why: "the study's figure, read at 60 s" },
+];

@@ -95,3 +95,9 @@ export function expectedDigest(ws: ProbeWorkingSet): { h1: number; h2: number } 
   }
   return { h1: h1 >>> 0, h2: h2 >>> 0 };
 }
+
+/** {@link expectedDigest} as the probe reports it (`ProbeGuest.digest().hex`): h2 then h1, 16 hex digits. */
+export function expectedDigestHex(ws: ProbeWorkingSet): string {
+  const { h1, h2 } = expectedDigest(ws);
+  return h2.toString(16).padStart(8, '0') + h1.toString(16).padStart(8, '0');
+}

@@ -66,6 +66,52 @@ describe('pvisor bench memory', () => {
     expect(readdirSync(join(dir, 'backing'))).toEqual([]);
   });
 
+  it('Table 3: four VM processes per cell in one cgroup; clones share the snapshot; KSM is put back as found', () => {
+    const ksmDir = '/sys/kernel/mm/ksm';
+    const ksmSettings = () => ['run', 'pages_to_scan', 'sleep_millisecs'].map((n) => readFileSync(join(ksmDir, n), 'utf8').trim());
+    const root = process.getuid?.() === 0 && existsSync(ksmDir);
+    const before = root ? ksmSettings() : [];
+    const json = join(dir, 'table3.json');
+    const schemes = root ? 'private,shared-snapshot,ksm' : 'private,shared-snapshot';
+    const r = spawnSync(
+      process.execPath,
+      [main, 'bench', 'memory', '--table', '3', '--working-sets', 'same-random', '--schemes', schemes, '--working-set', '8MiB', '--ksm-read-after', '4s', '--snapshot-dir', join(dir, 'snapshots'), '--json', json],
+      { encoding: 'utf8' },
+    );
+    expect(r.stderr).toMatch(/\[2\/\d\] same-random shared-snapshot: each VM exited alone; the others' digests stayed right/);
+    expect(r.status).toBe(0);
+    expect(r.stdout).toMatch(/^same random \| private \(baseline\)\s+\| [\d.]+ \(132\.3\)/m);
+    expect(r.stdout).toMatch(/^same random \| shared snapshot \+ COW \| [\d.]+ \(42\.4\)\s+\| -?[\d.]+ \(67\.9\)/m);
+    expect(r.stdout).toMatch(/^same random \| daemon pool\s+\| not yet: PoolClient, issue 13 \(80\.0\)/m);
+    const out = JSON.parse(readFileSync(json, 'utf8')) as { rows: { scheme: string; vms?: number; after?: { guestRamPssBytes: number; guestRamAnonymousBytes: number; groupPssBytes: number }; exits?: unknown[]; ksm?: { guestRamMappings: number; advisedMappings: number } }[] };
+    const row = (scheme: string) => out.rows.find((x) => x.scheme === scheme)!;
+    const priv = row('private');
+    const shared = row('shared-snapshot');
+    expect(priv.vms).toBe(4);
+    // Four private copies of the working set, against one copy shared by four clones.
+    expect(priv.after!.guestRamPssBytes).toBeGreaterThanOrEqual(4 * 8 * MiB);
+    expect(shared.after!.guestRamPssBytes).toBeLessThan(2 * 8 * MiB);
+    expect(shared.after!.guestRamAnonymousBytes).toBeLessThan(4 * MiB);
+    // The group holds four processes, each with Node around its VM.
+    expect(priv.after!.groupPssBytes).toBeGreaterThan(priv.after!.guestRamPssBytes + 4 * 10 * MiB);
+    expect(shared.exits).toHaveLength(4);
+    if (root) {
+      const ksm = row('ksm');
+      expect(ksm.ksm!.guestRamMappings).toBeGreaterThanOrEqual(4);
+      expect(ksm.ksm!.advisedMappings).toBe(ksm.ksm!.guestRamMappings);
+      expect(ksmSettings()).toEqual(before);
+    }
+    // The snapshots are gone once their cells end.
+    expect(readdirSync(join(dir, 'snapshots'))).toEqual([]);
+  }, 240_000);
+
+  it('refuses an option the selected tables do not have, before starting anything', () => {
+    const r = spawnSync(process.execPath, [main, 'bench', 'memory', '--table', '3', '--modes', 'offload'], { encoding: 'utf8' });
+    expect(r.stderr).toMatch(/--modes.*is not an option of --table 3/);
+    expect(r.stderr).not.toMatch(/VM processes/);
+    expect(r.status).toBe(125);
+  });
+
   it('rejects an unknown mode before starting anything', () => {
     const r = spawnSync(process.execPath, [main, 'bench', 'memory', '--modes', 'telepathy'], { encoding: 'utf8' });
     expect(r.stderr).toMatch(/unknown mode telepathy/);
