@@ -4,20 +4,21 @@
  * offered but not yet pooled (so that the second VM to offer a page is asked for it). Knows
  * nothing of sockets.
  *
- * One memfd per scope, sealed against writes: a client holds only its own scope's memfd, so it
- * can read no other scope's pages, and F_SEAL_FUTURE_WRITE keeps it from writing any (reopening
- * /proc/self/fd/N read-write would otherwise give a client write access to every VM's shared
- * pages). The daemon writes through the shared mapping it made before sealing. The seal also
- * forbids punching holes, so a page whose last reference goes is not given back to the host: its
- * slot is reused for the next page put in the scope, and the pool's memory is its high-water mark,
- * bounded by --max-pool.
+ * One memfd per scope: a client gets only its own scope's, so it can read no other scope's pages.
+ * It gets a read-only descriptor of it (reopened through /proc/self/fd), and the memfd's mode is
+ * 0400: a client of another uid can neither write through what it got nor reopen it read-write
+ * (a memfd is created 0777, so without this any client could change every VM's shared pages).
+ * The daemon writes through its own read-write mapping, and punches a page out when its last
+ * reference goes. Root, and clients of the daemon's own uid, could change the pool anyway (they
+ * could as well write into the VM processes): they are trusted.
  *
  * Pages are handed out in the order they are put, so that a run of a VM's consecutive pages put
- * together lands on consecutive pool pages and is mapped as one VMA.
+ * together lands on consecutive pool pages and is mapped as one VMA; freed slots are reused once
+ * the fresh ones run out.
  */
-import { ftruncateSync } from 'node:fs';
-import { F_SEAL_FUTURE_WRITE, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, MAP_SHARED, MFD_ALLOW_SEALING, MFD_CLOEXEC, PROT_READ, PROT_WRITE } from '../sys/constants';
-import { addSeals, closeFd, createMemfd, mmap, munmap, viewAt } from '../sys/libc';
+import { fchmodSync, ftruncateSync, openSync } from 'node:fs';
+import { MAP_SHARED, MFD_CLOEXEC, PROT_READ, PROT_WRITE } from '../sys/constants';
+import { closeFd, createMemfd, mmap, munmap, punchHole, viewAt } from '../sys/libc';
 import { PAGE_BYTES, type PageKey } from './pool-protocol';
 
 /** The most keys remembered as offered, in all scopes; the oldest are forgotten beyond it. */
@@ -33,7 +34,10 @@ function keyNumber(k: PageKey): number {
 
 /** One scope's pages. */
 class ScopePages {
+  /** The daemon's read-write descriptor. */
   readonly fd: number;
+  /** A read-only descriptor of the same memfd: what clients get. */
+  readonly clientFd: number;
   private readonly addr: number;
   private readonly views: Buffer[] = [];
   private refs = new Uint32Array(1024);
@@ -46,16 +50,20 @@ class ScopePages {
   readonly offered = new Map<number, number>();
 
   constructor(name: string, private readonly bytes: number) {
-    this.fd = createMemfd(`pvisor-page-pool:${name.slice(0, 200)}`, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    this.fd = createMemfd(`pvisor-page-pool:${name.slice(0, 200)}`, MFD_CLOEXEC);
+    let clientFd: number | undefined;
     try {
       // Sparse: a page costs memory once a client's bytes are written into it.
       ftruncateSync(this.fd, bytes);
+      fchmodSync(this.fd, 0o400);
+      clientFd = openSync(`/proc/self/fd/${this.fd}`, 'r');
       this.addr = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, this.fd, 0, 'the page pool (the daemon\'s writable mapping)');
-      addSeals(this.fd, F_SEAL_FUTURE_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
     } catch (e) {
+      if (clientFd !== undefined) closeFd(clientFd);
       closeFd(this.fd);
       throw e;
     }
+    this.clientFd = clientFd;
     for (let off = 0; off < bytes; off += VIEW_CHUNK_BYTES) this.views.push(viewAt(this.addr + off, Math.min(VIEW_CHUNK_BYTES, bytes - off)));
   }
 
@@ -103,6 +111,7 @@ class ScopePages {
   close(): void {
     this.views.length = 0;
     munmap(this.addr, this.bytes);
+    closeFd(this.clientFd);
     closeFd(this.fd);
   }
 }
@@ -112,7 +121,7 @@ export class PagePool {
   /** Pages the whole pool may hold, over all scopes. */
   readonly pageCount: number;
   private readonly scopes = new Map<string, ScopePages>();
-  private allocated = 0;
+  private used = 0;
   private candidateCount = 0;
 
   constructor(poolBytes: number) {
@@ -129,9 +138,9 @@ export class PagePool {
     return s;
   }
 
-  /** The memfd of `scope`'s pages, the one a client of that scope maps (created on first use). */
+  /** A read-only descriptor of `scope`'s memfd, the one its clients map (created on first use). */
   scopeFd(scope: string): number {
-    return this.scope(scope).fd;
+    return this.scope(scope).clientFd;
   }
 
   /** The pool pages of `scope` whose key is `key` (their content still to be compared). */
@@ -179,12 +188,12 @@ export class PagePool {
         return p;
       }
     }
-    let page: number | undefined;
-    if (this.allocated < this.pageCount) {
-      page = s.allocated++;
-      this.allocated++;
-    } else page = s.free.pop();
+    // The limit is on pages held, over all scopes; within a scope, fresh slots first (they keep
+    // runs consecutive), then slots freed.
+    if (this.used >= this.pageCount) return undefined;
+    const page = s.allocated < this.pageCount ? s.allocated++ : s.free.pop();
     if (page === undefined) return undefined;
+    this.used++;
     bytes.copy(s.page(page), 0, 0, PAGE_BYTES);
     s.setKey(page, k);
     s.setRefs(page, 1);
@@ -204,8 +213,8 @@ export class PagePool {
   }
 
   /**
-   * Gives back one reference. After the last, the page is forgotten and its slot serves the next
-   * page put in the scope: only call it when no process maps the page any more.
+   * Gives back one reference. After the last, the page is punched out and forgotten, and its slot
+   * serves a later page: only call it when no process maps the page any more.
    */
   release(scope: string, page: number): void {
     const s = this.scopes.get(scope);
@@ -217,8 +226,10 @@ export class PagePool {
     const list = s.index.get(k)!.filter((p) => p !== page);
     if (list.length) s.index.set(k, list);
     else s.index.delete(k);
+    punchHole(s.fd, page * PAGE_BYTES, PAGE_BYTES);
     s.free.push(page);
     s.used--;
+    this.used--;
   }
 
   inUse(scope: string, page: number): boolean {
@@ -226,14 +237,10 @@ export class PagePool {
   }
 
   /** Figures for status. */
-  figures(): { pagesUsed: number; pagesAllocated: number; references: number; scopes: number; candidates: number } {
-    let used = 0;
+  figures(): { pagesUsed: number; references: number; scopes: number; candidates: number } {
     let references = 0;
-    for (const s of this.scopes.values()) {
-      used += s.used;
-      references += s.references();
-    }
-    return { pagesUsed: used, pagesAllocated: this.allocated, references, scopes: this.scopes.size, candidates: this.candidateCount };
+    for (const s of this.scopes.values()) references += s.references();
+    return { pagesUsed: this.used, references, scopes: this.scopes.size, candidates: this.candidateCount };
   }
 
   close(): void {

@@ -50,8 +50,6 @@ export interface PoolStatus {
   poolBytes: number;
   /** Pool pages holding a page some client references. */
   pagesUsed: number;
-  /** Pool pages written so far: the pool's memory (freed slots are reused, not given back). */
-  pagesAllocated: number;
   /** Disconnected clients whose processes still run: their references are kept. */
   orphanedClients: number;
   references: number;

@@ -241,7 +241,6 @@ export class PoolServer {
       pid: process.pid,
       poolBytes: this.pool.pageCount * PAGE_BYTES,
       pagesUsed: f.pagesUsed,
-      pagesAllocated: f.pagesAllocated,
       orphanedClients: this.orphans.length,
       references: f.references,
       clients: [...this.clients].filter((c) => c.scope !== undefined).map((c) => ({
