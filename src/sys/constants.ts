@@ -26,13 +26,7 @@ export const MADV_POPULATE_WRITE = 23; // Linux 5.14+
 
 // <linux/memfd.h>
 export const MFD_CLOEXEC = 0x1;
-export const MFD_ALLOW_SEALING = 0x2;
-/** fcntl(2) F_ADD_SEALS and the seals, from <linux/fcntl.h>. */
-export const F_ADD_SEALS = 1033;
-export const F_SEAL_SEAL = 0x1;
-export const F_SEAL_SHRINK = 0x2;
-export const F_SEAL_GROW = 0x4;
-export const F_SEAL_FUTURE_WRITE = 0x10;
+
 
 // <asm-generic/errno-base.h>
 export const EINTR = 4;

@@ -11,7 +11,6 @@
  */
 import { createExternalBuffer, DataType, define, open } from 'ffi-rs';
 import { SystemCallError } from '../errors';
-import { F_ADD_SEALS } from './constants';
 
 open({ library: 'libc', path: 'libc.so.6' });
 
@@ -34,7 +33,6 @@ const fns = define({
   flock: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
   lseek: { library: libc, retType: I64, paramsType: [I32, I64, I32], errno: true },
   fallocate: { library: libc, retType: I32, paramsType: [I32, I32, I64, I64], errno: true },
-  fcntl: { library: libc, retType: I32, paramsType: [I32, I32, I32], errno: true },
   // Returns the error number itself (not -1 and errno).
   posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
   // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
@@ -130,11 +128,6 @@ const FALLOC_FL_PUNCH_HOLE = 2;
 /** Frees [offset, offset+length) of file `fd` (a hole reads zero), keeping its size: fallocate(PUNCH_HOLE). */
 export function punchHole(fd: number, offset: number, length: number): void {
   check('fallocate(PUNCH_HOLE)', fns.fallocate([fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length]) as ErrnoResult<number>);
-}
-
-/** fcntl(fd, F_ADD_SEALS, seals) on a memfd made with MFD_ALLOW_SEALING. */
-export function addSeals(fd: number, seals: number): void {
-  check('fcntl(F_ADD_SEALS)', fns.fcntl([fd, F_ADD_SEALS, seals]) as ErrnoResult<number>);
 }
 
 /** close(2). */
