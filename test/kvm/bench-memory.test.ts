@@ -72,7 +72,7 @@ describe('pvisor bench memory', () => {
     const root = process.getuid?.() === 0 && existsSync(ksmDir);
     const before = root ? ksmSettings() : [];
     const json = join(dir, 'table3.json');
-    const schemes = root ? 'private,shared-snapshot,ksm' : 'private,shared-snapshot';
+    const schemes = root ? 'private,shared-snapshot,ksm,daemon-pool' : 'private,shared-snapshot,daemon-pool';
     const r = spawnSync(
       process.execPath,
       [main, 'bench', 'memory', '--table', '3', '--working-sets', 'same-random', '--schemes', schemes, '--working-set', '8MiB', '--ksm-read-after', '4s', '--snapshot-dir', join(dir, 'snapshots'), '--json', json],
@@ -82,8 +82,9 @@ describe('pvisor bench memory', () => {
     expect(r.status).toBe(0);
     expect(r.stdout).toMatch(/^same random \| private \(baseline\)\s+\| [\d.]+ \(132\.3\)/m);
     expect(r.stdout).toMatch(/^same random \| shared snapshot \+ COW \| [\d.]+ \(42\.4\)\s+\| -?[\d.]+ \(67\.9\)/m);
-    expect(r.stdout).toMatch(/^same random \| daemon pool\s+\| not yet: PoolClient, issue 13 \(80\.0\)/m);
-    const out = JSON.parse(readFileSync(json, 'utf8')) as { rows: { scheme: string; vms?: number; after?: { guestRamPssBytes: number; guestRamAnonymousBytes: number; groupPssBytes: number }; exits?: unknown[]; ksm?: { guestRamMappings: number; advisedMappings: number } }[] };
+    expect(r.stdout).toMatch(/^same random \| daemon pool\s+\| [\d.]+ \(80\.0\)/m);
+    expect(r.stdout).toMatch(/^daemon pool, same-random: merge of four VMs \d+ \+ \d+ ms/m);
+    const out = JSON.parse(readFileSync(json, 'utf8')) as { rows: { scheme: string; vms?: number; after?: { guestRamPssBytes: number; guestRamAnonymousBytes: number; groupPssBytes: number }; exits?: unknown[]; ksm?: { guestRamMappings: number; advisedMappings: number }; pool?: { pagesShared: number[]; vmsKeptAfterDaemonKill: number; daemonPssBytes: number } }[] };
     const row = (scheme: string) => out.rows.find((x) => x.scheme === scheme)!;
     const priv = row('private');
     const shared = row('shared-snapshot');
@@ -95,6 +96,13 @@ describe('pvisor bench memory', () => {
     // The group holds four processes, each with Node around its VM.
     expect(priv.after!.groupPssBytes).toBeGreaterThan(priv.after!.guestRamPssBytes + 4 * 10 * MiB);
     expect(shared.exits).toHaveLength(4);
+    // The pool: one copy of the working set for the four, in the daemon, which is in the group.
+    const pool = row('daemon-pool');
+    expect(Math.min(...pool.pool!.pagesShared)).toBeGreaterThanOrEqual((8 * MiB) / 4096);
+    expect(pool.after!.guestRamPssBytes).toBeLessThan(2 * 8 * MiB);
+    expect(pool.pool!.daemonPssBytes).toBeGreaterThan(0);
+    expect(pool.pool!.vmsKeptAfterDaemonKill).toBe(4);
+    expect(pool.exits).toHaveLength(4);
     if (root) {
       const ksm = row('ksm');
       expect(ksm.ksm!.guestRamMappings).toBeGreaterThanOrEqual(4);
