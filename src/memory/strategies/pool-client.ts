@@ -16,7 +16,7 @@
  */
 import { readFileSync } from 'node:fs';
 import { InvalidOptionError } from '../../errors';
-import { rangeMappings } from '../../memory-usage';
+import { rangeMappingCount } from '../../memory-usage';
 import { MADV_DONTNEED, MAP_SHARED, PAGE_SIZE, PROT_READ } from '../../sys/constants';
 import { closeFd, madvise, mmap, munmap, viewAt } from '../../sys/libc';
 import {
@@ -369,7 +369,7 @@ export class PoolClient implements MemoryStrategy {
   stats(ctx: StrategyContext): StrategyStats {
     const notes: string[] = [];
     if (!this.connected) notes.push(`not connected to the pool at ${this.socketPath}${this.lastError ? `: ${this.lastError}` : ''}; the VM runs on with the pages it maps`);
-    const vmas = rangeMappings(ctx.ram.hostAddr, ctx.ram.sizeBytes).length;
+    const vmas = rangeMappingCount(ctx.ram.hostAddr, ctx.ram.sizeBytes);
     return {
       strategy: this.name,
       figures: { connected: this.connected ? 1 : 0, pagesShared: this.mapped.size, guestRamMappings: vmas, ...this.figures },
