@@ -30,8 +30,19 @@ const MAGIC1 = 0x56; // 'V'
 
 /** Encodes one frame. */
 export function encodeFrame(f: Omit<Frame, 'flags'> & { flags?: number }): Buffer {
-  if (f.payload.length > MAX_PAYLOAD_BYTES) throw new RangeError(`payload of ${f.payload.length} bytes exceeds ${MAX_PAYLOAD_BYTES}`);
   const b = Buffer.allocUnsafe(FRAME_HEADER_BYTES + f.payload.length);
+  writeFrameHeader(b, { ...f, length: f.payload.length });
+  f.payload.copy(b, FRAME_HEADER_BYTES);
+  return b;
+}
+
+/**
+ * Writes a frame's header into the first {@link FRAME_HEADER_BYTES} of `b`, for a payload of
+ * `length` bytes that the caller has put (or will put) right after it: a sender that builds its
+ * payloads in one reusable buffer sends them without a copy.
+ */
+export function writeFrameHeader(b: Buffer, f: { type: FrameType; id: number; op: number; flags?: number; length: number }): void {
+  if (f.length > MAX_PAYLOAD_BYTES) throw new RangeError(`payload of ${f.length} bytes exceeds ${MAX_PAYLOAD_BYTES}`);
   b[0] = MAGIC0;
   b[1] = MAGIC1;
   b[2] = PROTOCOL_VERSION;
@@ -39,9 +50,7 @@ export function encodeFrame(f: Omit<Frame, 'flags'> & { flags?: number }): Buffe
   b.writeUInt32LE(f.id >>> 0, 4);
   b.writeUInt16LE(f.op, 8);
   b.writeUInt16LE(f.flags ?? 0, 10);
-  b.writeUInt32LE(f.payload.length, 12);
-  f.payload.copy(b, FRAME_HEADER_BYTES);
-  return b;
+  b.writeUInt32LE(f.length, 12);
 }
 
 /** The byte stream does not hold valid frames (bad magic, version or length). */

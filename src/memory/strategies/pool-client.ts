@@ -24,10 +24,6 @@ import {
   ANSWER_NONE,
   ANSWER_SEND,
   checkName,
-  decodeAnswers,
-  encodeOffer,
-  encodePut,
-  encodeSettle,
   MAX_OFFER_ENTRIES,
   MAX_PUT_PAGES,
   MAX_SETTLE_PAGES,
@@ -111,6 +107,8 @@ export class PoolClient implements MemoryStrategy {
   /** Guest page -> [generation, pool page] of every page mapped from a pool. */
   private readonly mapped = new Map<number, [number, number]>();
   private zeroKey: bigint | undefined;
+  private own: Uint8Array | undefined;
+  private keys: BigUint64Array | undefined;
   /** References of pages the guest freed, given back at the next pass. */
   private freedPoolPages: number[] = [];
   private passing: Promise<void> | undefined;
@@ -246,8 +244,10 @@ export class PoolClient implements MemoryStrategy {
     const ram = ctx.ram;
     const pages = ram.sizeBytes / PAGE_SIZE;
     // Pages that are the VM's own now: a page mapped from a pool and anonymous again was written.
-    const own = new Uint8Array(pages);
-    for (const r of ram.ownPageRuns()) own.fill(1, r.offset / PAGE_SIZE, (r.offset + r.length) / PAGE_SIZE);
+    // The arrays live with the client: a pass allocates as little as it can (see PoolLink.payload).
+    const own = (this.own ??= new Uint8Array(pages)).fill(0);
+    const runs = ram.ownPageRuns();
+    for (const r of runs) own.fill(1, r.offset / PAGE_SIZE, (r.offset + r.length) / PAGE_SIZE);
     const drop = this.freedPoolPages;
     this.freedPoolPages = [];
     for (const [page, [gen, poolPage]] of this.mapped) {
@@ -258,53 +258,84 @@ export class PoolClient implements MemoryStrategy {
     }
     // Key every own page not yet shared, except zero pages (the guest's free memory: IdleRelease's).
     const { pageHashes, pageHashesOf } = await import('../uffd-server');
-    const keys = new BigUint64Array(pages);
+    const keys = (this.keys ??= new BigUint64Array(pages));
     if (this.zeroKey === undefined) {
       const one = new BigUint64Array(1);
       pageHashesOf(Buffer.alloc(PAGE_SIZE), one);
       this.zeroKey = one[0];
     }
     const zero = this.zeroKey;
-    const offer: { page: number; key: { lo: number; hi: number } }[] = [];
-    for (const r of ram.ownPageRuns()) {
-      const first = r.offset / PAGE_SIZE;
-      const n = r.length / PAGE_SIZE;
-      pageHashes(ram.hostAddr + r.offset, n, keys.subarray(first, first + n));
-      for (let p = first; p < first + n; p++) if (keys[p] !== zero) offer.push({ page: p, key: { lo: Number(keys[p] & 0xffffffffn), hi: Number(keys[p] >> 32n) } });
-    }
-    const candidates: [number, number][] = []; // [guest page, pool page], each a reference held
+    for (const r of runs) pageHashes(ram.hostAddr + r.offset, r.length / PAGE_SIZE, keys.subarray(r.offset / PAGE_SIZE));
+    const candidates: number[] = []; // guest page, pool page, ...: each a reference held
     const send: number[] = [];
     try {
-      for (let i = 0; i < offer.length; i += MAX_OFFER_ENTRIES) {
-        const batch = offer.slice(i, i + MAX_OFFER_ENTRIES);
-        for (const a of this.answers(await pool.link.request(PoolOp.Offer, encodeOffer(batch), this.requestTimeoutMs), batch.length, pool)) {
-          if (a.answer === ANSWER_SEND) send.push(a.page);
-          else if (a.answer !== ANSWER_NONE) candidates.push([a.page, a.answer]);
+      // Offers, built straight into the link's request frame, 12 bytes each.
+      let batch = pool.link.payload(MAX_OFFER_ENTRIES * 12);
+      let n = 0;
+      const flushOffer = async () => {
+        const answers = await pool.link.requestBuilt(PoolOp.Offer, n * 12, this.requestTimeoutMs);
+        this.checkAnswers(answers, n, pool);
+        for (let at = 0; at < answers.length; at += 8) {
+          const page = answers.readUInt32LE(at);
+          const answer = answers.readUInt32LE(at + 4);
+          if (answer === ANSWER_SEND) send.push(page);
+          else if (answer !== ANSWER_NONE) candidates.push(page, answer);
+        }
+        n = 0;
+        batch = pool.link.payload(MAX_OFFER_ENTRIES * 12);
+      };
+      for (const r of runs) {
+        for (let p = r.offset / PAGE_SIZE; p < (r.offset + r.length) / PAGE_SIZE; p++) {
+          if (keys[p] === zero) continue;
+          batch.writeUInt32LE(p, n * 12);
+          batch.writeUInt32LE(Number(keys[p] & 0xffffffffn), n * 12 + 4);
+          batch.writeUInt32LE(Number(keys[p] >> 32n), n * 12 + 8);
+          if (++n === MAX_OFFER_ENTRIES) await flushOffer();
         }
       }
+      if (n > 0) await flushOffer();
+      // The pages asked for, straight from guest RAM into the frame.
       for (let i = 0; i < send.length; i += MAX_PUT_PAGES) {
-        const batch = send.slice(i, i + MAX_PUT_PAGES).map((page) => ({ page, bytes: ram.view(page * PAGE_SIZE, PAGE_SIZE) }));
-        const answers = this.answers(await pool.link.request(PoolOp.Put, encodePut(batch), this.requestTimeoutMs), batch.length, pool);
-        this.figures.pagesSent += batch.length;
-        for (const a of answers) {
-          if (a.answer === ANSWER_FULL) this.figures.poolFull++;
-          else candidates.push([a.page, a.answer]);
+        const count = Math.min(MAX_PUT_PAGES, send.length - i);
+        const payload = pool.link.payload(4 + count * (4 + PAGE_SIZE));
+        payload.writeUInt32LE(count, 0);
+        for (let k = 0; k < count; k++) {
+          payload.writeUInt32LE(send[i + k], 4 + 4 * k);
+          ram.view(send[i + k] * PAGE_SIZE, PAGE_SIZE).copy(payload, 4 + 4 * count + k * PAGE_SIZE);
         }
-        if (answers.some((a) => a.answer === ANSWER_FULL)) break;
+        const answers = await pool.link.requestBuilt(PoolOp.Put, payload.length, this.requestTimeoutMs);
+        this.checkAnswers(answers, count, pool);
+        this.figures.pagesSent += count;
+        let full = false;
+        for (let at = 0; at < answers.length; at += 8) {
+          const answer = answers.readUInt32LE(at + 4);
+          if (answer === ANSWER_FULL) full = true;
+          else candidates.push(answers.readUInt32LE(at), answer);
+        }
+        if (full) {
+          this.figures.poolFull++;
+          break;
+        }
       }
-      candidates.sort((a, b) => a[0] - b[0]);
+      const pairs: [number, number][] = [];
+      for (let k = 0; k < candidates.length; k += 2) pairs.push([candidates[k], candidates[k + 1]]);
+      pairs.sort((a, b) => a[0] - b[0]);
       this.mappingBudget = mappingBudget();
-      for (let i = 0; i < candidates.length; i += PAGES_PER_PAUSE) {
-        const slice = candidates.slice(i, i + PAGES_PER_PAUSE);
+      for (let i = 0; i < pairs.length; i += PAGES_PER_PAUSE) {
+        const slice = pairs.slice(i, i + PAGES_PER_PAUSE);
         const refused = await ctx.withGuestPaused(() => this.mapSlice(ram, pool, slice));
         // The VM changed state or ended meanwhile: nothing of the slice was mapped.
         drop.push(...(refused ?? slice.map(([, poolPage]) => poolPage)));
       }
       for (let i = 0; i < drop.length; i += MAX_SETTLE_PAGES) {
-        await pool.link.request(PoolOp.Settle, encodeSettle([], drop.slice(i, i + MAX_SETTLE_PAGES)), this.requestTimeoutMs);
+        const part = drop.slice(i, i + MAX_SETTLE_PAGES);
+        const payload = pool.link.payload(4 + 4 * part.length);
+        payload.writeUInt32LE(0, 0); // nothing kept: every page named is dropped
+        part.forEach((page, k) => payload.writeUInt32LE(page, 4 + 4 * k));
+        await pool.link.requestBuilt(PoolOp.Settle, payload.length, this.requestTimeoutMs);
       }
     } catch (e) {
-      // The link ended (its close listener reconnects); the daemon gave every reference back.
+      // The link ended (its close listener reconnects); the daemon keeps this process's references.
       if (!pool.link.closed) throw e;
     }
     // The comparisons mapped pool pages into the read-only view too: unmap them there, so that
@@ -314,14 +345,18 @@ export class PoolClient implements MemoryStrategy {
     this.figures.lastMergeMs = roundMs(performance.now() - t0);
   }
 
-  private answers(payload: Buffer, expected: number, pool: PoolGeneration): { page: number; answer: number }[] {
-    const answers = decodeAnswers(payload, expected);
+  /** An answer of the wrong size, or naming a page the pool cannot have, ends the link. */
+  private checkAnswers(payload: Buffer, expected: number, pool: PoolGeneration): void {
     const poolPages = pool.bytes / PAGE_SIZE;
-    if (answers.length !== expected || answers.some((a) => a.answer < ANSWER_FULL && a.answer >= poolPages)) {
+    let bad = payload.length !== expected * 8;
+    for (let at = 0; !bad && at < payload.length; at += 8) {
+      const answer = payload.readUInt32LE(at + 4);
+      bad = answer < ANSWER_FULL && answer >= poolPages;
+    }
+    if (bad) {
       pool.link.close();
       throw new PoolProtocolError('the pool answered with pages it does not have');
     }
-    return answers;
   }
 
   /**
