@@ -228,7 +228,7 @@ describe('Linux guest snapshots with a rootfs', () => {
     // A snapshot whose image has gone is refused the same way.
     rmSync(image);
     await expect(Vm.restore(dir)).rejects.toThrow(/the snapshot's rootfs cannot be attached again: rootfs: cannot open .*rootfs\.img/);
-    ({ image } = makeImage(mkdtempSync(join(base, 'rootfs-'))));
+    ({ image, marker } = makeImage(mkdtempSync(join(base, "rootfs-"))));
   }, 3 * BOOT_TIMEOUT_MS);
 
   it('a VM with a writable rootfs is refused with SnapshotError before it is paused, and runs on', async () => {
