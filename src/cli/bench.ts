@@ -163,7 +163,7 @@ export async function cmdBench(argv: string[]): Promise<number> {
       process.stdout.write(JSON.stringify(await memoryCaseChild(Number(rest[0]))));
       return 0;
     default:
-      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--shared-vms N] [--json FILE]\n       pvisor bench linux [--runs N] [--execs N] [--file-mib N] [--signalling eventfd,exit] [--json FILE]\n       pvisor bench floors [--dir DIR] [--size 64MiB] [--runs 5] [--json FILE]\n       pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms N] [--working-set 16MiB] [--backing-dir DIR] [--json FILE]\n');
+      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--shared-vms N] [--json FILE]\n       pvisor bench linux [--runs N] [--execs N] [--file-mib N] [--signalling eventfd,exit] [--restores N] [--json FILE]\n       pvisor bench floors [--dir DIR] [--size 64MiB] [--runs 5] [--json FILE]\n       pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms N] [--working-set 16MiB] [--backing-dir DIR] [--json FILE]\n');
       return 2;
   }
 }
