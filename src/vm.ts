@@ -3,6 +3,7 @@
  */
 import { createHash } from 'node:crypto';
 import { accessSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
+import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
@@ -761,7 +762,8 @@ function rootfsDisk(rootfs: VmOptions['rootfs'], guest: GuestKind): DiskConfig |
   if (sizeBytes === 0 || sizeBytes % 512 !== 0) {
     throw new InvalidOptionError('rootfs', `${path} is ${sizeBytes} bytes; a disk image must be a non-zero multiple of 512 bytes`);
   }
-  return { path, readOnly };
+  // Absolute: a snapshot names the image, and may be restored from another working directory.
+  return { path: resolve(path), readOnly };
 }
 
 /** The Linux guest's kernel and initramfs: the user's files or the shipped ones. */
