@@ -22,10 +22,10 @@ const OP = {
   hello: 0x0001, ping: 0x0002,
   exec: 0x0201, stdinWrite: 0x0202, stdinClose: 0x0203, kill: 0x0204,
   fileRead: 0x0210, fileWrite: 0x0211,
-  meminfo: 0x0220, dropCaches: 0x0221, shutdown: 0x0230,
+  meminfo: 0x0220, dropCaches: 0x0221, shutdown: 0x0230, restored: 0x0231,
 };
 const CHUNK = { stdout: 1, stderr: 2, started: 4 };
-const ERR = { unsupported: 1, badArg: 2, badFrame: 5, os: 6, noProcess: 7, busy: 8 };
+const ERR = { unsupported: 1, badArg: 2, badFrame: 5, os: 6, noProcess: 7, busy: 8, restored: 9 };
 
 /** A request the guest refused: `code` from the error frame, `message` its text. */
 class AgentError extends Error {
@@ -168,6 +168,14 @@ class LinuxAgent {
   }
 
   dropCaches(what = 3) { return this.request(OP.dropCaches, u32(what)).done; }
+
+  /** RESTORED with the wall clock `epochMs` and `entropy`; resolves with the agent's answer. */
+  async restored(epochMs, entropy = crypto.randomBytes(64)) {
+    const head = Buffer.alloc(16);
+    head.writeBigUInt64LE(BigInt(epochMs) * 1000000n, 0);
+    const p = await this.request(OP.restored, Buffer.concat([head, entropy])).done;
+    return { protocolVersion: p.readUInt32LE(0), guestKind: p.readUInt32LE(4), detachedProcesses: p.readUInt32LE(8), endedRequests: p.readUInt32LE(12) };
+  }
 }
 
 function u32(v) { const b = Buffer.alloc(4); b.writeUInt32LE(v >>> 0); return b; }
@@ -375,6 +383,32 @@ const CHECKS = [
     const features = rep.stdout.toString().trim();
     eq(features[5], '1', 'balloon FREE_PAGE_REPORTING (bit 5) negotiated');
     return `device ids ${ids.join(',')}`;
+  }],
+  ['restored: clock set, what was in flight detached', async (a) => {
+    // RESTORED needs no snapshot: any running agent takes it as a restored one would.
+    const cat = a.spawn(['cat'], { stdin: true });
+    const talker = a.spawn(['sh', '-c', 'echo before; sleep 2; echo after']);
+    await cat.started;
+    await talker.started;
+    await new Promise((r) => setTimeout(r, 300));
+    const dayMs = 86400 * 1000;
+    const r = await a.restored(Date.now() + dayMs);
+    eq(JSON.stringify(r), JSON.stringify({ protocolVersion: 1, guestKind: 2, detachedProcesses: 2, endedRequests: 0 }), 'answer');
+    // cat's stdin was closed: it ends; the talker runs on, its later output dropped.
+    const c = await cat.done;
+    eq(c.exitCode, 0, 'cat ends at EOF');
+    const t = await talker.done;
+    eq(t.exitCode, 0, 'the detached talker ends normally');
+    eq(t.stdout.toString(), 'before\n', 'output after RESTORED is dropped');
+    const guestS = Number((await a.exec(['date', '+%s'])).stdout.toString());
+    assert(Math.abs(guestS - (Date.now() + dayMs) / 1000) < 30, `guest clock ${guestS} is the one sent (host + 1 day)`);
+    await rejects(a.request(OP.restored, Buffer.alloc(16 + 8)).done, ERR.badArg, 'entropy', 'RESTORED with 8 bytes of entropy');
+    await rejects(a.request(OP.restored, Buffer.alloc(16 + 64)).done, ERR.badArg, 'wall clock', 'RESTORED at time 0');
+    const back = await a.restored(Date.now());
+    eq(back.detachedProcesses, 0, 'nothing left to detach');
+    const skew = Number((await a.exec(['date', '+%s'])).stdout.toString()) - Date.now() / 1000;
+    assert(Math.abs(skew) < 30, `clock back to the host's (skew ${skew.toFixed(1)} s)`);
+    return `clock skew after RESTORED ${skew.toFixed(1)} s`;
   }],
   ['protocol errors', async (a) => {
     await rejects(a.request(0x02ff).done, ERR.unsupported, '', 'unknown op');

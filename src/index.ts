@@ -10,7 +10,7 @@
  * @module
  */
 export { Vm } from './vm';
-export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, RestoreOptions } from './vm';
+export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
 export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout } from './guest/linux-client';

@@ -3,11 +3,12 @@
  */
 import { createHash } from 'node:crypto';
 import { accessSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
+import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
-import { GuestCrashError, InvalidOptionError, PvisorError, TimeoutError, VmStateError, type BackingFileError } from './errors';
+import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError } from './errors';
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
@@ -77,8 +78,11 @@ export interface RootfsOptions {
   /**
    * Attach it read-only: the guest sees a read-only disk and mounts it read-only, the host opens
    * the file O_RDONLY. The image must then have `/dev` and `/proc` directories (the agent cannot
-   * create mount points in it) and a clean journal (a VM that wrote to it and was stopped leaves
-   * one to replay: `e2fsck -p IMAGE` does), because a read-only disk cannot replay it. Default false.
+   * create mount points in it), and `/tmp` (and `/run`, `/sys`) for the guest's tmpfs (and
+   * sysfs) to be there, the guest's only writable places; and a clean journal (a VM that wrote
+   * to it and was stopped leaves one to replay: `e2fsck -p IMAGE` does), because a read-only disk
+   * cannot replay it. Several VMs may share a read-only image, and only a read-only one can be
+   * snapshotted ({@link Vm.snapshot}). Default false.
    */
   readOnly?: boolean;
 }
@@ -105,6 +109,37 @@ export interface RestoreOptions {
   name?: string;
   /** Memory strategies of the restored VM, as {@link VmOptions.strategies}. Default none. */
   strategies?: readonly MemoryStrategy[];
+  /**
+   * Linux guest: how long to wait, once the machine runs, for the agent to answer that it was
+   * restored (see {@link Vm.restore}); then the restore rejects with a {@link TimeoutError} and
+   * the VM is stopped. Default 60000 ms.
+   */
+  readyTimeoutMs?: number;
+}
+
+/** How a VM came from a snapshot: {@link Vm.restoreInfo}. */
+export interface RestoreInfo {
+  /** The snapshot directory. */
+  dir: string;
+  /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered). */
+  readyMs: number;
+  /** Of `readyMs`, the milliseconds spent reading and checking guest RAM from the snapshot. */
+  ramMs: number;
+  /** Of `readyMs`, the milliseconds from the machine's resume to the agent's answer (0 for the probe). */
+  agentMs: number;
+  /**
+   * Agent requests the snapshotted VM had in flight (a command running, a file being read): their
+   * callers are in that VM. Here, each one's answer, when the guest gives it, is dropped with a
+   * `warning`.
+   */
+  inFlightRequests: number;
+  /**
+   * Linux guest: processes started before the snapshot. They run on in this VM (a server left
+   * running is running here too), detached: their stdin closed, their output dropped by the agent.
+   */
+  detachedProcesses: number;
+  /** Linux guest: requests of before the snapshot the agent ended at once (a stdin write, a file read). */
+  endedRequests: number;
 }
 
 /**
@@ -185,6 +220,9 @@ export class Vm extends EventEmitter<VmEvents> {
   private shuttingDown = false;
   /** A writable rootfs is attached: ending it by a hard stop may lose what the guest has not written back. */
   private writableDisk = false;
+  /** The rootfs attached, if any: a snapshot records it. */
+  private rootfs: DiskConfig | undefined;
+  private _restoreInfo: RestoreInfo | undefined;
 
   /** Checks the strategies' composition; allocates nothing. */
   private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[]) {
@@ -224,6 +262,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const boot = guest === 'linux' ? loadLinuxGuest(options, disk) : ({ kind: 'probe', image: loadProbeImage() } as const);
 
     vm.writableDisk = disk !== undefined && !disk.readOnly;
+    vm.rootfs = disk;
     await vm.boot(host.devicePath, boot, bootTimeoutMs, disk);
     return vm;
   }
@@ -309,10 +348,20 @@ export class Vm extends EventEmitter<VmEvents> {
    * against the manifest before the guest can see it), and the saved state is put back. Resolves
    * with the VM running from where the snapshot was taken; the directory is not used afterwards.
    * A snapshot that was changed, truncated or written by a newer pvisor is a {@link SnapshotError},
-   * and nothing has run. The probe guest only, in this version.
+   * and nothing has run.
+   *
+   * Linux guest: the snapshot's read-only rootfs, if any, is attached read-only again, and must be
+   * the same image, unchanged (else a {@link SnapshotError}). Once the machine runs, the agent is
+   * told it was restored: it reseeds the guest's RNG with host entropy (clones of one snapshot
+   * must not share random state) and sets its wall clock to the host's; its answer is the
+   * readiness (see {@link RestoreOptions.readyTimeoutMs}), so {@link exec} works as soon as this
+   * resolves. What the snapshotted VM had in flight is not this VM's: see {@link restoreInfo}.
+   * A host whose KVM cannot run the Linux guest refuses it as {@link Vm.start} does.
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
+    const t0 = performance.now();
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
+    const readyTimeoutMs = options.readyTimeoutMs === undefined ? 60000 : parseTimeoutMs('readyTimeoutMs', options.readyTimeoutMs);
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
     const { state } = snapshot;
@@ -322,26 +371,48 @@ export class Vm extends EventEmitter<VmEvents> {
     shared?.useRamFile(snapshot.ramPath);
     const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies);
     const host = checkKvmHost();
-    await vm.build(host.devicePath, undefined, true);
+    if (state.guest === 'linux') requireKernelModeGuests(host, 'linux');
+    const disk = state.rootfs && { path: state.rootfs.path, readOnly: true };
+    vm.rootfs = disk;
     try {
+      await vm.build(host.devicePath, disk, true);
+    } catch (e) {
+      if (disk && e instanceof InvalidOptionError) throw new SnapshotError(`the snapshot's rootfs cannot be attached again: ${e.message}`, { cause: e });
+      throw e;
+    }
+    let report = { detachedProcesses: 0, endedRequests: 0 };
+    const phases = { ramMs: 0, agentMs: 0 };
+    try {
+      const tRam = performance.now();
       const ram = vm.machine.memory;
       if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(snapshot.checkMappedRam(ram.backing.fd, shared.verifyAgain));
       else snapshot.readRam(ram);
+      phases.ramMs = performance.now() - tRam;
       vm.agent.restoreState(state.agent, 'snapshot.agent');
-      const probe = (vm._probe = new ProbeGuest(vm.agent));
-      probe.restoreState(state.guestClient, 'snapshot.guestClient');
+      if (state.guest === 'probe') (vm._probe = new ProbeGuest(vm.agent)).restoreState(state.guestClient, 'snapshot.guestClient');
+      else vm._linux = new LinuxGuest(vm.agent);
       await vm.machine.restoreSaved({ machine: state.machine, devices: state.devices });
       if (vm.memory.freePageSink && !vm.machine.freePageReportingActive) {
         throw new InvalidOptionError('strategies', "the snapshot's guest did not set up free page reporting (its VM ran without IdleRelease), so its clones cannot report freed pages: snapshot a VM started with IdleRelease");
       }
       vm.memory.attach(vm.machine.memory);
+      const tResume = performance.now();
       vm.machine.resume();
+      // A crash meanwhile closes the agent client, which rejects this at once.
+      if (vm._linux) report = await vm._linux.restored({ timeoutMs: readyTimeoutMs });
+      phases.agentMs = performance.now() - tResume;
     } catch (e) {
       vm.stop();
       throw e;
     }
+    vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report };
     vm.becomeRunning();
     return vm;
+  }
+
+  /** How this VM came from a snapshot ({@link Vm.restore}); undefined for a VM that was started. */
+  get restoreInfo(): RestoreInfo | undefined {
+    return this._restoreInfo;
   }
 
   /**
@@ -350,13 +421,23 @@ export class Vm extends EventEmitter<VmEvents> {
    * a CRC32C per RAM chunk and of the state; the files are made read-only. A running VM is paused
    * for it and resumed after, unless {@link SnapshotOptions.leavePaused}. Requests in flight on
    * the agent channel go on in this VM; a VM restored from the snapshot does not answer to them.
-   * The probe guest only, in this version.
+   *
+   * Linux guest: the guest's files in its initramfs (and in `/tmp`) are in RAM, so each clone has
+   * its own. A rootfs must be attached read-only ({@link RootfsOptions.readOnly}): every clone
+   * then shares the image, read-only, with its own writes in RAM (its `/tmp`). A VM with a
+   * writable rootfs is refused with a {@link SnapshotError} before it is paused: its image goes
+   * on changing after the snapshot, under the clones' feet.
    */
   snapshot(dir: string, options: SnapshotOptions = {}): Promise<SnapshotInfo> {
     return this.transition(async () => {
       const t0 = performance.now();
       this.requireState('running', 'paused');
-      if (this.guest !== 'probe') throw new VmStateError('snapshots of the Linux guest are not supported yet');
+      if (this.rootfs && !this.rootfs.readOnly) {
+        throw new SnapshotError(
+          `${this.name} has its rootfs ${this.rootfs.path} attached read-write: a snapshot needs it read-only, since the image goes on changing ` +
+            'after the snapshot and every clone would mount it. Start the VM with rootfs: { path, readOnly: true } (the guest then writes to its /tmp, in RAM).',
+        );
+      }
       const wasRunning = this._state === 'running';
       if (wasRunning) {
         this.memory.setRunning(false);
@@ -368,13 +449,15 @@ export class Vm extends EventEmitter<VmEvents> {
         const { writeSnapshot } = await import('./snapshot/snapshot-dir');
         const written = writeSnapshot(dir, this.machine.memory, {
           version: 1,
-          guest: 'probe',
+          guest: this.guest,
           memoryBytes: this.memoryBytes,
           vcpus: this.vcpus,
+          ...(this.rootfs && { rootfs: { path: this.rootfs.path, readOnly: true } }),
           machine: await this.machine.captureState(),
           devices: this.machine.captureDevices(),
           agent: this.agent.saveState(),
-          guestClient: this.probe.saveState(),
+          // The Linux client keeps nothing of its own: its processes are this VM's alone.
+          guestClient: this._probe?.saveState() ?? null,
         });
         return { dir, ramDataPageCount: written.ramDataPageCount, ms: performance.now() - t0 };
       } finally {
@@ -725,7 +808,8 @@ function rootfsDisk(rootfs: VmOptions['rootfs'], guest: GuestKind): DiskConfig |
   if (sizeBytes === 0 || sizeBytes % 512 !== 0) {
     throw new InvalidOptionError('rootfs', `${path} is ${sizeBytes} bytes; a disk image must be a non-zero multiple of 512 bytes`);
   }
-  return { path, readOnly };
+  // Absolute: a snapshot names the image, and may be restored from another working directory.
+  return { path: resolve(path), readOnly };
 }
 
 /** The Linux guest's kernel and initramfs: the user's files or the shipped ones. */

@@ -7,6 +7,11 @@
  * Linux ops) from one poll() loop: processes with streamed stdout/stderr and stdin, signals,
  * files, memory figures.
  *
+ * A VM restored from a snapshot wakes up inside that same loop: the host's first request is then
+ * RESTORED, which reseeds the kernel's RNG with the host's entropy and sets the wall clock (every
+ * clone of one snapshot would otherwise go on with the same random state and the snapshot's
+ * time), and detaches what was in flight at the snapshot (its host end is in the snapshotted VM).
+ *
  * Memory is bounded on every path: the agent stops reading the channel while its output queue
  * holds more than OUT_STOP_INPUT bytes, and stops reading children's pipes and files while it
  * holds more than OUT_STOP_STREAMS, so a host that does not read makes children block in
@@ -30,6 +35,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/random.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/signalfd.h>
@@ -59,14 +66,20 @@ enum {
   OP_MEMINFO = 0x0220,
   OP_DROP_CACHES = 0x0221,
   OP_SHUTDOWN = 0x0230,
+  OP_RESTORED = 0x0231,
 };
-enum { E_UNSUPPORTED = 1, E_BADARG = 2, E_BADFRAME = 5, E_OS = 6, E_NOPROC = 7, E_BUSY = 8 };
+enum { E_UNSUPPORTED = 1, E_BADARG = 2, E_BADFRAME = 5, E_OS = 6, E_NOPROC = 7, E_BUSY = 8, E_RESTORED = 9 };
 enum { CH_STDOUT = 1, CH_STDERR = 2, CH_STARTED = 4 };
 enum { EXEC_STDIN = 1 };
 enum { FW_APPEND = 1, FW_MKDIRS = 2 };
 
 #define GUEST_KIND_LINUX 2
 #define MAX_PROCS 1024
+
+/* RESTORED: host entropy per request, and the earliest wall clock taken (2020-01-01T00:00:00Z). */
+#define RESTORED_MIN_ENTROPY 32
+#define RESTORED_MAX_ENTROPY 512
+#define RESTORED_MIN_REALTIME_NS (1577836800ull * 1000000000ull)
 
 /* Output queue thresholds (see the header comment). */
 #define OUT_STOP_STREAMS (256u << 10)
@@ -234,6 +247,7 @@ struct proc {
   int wpending;
   uint32_t close_req; /* a STDIN_CLOSE waiting for the pending write */
   int close_pending;
+  int detached; /* started before a restore: its output is drained and dropped */
   struct proc *next;
 };
 static struct proc *procs;
@@ -522,11 +536,14 @@ static void finish_procs(void) {
   }
 }
 
-/* Moves up to one chunk from a child's pipe to the output queue; closes the pipe at EOF. */
+/* Moves up to one chunk from a child's pipe to the output queue (a detached child's is dropped:
+ * nobody on the host reads it); closes the pipe at EOF. */
 static void pump_pipe(struct proc *pr, int *fd, uint16_t stream) {
-  ssize_t n = read(*fd, chunk_space(), CHUNK_MAX);
-  if (n > 0) chunk_commit(pr->id, OP_EXEC, stream, (size_t)n);
-  else if (n == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(fd);
+  static uint8_t dropped[CHUNK_MAX];
+  ssize_t n = read(*fd, pr->detached ? dropped : chunk_space(), CHUNK_MAX);
+  if (n > 0) {
+    if (!pr->detached) chunk_commit(pr->id, OP_EXEC, stream, (size_t)n);
+  } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(fd);
 }
 
 /* ---- files ---- */
@@ -703,6 +720,79 @@ static void op_shutdown(uint32_t id) {
   exit(0);
 }
 
+/*
+ * RESTORED {u64 realtimeNs, u32 flags = 0, u32 reserved = 0, entropy (32..512 bytes)}
+ * -> {u32 protocolVersion = 1, u32 guestKind = 2, u32 detachedProcesses, u32 endedRequests}.
+ * The host sends it first thing after restoring a snapshot; the answer is its sign that the
+ * channel works (the HELLO was sent before the snapshot).
+ * 1. The entropy goes into the input pool, credited (RNDADDENTROPY), then the CRNG reseeds from
+ *    it at once (RNDRESEEDCRNG): credited bytes alone would wait for the next scheduled reseed
+ *    (up to a minute), and until then every clone's /dev/urandom would give the same bytes.
+ * 2. The wall clock is set to the host's (the guest's clocks went on from the snapshot's instant).
+ * 3. What was in flight is the snapshotted VM's: processes keep running, detached (stdin closed,
+ *    since nobody will write it; output drained and dropped; the EXEC's final frame still sent);
+ *    a pending STDIN_WRITE and every FILE_READ still open end with error 9.
+ */
+static void op_restored(uint32_t id, const uint8_t *p, size_t n) {
+  if (n < 16 + RESTORED_MIN_ENTROPY || n > 16 + RESTORED_MAX_ENTROPY)
+    return send_error(id, OP_RESTORED, E_BADARG, "RESTORED wants 16 bytes and %d to %d bytes of entropy, got %zu bytes", RESTORED_MIN_ENTROPY, RESTORED_MAX_ENTROPY, n);
+  uint64_t ns = (uint64_t)rd32(p) | (uint64_t)rd32(p + 4) << 32;
+  if (ns < RESTORED_MIN_REALTIME_NS || ns > (uint64_t)INT64_MAX) return send_error(id, OP_RESTORED, E_BADARG, "RESTORED time %llu ns is not a plausible wall clock", (unsigned long long)ns);
+  size_t bytes = n - 16;
+  struct {
+    struct rand_pool_info info;
+    uint8_t buf[RESTORED_MAX_ENTROPY];
+  } e;
+  e.info.entropy_count = (int)(bytes * 8);
+  e.info.buf_size = (int)bytes;
+  memcpy(e.buf, p + 16, bytes);
+  int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return send_os_error(id, OP_RESTORED, errno, "/dev/urandom");
+  int bad = ioctl(fd, RNDADDENTROPY, &e) ? 1 : ioctl(fd, RNDRESEEDCRNG) ? 2 : 0;
+  int err = errno;
+  close(fd);
+  explicit_bzero(&e, sizeof e);
+  if (bad) return send_os_error(id, OP_RESTORED, err, bad == 1 ? "ioctl(RNDADDENTROPY)" : "ioctl(RNDRESEEDCRNG)");
+  struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)};
+  if (clock_settime(CLOCK_REALTIME, &ts)) return send_os_error(id, OP_RESTORED, errno, "clock_settime(CLOCK_REALTIME)");
+
+  uint32_t detached = 0, ended = 0;
+  for (struct proc *pr = procs; pr; pr = pr->next) {
+    if (pr->detached) continue;
+    pr->detached = 1;
+    detached++;
+    if (pr->wpending) {
+      send_error(pr->wreq, OP_STDIN_WRITE, E_RESTORED, "this VM was restored from a snapshot; the write was made before it");
+      pr->wpending = 0;
+      free(pr->wdata);
+      pr->wdata = NULL;
+      ended++;
+    }
+    if (pr->close_pending) {
+      respond(pr->close_req, OP_STDIN_CLOSE, NULL, 0);
+      pr->close_pending = 0;
+      ended++;
+    }
+    close_fd(&pr->in_fd);
+  }
+  while (reads) {
+    struct fread_ *r = reads;
+    send_error(r->id, OP_FILE_READ, E_RESTORED, "this VM was restored from a snapshot; the read was asked for before it");
+    close(r->fd);
+    reads = r->next;
+    free(r);
+    ended++;
+  }
+  uint8_t r[16];
+  wr32(r, 1);
+  wr32(r + 4, GUEST_KIND_LINUX);
+  wr32(r + 8, detached);
+  wr32(r + 12, ended);
+  respond(id, OP_RESTORED, r, sizeof r);
+  flush_out(); /* the host waits for this answer; the console line can come after it */
+  logmsg("restored: RNG reseeded with %zu bytes, clock set, %u processes detached, %u requests ended", bytes, detached, ended);
+}
+
 static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n) {
   switch (op) {
   case OP_PING: return respond(id, op, p, n);
@@ -715,6 +805,7 @@ static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n)
   case OP_MEMINFO: return op_meminfo(id);
   case OP_DROP_CACHES: return op_drop_caches(id, p, n);
   case OP_SHUTDOWN: return op_shutdown(id);
+  case OP_RESTORED: return op_restored(id, p, n);
   default: return send_error(id, op, E_UNSUPPORTED, "unsupported op 0x%04x", op);
   }
 }

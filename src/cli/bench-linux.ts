@@ -2,10 +2,13 @@
  * `pvisor bench linux`: the Linux guest's boot to agent-ready, exec round trip and file transfer,
  * for each way virtio devices can signal (queue notifications through a KVM ioeventfd or an MMIO
  * exit, interrupts through an irqfd or KVM_IRQ_LINE), interleaved run by run so that all see the
- * same machine noise; and what the guest's RAM costs the host once booted.
+ * same machine noise; what the guest's RAM costs the host once booted; and a clone restored from
+ * a snapshot of a booted VM to agent-ready, against a fresh boot in the same run.
  */
 import { randomBytes } from 'node:crypto';
-import { writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
 import { parseSignalling } from '../backends/kvm/kvm-machine';
@@ -53,6 +56,43 @@ async function oneRun(mode: string, execs: number, file: Buffer, t: ModeTimes, k
   return vm;
 }
 
+/** Restore-to-ready figures of clones of one snapshot of `vm`, ms. */
+interface CloneTimes {
+  ready: number[];
+  ram: number[];
+  agent: number[];
+}
+
+/**
+ * Snapshots `vm` (a booted VM) and restores `restores` clones of it one after the other, each
+ * stopped before the next, timing Vm.restore to the agent's answer (and its parts).
+ */
+async function cloneRuns(vm: Vm, restores: number): Promise<CloneTimes> {
+  const dir = mkdtempSync(join(tmpdir(), 'pvisor-bench-linux-'));
+  const t: CloneTimes = { ready: [], ram: [], agent: [] };
+  try {
+    const snap = join(dir, 'snapshot');
+    const info = await vm.snapshot(snap);
+    progress(`snapshot of the booted VM: ${info.ms.toFixed(0)} ms, ${info.ramDataPageCount} pages in its RAM file`);
+    for (let i = 0; i < restores; i++) {
+      const clone = await Vm.restore(snap, { readyTimeoutMs: 300_000 });
+      const r = clone.restoreInfo!;
+      t.ready.push(r.readyMs);
+      t.ram.push(r.ramMs);
+      t.agent.push(r.agentMs);
+      try {
+        await clone.exec(['true']);
+      } finally {
+        clone.stop();
+      }
+      progress(`clone ${i + 1}/${restores}: agent ready in ${r.readyMs.toFixed(0)} ms (reading RAM ${r.ramMs.toFixed(0)} ms, resume to the agent's answer ${r.agentMs.toFixed(0)} ms)`);
+    }
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+  return t;
+}
+
 /** Entry of `pvisor bench linux`. */
 export async function benchLinux(argv: string[]): Promise<number> {
   const { values } = parseArgs({
@@ -62,15 +102,18 @@ export async function benchLinux(argv: string[]): Promise<number> {
       execs: { type: 'string', default: '20' },
       'file-mib': { type: 'string', default: '10' },
       signalling: { type: 'string', default: MODES.join(',') },
+      restores: { type: 'string', default: '3' },
       json: { type: 'string' },
     },
   });
   const runs = Number(values.runs);
   const execs = Number(values.execs);
   const fileMib = Number(values['file-mib']);
+  const restores = Number(values.restores);
   for (const [name, v] of [['--runs', runs], ['--execs', execs], ['--file-mib', fileMib]] as const) {
     if (!Number.isInteger(v) || v < 1) throw new InvalidOptionError(name, `wants a whole number >= 1, got ${v}`);
   }
+  if (!Number.isInteger(restores) || restores < 0) throw new InvalidOptionError('--restores', `wants a whole number >= 0, got ${restores}`);
   const modes = values.signalling!.split(',');
   for (const m of modes) if (!parseSignalling(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${MODES.join(', ')}`);
 
@@ -91,6 +134,7 @@ export async function benchLinux(argv: string[]): Promise<number> {
     progress('guest RAM of the last VM, 5 s after its work');
     await sleep(5000);
     const guestRamPssBytes = last!.memoryUsage().guestRamPssBytes;
+    const clones = restores > 0 ? await cloneRuns(last!, restores) : undefined;
 
     const result = Object.fromEntries(modes.map((m) => {
       const t = times.get(m)!;
@@ -104,7 +148,29 @@ export async function benchLinux(argv: string[]): Promise<number> {
     rows.push([`guest to host file, ${fileMib} MiB, MiB/s`, ...modes.map((m) => ms(result[m].readMiBps))]);
     printTable(rows);
     process.stdout.write(`guest RAM PSS once booted (${modes[0]}), MiB | ${(guestRamPssBytes / MiB).toFixed(1)}\n`);
-    const json = { runs, execs, fileMib, modes: result, guestRamPssBytes };
+    // The same VM size and signalling as the fresh boots of modes[0], so the ratio compares like with like.
+    const clone = clones && {
+      restores,
+      readyMs: stats(clones.ready),
+      ramMs: stats(clones.ram),
+      agentMs: stats(clones.agent),
+      bootMedianMs: result[modes[0]].bootMs.median,
+      ratio: stats(clones.ready).median / result[modes[0]].bootMs.median,
+      // What a restore costs beyond copying RAM in (which a shared RAM file avoids).
+      ratioWithoutRam: stats(clones.ready.map((r, i) => r - clones.ram[i])).median / result[modes[0]].bootMs.median,
+    };
+    if (clone) {
+      printTable([
+        [`clone of a booted VM (${modes[0]}), ms (min / median / max)`, `${restores} restores`],
+        ['Vm.restore to agent ready', ms(clone.readyMs)],
+        ['  of which reading guest RAM', ms(clone.ramMs)],
+        ['  of which resume to the agent\'s RESTORED answer', ms(clone.agentMs)],
+        ['fresh boot to agent ready, median', clone.bootMedianMs.toFixed(1)],
+        ['restore / fresh boot (medians)', clone.ratio.toFixed(3)],
+        ['restore less reading RAM / fresh boot (medians)', clone.ratioWithoutRam.toFixed(3)],
+      ]);
+    }
+    const json = { runs, execs, fileMib, modes: result, guestRamPssBytes, ...(clone && { clone }) };
     if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
     else process.stdout.write(`${JSON.stringify(json)}\n`);
   } finally {

@@ -67,8 +67,9 @@ Usage:
       Live VMs: id, state, guest RAM resident, memory, bytes on disk, pid.
   pvisor bench vmm [--runs N] [--json FILE]
       Start-to-ready time, exits per second against a native C loop, the VMM's memory per VM.
-  pvisor bench linux [--runs 3] [--execs 20] [--json FILE]
-      The Linux guest: boot to agent ready, exec round trip, guest RAM once booted.
+  pvisor bench linux [--runs 3] [--execs 20] [--restores 3] [--json FILE]
+      The Linux guest: boot to agent ready, exec round trip, guest RAM once booted, and clones
+      of a snapshot of the booted VM: restore to agent ready against a fresh boot.
   pvisor bench memory [--table 1,2,3] [--modes LIST] [--contents repetitive,random] [--backing-dir DIR]
                       [--working-sets LIST] [--schemes LIST] [--ksm-read-after 60s] [--snapshot-dir DIR]
                       [--json FILE]

@@ -2,6 +2,7 @@
  * The host side of the Linux guest agent's ops (docs/agent-protocol.md): run processes with
  * streamed output, stdin and signals; read and write files; guest memory figures.
  */
+import { randomBytes } from 'node:crypto';
 import { constants as osConstants } from 'node:os';
 import { Readable } from 'node:stream';
 import { GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
@@ -19,6 +20,20 @@ const enum LinuxOp {
   MemInfo = 0x0220,
   DropCaches = 0x0221,
   Shutdown = 0x0230,
+  Restored = 0x0231,
+}
+
+/** Host entropy sent with RESTORED: 512 bits, twice what the kernel's CRNG is keyed with. */
+const RESTORED_ENTROPY_BYTES = 64;
+/** The most processes the agent runs at once (its MAX_PROCS): a larger count is not the agent's. */
+const MAX_GUEST_PROCESSES = 1024;
+
+/** What the agent did when told its VM was restored (docs/agent-protocol.md, RESTORED). */
+export interface RestoredReport {
+  /** Processes started before the snapshot, now running detached (stdin closed, output dropped). */
+  detachedProcesses: number;
+  /** Requests of before the snapshot that the agent ended (a pending stdin write, an open file read). */
+  endedRequests: number;
 }
 
 const CHUNK_STDOUT = 1;
@@ -334,6 +349,38 @@ export class LinuxGuest {
    */
   async shutdown(): Promise<void> {
     await this.agent.request(LinuxOp.Shutdown, Buffer.alloc(0), { timeoutMs: DEFAULT_REQUEST_TIMEOUT_MS });
+  }
+
+  /**
+   * Tells the agent of a VM just restored from a snapshot that it was: the guest's RNG is reseeded
+   * with host entropy, its wall clock set to the host's, and what was in flight at the snapshot
+   * detached. The answer is the restored channel's readiness (the agent's HELLO was sent before
+   * the snapshot). Every value in it is checked: a guest that answers something else is not a
+   * usable agent of this protocol.
+   */
+  async restored(options: { timeoutMs: number }): Promise<RestoredReport> {
+    const head = Buffer.alloc(16);
+    head.writeBigUInt64LE(BigInt(Date.now()) * 1_000_000n, 0);
+    let r: Buffer;
+    try {
+      r = await this.agent.request(LinuxOp.Restored, Buffer.concat([head, randomBytes(RESTORED_ENTROPY_BYTES)]), { timeoutMs: options.timeoutMs });
+    } catch (e) {
+      if (e instanceof GuestRequestError && e.guestCode === 1) {
+        throw new GuestRequestError(1, "the guest agent does not know RESTORED (op 0x0231): its initramfs was built before pvisor could restore Linux snapshots; rebuild it with this pvisor's agent");
+      }
+      throw e;
+    }
+    if (r.length !== 16) throw new GuestRequestError(0, `the guest answered RESTORED with ${r.length} bytes, 16 expected`);
+    const [protocolVersion, guestKind, detachedProcesses, endedRequests] = [0, 4, 8, 12].map((at) => r.readUInt32LE(at));
+    if (protocolVersion !== 1 || guestKind !== 2) {
+      throw new GuestRequestError(0, `the guest answered RESTORED as protocol ${protocolVersion}, guest kind ${guestKind}; expected protocol 1, guest kind 2 (linux)`);
+    }
+    // A detached process ends at most a pending stdin write and a close; each open file read
+    // holds one of the agent's file descriptors (PID 1 starts with a hard limit of 4096).
+    if (detachedProcesses > MAX_GUEST_PROCESSES || endedRequests > 2 * MAX_GUEST_PROCESSES + 4096) {
+      throw new GuestRequestError(0, `the guest answered RESTORED with ${detachedProcesses} detached processes and ${endedRequests} ended requests, more than its agent can have`);
+    }
+    return { detachedProcesses, endedRequests };
   }
 
   /**

@@ -62,6 +62,7 @@ export class AgentClient {
   private closedWith: Error | undefined;
   /** Requests in flight when the snapshot this client was restored from was taken (id to op). */
   private readonly orphans = new Map<number, number>();
+  private orphanCount = 0;
 
   constructor(
     private readonly send: (bytes: Buffer) => void,
@@ -113,7 +114,13 @@ export class AgentClient {
     }
     this.nextId = nextId;
     for (const [id, op] of inFlight) this.orphans.set(id, op);
+    this.orphanCount = this.orphans.size;
     this.decoder.push(partial);
+  }
+
+  /** How many requests were in flight in the snapshot this client was restored from (0 if none). */
+  get inFlightAtSnapshot(): number {
+    return this.orphanCount;
   }
 
   private dispatch(f: Frame): void {

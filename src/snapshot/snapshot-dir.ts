@@ -8,7 +8,7 @@
 import { chmodSync, closeSync, fstatSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, statSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
-import { arrayAt, checkVersion, choiceAt, integerAt, objectAt } from '../backends/kvm/state-fields';
+import { arrayAt, booleanAt, checkVersion, choiceAt, integerAt, objectAt, stringAt } from '../backends/kvm/state-fields';
 import { SnapshotError } from '../errors';
 import { crc32c } from '../memory/uffd-server';
 import type { PageRun } from '../memory/pages';
@@ -31,9 +31,15 @@ const MAX_STATE_BYTES = 256 * 1024 * 1024;
  */
 export interface SnapshotState {
   version: typeof SNAPSHOT_STATE_VERSION;
-  guest: 'probe';
+  guest: 'probe' | 'linux';
   memoryBytes: number;
   vcpus: number;
+  /**
+   * The Linux guest's root filesystem image, which every clone attaches read-only (the disk's
+   * saved state says which bytes it must be). Absent: no rootfs (the guest runs in its
+   * initramfs, in RAM). A writable rootfs is never saved.
+   */
+  rootfs?: SnapshotRootfs;
   /** {@link KvmMachine.captureState}. */
   machine: unknown;
   /** {@link KvmMachine.captureDevices}. */
@@ -42,6 +48,12 @@ export interface SnapshotState {
   agent: unknown;
   /** The guest client's own state (the probe's working set). */
   guestClient: unknown;
+}
+
+/** {@link SnapshotState.rootfs}. */
+export interface SnapshotRootfs {
+  path: string;
+  readOnly: true;
 }
 
 interface Manifest {
@@ -206,16 +218,25 @@ function parseState(value: unknown, manifest: Manifest): SnapshotState {
   checkVersion(o, path, SNAPSHOT_STATE_VERSION);
   const memoryBytes = integerAt(o, 'memoryBytes', path, 4096, Number.MAX_SAFE_INTEGER);
   if (memoryBytes !== manifest.ramBytes) throw new SnapshotError(`${path}.memoryBytes: ${memoryBytes}, the RAM file ${manifest.ramBytes}`);
+  const guest = choiceAt(o, 'guest', path, ['probe', 'linux'] as const);
   return {
     version: SNAPSHOT_STATE_VERSION,
-    guest: choiceAt(o, 'guest', path, ['probe'] as const),
+    guest,
     memoryBytes,
     vcpus: integerAt(o, 'vcpus', path, 1, 8),
+    ...(o.rootfs !== undefined && { rootfs: parseRootfs(o.rootfs, guest, `${path}.rootfs`) }),
     machine: o.machine,
     devices: o.devices,
     agent: o.agent,
     guestClient: o.guestClient,
   };
+}
+
+function parseRootfs(value: unknown, guest: SnapshotState['guest'], path: string): SnapshotRootfs {
+  if (guest !== 'linux') throw new SnapshotError(`${path}: only the Linux guest has a root filesystem, the snapshot is of the ${guest} guest`);
+  const o = objectAt(value, path);
+  if (!booleanAt(o, 'readOnly', path)) throw new SnapshotError(`${path}.readOnly: a snapshot's rootfs is read-only, the state says writable`);
+  return { path: stringAt(o, 'path', path, 4096), readOnly: true };
 }
 
 function writeSealed(path: string, bytes: Buffer): void {

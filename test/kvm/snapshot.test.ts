@@ -2,10 +2,12 @@
 // where the snapshot was taken (its digest is the host model's), clones of one snapshot are
 // independent, a changed snapshot is refused before anything runs, and a clone does not need the
 // directory once restored. Needs /dev/kvm.
-import { chmodSync, copyFileSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, openSync, writeSync, closeSync } from 'node:fs';
+import { chmodSync, copyFileSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, openSync, writeSync, closeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { ColdCompression, IdleRelease, InvalidOptionError, KsmAdvice, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
+import { ColdCompression, HostUnsupportedError, IdleRelease, InvalidOptionError, KsmAdvice, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
+import { crc32c } from '../../src/memory/uffd-server';
+import { hex32 } from '../../src/snapshot/ram-file';
 import { hexOf } from '../probe-digest';
 
 const MiB = 1024 * 1024;
@@ -109,6 +111,22 @@ describe('VM snapshots (probe guest)', () => {
       expect((err as Error).message).toMatch(message);
       expect(Vm.liveGuestRam()).toHaveLength(liveBefore);
     }
+  });
+
+  // A Linux snapshot cannot be taken here (kvm_pvm cannot run the Linux guest), so this one is a
+  // probe snapshot that says it is of the Linux guest, its checksums made right.
+  (existsSync('/sys/module/kvm_pvm') ? it : it.skip)('a Linux snapshot on a host whose KVM cannot run the Linux guest is refused as Vm.start is, before anything is built', async () => {
+    const liveBefore = Vm.liveGuestRam().length;
+    const linux = copyOf(dir, 'said-linux');
+    const state = JSON.parse(readFileSync(join(linux, 'state.json'), 'utf8'));
+    const bytes = Buffer.from(JSON.stringify({ ...state, guest: 'linux', guestClient: null }));
+    writeFileSync(join(linux, 'state.json'), bytes);
+    const manifest = JSON.parse(readFileSync(join(linux, 'manifest.json'), 'utf8'));
+    writeFileSync(join(linux, 'manifest.json'), JSON.stringify({ ...manifest, stateBytes: bytes.length, stateCrc32c: hex32(crc32c(bytes)) }));
+    const refused = Vm.restore(linux);
+    await expect(refused).rejects.toThrow(HostUnsupportedError);
+    await expect(refused).rejects.toThrow(/the linux guest cannot run on this host: its KVM is paravirtualised nested KVM \(kvm_pvm\)/);
+    expect(Vm.liveGuestRam()).toHaveLength(liveBefore);
   });
 
   it('deleting the snapshot directory after a restore does not harm the clone', async () => {

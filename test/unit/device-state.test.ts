@@ -93,6 +93,26 @@ describe('device state of the probe machine', () => {
     expect(() => mk(false).restoreState(state)).toThrow(/transport\.driverFeatures: 0x20 are features this device does not offer/);
   });
 
+  it('a restored transport raises an interrupt still pending in its state once more, and none when none is', () => {
+    let raised = 0;
+    const mk = () => new MmioTransport(0xd0000000, new VirtioConsole(mem, () => {}, () => {}, () => {}, () => {}), mem, () => raised++);
+    const a = mk();
+    driverUp(a, VERSION_1, [0, 1].map((i) => new Ring(mem, 0x10000 * (i + 1))));
+    const quiet = json(a.saveState());
+    a.signalUsed(); // the guest has not acknowledged it yet
+    const pending = json(a.saveState());
+    raised = 0;
+    const b = mk();
+    b.restoreState(quiet);
+    b.raisePendingInterrupt();
+    expect(raised).toBe(0);
+    const c = mk();
+    c.restoreState(pending);
+    c.raisePendingInterrupt();
+    expect(raised).toBe(1);
+    expect(c.read(0x060, 4)).toBe(1);
+  });
+
   it('a transport the driver never activated restores its registers only', () => {
     const a = consoleOn([]);
     a.t.write(0x070, 4, ACK);

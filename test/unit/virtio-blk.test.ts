@@ -1,8 +1,9 @@
+import { execFileSync } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, openSync, closeSync, readFileSync, rmSync, statSync, truncateSync, utimesSync, writeFileSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { InvalidOptionError } from '../../src/errors';
+import { InvalidOptionError, SnapshotError } from '../../src/errors';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import {
   VirtioBlk, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
@@ -219,6 +220,102 @@ describe('virtio-blk device', () => {
     expect(() => new VirtioBlk(mem, { path: join(dir, 'missing.img'), readOnly: false }, onErr, onErr)).toThrow(InvalidOptionError);
     writeFileSync(join(dir, 'empty.img'), '');
     expect(() => new VirtioBlk(mem, { path: join(dir, 'empty.img'), readOnly: true }, onErr, onErr)).toThrow(/empty\.img/);
+  });
+
+  describe('saved state', () => {
+    const json = <T>(v: T): T => JSON.parse(JSON.stringify(v));
+    /** A second device on the same image, as a restored machine builds it. */
+    const restored = (readOnly = true, path = image) => new VirtioBlk(mem, { path, readOnly }, () => interrupts++, (m) => errors.push(m));
+    /** Runs `change` on `path` and puts its mtime back to the nanosecond (utimes in JS rounds it). */
+    const keepingMtime = (path: string, change: () => void) => {
+      const ref = `${path}.mtime`;
+      execFileSync('touch', ['-r', path, ref]);
+      change();
+      execFileSync('touch', ['-r', ref, path]);
+    };
+
+    it('a read-only disk saves its identity; a device on the unchanged image takes it and serves the queue', () => {
+      const state = json(device(true).saveState());
+      expect(state).toMatchObject({ version: 1, path: image, readOnly: true, sizeBytes: SECTORS * 512 });
+      expect(state.mtimeNs).toMatch(/^\d+$/);
+      expect(state.headSha256).toBe(sha(original)); // smaller than a MiB: both ends are the whole image
+      const b = restored();
+      try {
+        b.restoreState(state, [q], 0n, 'disk');
+        blk!.close();
+        blk = b; // submit() notifies `blk`: the restored device serves the same ring
+        expect(read(7, 512).bytes.equals(original.subarray(7 * 512, 8 * 512))).toBe(true);
+      } finally {
+        b.close();
+      }
+    });
+
+    it('a writable disk cannot be saved: its image goes on changing', () => {
+      expect(() => device(false).saveState()).toThrow(SnapshotError);
+      expect(() => blk!.saveState()).toThrow(/attached read-write.*attach it read-only/);
+    });
+
+    it('a changed image, or a state of another disk, is refused with SnapshotError naming what differs', () => {
+      const state = json(device(true).saveState());
+      blk!.close();
+      const refuse = (value: unknown, message: RegExp, readOnly = true, path = image) => {
+        const b = restored(readOnly, path);
+        try {
+          expect(() => b.restoreState(value, [q], 0n, 'disk')).toThrow(SnapshotError);
+          expect(() => b.restoreState(value, [q], 0n, 'disk')).toThrow(message);
+        } finally {
+          b.close();
+        }
+      };
+      const other = join(dir, 'other.img');
+      writeFileSync(other, original);
+      refuse(state, /disk\.path: the state is of .*disk\.img, this device has .*other\.img/, true, other);
+      refuse(state, /this device has .* read-write/, false);
+      refuse({ ...state, readOnly: false }, /disk\.readOnly: a saved disk is read-only/);
+      refuse({ ...state, version: 2 }, /disk\.version: this pvisor reads version 1/);
+      refuse({ ...state, path: '' }, /disk\.path: expected a string of 1 to 4096 characters/);
+      refuse({ ...state, sizeBytes: -1 }, /disk\.sizeBytes: expected an integer/);
+      refuse({ ...state, mtimeNs: 1.5 }, /disk\.mtimeNs: expected a string matching/);
+      refuse({ ...state, headSha256: 'ab' }, /disk\.headSha256: expected a string matching/);
+      refuse(null, /disk: expected an object/);
+      // Its mtime moved (touched, or written through).
+      keepingMtime(image, () => {
+        const st = statSync(image);
+        utimesSync(image, st.atime, new Date(st.mtimeMs + 5000));
+        refuse(state, /was modified after the snapshot/);
+      });
+      // The same mtime but other bytes in its first MiB (a replacement that kept the mtime).
+      keepingMtime(image, () => {
+        const fd = openSync(image, 'r+');
+        writeSync(fd, Buffer.from('changed'), 0, 7, 100);
+        closeSync(fd);
+      });
+      refuse(state, /differs in its first MiB/);
+      // Grown by a sector.
+      writeFileSync(image, Buffer.concat([original, Buffer.alloc(512)]));
+      refuse(state, new RegExp(`is ${(SECTORS + 1) * 512} bytes, was ${SECTORS * 512}`));
+    });
+
+    it('checks the last MiB of a larger image as well as the first', () => {
+      const big = join(dir, 'big.img');
+      const bytes = randomBytes(4 * 1024 * 1024);
+      writeFileSync(big, bytes);
+      const a = restored(true, big);
+      const state = json(a.saveState());
+      a.close();
+      expect(state.tailSha256).toBe(sha(bytes.subarray(3 * 1024 * 1024)));
+      keepingMtime(big, () => {
+        const fd = openSync(big, 'r+');
+        writeSync(fd, Buffer.from('x'), 0, 1, bytes.length - 1);
+        closeSync(fd);
+      });
+      const b = restored(true, big);
+      try {
+        expect(() => b.restoreState(state, [q], 0n, 'disk')).toThrow(/differs in its last MiB/);
+      } finally {
+        b.close();
+      }
+    });
   });
 
   it('a writer holds the image alone; readers share it', () => {

@@ -161,6 +161,8 @@ export class KvmMachine {
   private ended = false;
   /** Queue notifications (record tags) that arrived while paused. */
   private heldNotifies = new Set<number>();
+  /** Device state was restored: pending interrupts are raised again at the next resume. */
+  private restoredInterrupts = false;
   private readonly transports: MmioTransport[] = [];
   /** irqfds and ioeventfds, closed once the vCPU threads and the watcher are gone. */
   private readonly eventFds: number[] = [];
@@ -340,6 +342,10 @@ export class KvmMachine {
     const notifies = [...this.heldNotifies];
     this.heldNotifies.clear();
     for (const tag of notifies) this.onRecord({ index: tag, kind: RecordKind.Notify, err: 0 });
+    if (this.restoredInterrupts) {
+      this.restoredInterrupts = false;
+      for (const t of this.transports) t.raisePendingInterrupt();
+    }
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'held') this.continueVcpu(i);
     this.console.deliver();
   }
@@ -421,6 +427,7 @@ export class KvmMachine {
     this.transports.forEach((t, d) => {
       for (let q = 0; q < t.queueCount; q++) this.heldNotifies.add(d * QUEUES_PER_TAG + q);
     });
+    this.restoredInterrupts = true;
   }
 
   private requirePausedFor(what: string): void {

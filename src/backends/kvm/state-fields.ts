@@ -72,6 +72,18 @@ export function u64At(obj: Record<string, unknown>, key: string, path: string): 
   return BigInt(v);
 }
 
+/**
+ * A string field of 1 to `maxLength` characters; with `pattern`, one it matches whole. A path,
+ * for instance, or a digest in hex.
+ */
+export function stringAt(obj: Record<string, unknown>, key: string, path: string, maxLength: number, pattern?: RegExp): string {
+  const v = obj[key];
+  if (typeof v !== 'string' || v.length === 0 || v.length > maxLength || (pattern && !pattern.test(v))) {
+    throw new SnapshotError(`${path}.${key}: expected ${pattern ? `a string matching ${pattern}` : `a string of 1 to ${maxLength} characters`}, got ${describe(v)}`);
+  }
+  return v;
+}
+
 /** An array field. */
 export function arrayAt(obj: Record<string, unknown>, key: string, path: string, maxLength: number): unknown[] {
   const v = obj[key];

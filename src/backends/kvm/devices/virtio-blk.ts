@@ -18,11 +18,16 @@
  * Data moves straight between the file and guest RAM (readSync into a view of it), in pieces of
  * at most 1 MiB. Writes go to the host's page cache; FLUSH is offered, so the guest's fsync/sync
  * reach the disk as fdatasync.
+ *
+ * Snapshots: only a read-only disk can be saved (see {@link BlkState}); the same synchronous
+ * handling means a saved queue never holds a request half done.
  */
+import { createHash } from 'node:crypto';
 import { closeSync, fdatasyncSync, fstatSync, openSync, readSync, writeSync, constants as fsConstants } from 'node:fs';
 import { tryLockFile } from '../../../sys/libc';
-import { InvalidOptionError } from '../../../errors';
+import { InvalidOptionError, SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
+import { booleanAt, checkVersion, integerAt, objectAt, stringAt } from '../state-fields';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import type { Descriptor, SplitQueue } from '../virtio/queue';
 
@@ -58,6 +63,39 @@ const SEG_MAX = 126;
 const PIECE_BYTES = 1024 * 1024;
 
 const REQUESTQ = 0;
+
+/** The version of {@link BlkState} this code writes and reads. */
+export const BLK_STATE_VERSION = 1;
+/** How much of each end of the image {@link BlkState} fingerprints. */
+const FINGERPRINT_BYTES = 1024 * 1024;
+/** The longest image path a saved state may name (PATH_MAX). */
+const MAX_PATH_CHARS = 4096;
+
+/**
+ * The disk's saved state: which image it is, so that a restore reattaches the same bytes. The
+ * guest's page cache and its mounted filesystem's view are in guest RAM, so the image must be
+ * exactly as it was: a restore refuses one of another path, size or read-only flag, one modified
+ * since (its mtime moved), or one whose first or last MiB differs (a copy or a replacement that
+ * kept the mtime). Only a read-only disk is saved: a writable image goes on changing under the
+ * VM that keeps running, so it would not be the snapshot's. Nothing else is needed: requests are
+ * served whole at the notify (see the file's comment), so the saved queue has none half done;
+ * the next notification serves what the guest queued since.
+ */
+export interface BlkState {
+  version: typeof BLK_STATE_VERSION;
+  path: string;
+  readOnly: true;
+  sizeBytes: number;
+  /** The image's modification time in nanoseconds, as a decimal string (beyond 2^53). */
+  mtimeNs: string;
+  /** SHA-256 of the first MiB (or of the whole image when smaller), hex. */
+  headSha256: string;
+  /** SHA-256 of the last MiB, hex. */
+  tailSha256: string;
+}
+
+/** What identifies an image's bytes in a {@link BlkState}. */
+type ImageIdentity = Pick<BlkState, 'sizeBytes' | 'mtimeNs' | 'headSha256' | 'tailSha256'>;
 
 /** The disk a machine attaches. */
 export interface DiskConfig {
@@ -154,6 +192,62 @@ export class VirtioBlk implements VirtioDevice {
   reset(): void {
     this.queue = null;
     this.close();
+  }
+
+  /** See {@link BlkState}; a writable disk is a {@link SnapshotError}. */
+  saveState(): BlkState {
+    if (!this.disk.readOnly) {
+      throw new SnapshotError(`virtio-blk: ${this.disk.path} is attached read-write: its image goes on changing after the snapshot, so no clone could use it; attach it read-only to snapshot the VM`);
+    }
+    return { version: BLK_STATE_VERSION, path: this.disk.path, readOnly: true, ...this.identity() };
+  }
+
+  /**
+   * Takes a {@link saveState} value (unchecked) in place of {@link activate}: this device must
+   * have been made with the same image, read-only, and the image must be unchanged; otherwise a
+   * {@link SnapshotError} says what differs, and nothing changes.
+   */
+  restoreState(value: unknown, queues: (SplitQueue | null)[], _acked: bigint, path: string): void {
+    const o = objectAt(value, path);
+    checkVersion(o, path, BLK_STATE_VERSION);
+    const saved = {
+      path: stringAt(o, 'path', path, MAX_PATH_CHARS),
+      readOnly: booleanAt(o, 'readOnly', path),
+      sizeBytes: integerAt(o, 'sizeBytes', path, SECTOR_BYTES, Number.MAX_SAFE_INTEGER),
+      mtimeNs: stringAt(o, 'mtimeNs', path, 20, /^\d{1,20}$/),
+      headSha256: stringAt(o, 'headSha256', path, 64, /^[0-9a-f]{64}$/),
+      tailSha256: stringAt(o, 'tailSha256', path, 64, /^[0-9a-f]{64}$/),
+    };
+    if (!saved.readOnly) throw new SnapshotError(`${path}.readOnly: a saved disk is read-only, the state says it is writable`);
+    if (saved.path !== this.disk.path) throw new SnapshotError(`${path}.path: the state is of ${saved.path}, this device has ${this.disk.path}`);
+    if (!this.disk.readOnly) throw new SnapshotError(`${path}: the state's disk is read-only, this device has ${this.disk.path} read-write`);
+    const now = this.identity();
+    const what = now.sizeBytes !== saved.sizeBytes ? `is ${now.sizeBytes} bytes, was ${saved.sizeBytes}`
+      : now.mtimeNs !== saved.mtimeNs ? `was modified after the snapshot (mtime ${now.mtimeNs} ns, was ${saved.mtimeNs})`
+      : now.headSha256 !== saved.headSha256 ? 'differs in its first MiB'
+      : now.tailSha256 !== saved.tailSha256 ? 'differs in its last MiB'
+      : undefined;
+    if (what) throw new SnapshotError(`${path}: the image ${this.disk.path} ${what}: it is not the disk the snapshot's guest had mounted`);
+    this.queue = queues[REQUESTQ];
+  }
+
+  /** Size, mtime and fingerprints of the open image. */
+  private identity(): ImageIdentity {
+    const fd = this.fd;
+    if (fd === null) throw new SnapshotError(`virtio-blk: ${this.disk.path} is closed (the driver reset the device)`);
+    const st = fstatSync(fd, { bigint: true });
+    const sizeBytes = Number(st.size);
+    const sha = (offset: number) => {
+      const length = Math.min(FINGERPRINT_BYTES, sizeBytes);
+      const bytes = Buffer.alloc(length);
+      for (let done = 0; done < length;) {
+        const n = readSync(fd, bytes, done, length - done, offset + done);
+        if (n <= 0) throw new SnapshotError(`virtio-blk: ${this.disk.path} ended at byte ${offset + done} of ${sizeBytes}`);
+        done += n;
+      }
+      return createHash('sha256').update(bytes).digest('hex');
+    };
+    return { sizeBytes, mtimeNs: st.mtimeNs.toString(), headSha256: sha(0), tailSha256: sha(Math.max(0, sizeBytes - FINGERPRINT_BYTES)) };
   }
 
   /** Closes the image (the machine is stopping). Idempotent. */

@@ -100,8 +100,9 @@ export interface QueueSlotState {
 
 /**
  * A transport's saved state: its registers, and once the driver set DRIVER_OK, the live queues'
- * positions and the device's own state. Interrupts pending in `interruptStatus` are raised again
- * by the guest's driver reading it; a device the driver has not activated has no device state.
+ * positions and the device's own state. An interrupt pending in `interruptStatus` is raised again
+ * at resume ({@link MmioTransport.raisePendingInterrupt}); a device the driver has not activated
+ * has no device state.
  */
 export interface TransportState {
   version: typeof TRANSPORT_STATE_VERSION;
@@ -230,6 +231,16 @@ export class MmioTransport {
     this.interruptStatus |= 2;
     this.onInterrupt();
     this.onDeviceError(`virtio device ${this.device.deviceId} needs a reset: ${why}`);
+  }
+
+  /**
+   * Raises the interrupt again if one is pending, once, as a restored machine resumes: an edge
+   * the snapshotted machine raised through an irqfd is injected by a kernel worker, and may not
+   * have reached the irqchip state that was saved; a driver that never sees it would not look at
+   * its used ring. A spare one is harmless: the driver reads InterruptStatus and acts on what is set.
+   */
+  raisePendingInterrupt(): void {
+    if (this.interruptStatus) this.onInterrupt();
   }
 
   /** Signals "used buffers" to the driver (interrupt status bit 0). */
