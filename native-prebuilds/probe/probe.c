@@ -85,6 +85,7 @@
 #define OP_EXIT_STORM 0x0107
 #define OP_ZERO    0x0108
 #define OP_FAULT   0x01F0
+#define OP_HOSTILE 0x01F1
 
 #define ERR_UNSUPPORTED   1u
 #define ERR_BAD_ARGUMENT  2u
@@ -738,6 +739,8 @@ static void op_fault(uint32_t id, const uint8_t *p, uint32_t len)
     }
 }
 
+#include "hostile.h"
+
 /* Dispatch one complete frame lying at `frame` in the reassembly buffer. */
 static void dispatch(uint8_t *frame)
 {
@@ -782,6 +785,9 @@ static void dispatch(uint8_t *frame)
     case OP_FAULT:
         op_fault(h.id, p, h.len);
         break;
+    case OP_HOSTILE:
+        op_hostile(h.id, p, h.len);
+        break;
     default:
         respond_error(h.id, h.op, ERR_UNSUPPORTED, "unsupported op");
         break;
@@ -813,8 +819,11 @@ static void process_frames(void)
     }
 }
 
-/* Move every used receive buffer into the reassembly buffer and re-post it. */
-static int rx_collect(void)
+/*
+ * Move every used receive buffer into the reassembly buffer and, if `repost`, post it again
+ * (HOSTILE takes the last ones of a queue it is about to reset without re-posting them).
+ */
+static int rx_take_used(int repost)
 {
     uint16_t u = vq_used_idx(&rxq);
     if (u == rxq.last_used)
@@ -828,11 +837,18 @@ static int rx_collect(void)
             guest_abort(ABORT_VIRTQ_PROTOCOL, "console receiveq: reassembly overflow");
         memcpy(ACC + st.acc_len, (const void *)(RXBUF_BASE + (uint64_t)id * RXBUF_SIZE), len);
         st.acc_len += len;
-        vq_push(&rxq, (uint16_t)id); /* the descriptor still describes buffer id */
+        if (repost)
+            vq_push(&rxq, (uint16_t)id); /* the descriptor still describes buffer id */
         rxq.last_used++;
     }
-    vq_kick(&rxq);
+    if (repost)
+        vq_kick(&rxq);
     return 1;
+}
+
+static int rx_collect(void)
+{
+    return rx_take_used(1);
 }
 
 /* ---------------------------------------------------------------- boot */
@@ -900,6 +916,8 @@ __attribute__((noreturn, used)) void probe_main(uint64_t vcpu, uint64_t bootinfo
         guest_abort(ABORT_BOOTINFO_VALUES, "bad boot info values");
     st.ws_limit = lim;
     uint64_t console = bi->console_mmio, balloon = bi->balloon_mmio;
+    h_console_mmio = console;
+    h_balloon_mmio = balloon;
 
     content_init();
     setup_console(console);
