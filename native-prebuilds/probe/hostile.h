@@ -73,13 +73,7 @@ static void h_queue_regs(uint64_t mmio, uint32_t index, uint32_t num, uint64_t d
                          uint64_t dev)
 {
     mmio_write32(mmio + VIRTIO_MMIO_QUEUE_SEL, index);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_NUM, num);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_LOW, (uint32_t)desc);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_HIGH, (uint32_t)(desc >> 32));
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_LOW, (uint32_t)drv);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_HIGH, (uint32_t)(drv >> 32));
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_LOW, (uint32_t)dev);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_HIGH, (uint32_t)(dev >> 32));
+    vq_write_regs(mmio, num, desc, drv, dev);
 }
 
 /*
@@ -122,20 +116,7 @@ static void hostile_queue(struct vq *hq, uint64_t mmio, uint32_t index)
     uint32_t size = HOSTILE_QSIZE, max = mmio_read32(mmio + VIRTIO_MMIO_QUEUE_NUM_MAX);
     while (size > max && size > 1)
         size >>= 1;
-    memset((void *)HOSTILE_RING_MEM, 0, 0x3000);
-    hq->mmio = mmio;
-    hq->index = index;
-    hq->size = size;
-    hq->desc = (volatile struct virtq_desc *)HOSTILE_RING_MEM;
-    hq->avail = (volatile struct virtq_avail *)(HOSTILE_RING_MEM + 0x1000);
-    hq->used = (volatile struct virtq_used *)(HOSTILE_RING_MEM + 0x2000);
-    hq->avail_idx = 0;
-    hq->last_used = 0;
-    hq->avail->flags = VIRTQ_AVAIL_F_NO_INTERRUPT;
-    h_queue_regs(mmio, index, size, HOSTILE_RING_MEM, HOSTILE_RING_MEM + 0x1000,
-                 HOSTILE_RING_MEM + 0x2000);
-    barrier();
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_READY, 1);
+    vq_place(hq, mmio, index, size, HOSTILE_RING_MEM, 0x1000, 0x2000, 0x3000);
     vdev_set_status(mmio, VIRTIO_STATUS_DRIVER_OK);
 }
 
@@ -629,22 +610,17 @@ static void op_hostile(uint32_t id, const uint8_t *p, uint32_t len)
     for (uint32_t i = 0; i < 256; i++)
         h_bytes[i] = (uint8_t)i;
     uint64_t t0 = rdtsc();
+    uint32_t err = 0; /* ERR_NO_REPORTING, or ERR_BAD_ARGUMENT: the kind cannot run here */
     switch (kind) {
     case H_TX_ALIAS:
     case H_BALLOON_ALIAS:
-        if (!h_alias(count, arg1, arg2, kind == H_BALLOON_ALIAS, out)) {
-            respond_error(id, OP_HOSTILE, ERR_NO_REPORTING, "HOSTILE: no free page reporting");
-            return;
-        }
+        err = h_alias(count, arg1, arg2, kind == H_BALLOON_ALIAS, out) ? 0 : ERR_NO_REPORTING;
         break;
     case H_TX_MALFORMED:
         h_tx_malformed(count, out);
         break;
     case H_AVAIL_JUMP:
-        if (!h_avail_jump(count, arg1, out)) {
-            respond_error(id, OP_HOSTILE, ERR_BAD_ARGUMENT, "HOSTILE: no such queue");
-            return;
-        }
+        err = h_avail_jump(count, arg1, out) ? 0 : ERR_BAD_ARGUMENT;
         break;
     case H_NOTIFY_FLOOD:
         h_notify_flood(count, out);
@@ -657,8 +633,8 @@ static void op_hostile(uint32_t id, const uint8_t *p, uint32_t len)
         break;
     case H_FRAME_BYTEWISE:
         if (count > FRAME_MAX_PAYLOAD) {
-            respond_error(id, OP_HOSTILE, ERR_BAD_ARGUMENT, "HOSTILE: more than 1 MiB");
-            return;
+            err = ERR_BAD_ARGUMENT;
+            break;
         }
         h_frame_bytewise(id, count);
         return; /* that was the answer */
@@ -670,23 +646,25 @@ static void op_hostile(uint32_t id, const uint8_t *p, uint32_t len)
         send_frame((uint8_t)count, id, OP_HOSTILE, 0, 0);
         return; /* no other answer */
     case H_BALLOON_RANGES:
+        err = h_balloon_ranges(out) ? 0 : ERR_NO_REPORTING;
+        break;
     case H_BALLOON_SELF:
-        if (!(kind == H_BALLOON_RANGES ? h_balloon_ranges(out) : h_balloon_self(out))) {
-            respond_error(id, OP_HOSTILE, ERR_NO_REPORTING, "HOSTILE: no free page reporting");
-            return;
-        }
+        err = h_balloon_self(out) ? 0 : ERR_NO_REPORTING;
         break;
     case H_VIRTIO_STATE:
-        if (!h_virtio_state(out)) {
-            respond_error(id, OP_HOSTILE, ERR_BAD_ARGUMENT, "HOSTILE: no balloon");
-            return;
-        }
+        err = h_virtio_state(out) ? 0 : ERR_BAD_ARGUMENT;
         break;
     case H_LIVE_REQUEUE:
         h_live_requeue(out);
         break;
     default:
-        respond_error(id, OP_HOSTILE, ERR_BAD_ARGUMENT, "HOSTILE: unknown kind");
+        err = ERR_BAD_ARGUMENT;
+        break;
+    }
+    if (err) {
+        respond_error(id, OP_HOSTILE, err,
+                      err == ERR_NO_REPORTING ? "HOSTILE: no free page reporting"
+                                              : "HOSTILE: unknown kind, or bad arguments for it");
         return;
     }
     uint64_t t1 = rdtsc();

@@ -375,6 +375,40 @@ static uint64_t vdev_begin(uint64_t mmio, uint32_t device_id, uint64_t wanted,
     return features;
 }
 
+/* The selected queue's size and ring addresses. */
+static void vq_write_regs(uint64_t mmio, uint32_t num, uint64_t desc, uint64_t drv, uint64_t dev)
+{
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_NUM, num);
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_LOW, (uint32_t)desc);
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_HIGH, (uint32_t)(desc >> 32));
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_LOW, (uint32_t)drv);
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_HIGH, (uint32_t)(drv >> 32));
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_LOW, (uint32_t)dev);
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_HIGH, (uint32_t)(dev >> 32));
+}
+
+/*
+ * Zeroes `bytes` of rings at `mem` (descriptors at +0, avail at +avail_off, used at +used_off),
+ * describes them in `q` and hands them to the device as the selected queue `index`, ready.
+ */
+static void vq_place(struct vq *q, uint64_t mmio, uint32_t index, uint32_t size, uint64_t mem,
+                     uint64_t avail_off, uint64_t used_off, uint64_t bytes)
+{
+    memset((void *)mem, 0, bytes);
+    q->mmio = mmio;
+    q->index = index;
+    q->size = size;
+    q->desc = (volatile struct virtq_desc *)mem;
+    q->avail = (volatile struct virtq_avail *)(mem + avail_off);
+    q->used = (volatile struct virtq_used *)(mem + used_off);
+    q->avail_idx = 0;
+    q->last_used = 0;
+    q->avail->flags = VIRTQ_AVAIL_F_NO_INTERRUPT; /* we poll */
+    vq_write_regs(mmio, size, mem, mem + avail_off, mem + used_off);
+    barrier();
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_READY, 1);
+}
+
 /* Configure queue `index` with a power-of-two size <= min(want, QueueNumMax). */
 static void vq_setup(struct vq *q, uint64_t mmio, uint32_t index, uint32_t want, uint64_t mem,
                      uint32_t reason, const char *name)
@@ -392,27 +426,7 @@ static void vq_setup(struct vq *q, uint64_t mmio, uint32_t index, uint32_t want,
         vdev_set_status(mmio, VIRTIO_STATUS_FAILED);
         guest_abort(reason, name);
     }
-    memset((void *)mem, 0, 0x1000);
-    q->mmio = mmio;
-    q->index = index;
-    q->size = size;
-    q->desc = (volatile struct virtq_desc *)mem;
-    q->avail = (volatile struct virtq_avail *)(mem + 0x400);
-    q->used = (volatile struct virtq_used *)(mem + 0x800);
-    q->avail_idx = 0;
-    q->last_used = 0;
-    q->avail->flags = VIRTQ_AVAIL_F_NO_INTERRUPT; /* we poll */
-
-    uint64_t desc = mem, drv = mem + 0x400, dev = mem + 0x800;
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_NUM, size);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_LOW, (uint32_t)desc);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_HIGH, (uint32_t)(desc >> 32));
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_LOW, (uint32_t)drv);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_HIGH, (uint32_t)(drv >> 32));
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_LOW, (uint32_t)dev);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_HIGH, (uint32_t)(dev >> 32));
-    barrier();
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_READY, 1);
+    vq_place(q, mmio, index, size, mem, 0x400, 0x800, 0x1000);
 }
 
 /* ---------------------------------------------------------------- state */
