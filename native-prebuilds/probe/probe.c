@@ -85,6 +85,7 @@
 #define OP_EXIT_STORM 0x0107
 #define OP_ZERO    0x0108
 #define OP_FAULT   0x01F0
+#define OP_HOSTILE 0x01F1
 
 #define ERR_UNSUPPORTED   1u
 #define ERR_BAD_ARGUMENT  2u
@@ -374,6 +375,40 @@ static uint64_t vdev_begin(uint64_t mmio, uint32_t device_id, uint64_t wanted,
     return features;
 }
 
+/* The selected queue's size and ring addresses. */
+static void vq_write_regs(uint64_t mmio, uint32_t num, uint64_t desc, uint64_t drv, uint64_t dev)
+{
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_NUM, num);
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_LOW, (uint32_t)desc);
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_HIGH, (uint32_t)(desc >> 32));
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_LOW, (uint32_t)drv);
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_HIGH, (uint32_t)(drv >> 32));
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_LOW, (uint32_t)dev);
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_HIGH, (uint32_t)(dev >> 32));
+}
+
+/*
+ * Zeroes `bytes` of rings at `mem` (descriptors at +0, avail at +avail_off, used at +used_off),
+ * describes them in `q` and hands them to the device as the selected queue `index`, ready.
+ */
+static void vq_place(struct vq *q, uint64_t mmio, uint32_t index, uint32_t size, uint64_t mem,
+                     uint64_t avail_off, uint64_t used_off, uint64_t bytes)
+{
+    memset((void *)mem, 0, bytes);
+    q->mmio = mmio;
+    q->index = index;
+    q->size = size;
+    q->desc = (volatile struct virtq_desc *)mem;
+    q->avail = (volatile struct virtq_avail *)(mem + avail_off);
+    q->used = (volatile struct virtq_used *)(mem + used_off);
+    q->avail_idx = 0;
+    q->last_used = 0;
+    q->avail->flags = VIRTQ_AVAIL_F_NO_INTERRUPT; /* we poll */
+    vq_write_regs(mmio, size, mem, mem + avail_off, mem + used_off);
+    barrier();
+    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_READY, 1);
+}
+
 /* Configure queue `index` with a power-of-two size <= min(want, QueueNumMax). */
 static void vq_setup(struct vq *q, uint64_t mmio, uint32_t index, uint32_t want, uint64_t mem,
                      uint32_t reason, const char *name)
@@ -391,27 +426,7 @@ static void vq_setup(struct vq *q, uint64_t mmio, uint32_t index, uint32_t want,
         vdev_set_status(mmio, VIRTIO_STATUS_FAILED);
         guest_abort(reason, name);
     }
-    memset((void *)mem, 0, 0x1000);
-    q->mmio = mmio;
-    q->index = index;
-    q->size = size;
-    q->desc = (volatile struct virtq_desc *)mem;
-    q->avail = (volatile struct virtq_avail *)(mem + 0x400);
-    q->used = (volatile struct virtq_used *)(mem + 0x800);
-    q->avail_idx = 0;
-    q->last_used = 0;
-    q->avail->flags = VIRTQ_AVAIL_F_NO_INTERRUPT; /* we poll */
-
-    uint64_t desc = mem, drv = mem + 0x400, dev = mem + 0x800;
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_NUM, size);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_LOW, (uint32_t)desc);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DESC_HIGH, (uint32_t)(desc >> 32));
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_LOW, (uint32_t)drv);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DRIVER_HIGH, (uint32_t)(drv >> 32));
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_LOW, (uint32_t)dev);
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_DEVICE_HIGH, (uint32_t)(dev >> 32));
-    barrier();
-    mmio_write32(mmio + VIRTIO_MMIO_QUEUE_READY, 1);
+    vq_place(q, mmio, index, size, mem, 0x400, 0x800, 0x1000);
 }
 
 /* ---------------------------------------------------------------- state */
@@ -738,6 +753,8 @@ static void op_fault(uint32_t id, const uint8_t *p, uint32_t len)
     }
 }
 
+#include "hostile.h"
+
 /* Dispatch one complete frame lying at `frame` in the reassembly buffer. */
 static void dispatch(uint8_t *frame)
 {
@@ -782,6 +799,9 @@ static void dispatch(uint8_t *frame)
     case OP_FAULT:
         op_fault(h.id, p, h.len);
         break;
+    case OP_HOSTILE:
+        op_hostile(h.id, p, h.len);
+        break;
     default:
         respond_error(h.id, h.op, ERR_UNSUPPORTED, "unsupported op");
         break;
@@ -813,8 +833,11 @@ static void process_frames(void)
     }
 }
 
-/* Move every used receive buffer into the reassembly buffer and re-post it. */
-static int rx_collect(void)
+/*
+ * Move every used receive buffer into the reassembly buffer and, if `repost`, post it again
+ * (HOSTILE takes the last ones of a queue it is about to reset without re-posting them).
+ */
+static int rx_take_used(int repost)
 {
     uint16_t u = vq_used_idx(&rxq);
     if (u == rxq.last_used)
@@ -828,11 +851,18 @@ static int rx_collect(void)
             guest_abort(ABORT_VIRTQ_PROTOCOL, "console receiveq: reassembly overflow");
         memcpy(ACC + st.acc_len, (const void *)(RXBUF_BASE + (uint64_t)id * RXBUF_SIZE), len);
         st.acc_len += len;
-        vq_push(&rxq, (uint16_t)id); /* the descriptor still describes buffer id */
+        if (repost)
+            vq_push(&rxq, (uint16_t)id); /* the descriptor still describes buffer id */
         rxq.last_used++;
     }
-    vq_kick(&rxq);
+    if (repost)
+        vq_kick(&rxq);
     return 1;
+}
+
+static int rx_collect(void)
+{
+    return rx_take_used(1);
 }
 
 /* ---------------------------------------------------------------- boot */
@@ -900,6 +930,8 @@ __attribute__((noreturn, used)) void probe_main(uint64_t vcpu, uint64_t bootinfo
         guest_abort(ABORT_BOOTINFO_VALUES, "bad boot info values");
     st.ws_limit = lim;
     uint64_t console = bi->console_mmio, balloon = bi->balloon_mmio;
+    h_console_mmio = console;
+    h_balloon_mmio = balloon;
 
     content_init();
     setup_console(console);

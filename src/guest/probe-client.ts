@@ -16,6 +16,59 @@ const enum ProbeOp {
   ExitStorm = 0x0107,
   Zero = 0x0108,
   Fault = 0x01f0,
+  Hostile = 0x01f1,
+}
+
+/**
+ * The attacks {@link ProbeGuest.hostile} replays from inside the guest, each a malicious driver's
+ * or agent's (docs/probe-guest.md, "HOSTILE", says what each does and what `counts` are).
+ * @internal
+ */
+export const HOSTILE_KINDS = {
+  'tx-alias': 1,
+  'tx-malformed': 2,
+  'avail-jump': 3,
+  'notify-flood': 4,
+  'chain-flood': 5,
+  'frame-garbage': 6,
+  'frame-bytewise': 7,
+  'frame-foreign-ids': 8,
+  'frame-unknown-type': 9,
+  'balloon-ranges': 10,
+  'balloon-self': 11,
+  'virtio-state': 12,
+  'live-requeue': 13,
+  'balloon-alias': 14,
+} as const;
+
+/** @internal */
+export type HostileKind = keyof typeof HOSTILE_KINDS;
+
+/**
+ * Options of {@link ProbeGuest.hostile}; which ones a kind reads is in docs/probe-guest.md.
+ * @internal
+ */
+export interface HostileOptions {
+  /** Chains, rounds, notifications or payload bytes (per kind); the avail index jump; a frame type. Default 1. */
+  count?: number;
+  /** `tx-alias`, `balloon-alias`: descriptors in the chain (at most 256). Default 256. */
+  descriptors?: number;
+  /** `tx-alias`, `balloon-alias`: bytes each descriptor claims (the same bytes of guest RAM). Default 4096. */
+  descriptorBytes?: number;
+  /** `avail-jump`: the queue whose available index jumps. Default `console-transmit`. */
+  queue?: 'console-transmit' | 'balloon-reporting';
+  /** Reject with a TimeoutError after this long. Default: no timeout. */
+  timeoutMs?: number;
+}
+
+/**
+ * What the guest saw of an attack: three counts whose meaning is the kind's, and its duration.
+ * @internal
+ */
+export interface HostileResult extends ProbeTiming {
+  counts: [number, number, number];
+  /** The answer's payload (`frame-bytewise`: the bytes sent one per chain). */
+  payload: Buffer;
 }
 
 /** Options of {@link ProbeGuest.fill}. */
@@ -196,6 +249,33 @@ export class ProbeGuest {
     p.writeUInt32LE({ 'triple-fault': 1, 'stray-mmio': 2, abort: 3 }[kind], 0);
     this.agent.request(ProbeOp.Fault, p).catch(() => {});
   }
+
+  /**
+   * Makes the guest attack the VMM as a malicious driver or agent would (docs/probe-guest.md,
+   * "HOSTILE"), to test that the host stays healthy. Resolves with what the guest saw; a kind that
+   * breaks the guest's own channel may instead reject (a typed error) or end the VM.
+   * @internal
+   */
+  async hostile(kind: HostileKind, options: HostileOptions = {}): Promise<HostileResult> {
+    const code = HOSTILE_KINDS[kind];
+    if (code === undefined) throw new InvalidOptionError('kind', `expected one of ${Object.keys(HOSTILE_KINDS).join(', ')}`);
+    const p = Buffer.alloc(24);
+    p.writeUInt32LE(code, 0);
+    p.writeUInt32LE(u32('count', options.count ?? 1), 4);
+    const arg1 = kind === 'tx-alias' || kind === 'balloon-alias' ? u32('descriptors', options.descriptors ?? 256) : options.queue === 'balloon-reporting' ? 1 : 0;
+    p.writeBigUInt64LE(BigInt(arg1), 8);
+    p.writeBigUInt64LE(BigInt(u32('descriptorBytes', options.descriptorBytes ?? 4096)), 16);
+    const r = await this.agent.request(ProbeOp.Hostile, p, options.timeoutMs === undefined ? {} : { timeoutMs: options.timeoutMs });
+    return { counts: [readU64(r, 0), readU64(r, 8), readU64(r, 16)], tscCycles: readU64(r, 24), payload: r };
+  }
+}
+
+/**
+ * The byte at `i` of `frame-bytewise`'s payload (docs/probe-guest.md).
+ * @internal
+ */
+export function hostileBytewiseByte(i: number): number {
+  return (i + (i >>> 8)) & 0xff;
 }
 
 function mib(option: string, value: number): number {

@@ -193,6 +193,17 @@ export class AgentClient {
   }
 }
 
+/** Most characters of an error frame's text that go into a host warning or error. */
+const MAX_ERROR_TEXT = 1000;
+
+/**
+ * An error frame's text as the host shows it: the guest wrote it, so control characters (terminal
+ * escapes, line breaks that forge log lines) become `?`, and it is cut, with its length said.
+ */
 function errorText(payload: Buffer): string {
-  return payload.length > 4 ? payload.subarray(4).toString('utf8') : 'no reason given';
+  if (payload.length <= 4) return 'no reason given';
+  const bytes = payload.length - 4;
+  // eslint-disable-next-line no-control-regex
+  const text = payload.subarray(4, 4 + 4 * MAX_ERROR_TEXT).toString('utf8').replace(/[\x00-\x1f\x7f]/g, '?');
+  return text.length > MAX_ERROR_TEXT || bytes > 4 * MAX_ERROR_TEXT ? `${text.slice(0, MAX_ERROR_TEXT)}... (${bytes} bytes)` : text;
 }

@@ -24,6 +24,25 @@ describe('agent client', () => {
     c.receive(encodeFrame({ type: FrameType.Response, id, op: 0x101, payload: Buffer.alloc(0) }));
   });
 
+  it("the guest's error text reaches host warnings and errors capped, without control characters", async () => {
+    // What the probe's hostile mode (frame-foreign-ids) sent: an error for an id never asked whose
+    // text clears the terminal, sets its title and forges a log line, then runs on; a frame may
+    // carry 1 MiB of it.
+    const { c, protocolErrors, lastId } = client();
+    const text = Buffer.concat([Buffer.from('\x1b[2J\x1b]0;pvisor\x07\nhost: all VMs healthy\n'), Buffer.alloc(1024 * 1024 - 64, 'A')]);
+    const payload = Buffer.concat([Buffer.from([2, 0, 0, 0]), text]);
+    c.receive(encodeFrame({ type: FrameType.Error, id: 0x7ffffffe, op: 0x1f1, payload }));
+    const p = c.request(0x101);
+    c.receive(encodeFrame({ type: FrameType.Error, id: lastId(), op: 0x101, payload }));
+    const err = await p.catch((e: Error) => e);
+    expect(err).toBeInstanceOf(GuestRequestError);
+    for (const m of [protocolErrors[0], (err as Error).message]) {
+      expect(m.length).toBeLessThan(1200);
+      expect(m).not.toMatch(/[\x00-\x1f\x7f]/);
+      expect(m).toMatch(/\?\[2J\?\]0;pvisor\?\?host: all VMs healthy\?AAAA.*\.\.\. \(\d+ bytes\)$/);
+    }
+  });
+
   it('a request that times out rejects once; its late answer is dropped', async () => {
     const { c, lastId } = client();
     const p = c.request(0x104, Buffer.alloc(0), { timeoutMs: 10 });

@@ -3,6 +3,7 @@
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { MmioTransport, VIRTIO_F_VERSION_1, type VirtioDevice } from '../../src/backends/kvm/virtio/mmio-transport';
 import type { SplitQueue } from '../../src/backends/kvm/virtio/queue';
+import { VirtioBalloon } from '../../src/backends/kvm/devices/virtio-balloon';
 
 const ACK = 1;
 const DRIVER = 2;
@@ -82,6 +83,34 @@ describe('virtio-mmio transport, as a hostile driver drives it', () => {
     expect(errors.join()).toMatch(/rewrote its features after FEATURES_OK/);
   });
 
+  it('a driver clears no status bit but by a reset: a live device keeps its features and DRIVER_OK, and stays restorable', () => {
+    // What the probe's hostile mode (virtio-state, live-requeue) did from inside a guest: a status
+    // write dropping FEATURES_OK re-opened feature negotiation on a live device, and one dropping
+    // DRIVER_OK left a state that every restore of the VM's snapshots refused.
+    const balloon = new MmioTransport(0xd0001000, new VirtioBalloon(() => {}, () => {}, () => {}), mem, () => {}, (m) => errors.push(m));
+    const wb = (reg: number, value: number) => balloon.write(reg, 4, value);
+    wb(0x070, ACK | DRIVER);
+    wb(0x024, 1);
+    wb(0x020, 1); // VERSION_1
+    wb(0x070, ACK | DRIVER | FEATURES_OK);
+    wb(0x070, ACK | DRIVER); // FEATURES_OK dropped, to negotiate again
+    expect(balloon.read(0x070, 4)).toBe(ACK | DRIVER | FEATURES_OK);
+    wb(0x024, 0);
+    wb(0x020, 0xffffffff); // bits never offered, now refused as a rewrite after FEATURES_OK
+    wb(0x070, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    expect(balloon.read(0x070, 4)).toBe(ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    wb(0x070, ACK); // a live device told it is not set up
+    expect(balloon.read(0x070, 4)).toBe(ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    expect(errors.join()).toMatch(/cleared status bits 0x8 without a reset; ignored/);
+    expect(errors.join()).toMatch(/cleared status bits 0xe without a reset; ignored/);
+    const again = new MmioTransport(0xd0001000, new VirtioBalloon(() => {}, () => {}, () => {}), mem);
+    again.restoreState(JSON.parse(JSON.stringify(balloon.saveState())));
+    expect(again.read(0x070, 4)).toBe(ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    // A reset is the way back.
+    wb(0x070, 0);
+    expect(balloon.read(0x070, 4)).toBe(0);
+  });
+
   it('unaligned rings are refused with DEVICE_NEEDS_RESET, not a RangeError', () => {
     negotiate();
     queue(0x1003, 0x2000, 0x3001);
@@ -101,5 +130,10 @@ describe('virtio-mmio transport, as a hostile driver drives it', () => {
     expect(t.read(0x060, 4) & 2).toBe(2); // InterruptStatus: configuration change
     expect(interrupts).toBe(1);
     expect(errors.join()).toMatch(/needs a reset: queue 0: available index 100/);
+    // DEVICE_NEEDS_RESET is the device's: a status write without it does not clear it; a reset does.
+    w(0x070, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    expect(t.read(0x070, 4) & NEEDS_RESET).toBe(NEEDS_RESET);
+    w(0x070, 0);
+    expect(t.read(0x070, 4)).toBe(0);
   });
 });

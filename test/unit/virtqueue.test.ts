@@ -113,6 +113,37 @@ describe('split virtqueue, device side', () => {
     expect(taken).toBe(2 * SIZE);
   });
 
+  it('counts descriptors, not chains, against a turn: chains that alias one ring of descriptors are taken one per turn', async () => {
+    // A legitimate driver cannot have more than a ring of descriptors in flight; a hostile one
+    // names the same chain of SIZE descriptors in every avail entry (and loops one), which walked
+    // SIZE x SIZE descriptors per notification (measured in the probe's hostile mode with 256: a
+    // 10 ms timer 0.25 s late on the console, 2.9 s late on the balloon, one madvise each).
+    for (let i = 0; i < SIZE; i++) desc(i, 0x8000, 4096, i + 1 < SIZE ? 1 : 0, i + 1);
+    for (let k = 0; k < SIZE; k++) offer(0);
+    let renewals = 0;
+    q.onBudgetRenewed = () => renewals++;
+    const turn = () => {
+      let walked = 0;
+      let chain;
+      while ((chain = q.popValid(() => {}))) {
+        walked += chain.descriptors.length;
+        q.push(chain.head, 0);
+      }
+      return walked;
+    };
+    expect(turn()).toBe(SIZE); // one chain of SIZE descriptors, not SIZE of them
+    await new Promise((r) => setImmediate(r));
+    expect(renewals).toBe(1);
+    expect(turn()).toBe(SIZE);
+    // A looping chain walks SIZE descriptors before it is refused: one of them per turn too.
+    desc(0, 0x8000, 16, 1, 1);
+    desc(1, 0x8000, 16, 1, 0);
+    await new Promise((r) => setImmediate(r));
+    const errors: string[] = [];
+    expect(q.popValid((m) => errors.push(m))).toBeNull();
+    expect(errors).toEqual([expect.stringMatching(/loops/)]);
+  });
+
   // Saved state: a queue restored from its JSON state goes on exactly where the saved one was.
   it('a queue restored from its JSON state takes the next chain and publishes the next used index', () => {
     for (let i = 0; i < 11; i++) {

@@ -325,6 +325,15 @@ export class MmioTransport {
       this.liveQueues = [];
       return;
     }
+    // The driver never clears a status bit but by a reset (virtio 1.x, 2.1.2): dropping
+    // FEATURES_OK would re-open feature negotiation on a live device, and dropping DRIVER_OK leaves
+    // an active device that a snapshot's restore refuses. DEVICE_NEEDS_RESET is the device's.
+    const cleared = this.status & ~STATUS_NEEDS_RESET & ~value;
+    if (cleared !== 0) {
+      this.onDeviceError(`virtio device ${this.device.deviceId}: the driver cleared status bits 0x${cleared.toString(16)} without a reset; ignored`);
+      return;
+    }
+    value = (value & ~STATUS_NEEDS_RESET) | (this.status & STATUS_NEEDS_RESET);
     if (value & STATUS_FEATURES_OK && !(this.status & STATUS_FEATURES_OK)) {
       // Refuse features the device did not offer, and a driver that does not speak virtio 1.
       const unknown = this.driverFeatures & ~this.device.features;

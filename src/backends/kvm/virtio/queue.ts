@@ -100,8 +100,10 @@ export class SplitQueue {
   private nextAvail = 0;
   private nextUsed = 0;
   /**
-   * Chains taken since the last notification or turn of the event loop, and whether the budget
-   * stopped a taker.
+   * Descriptors walked since the last notification or turn of the event loop, and whether the
+   * budget stopped a taker. Descriptors, not chains: a driver may name one chain of a ring's worth
+   * of descriptors in every avail entry (or loop one), which walks size x size descriptors in a
+   * ring of chains, while a driver that does not alias has at most a ring's worth in flight.
    */
   private takenThisTurn = 0;
   private stoppedByBudget = false;
@@ -197,7 +199,7 @@ export class SplitQueue {
 
   /**
    * Takes the next available chain, or null (none, the queue is broken, or this turn's budget of
-   * one ring's worth of chains is spent: {@link onBudgetRenewed} then says when to go on). A
+   * one ring's worth of descriptors is spent: {@link onBudgetRenewed} then says when to go on). A
    * malformed chain throws {@link QueueError} after consuming it, so the caller can return it
    * used with length 0 and go on; an available index further ahead than the ring holds throws
    * {@link QueueBrokenError}, once.
@@ -221,6 +223,7 @@ export class SplitQueue {
     let i = head;
     for (;;) {
       if (descriptors.length >= size) throw new ChainError(head, 'descriptor chain loops');
+      if (descriptors.length > 0) this.takenThisTurn++; // spend() counted the head
       const d = this.config.descGpa + 16 * i;
       const gpa = this.mem.readU64(d);
       const len = this.mem.readU32(d + 8);
@@ -254,14 +257,17 @@ export class SplitQueue {
   }
 
   /**
-   * A notification from the driver: the device may take a ring's worth of chains again. The
+   * A notification from the driver: the device may walk a ring's worth of descriptors again. The
    * transport calls it before it hands the device each notification.
    */
   renewBudget(): void {
     this.takenThisTurn = 0;
   }
 
-  /** Counts one chain against this turn's budget; false (and a renewal later) once it is spent. */
+  /**
+   * Counts a chain's head against this turn's budget (pop counts the rest of its descriptors);
+   * false (and a renewal later) once it is spent.
+   */
   private spend(): boolean {
     if (this.takenThisTurn === 0) {
       setImmediate(() => {
