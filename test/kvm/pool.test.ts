@@ -221,7 +221,8 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
       const before = vm.memoryUsage().guestRamPssBytes;
       await alone.mergeNow();
       await alone.mergeNow();
-      expect(pool(vm).figures.pagesShared).toBeLessThan(16);
+      // Only the probe's own pages (its code and tables, alike in every VM), none of the working set.
+      expect(pool(vm).figures.pagesShared).toBeLessThan(64);
       expect(vm.memoryUsage().guestRamPssBytes).toBeLessThanOrEqual(before + 2 * MiB);
     } finally {
       vm.stop();
