@@ -127,8 +127,10 @@ export class PoolServer {
           this.handle(client, f, fd!);
         }
       } catch (e) {
-        if (e instanceof FrameError || e instanceof PoolProtocolError || e instanceof RangeError) this.fail(client, 0, e.message);
-        else throw e;
+        // Whatever went wrong with this client ends this client, never the daemon and the others.
+        const expected = e instanceof FrameError || e instanceof PoolProtocolError || e instanceof RangeError;
+        if (!expected) process.stderr.write(`pvisor-daemon: client ${client.id} (pid ${client.pid}): ${(e as Error).stack ?? e}\n`);
+        this.fail(client, 0, (e as Error).message);
       }
     });
     socket.on('close', () => this.drop(client));
