@@ -3,7 +3,7 @@
  * were: after the cell, on an error, and on SIGINT/SIGTERM or process exit, since a bench that
  * leaves ksmd scanning at a high rate costs every later user of the host CPU.
  */
-import { readFileSync, writeFileSync } from 'node:fs';
+import { existsSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 
 const KSM_SYSFS = '/sys/kernel/mm/ksm';
@@ -53,7 +53,7 @@ export class KsmHost {
 
   /**
    * Writes `settings` (name to value, written in the given order; a setting that already has the
-   * value is left alone) and arranges for the old values to come back. A write that fails puts
+   * value, or that this kernel lacks, is left alone) and arranges for the old values to come back. A write that fails puts
    * back what was written so far and throws.
    */
   static apply(settings: [name: string, value: string][]): KsmHost {
@@ -63,6 +63,8 @@ export class KsmHost {
     process.once('exit', host.onExit);
     try {
       for (const [name, value] of settings) {
+        // A setting this kernel does not have (advisor_mode came in 6.9) is left out, not an error.
+        if (!existsSync(join(KSM_SYSFS, name))) continue;
         const before = readSetting(name);
         if (before === value) continue;
         writeFileSync(join(KSM_SYSFS, name), value);
