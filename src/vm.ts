@@ -347,6 +347,9 @@ export class Vm extends EventEmitter<VmEvents> {
    * checked, a new machine is built, guest RAM is read into private memory (each chunk checked
    * against the manifest before the guest can see it), and the saved state is put back. Resolves
    * with the VM running from where the snapshot was taken; the directory is not used afterwards.
+   * With a {@link SharedSnapshot} among the strategies, guest RAM maps the RAM file instead
+   * (checked in full first, once per process per unchanged file): clones share what they only
+   * read, and the file must stay as it is while they run (deleting it is fine).
    * A snapshot that was changed, truncated or written by a newer pvisor is a {@link SnapshotError},
    * and nothing has run.
    *
