@@ -125,6 +125,10 @@ export class SplitQueue {
     if (!mem.contains(descGpa, 16 * size) || !mem.contains(availGpa, 6 + 2 * size) || !mem.contains(usedGpa, 6 + 8 * size)) {
       throw new QueueError('virtqueue rings lie outside guest RAM');
     }
+    // The split ring's alignment (virtio 1.x, 2.7) keeps every ring field inside one guest RAM
+    // view, whose seams are page-aligned: a field across one cannot be written through a view.
+    // The transport checks it when the driver sets DRIVER_OK; a saved state must pass it too.
+    if (descGpa % 16 || availGpa % 2 || usedGpa % 4) throw new QueueError('virtqueue rings are not aligned (descriptors 16, available 2, used 4 bytes)');
   }
 
   /** This queue's state, for a snapshot (see {@link QueueState}). */
