@@ -198,7 +198,11 @@ export function bufferAt(rng: Rng, pool: Range, len: number, alignTo = 1): { gpa
   if (r === 0) return { gpa: FUZZ_RAM_END - rng.int(16), len: rng.between(17, 4096) };
   if (r === 1) return { gpa: MMIO_HOLE_START - rng.between(1, 64), len: rng.between(65, 8192) };
   if (r === 2) return { gpa: rng.pick([2 ** 53, 2 ** 62, 2 ** 64 - 4096, HIGH_RAM_START - 4096]), len: rng.int(4097) };
-  if (r === 3) return { gpa: pool.start, len: rng.pick([0xffffffff, 2 ** 31, FUZZ_RAM_END]) };
+  if (r === 3) {
+    // From inside the pool to past the end of its RAM region, by up to 2^32-1 bytes.
+    const regionEnd = pool.start < MMIO_HOLE_START ? MMIO_HOLE_START : FUZZ_RAM_END;
+    return { gpa: pool.start, len: rng.chance(0.5) ? 0xffffffff : regionEnd - pool.start + rng.between(1, PAGE_SIZE) };
+  }
   const room = pool.end - pool.start;
   const n = Math.min(len, room);
   const start = Math.ceil(pool.start / alignTo) * alignTo;
