@@ -4,6 +4,8 @@ import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { MmioTransport, VIRTIO_F_VERSION_1, type VirtioDevice } from '../../src/backends/kvm/virtio/mmio-transport';
 import type { SplitQueue } from '../../src/backends/kvm/virtio/queue';
 import { VirtioBalloon } from '../../src/backends/kvm/devices/virtio-balloon';
+import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
+import { DriverQueue, driverUp, SIZE } from '../virtio-driver';
 
 const ACK = 1;
 const DRIVER = 2;
@@ -135,5 +137,28 @@ describe('virtio-mmio transport, as a hostile driver drives it', () => {
     expect(t.read(0x070, 4) & NEEDS_RESET).toBe(NEEDS_RESET);
     w(0x070, 0);
     expect(t.read(0x070, 4)).toBe(0);
+  });
+});
+
+describe('virtio-mmio transport, device work left for a later turn', () => {
+  it('a device that goes on in a later turn after guest RAM is unmapped (the VM stopped) reports it, and throws nothing into the event loop', async () => {
+    const mem = GuestMemory.map(1024 * 1024);
+    const errors: string[] = [];
+    const tx = new DriverQueue(mem, 0x20000);
+    // A guest that posts a transmit chain again as soon as the device takes one (a vCPU runs in
+    // parallel): the device takes a ring's worth, then leaves the rest for a later turn.
+    let posted = 0;
+    const dev = new VirtioConsole(mem, () => {
+      if (posted++ < 100) tx.offer(0x80000, 64, false);
+    }, () => {}, () => {}, (m) => errors.push(m));
+    const t = new MmioTransport(0xd0000000, dev, mem, () => {}, (m) => errors.push(m));
+    driverUp(t, VIRTIO_F_VERSION_1, [new DriverQueue(mem, 0x10000).queue.config, tx.queue.config]);
+    tx.offer(0x80000, 64, false);
+    t.write(0x050, 4, 1); // QueueNotify 1
+    expect(posted).toBe(SIZE);
+    mem.unmap(); // the VM stops in this same turn
+    await new Promise((r) => setImmediate(r));
+    await new Promise((r) => setImmediate(r));
+    expect(errors.join('\n')).toMatch(/guest RAM is no longer mapped/);
   });
 });

@@ -111,3 +111,22 @@ describe('virtio-console, multiport agent channel', () => {
     expect(Buffer.concat(fromGuest).toString()).toBe('next');
   });
 });
+
+describe('virtio-console, transmit work left for a later turn', () => {
+  it('the rest of a flood, due in a later turn after guest RAM is unmapped (the VM stopped), is reported, never thrown into the event loop', async () => {
+    const mem = GuestMemory.map(4 * 1024 * 1024);
+    const errors: string[] = [];
+    let received = 0;
+    const dev = new VirtioConsole(mem, (b) => (received += b.length), () => {}, () => {}, (m) => errors.push(m));
+    const tx = new DriverQueue(mem, 0x20000);
+    dev.activate([new DriverQueue(mem, 0x10000).queue, tx.queue], VERSION_1);
+    // Nine chains of 1 MiB: a turn takes 8 MiB, the ninth is left for the next turn.
+    for (let i = 0; i < 9; i++) tx.offerChain(Array.from({ length: 4 }, () => ({ gpa: 0x100000, len: 256 * 1024 })));
+    dev.notify(1);
+    expect(received).toBe(8 * 1024 * 1024);
+    mem.unmap();
+    await new Promise((r) => setImmediate(r));
+    expect(received).toBe(8 * 1024 * 1024);
+    expect(errors.join('\n')).toMatch(/guest RAM is no longer mapped/);
+  });
+});

@@ -203,7 +203,21 @@ export class VirtioConsole implements VirtioDevice {
     }
     this.signal(tx, usedBefore);
     // The guest may have more: the rest in a later turn, so the event loop is not held.
-    if (taken >= TRANSMIT_BYTES_PER_TURN && tx.hasAvailable()) setImmediate(() => this.tx === tx && this.drainTransmit());
+    if (taken >= TRANSMIT_BYTES_PER_TURN && tx.hasAvailable()) setImmediate(() => this.drainLater(tx));
+  }
+
+  /**
+   * The rest of the transmit queue, in a later turn: no vCPU exit's handler is on the stack to end
+   * the VM on a throw (the VM may have stopped and unmapped guest RAM since), so it is reported,
+   * never left to end the host process as an uncaught exception.
+   */
+  private drainLater(tx: SplitQueue): void {
+    if (this.tx !== tx) return;
+    try {
+      this.drainTransmit();
+    } catch (e) {
+      this.queueError(`transmit queue: ${(e as Error).message}`);
+    }
   }
 
   private flush(): void {

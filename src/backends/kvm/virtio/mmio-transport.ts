@@ -209,8 +209,17 @@ export class MmioTransport {
   }
 
   private wireQueue(queue: SplitQueue, i: number): void {
-    // A budget-stopped device goes on in a later turn of the event loop, as if notified.
-    queue.onBudgetRenewed = () => this.notify(i);
+    // A budget-stopped device goes on in a later turn of the event loop, as if notified. No vCPU
+    // exit's handler is on the stack there to end the VM on a throw: one would be an uncaught
+    // exception, the end of the host process (the VM may even have stopped and unmapped guest RAM
+    // since), so it is reported instead.
+    queue.onBudgetRenewed = () => {
+      try {
+        this.notify(i);
+      } catch (e) {
+        this.onDeviceError(`virtio device ${this.device.deviceId}: queue ${i}: ${(e as Error).message}`);
+      }
+    };
     queue.onBroken = (why) => this.needsReset(`queue ${i}: ${why}`);
   }
 
