@@ -102,15 +102,29 @@ export class GuestImage {
       const actual = this.mem.read(w.start, w.end - w.start);
       const model = this.copies[i];
       if (actual.equals(model)) continue;
-      for (let off = 0; off < model.length; off++) {
-        const gpa = w.start + off;
-        if (actual[off] !== model[off] && !ignore.some((r) => gpa >= r.start && gpa < r.end)) {
-          return `guest byte 0x${gpa.toString(16)} is 0x${actual[off].toString(16)}, expected 0x${model[off].toString(16)}`;
-        }
+      for (const r of outside(w, ignore)) {
+        const a = actual.subarray(r.start - w.start, r.end - w.start);
+        const m = model.subarray(r.start - w.start, r.end - w.start);
+        if (a.equals(m)) continue;
+        const off = a.findIndex((b, k) => b !== m[k]);
+        return `guest byte 0x${(r.start + off).toString(16)} is 0x${a[off].toString(16)}, expected 0x${m[off].toString(16)}`;
       }
     }
     return undefined;
   }
+}
+
+/** The parts of `w` outside every range of `ignore`. */
+function outside(w: Range, ignore: readonly Range[]): Range[] {
+  const cuts = ignore.filter((r) => r.end > w.start && r.start < w.end).sort((a, b) => a.start - b.start);
+  const out: Range[] = [];
+  let at = w.start;
+  for (const r of cuts) {
+    if (r.start > at) out.push({ start: at, end: r.start });
+    at = Math.max(at, r.end);
+  }
+  if (at < w.end) out.push({ start: at, end: w.end });
+  return out;
 }
 
 export function u16le(v: number): Buffer {
