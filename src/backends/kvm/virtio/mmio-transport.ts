@@ -388,7 +388,9 @@ export class MmioTransport {
 
 function parseSlot(value: unknown, path: string): QueueSlotState {
   const q = objectAt(value, path);
-  const gpa = (key: string) => integerAt(q, key, path, 0, Number.MAX_SAFE_INTEGER);
+  // A 64-bit register as the driver wrote it, whatever it holds: the queue is checked when it is
+  // used. (A high word beyond 2^21 makes a number past 2^53, which JSON carries as it is.)
+  const gpa = (key: string) => integerAt(q, key, path, 0, 2 ** 64);
   return { num: integerAt(q, 'num', path, 0, 0xffffffff), ready: booleanAt(q, 'ready', path), desc: gpa('desc'), driver: gpa('driver'), device: gpa('device') };
 }
 
