@@ -111,6 +111,11 @@ export class Rng {
 
   /** `n` random bytes: AES-128 in counter mode, keyed from this generator (fast for large n). */
   bytes(n: number): Buffer {
+    if (n < 256) {
+      const b = Buffer.allocUnsafe(n);
+      for (let i = 0; i < n; i++) b[i] = this.u32() & 0xff;
+      return b;
+    }
     const key = Buffer.alloc(16);
     for (let i = 0; i < 16; i += 4) key.writeUInt32LE(this.u32(), i);
     return createCipheriv('aes-128-ctr', key, Buffer.alloc(16)).update(Buffer.alloc(n));
