@@ -122,6 +122,8 @@ describe('device state of the probe machine', () => {
       [bad((s) => { s.driverFeatures = 12; }), /transport\.driverFeatures: expected a 64-bit value/],
       [bad((s) => { s.active.queues[0].size = 3; }), /transport\.active\.queues\[0\]\.size: a split queue's size is a power of 2/],
       [bad((s) => { s.active.queues[1].usedGpa = 0x7fffff00; }), /transport\.active\.queues\[1\]: virtqueue rings lie outside guest RAM/],
+      // Found by snapshot-state-fuzz: larger than the device takes (and so a larger budget per turn).
+      [bad((s) => { s.active.queues[0].size = 512; }), /transport\.active\.queues\[0\]\.size: 512, more than the 256 this device's queue takes/],
       [bad((s) => { s.active.device.outbox = '@@'; }), /transport\.active\.device\.outbox: expected base64 bytes/],
       [bad((s) => { s.active.device.version = 9; }), /transport\.active\.device\.version/],
       [bad((s) => { s.active.device.controlOutbox = ['AAAA']; }), /transport\.active\.device\.controlOutbox\.0: expected 8 to 4096 bytes, got 3/],

@@ -195,7 +195,14 @@ export class MmioTransport {
       if (!(status & STATUS_DRIVER_OK)) throw new SnapshotError(`${path}.status: an active device has DRIVER_OK set, the state has ${status}`);
       const queues = arrayAt(a, 'queues', at, d.queueCount);
       if (queues.length !== d.queueCount) throw new SnapshotError(`${at}.queues: the state has ${queues.length} queues, this device ${d.queueCount}`);
-      live = queues.map((q, i) => (q === null ? null : SplitQueue.fromState(this.mem, parseQueueState(q, `${at}.queues[${i}]`), `${at}.queues[${i}]`)));
+      live = queues.map((q, i) => {
+        if (q === null) return null;
+        const qPath = `${at}.queues[${i}]`;
+        const state = parseQueueState(q, qPath);
+        // No larger than a driver could make it: the size is also the queue's budget per turn.
+        if (state.size > this.maxQueueSize(i)) throw new SnapshotError(`${qPath}.size: ${state.size}, more than the ${this.maxQueueSize(i)} this device's queue takes`);
+        return SplitQueue.fromState(this.mem, state, qPath);
+      });
       if (!d.restoreState) throw new SnapshotError(`${at}.device: virtio device ${d.deviceId} cannot restore its state yet`);
       d.restoreState(a.device, live, driverFeatures, `${at}.device`);
       live.forEach((q, i) => q && this.wireQueue(q, i));
