@@ -147,7 +147,7 @@ describe('virtio-mmio transport under random register writes', () => {
       ] as const);
       switch (what) {
         case 'status': {
-          const bits = rng.weighted([[1, 0], [6, rng.int(256)], [6, [ACK, ACK | DRIVER, ACK | DRIVER | FEATURES_OK, ACK | DRIVER | FEATURES_OK | DRIVER_OK, ACK | DRIVER | DRIVER_OK, FAILED, NEEDS_RESET][rng.int(7)]]]);
+          const bits = rng.weighted([[1, 0], [5, rng.int(256)], [2, rng.u32()], [6, [ACK, ACK | DRIVER, ACK | DRIVER | FEATURES_OK, ACK | DRIVER | FEATURES_OK | DRIVER_OK, ACK | DRIVER | DRIVER_OK, FAILED, NEEDS_RESET][rng.int(7)]]]);
           const wasActive = dev.active;
           const before = dev.calls.length;
           w(Reg.Status, bits);

@@ -139,8 +139,17 @@ describe('virtio-mmio transport, as a hostile driver drives it', () => {
     expect(t.read(0x070, 4)).toBe(0);
   });
 
-  // Found by mmio-transport-properties: a guest could make its own VM's snapshot one that restore
-  // refuses.
+  // Both found by mmio-transport-properties: a guest could make its own VM's snapshot one that
+  // restore refuses.
+  it('the status keeps 8 bits, whatever the driver writes above them, and the saved state restores', () => {
+    w(0x070, 0xffffff00 | ACK | DRIVER);
+    expect(t.read(0x070, 4)).toBe(ACK | DRIVER);
+    w(0x070, 0x80000000 | ACK | DRIVER | DRIVER_OK); // DRIVER_OK without FEATURES_OK: NEEDS_RESET is or-ed in
+    expect(t.read(0x070, 4)).toBe(ACK | DRIVER | DRIVER_OK | NEEDS_RESET);
+    const state = JSON.parse(JSON.stringify(t.saveState()));
+    expect(() => new MmioTransport(0xd0000000, new Recorder(), mem).restoreState(state)).not.toThrow();
+  });
+
   it('queue address registers hold any 64-bit value the driver writes, and the saved state restores', () => {
     w(0x030, 0);
     w(0x084, 0xffffffff); // QueueDescHigh: far beyond any guest RAM

@@ -331,6 +331,9 @@ export class MmioTransport {
   }
 
   private writeStatus(value: number): void {
+    // The device status is 8 bits (virtio 1.x, 2.1), as QEMU keeps it: the register's upper bits
+    // mean nothing, and kept they made a status that a saved state cannot hold.
+    value &= 0xff;
     if (value === 0) {
       this.status = 0;
       this.driverFeatures = 0n;
