@@ -8,6 +8,9 @@
  * The driver only ever names bytes inside a few windows of guest RAM (or bytes that are not RAM
  * at all); the model holds a copy of every window.
  */
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { GuestMemory, HIGH_RAM_START, MMIO_HOLE_START } from '../src/backends/kvm/guest-memory';
 import { PAGE_SIZE } from '../src/sys/constants';
 import type { Descriptor, QueueConfig } from '../src/backends/kvm/virtio/queue';
@@ -43,6 +46,23 @@ const MARGIN = PAGE_SIZE;
 /** Maps the fuzzers' guest RAM: 3 GiB and more, NORESERVE, so only the windows cost memory. */
 export function mapFuzzRam(): GuestMemory {
   return GuestMemory.map(FUZZ_RAM_BYTES);
+}
+
+/**
+ * For a test file: the fuzzers' guest RAM and a temporary directory (for image files), made
+ * before its tests (read them in a test, not before) and removed after them.
+ */
+export function withFuzzRam(dirPrefix: string): { mem: GuestMemory; dir: string } {
+  const env = {} as { mem: GuestMemory; dir: string };
+  beforeAll(() => {
+    env.mem = mapFuzzRam();
+    env.dir = mkdtempSync(join(tmpdir(), dirPrefix));
+  });
+  afterAll(() => {
+    env.mem?.unmap();
+    if (env.dir) rmSync(env.dir, { recursive: true, force: true });
+  });
+  return env;
 }
 
 /** Whether [gpa, gpa+len) is guest RAM of {@link FUZZ_RAM_BYTES}, worked out independently of GuestMemory. */

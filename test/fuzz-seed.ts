@@ -5,7 +5,7 @@
  *
  * - `PVISOR_FUZZ_SEED`: the seed (an integer from 0 to 2^32-1); default a fresh random one.
  * - `PVISOR_FUZZ_RUNS`: runs of every property, in place of each property's own default (those
- *   keep the unit suite's fuzzing to seconds on two slow cores).
+ *   keep the unit suite's fuzzing to seconds on two slow cores); timing properties keep theirs.
  * - `PVISOR_FUZZ_RUN`: only this run of each property (the number a failure prints).
  */
 import { createCipheriv, randomInt } from 'node:crypto';
@@ -141,12 +141,13 @@ export function fuzzRuns(defaultRuns: number): number {
 }
 
 /**
- * A property as a jest test: `body` runs `runs` times (see {@link fuzzRuns}), each with its own
- * generator. A failing run fails the test with the seed and run number in its message.
+ * A property as a jest test: `body` runs `runs` times (see {@link fuzzRuns}; `{ fixed }` for a
+ * property whose runs are measurements, which more runs would only make slower), each with its
+ * own generator. A failing run fails the test with the seed and run number in its message.
  */
-export function property(name: string, defaultRuns: number, body: (rng: Rng, run: number) => void | Promise<void>, timeoutMs?: number): void {
+export function property(name: string, runsOrFixed: number | { fixed: number }, body: (rng: Rng, run: number) => void | Promise<void>, timeoutMs?: number): void {
   it(`${name} (seeded)`, async () => {
-    const runs = fuzzRuns(defaultRuns);
+    const runs = typeof runsOrFixed === 'number' ? fuzzRuns(runsOrFixed) : runsOrFixed.fixed;
     for (let run = 0; run < runs; run++) {
       if (ONLY_RUN !== undefined && run !== ONLY_RUN) continue;
       const rng = new Rng(FUZZ_SEED, hash32(name), run);

@@ -10,17 +10,15 @@
 // - the identification registers read as the spec says;
 // - the transport's saved state, whatever registers the driver wrote, restores into a fresh
 //   transport and saves back the same.
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { VirtioBalloon, VIRTIO_BALLOON_F_FREE_PAGE_REPORTING } from '../../src/backends/kvm/devices/virtio-balloon';
 import { VirtioBlk } from '../../src/backends/kvm/devices/virtio-blk';
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
-import type { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { MmioTransport, VIRTIO_F_VERSION_1, type DeviceSavedState, type VirtioDevice } from '../../src/backends/kvm/virtio/mmio-transport';
 import type { SplitQueue } from '../../src/backends/kvm/virtio/queue';
 import { property, same, thrown } from '../fuzz-seed';
-import { bufferAt, FuzzDriver, GuestImage, inFuzzRam, mapFuzzRam, placeRings, Placer, scramble, VIRTQ_DESC_F_WRITE, WINDOWS } from '../fuzz-guest-ram';
+import { bufferAt, FuzzDriver, GuestImage, inFuzzRam, withFuzzRam, placeRings, Placer, scramble, VIRTQ_DESC_F_WRITE, WINDOWS } from '../fuzz-guest-ram';
 import { ACK, DRIVER, DRIVER_OK, FEATURES_OK, NEEDS_RESET } from '../virtio-driver';
 
 const FAILED = 128;
@@ -83,18 +81,10 @@ class Observed implements VirtioDevice {
 }
 
 describe('virtio-mmio transport under random register writes', () => {
-  let mem: GuestMemory;
-  let dir: string;
-  beforeAll(() => {
-    mem = mapFuzzRam();
-    dir = mkdtempSync(join(tmpdir(), 'pvisor-fuzz-mmio-'));
-  });
-  afterAll(() => {
-    mem.unmap();
-    rmSync(dir, { recursive: true, force: true });
-  });
+  const env = withFuzzRam('pvisor-fuzz-mmio-');
 
   property('keeps the virtio state machine whatever the driver writes, and its saved state restores', 120, async (rng) => {
+    const { mem, dir } = env;
     scramble(mem, rng);
     const placer = new Placer(rng);
     const path = join(dir, 'disk.img');

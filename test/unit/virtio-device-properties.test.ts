@@ -15,8 +15,7 @@
 // A second property per device lets buffers overlap the rings themselves, where no model can say
 // what must happen, and checks only the bounds, that nothing throws and that nothing outside the
 // windows the driver named changes.
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { VirtioBalloon, VIRTIO_BALLOON_F_FREE_PAGE_REPORTING } from '../../src/backends/kvm/devices/virtio-balloon';
 import {
@@ -29,7 +28,7 @@ import { SplitQueue, type Descriptor, type QueueConfig } from '../../src/backend
 import { PAGE_SIZE } from '../../src/sys/constants';
 import { property, thrown, type Rng } from '../fuzz-seed';
 import {
-  bufferAt, FuzzDriver, GuestImage, mapFuzzRam, modelChain, modelUsed, placeRings, Placer, scramble, u16le, VIRTQ_DESC_F_WRITE,
+  bufferAt, FuzzDriver, GuestImage, withFuzzRam, modelChain, modelUsed, placeRings, Placer, scramble, u16le, VIRTQ_DESC_F_WRITE,
   type Buf, type ModelChain, type Range,
 } from '../fuzz-guest-ram';
 import { driverUp, NEEDS_RESET } from '../virtio-driver';
@@ -276,18 +275,10 @@ function halves(pools: Range[]): [Range[], Range[]] {
 }
 
 describe('virtio devices behind the mmio transport, under a fuzzing driver', () => {
-  let mem: GuestMemory;
-  let dir: string;
-  beforeAll(() => {
-    mem = mapFuzzRam();
-    dir = mkdtempSync(join(tmpdir(), 'pvisor-fuzz-blk-'));
-  });
-  afterAll(() => {
-    mem.unmap();
-    rmSync(dir, { recursive: true, force: true });
-  });
+  const env = withFuzzRam('pvisor-fuzz-blk-');
 
   property('console: transmits exactly the bytes of well-formed chains, fills receive buffers in order, within its bounds', 50, async (rng) => {
+    const { mem } = env;
     scramble(mem, rng);
     const placer = new Placer(rng);
     const multiport = rng.chance(0.5);
@@ -369,6 +360,7 @@ describe('virtio devices behind the mmio transport, under a fuzzing driver', () 
   });
 
   property('balloon: drops exactly the whole pages of well-formed reports, and nothing else', 60, async (rng) => {
+    const { mem } = env;
     scramble(mem, rng);
     const placer = new Placer(rng);
     const configs = ringsFor(placer, rng, [null, null, queueSize(rng, 256)]);
@@ -398,6 +390,7 @@ describe('virtio devices behind the mmio transport, under a fuzzing driver', () 
   });
 
   property('blk: answers every request as the protocol says; the image changes only by well-formed writes', 60, async (rng) => {
+    const { mem, dir } = env;
     scramble(mem, rng);
     const placer = new Placer(rng);
     const sectors = rng.between(1, 64);
@@ -436,6 +429,7 @@ describe('virtio devices behind the mmio transport, under a fuzzing driver', () 
   });
 
   property('any device, its buffers over its own rings: nothing thrown, bounded turns, nothing written outside what the driver named, nothing after a reset', 45, async (rng) => {
+    const { mem, dir } = env;
     scramble(mem, rng);
     const placer = new Placer(rng);
     const path = join(dir, 'hostile.img');
