@@ -94,6 +94,17 @@ describe('virtio-console, multiport agent channel', () => {
     expect(interrupts).toBe(1);
   });
 
+  it('answers held for a driver that asks again and again without taking them stay bounded (found by virtio-device-properties)', () => {
+    mem.write(0x90000, control(0, 3, 1)); // PORT_READY: two answers each
+    for (let i = 0; i < 200; i++) {
+      q[3].offer(0x90000, 8, false);
+      q[3].queue.renewBudget(); // a notification each, as through the transport
+      dev.notify(3);
+    }
+    expect(dev.saveState().controlOutbox).toHaveLength(64);
+    expect(errors.join('\n')).toMatch(/control answer 7 dropped: 64 wait already for the driver's buffers/);
+  });
+
   it('a transmit chain whose descriptors all alias one large region is refused without a copy', () => {
     // 16 descriptors, each 512 KiB over the same bytes: 8 MiB claimed from 512 KiB of RAM.
     const before = process.memoryUsage().arrayBuffers;

@@ -359,6 +359,43 @@ describe('virtio devices behind the mmio transport, under a fuzzing driver', () 
     rig.t.write(STATUS, 4, 0);
   });
 
+  property('console control queue: answers waiting for the driver stay bounded however it asks, and the state restores', 30, async (rng) => {
+    const { mem } = env;
+    scramble(mem, rng);
+    const placer = new Placer(rng);
+    const configs = ringsFor(placer, rng, [queueSize(rng, 256), queueSize(rng, 256), queueSize(rng, 16), queueSize(rng, 16)]);
+    const make = () => new VirtioConsole(mem, () => {}, () => {}, () => {}, () => {});
+    const rig = bringUp(mem, rng, make, VIRTIO_F_VERSION_1 | VIRTIO_CONSOLE_F_MULTIPORT, configs);
+    const [, , controlRx, controlTx] = rig.queues;
+    const pool = rng.pick(placer.pools());
+    // struct virtio_console_control: DEVICE_READY, PORT_READY and PORT_OPEN with the values that
+    // get answers, or anything.
+    const message = () => {
+      const m = Buffer.alloc(8);
+      m.writeUInt32LE(rng.chance(0.8) ? 0 : rng.u32(), 0);
+      m.writeUInt16LE(rng.pick([0, 3, 6, rng.int(0x10000)]), 4);
+      m.writeUInt16LE(rng.chance(0.8) ? 1 : rng.int(0x10000), 6);
+      return m;
+    };
+    for (let round = rng.between(20, 200); round > 0; round--) {
+      for (let n = rng.int(controlTx.config.size + 1); n > 0; n--) {
+        const b = bufferAt(rng, pool, rng.pick([8, 8, 8, 4, 16]));
+        if (b.gpa >= pool.start && b.gpa + 8 <= pool.end) rig.image.poke(b.gpa, message());
+        offer(controlTx, rng, [{ ...b, flags: 0 }], false);
+      }
+      // The driver takes answers now and then, or never.
+      if (rng.chance(0.05)) for (let n = rng.int(3); n > 0; n--) offer(controlRx, rng, [{ ...bufferAt(rng, pool, 64), flags: VIRTQ_DESC_F_WRITE }], false);
+      notify(rig, controlTx);
+      if (rng.chance(0.1)) notify(rig, controlRx);
+    }
+    const state = JSON.parse(JSON.stringify(rig.t.saveState()));
+    const waiting = state.active.device.controlOutbox.length;
+    if (waiting > 64) expect({ waiting }).toEqual({ waiting: 'at most 64' });
+    const e = thrown(() => new MmioTransport(TRANSPORT_BASE, make(), mem).restoreState(state));
+    if (e !== undefined) expect(e).toBeUndefined();
+    rig.t.write(STATUS, 4, 0);
+  });
+
   property('balloon: drops exactly the whole pages of well-formed reports, and nothing else', 60, async (rng) => {
     const { mem } = env;
     scramble(mem, rng);

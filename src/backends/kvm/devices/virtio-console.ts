@@ -31,6 +31,12 @@ const PORT_READY = 3;
 const PORT_OPEN = 6;
 const PORT_NAME = 7;
 const CONTROL_BYTES = 8;
+/**
+ * Control answers held for a driver that has posted no buffer for them. The handshake needs three;
+ * a guest that asks again and again without taking them must not grow host memory (nor a saved
+ * state past what a restore takes).
+ */
+const MAX_PENDING_CONTROL = 64;
 
 /**
  * The most a transmit chain may carry: the largest frame either guest sends in one buffer (the
@@ -134,7 +140,7 @@ export class VirtioConsole implements VirtioDevice {
     const o = objectAt(value, path);
     checkVersion(o, path, CONSOLE_STATE_VERSION);
     const outbox = bytesAt(o, 'outbox', path, { min: 0, max: MAX_SAVED_OUTBOX_BYTES });
-    const controlOutbox = arrayAt(o, 'controlOutbox', path, 64).map((_, i) => bytesAt(o.controlOutbox as Record<string, unknown>, String(i), `${path}.controlOutbox`, { min: CONTROL_BYTES, max: 4096 }));
+    const controlOutbox = arrayAt(o, 'controlOutbox', path, MAX_PENDING_CONTROL).map((_, i) => bytesAt(o.controlOutbox as Record<string, unknown>, String(i), `${path}.controlOutbox`, { min: CONTROL_BYTES, max: 4096 }));
     this.outbox = outbox.length ? [outbox] : [];
     this.controlOutbox = controlOutbox;
     // As activate, but without delivering: the machine is paused; the notifications it gives
@@ -285,6 +291,10 @@ export class VirtioConsole implements VirtioDevice {
   }
 
   private control(id: number, event: number, value: number, text = ''): void {
+    if (this.controlOutbox.length >= MAX_PENDING_CONTROL) {
+      this.queueError(`control answer ${event} dropped: ${MAX_PENDING_CONTROL} wait already for the driver's buffers`);
+      return;
+    }
     const msg = Buffer.alloc(CONTROL_BYTES + Buffer.byteLength(text));
     msg.writeUInt32LE(id, 0);
     msg.writeUInt16LE(event, 4);
