@@ -247,6 +247,11 @@ export function bufferAt(rng: Rng, pool: Range, len: number, alignTo = 1): { gpa
 /** The driver's side of one queue over real guest RAM, every store also made in the model. */
 export class FuzzDriver {
   private nextDesc = 0;
+  /**
+   * The head posted at each available index not yet followed: a driver that posts while the
+   * device takes reuses ring slots before a test looks back at them.
+   */
+  private readonly posted = new Map<number, number>();
 
   constructor(private readonly image: GuestImage, readonly config: QueueConfig, public availIdx: number) {}
 
@@ -264,8 +269,16 @@ export class FuzzDriver {
   post(head: number): void {
     const { availGpa, size } = this.config;
     this.image.poke(availGpa + 4 + 2 * (this.availIdx % size), u16le(head));
+    this.posted.set(this.availIdx, head);
     this.availIdx = (this.availIdx + 1) & 0xffff;
     this.image.poke(availGpa + 2, u16le(this.availIdx));
+  }
+
+  /** The head posted at available index `idx` (forgotten once asked for), if this driver posted it. */
+  takePosted(idx: number): number | undefined {
+    const head = this.posted.get(idx);
+    this.posted.delete(idx);
+    return head;
   }
 
   /** Sets the available index to anything (a driver that lies about what it posted). */
@@ -309,13 +322,13 @@ export type ModelChain =
   | { kind: 'chain'; head: number; descriptors: Descriptor[] };
 
 /**
- * The chain at available entry `availIdx`, read from the model: the reference the device's queue
- * is checked against. A chain is bad when it has more descriptors than the ring, an indirect
+ * The chain at available entry `availIdx` (whose head is `posted`, when the driver remembers it),
+ * read from the model: the reference the device's queue is checked against. A chain is bad when it has more descriptors than the ring, an indirect
  * descriptor, a buffer outside guest RAM or a next index outside the ring.
  */
-export function modelChain(image: GuestImage, config: QueueConfig, availIdx: number): ModelChain {
+export function modelChain(image: GuestImage, config: QueueConfig, availIdx: number, posted?: number): ModelChain {
   const { size, descGpa, availGpa } = config;
-  const head = image.u16(availGpa + 4 + 2 * (availIdx % size));
+  const head = posted ?? image.u16(availGpa + 4 + 2 * (availIdx % size));
   if (head >= size) return { kind: 'bad-head', head };
   const descriptors: Descriptor[] = [];
   for (let i = head; ;) {
