@@ -317,31 +317,35 @@ export class FuzzDriver {
 
 /** One entry of the available ring as the split ring's rules make it (virtio 1.x, 2.7.5-2.7.7). */
 export type ModelChain =
-  | { kind: 'bad-head'; head: number }
-  | { kind: 'bad-chain'; head: number }
-  | { kind: 'chain'; head: number; descriptors: Descriptor[] };
+  | { kind: 'bad-head'; head: number; walked: 0 }
+  | { kind: 'bad-chain'; head: number; walked: number }
+  | { kind: 'chain'; head: number; walked: number; descriptors: Descriptor[] };
 
 /**
  * The chain at available entry `availIdx` (whose head is `posted`, when the driver remembers it),
- * read from the model: the reference the device's queue is checked against. A chain is bad when it has more descriptors than the ring, an indirect
- * descriptor, a buffer outside guest RAM or a next index outside the ring.
+ * read from the model: the reference the device's queue is checked against. A chain is bad when
+ * it has more descriptors than the ring, an indirect descriptor, a buffer outside guest RAM or a
+ * next index outside the ring. `walked` is how many descriptors were read to find out (what the
+ * queue's budget per turn counts).
  */
+
 export function modelChain(image: GuestImage, config: QueueConfig, availIdx: number, posted?: number): ModelChain {
   const { size, descGpa, availGpa } = config;
   const head = posted ?? image.u16(availGpa + 4 + 2 * (availIdx % size));
-  if (head >= size) return { kind: 'bad-head', head };
+  if (head >= size) return { kind: 'bad-head', head, walked: 0 };
   const descriptors: Descriptor[] = [];
   for (let i = head; ;) {
-    if (descriptors.length >= size) return { kind: 'bad-chain', head };
+    if (descriptors.length >= size) return { kind: 'bad-chain', head, walked: descriptors.length };
     const d = image.read(descGpa + 16 * i, 16);
+    const walked = descriptors.length + 1;
     const gpa = Number(d.readBigUInt64LE(0));
     const len = d.readUInt32LE(8);
     const flags = d.readUInt16LE(12);
-    if (flags & VIRTQ_DESC_F_INDIRECT || !inFuzzRam(gpa, len)) return { kind: 'bad-chain', head };
+    if (flags & VIRTQ_DESC_F_INDIRECT || !inFuzzRam(gpa, len)) return { kind: 'bad-chain', head, walked };
     descriptors.push({ gpa, len, writable: (flags & VIRTQ_DESC_F_WRITE) !== 0 });
-    if (!(flags & VIRTQ_DESC_F_NEXT)) return { kind: 'chain', head, descriptors };
+    if (!(flags & VIRTQ_DESC_F_NEXT)) return { kind: 'chain', head, walked, descriptors };
     i = d.readUInt16LE(14);
-    if (i >= size) return { kind: 'bad-chain', head };
+    if (i >= size) return { kind: 'bad-chain', head, walked };
   }
 }
 

@@ -87,7 +87,7 @@ describe('split virtqueue under a fuzzing driver', () => {
         expect(state).toEqual({ version: 1, ...config, nextAvail, nextUsed, ...(broken && { brokenBy: expect.any(String) }) });
         q = SplitQueue.fromState(mem, parseQueueState(state));
       }
-      // A turn of the event loop (a notification): the budget is one ring of chains.
+      // A turn of the event loop (a notification): the budget is one ring's worth of descriptors.
       q.renewBudget();
       const useValid = rng.chance(0.5);
       let taken = 0;
@@ -100,9 +100,10 @@ describe('split virtqueue under a fuzzing driver', () => {
         const availIdx = image.u16(config.availGpa + 2);
         if (availIdx === nextAvail) return 'none';
         if (((availIdx - nextAvail) & 0xffff) > config.size) return 'broken';
+        // The budget is one ring's worth of descriptors walked (a bad head counts as one).
         if (taken >= config.size) return 'budget';
-        taken++;
         const chain = modelChain(image, config, nextAvail);
+        taken += Math.max(1, chain.walked);
         nextAvail = (nextAvail + 1) & 0xffff;
         return chain;
       };
