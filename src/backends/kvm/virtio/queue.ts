@@ -189,11 +189,18 @@ export class SplitQueue {
 
   /**
    * True if the driver has made a chain available that the device may take now (false while the
-   * queue is broken or this turn's budget is spent).
+   * queue is broken or this turn's budget is spent). A chain that waits for the budget counts as a
+   * taker stopped by it: {@link onBudgetRenewed} follows, as after a pop the budget refused (a
+   * device that stopped for a reason of its own, and asked here, would otherwise never go on).
    */
   hasAvailable(): boolean {
-    if (this.brokenBy !== undefined || this.takenThisTurn >= this.config.size) return false;
-    return this.mem.readU16(this.config.availGpa + 2) !== this.nextAvail;
+    if (this.brokenBy !== undefined) return false;
+    const available = this.mem.readU16(this.config.availGpa + 2) !== this.nextAvail;
+    if (available && this.takenThisTurn >= this.config.size) {
+      this.stoppedByBudget = true;
+      return false;
+    }
+    return available;
   }
 
   /** Why the queue is broken, or undefined. */
