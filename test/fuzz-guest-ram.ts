@@ -13,7 +13,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GuestMemory, HIGH_RAM_START, MMIO_HOLE_START } from '../src/backends/kvm/guest-memory';
 import { PAGE_SIZE } from '../src/sys/constants';
-import type { Descriptor, QueueConfig } from '../src/backends/kvm/virtio/queue';
+import { VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, type Descriptor, type QueueConfig } from '../src/backends/kvm/virtio/queue';
 import type { Rng } from './fuzz-seed';
 
 /** Where GuestMemory's 1 GiB views meet: a field across it cannot go through one view. */
@@ -22,10 +22,6 @@ export const VIEW_SEAM = 2 ** 30;
 export const FUZZ_RAM_BYTES = MMIO_HOLE_START + 2 ** 20;
 /** The guest-physical address where that RAM ends. */
 export const FUZZ_RAM_END = HIGH_RAM_START + (FUZZ_RAM_BYTES - MMIO_HOLE_START);
-
-export const VIRTQ_DESC_F_NEXT = 1;
-export const VIRTQ_DESC_F_WRITE = 2;
-export const VIRTQ_DESC_F_INDIRECT = 4;
 
 /** A range of guest-physical addresses [start, end). */
 export interface Range {

@@ -17,9 +17,9 @@ import { VirtioBlk } from '../../src/backends/kvm/devices/virtio-blk';
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import { MmioTransport, VIRTIO_F_VERSION_1, type DeviceSavedState, type TransportState, type VirtioDevice } from '../../src/backends/kvm/virtio/mmio-transport';
 import { SnapshotError } from '../../src/errors';
-import type { SplitQueue } from '../../src/backends/kvm/virtio/queue';
+import { VIRTQ_DESC_F_WRITE, type SplitQueue } from '../../src/backends/kvm/virtio/queue';
 import { property, same, thrown } from '../fuzz-seed';
-import { bufferAt, FuzzDriver, GuestImage, inFuzzRam, withFuzzRam, placeRings, Placer, scramble, VIRTQ_DESC_F_WRITE, WINDOWS } from '../fuzz-guest-ram';
+import { bufferAt, FuzzDriver, GuestImage, inFuzzRam, withFuzzRam, placeRings, Placer, scramble, WINDOWS } from '../fuzz-guest-ram';
 import { ACK, DRIVER, DRIVER_OK, FEATURES_OK, NEEDS_RESET } from '../virtio-driver';
 
 const FAILED = 128;

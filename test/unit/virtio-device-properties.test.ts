@@ -24,14 +24,11 @@ import {
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import type { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { MmioTransport, VIRTIO_F_VERSION_1, type VirtioDevice } from '../../src/backends/kvm/virtio/mmio-transport';
-import { SplitQueue, type Descriptor, type QueueConfig } from '../../src/backends/kvm/virtio/queue';
+import { SplitQueue, VIRTQ_DESC_F_WRITE, type Descriptor, type QueueConfig } from '../../src/backends/kvm/virtio/queue';
 import { SnapshotError } from '../../src/errors';
 import { PAGE_SIZE } from '../../src/sys/constants';
 import { property, thrown, type Rng } from '../fuzz-seed';
-import {
-  bufferAt, FuzzDriver, GuestImage, withFuzzRam, modelChain, modelUsed, placeRings, Placer, scramble, u16le, VIRTQ_DESC_F_WRITE,
-  type Buf, type ModelChain, type Range,
-} from '../fuzz-guest-ram';
+import { bufferAt, FuzzDriver, GuestImage, withFuzzRam, modelChain, modelUsed, placeRings, Placer, scramble, u16le, type Buf, type ModelChain, type Range } from '../fuzz-guest-ram';
 import { driverUp, NEEDS_RESET } from '../virtio-driver';
 
 const TRANSPORT_BASE = 0xd0000000;

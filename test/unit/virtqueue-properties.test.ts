@@ -6,12 +6,9 @@
 // model of what the queue may write: its used ring, nothing else.
 import { MMIO_HOLE_START, HIGH_RAM_START, type GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { SnapshotError } from '../../src/errors';
-import { ChainError, parseQueueState, QueueError, SplitQueue, type DescriptorChain, type QueueConfig } from '../../src/backends/kvm/virtio/queue';
+import { ChainError, parseQueueState, QueueError, SplitQueue, VIRTQ_DESC_F_WRITE, type DescriptorChain, type QueueConfig } from '../../src/backends/kvm/virtio/queue';
 import { property, thrown, type Rng } from '../fuzz-seed';
-import {
-  bufferAt, FUZZ_RAM_END, FuzzDriver, GuestImage, inFuzzRam, mapFuzzRam, modelChain, modelUsed, placeRings, Placer, scramble, u16le,
-  VIRTQ_DESC_F_WRITE, type Buf,
-} from '../fuzz-guest-ram';
+import { bufferAt, FUZZ_RAM_END, FuzzDriver, GuestImage, inFuzzRam, mapFuzzRam, modelChain, modelUsed, placeRings, Placer, scramble, u16le, type Buf } from '../fuzz-guest-ram';
 
 function randomSize(rng: Rng): number {
   return rng.weighted([[4, () => rng.between(1, 8)], [3, () => 2 ** rng.int(11)], [1, () => rng.between(1, 1024)]] as const)();

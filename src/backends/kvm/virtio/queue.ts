@@ -7,9 +7,10 @@ import { SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
 import { checkVersion, integerAt, objectAt } from '../state-fields';
 
-const VIRTQ_DESC_F_NEXT = 1;
-const VIRTQ_DESC_F_WRITE = 2;
-const VIRTQ_DESC_F_INDIRECT = 4;
+// Descriptor flags (virtio 1.x, 2.7.5; <linux/virtio_ring.h>).
+export const VIRTQ_DESC_F_NEXT = 1;
+export const VIRTQ_DESC_F_WRITE = 2;
+export const VIRTQ_DESC_F_INDIRECT = 4;
 /** avail.flags: the driver does not want an interrupt when buffers are used. */
 const VIRTQ_AVAIL_F_NO_INTERRUPT = 1;
 /** used.flags: the device does not want a notification when buffers are made available. */
