@@ -7,7 +7,7 @@
 import { GuestRequestError, PvisorError, TimeoutError, VmStateError } from '../../src/errors';
 import { LinuxGuest } from '../../src/guest/linux-client';
 import { PROBE_CONTENTS } from '../../src/guest/probe-content';
-import { ProbeGuest } from '../../src/guest/probe-client';
+import { HOSTILE_KINDS, ProbeGuest, type HostileKind } from '../../src/guest/probe-client';
 import { AgentClient } from '../../src/protocol/agent-client';
 import { encodeFrame, FrameDecoder, FRAME_HEADER_BYTES, FrameType, MAX_PAYLOAD_BYTES, type Frame } from '../../src/protocol/frame';
 import { randomFrame, randomSplits } from '../fuzz-frames';
@@ -182,6 +182,8 @@ describe('agent client under a fuzzing guest', () => {
         case 4:
           call('memInfo', () => linux.memInfo({ timeoutMs: 20 }));
           call('dropCaches', () => linux.dropCaches({ timeoutMs: 20 }));
+          call('restored', () => linux.restored({ timeoutMs: 20 }));
+          if (rng.chance(0.2)) call('shutdown', () => linux.shutdown());
           break;
         case 5:
           call('probe.fill', () => probe.fill({ sizeMiB: 1, content: rng.pick(PROBE_CONTENTS) }));
@@ -194,6 +196,7 @@ describe('agent client under a fuzzing guest', () => {
           call('probe.rewrite', () => probe.rewrite({ fraction: 0.5 }));
           call('probe.idle', () => probe.idle());
           call('probe.exitStorm', () => probe.exitStorm(10));
+          call('probe.hostile', () => probe.hostile(rng.pick(Object.keys(HOSTILE_KINDS) as HostileKind[]), { timeoutMs: 20 }));
       }
     }
 
