@@ -1,7 +1,43 @@
 // The driver's side of a split virtqueue, as a guest driver writes it: real guest memory, rings at
 // `base` (descriptors), +0x400 (available) and +0x800 (used), 16 entries. For device-model tests.
 import type { GuestMemory } from '../src/backends/kvm/guest-memory';
-import { SplitQueue } from '../src/backends/kvm/virtio/queue';
+import type { MmioTransport } from '../src/backends/kvm/virtio/mmio-transport';
+import { SplitQueue, type QueueConfig } from '../src/backends/kvm/virtio/queue';
+
+// Device status bits (virtio 1.x, 2.1).
+export const ACK = 1;
+export const DRIVER = 2;
+export const DRIVER_OK = 4;
+export const FEATURES_OK = 8;
+export const NEEDS_RESET = 64;
+
+/**
+ * Brings a transport to DRIVER_OK as a virtio 1 driver does: `features` acked, then queue `i` set
+ * up at `queues[i]` (left not ready where null or absent).
+ */
+export function driverUp(t: MmioTransport, features: bigint, queues: readonly (QueueConfig | null)[]): void {
+  const w = (reg: number, v: number) => t.write(reg, 4, v);
+  const split = (reg: number, addr: number) => {
+    w(reg, addr % 2 ** 32);
+    w(reg + 4, Math.floor(addr / 2 ** 32));
+  };
+  w(0x070, ACK | DRIVER);
+  w(0x024, 0);
+  w(0x020, Number(features & 0xffffffffn));
+  w(0x024, 1);
+  w(0x020, Number(features >> 32n));
+  w(0x070, ACK | DRIVER | FEATURES_OK);
+  queues.forEach((q, i) => {
+    if (!q) return;
+    w(0x030, i);
+    w(0x038, q.size);
+    split(0x080, q.descGpa);
+    split(0x090, q.availGpa);
+    split(0x0a0, q.usedGpa);
+    w(0x044, 1);
+  });
+  w(0x070, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+}
 
 /** Entries of every test ring. */
 export const SIZE = 16;

@@ -210,6 +210,8 @@ export class GuestProcess {
       (r) => {
         this.stdout.push(null);
         this.stderr.push(null);
+        // Ended without a STARTED chunk that held a pid: `pid` must settle all the same.
+        neverStarted(new GuestRequestError(0, 'the guest ended the command without reporting its pid'));
         if (r.length < 8) throw new GuestRequestError(0, `the guest ended a command with a ${r.length}-byte status, 8 expected`);
         const code = r.readInt32LE(0);
         const sig = r.readInt32LE(4);
@@ -419,7 +421,7 @@ export class GuestFiles {
     if (r.length < 8) throw new GuestRequestError(0, `the guest answered FILE_READ with ${r.length} bytes, 8 expected`);
     const data = Buffer.concat(parts);
     const total = Number(r.readBigUInt64LE(0));
-    if (total !== data.length) throw new Error(`guest said ${total} bytes but sent ${data.length} for ${path}`);
+    if (total !== data.length) throw new GuestRequestError(0, `the guest said ${total} bytes but sent ${data.length} for ${path}`);
     return data;
   }
 

@@ -1,7 +1,7 @@
 /**
  * The probe guest's operations as typed calls over the agent protocol.
  */
-import { InvalidOptionError } from '../errors';
+import { GuestRequestError, InvalidOptionError } from '../errors';
 import { checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
 import type { AgentClient } from '../protocol/agent-client';
 import { PROBE_CONTENTS, PROBE_CONTENT_CODES, isProbeContent, type ProbeContent } from './probe-content';
@@ -206,6 +206,8 @@ export class ProbeGuest {
   /** Digest of the working set, computed in the guest. */
   async digest(): Promise<ProbeDigest> {
     const r = await this.agent.request(ProbeOp.Digest);
+    // A digest cannot be made up of zeros the way a short count can (readU64): too short is an error.
+    if (r.length < 24) throw new GuestRequestError(0, `the guest answered DIGEST with ${r.length} bytes, 24 expected`);
     const h1 = r.readUInt32LE(8);
     const h2 = r.readUInt32LE(12);
     return { bytes: readU64(r, 0), h1, h2, hex: hex32(h2) + hex32(h1), tscCycles: readU64(r, 16) };

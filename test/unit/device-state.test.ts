@@ -9,31 +9,11 @@ import { VirtioBalloon, VIRTIO_BALLOON_F_FREE_PAGE_REPORTING } from '../../src/b
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { MmioTransport } from '../../src/backends/kvm/virtio/mmio-transport';
-import { DriverQueue as Ring, SIZE } from '../virtio-driver';
+import { ACK, DRIVER, DRIVER_OK, driverUp as driverUpAt, DriverQueue as Ring, FEATURES_OK } from '../virtio-driver';
 
-const ACK = 1;
-const DRIVER = 2;
-const DRIVER_OK = 4;
-const FEATURES_OK = 8;
-
-/** Brings a transport to DRIVER_OK as a virtio 1 driver does, with `features` and every queue at `rings`. */
+/** Brings a transport to DRIVER_OK with `features` and every queue at `rings`. */
 function driverUp(t: MmioTransport, features: bigint, rings: Ring[]): void {
-  const w = (reg: number, v: number) => t.write(reg, 4, v);
-  w(0x070, ACK | DRIVER);
-  w(0x024, 0);
-  w(0x020, Number(features & 0xffffffffn));
-  w(0x024, 1);
-  w(0x020, Number(features >> 32n));
-  w(0x070, ACK | DRIVER | FEATURES_OK);
-  rings.forEach((r, i) => {
-    w(0x030, i);
-    w(0x038, SIZE);
-    w(0x080, r.base);
-    w(0x090, r.base + 0x400);
-    w(0x0a0, r.base + 0x800);
-    w(0x044, 1);
-  });
-  w(0x070, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+  driverUpAt(t, features, rings.map((r) => r.queue.config));
 }
 
 const VERSION_1 = 1n << 32n;
@@ -142,6 +122,8 @@ describe('device state of the probe machine', () => {
       [bad((s) => { s.driverFeatures = 12; }), /transport\.driverFeatures: expected a 64-bit value/],
       [bad((s) => { s.active.queues[0].size = 3; }), /transport\.active\.queues\[0\]\.size: a split queue's size is a power of 2/],
       [bad((s) => { s.active.queues[1].usedGpa = 0x7fffff00; }), /transport\.active\.queues\[1\]: virtqueue rings lie outside guest RAM/],
+      // Found by snapshot-state-fuzz: larger than the device takes (and so a larger budget per turn).
+      [bad((s) => { s.active.queues[0].size = 512; }), /transport\.active\.queues\[0\]\.size: 512, more than the 256 this device's queue takes/],
       [bad((s) => { s.active.device.outbox = '@@'; }), /transport\.active\.device\.outbox: expected base64 bytes/],
       [bad((s) => { s.active.device.version = 9; }), /transport\.active\.device\.version/],
       [bad((s) => { s.active.device.controlOutbox = ['AAAA']; }), /transport\.active\.device\.controlOutbox\.0: expected 8 to 4096 bytes, got 3/],

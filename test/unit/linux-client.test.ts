@@ -63,6 +63,32 @@ describe('Linux guest client', () => {
     await expect(sloppy.exec(['true'])).resolves.toMatchObject({ exitCode: 0, signal: null });
   });
 
+  // Both found by agent-client-fuzz.
+  it('a command that ends without reporting a pid rejects its pid, which never waits forever', async () => {
+    const sloppy = fakeGuest((f, reply) => {
+      if (f.op !== EXEC) return;
+      reply({ type: FrameType.StreamChunk, op: EXEC, flags: STARTED, payload: Buffer.alloc(2) }); // too short for a pid
+      reply({ type: FrameType.Response, op: EXEC, flags: 0, payload: Buffer.alloc(8) });
+    });
+    const p = sloppy.spawn(['true']);
+    await expect(p.exited).resolves.toEqual({ exitCode: 0, signal: null });
+    await expect(p.pid).rejects.toThrow(/ended the command without reporting its pid/);
+    const started = fakeGuest((f, reply) => {
+      if (f.op !== EXEC) return;
+      reply({ type: FrameType.StreamChunk, op: EXEC, flags: STARTED, payload: Buffer.from([7, 0, 0, 0]) });
+      reply({ type: FrameType.Response, op: EXEC, flags: 0, payload: Buffer.alloc(8) });
+    }).spawn(['true']);
+    await expect(started.pid).resolves.toBe(7);
+  });
+
+  it('files.read whose total disagrees with the bytes sent is a GuestRequestError', async () => {
+    const liar = fakeGuest((f, reply) => {
+      reply({ type: FrameType.StreamChunk, op: f.op, flags: 0, payload: Buffer.from('abc') });
+      reply({ type: FrameType.Response, op: f.op, flags: 0, payload: Buffer.alloc(8, 0xff) });
+    });
+    await expect(liar.files.read('/x')).rejects.toThrow(GuestRequestError);
+  });
+
   it('a short answer is a typed error, not a RangeError out of the receive path', async () => {
     const short = fakeGuest((f, reply) => {
       if (f.op === EXEC) reply({ type: FrameType.Response, op: EXEC, flags: 0, payload: Buffer.alloc(3) });

@@ -1,27 +1,10 @@
 // The checks a saved machine state goes through when read back: every malformed, truncated or
 // newer description is a SnapshotError naming the field, and a valid one reads back unchanged.
 import { SnapshotError } from '../../src/errors';
-import { parseMachineState, type MachineState } from '../../src/backends/kvm/machine-state';
-import { checkVcpuStateFits, parseVcpuState, type VcpuState, type VcpuStateFormat } from '../../src/backends/kvm/vcpu-state';
+import { parseMachineState } from '../../src/backends/kvm/machine-state';
+import { checkVcpuStateFits, parseVcpuState, type VcpuStateFormat } from '../../src/backends/kvm/vcpu-state';
 import { checkVmStateFits, parseVmState } from '../../src/backends/kvm/vm-state';
-
-const blob = (size: number, fill = 0) => Buffer.alloc(size, fill).toString('base64');
-
-function vcpu(): VcpuState {
-  return {
-    version: 1, mpState: 0, regs: blob(144, 1), sregsFormat: 'sregs2', sregs: blob(320, 2), fpuFormat: 'xsave', fpu: blob(4096, 3),
-    xcrs: blob(392), vcpuEvents: blob(64), debugregs: blob(128),
-    msrs: [{ index: 0x10, value: '0xffffffffffffffff' }, { index: 0x6e0, value: '0x0' }], tscKhz: 2100000,
-  };
-}
-
-function machine(): MachineState {
-  return {
-    version: 1,
-    vm: { version: 1, clock: blob(48), irqchip: { picMaster: blob(512), picSlave: blob(512), ioapic: blob(512) }, pit: blob(112) },
-    vcpus: [{ kvm: vcpu(), activity: { kind: 'idle', seenUsedIndex: 7 } }, { kvm: vcpu(), activity: { kind: 'parked' } }],
-  };
-}
+import { blob, machine, vcpu } from '../saved-states';
 
 const format: VcpuStateFormat = { sregsFormat: 'sregs2', xsaveBytes: 4096, xcrs: true, lapic: false, msrIndices: [0x10, 0x6e0] };
 

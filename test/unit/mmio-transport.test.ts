@@ -4,6 +4,8 @@ import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { MmioTransport, VIRTIO_F_VERSION_1, type VirtioDevice } from '../../src/backends/kvm/virtio/mmio-transport';
 import type { SplitQueue } from '../../src/backends/kvm/virtio/queue';
 import { VirtioBalloon } from '../../src/backends/kvm/devices/virtio-balloon';
+import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
+import { DriverQueue, driverUp, SIZE } from '../virtio-driver';
 
 const ACK = 1;
 const DRIVER = 2;
@@ -135,5 +137,48 @@ describe('virtio-mmio transport, as a hostile driver drives it', () => {
     expect(t.read(0x070, 4) & NEEDS_RESET).toBe(NEEDS_RESET);
     w(0x070, 0);
     expect(t.read(0x070, 4)).toBe(0);
+  });
+
+  // Both found by mmio-transport-properties: a guest could make its own VM's snapshot one that
+  // restore refuses.
+  it('the status keeps 8 bits, whatever the driver writes above them, and the saved state restores', () => {
+    w(0x070, 0xffffff00 | ACK | DRIVER);
+    expect(t.read(0x070, 4)).toBe(ACK | DRIVER);
+    w(0x070, 0x80000000 | ACK | DRIVER | DRIVER_OK); // DRIVER_OK without FEATURES_OK: NEEDS_RESET is or-ed in
+    expect(t.read(0x070, 4)).toBe(ACK | DRIVER | DRIVER_OK | NEEDS_RESET);
+    const state = JSON.parse(JSON.stringify(t.saveState()));
+    expect(() => new MmioTransport(0xd0000000, new Recorder(), mem).restoreState(state)).not.toThrow();
+  });
+
+  it('queue address registers hold any 64-bit value the driver writes, and the saved state restores', () => {
+    w(0x030, 0);
+    w(0x084, 0xffffffff); // QueueDescHigh: far beyond any guest RAM
+    const state = JSON.parse(JSON.stringify(t.saveState()));
+    const fresh = new MmioTransport(0xd0000000, new Recorder(), mem);
+    expect(() => fresh.restoreState(state)).not.toThrow();
+    expect(fresh.saveState()).toEqual(state);
+  });
+});
+
+describe('virtio-mmio transport, device work left for a later turn', () => {
+  it('a device that goes on in a later turn after guest RAM is unmapped (the VM stopped) reports it, and throws nothing into the event loop', async () => {
+    const mem = GuestMemory.map(1024 * 1024);
+    const errors: string[] = [];
+    const tx = new DriverQueue(mem, 0x20000);
+    // A guest that posts a transmit chain again as soon as the device takes one (a vCPU runs in
+    // parallel): the device takes a ring's worth, then leaves the rest for a later turn.
+    let posted = 0;
+    const dev = new VirtioConsole(mem, () => {
+      if (posted++ < 100) tx.offer(0x80000, 64, false);
+    }, () => {}, () => {}, (m) => errors.push(m));
+    const t = new MmioTransport(0xd0000000, dev, mem, () => {}, (m) => errors.push(m));
+    driverUp(t, VIRTIO_F_VERSION_1, [new DriverQueue(mem, 0x10000).queue.config, tx.queue.config]);
+    tx.offer(0x80000, 64, false);
+    t.write(0x050, 4, 1); // QueueNotify 1
+    expect(posted).toBe(SIZE);
+    mem.unmap(); // the VM stops in this same turn
+    await new Promise((r) => setImmediate(r));
+    await new Promise((r) => setImmediate(r));
+    expect(errors.join('\n')).toMatch(/guest RAM is no longer mapped/);
   });
 });

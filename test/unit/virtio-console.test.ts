@@ -1,6 +1,7 @@
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
-import { DriverQueue, SIZE } from '../virtio-driver';
+import { MmioTransport } from '../../src/backends/kvm/virtio/mmio-transport';
+import { DriverQueue, driverUp, SIZE } from '../virtio-driver';
 
 // The agent channel as Linux's virtio_console driver drives it with multiport: real guest memory,
 // rings and buffers written the way the driver writes them. No KVM needed.
@@ -94,6 +95,17 @@ describe('virtio-console, multiport agent channel', () => {
     expect(interrupts).toBe(1);
   });
 
+  it('answers held for a driver that asks again and again without taking them stay bounded (found by virtio-device-properties)', () => {
+    mem.write(0x90000, control(0, 3, 1)); // PORT_READY: two answers each
+    for (let i = 0; i < 200; i++) {
+      q[3].offer(0x90000, 8, false);
+      q[3].queue.renewBudget(); // a notification each, as through the transport
+      dev.notify(3);
+    }
+    expect(dev.saveState().controlOutbox).toHaveLength(64);
+    expect(errors.join('\n')).toMatch(/control answer 7 dropped: 64 wait already for the driver's buffers/);
+  });
+
   it('a transmit chain whose descriptors all alias one large region is refused without a copy', () => {
     // 16 descriptors, each 512 KiB over the same bytes: 8 MiB claimed from 512 KiB of RAM.
     const before = process.memoryUsage().arrayBuffers;
@@ -109,5 +121,45 @@ describe('virtio-console, multiport agent channel', () => {
     q[1].queue.renewBudget(); // as the transport does for each notification
     dev.notify(1);
     expect(Buffer.concat(fromGuest).toString()).toBe('next');
+  });
+});
+
+describe('virtio-console, transmit work left for a later turn', () => {
+  it('the rest of a flood, due in a later turn after guest RAM is unmapped (the VM stopped), is reported, never thrown into the event loop', async () => {
+    const mem = GuestMemory.map(4 * 1024 * 1024);
+    const errors: string[] = [];
+    let received = 0;
+    const dev = new VirtioConsole(mem, (b) => (received += b.length), () => {}, () => {}, (m) => errors.push(m));
+    const tx = new DriverQueue(mem, 0x20000);
+    dev.activate([new DriverQueue(mem, 0x10000).queue, tx.queue], VERSION_1);
+    // Nine chains of 1 MiB (one descriptor each, well inside the queue's budget of 16): a turn
+    // takes 8 MiB, the ninth is left for the next turn.
+    for (let i = 0; i < 9; i++) tx.offerChain([{ gpa: 0x100000, len: 1024 * 1024 }]);
+    dev.notify(1);
+    expect(received).toBe(8 * 1024 * 1024);
+    mem.unmap();
+    await new Promise((r) => setImmediate(r));
+    expect(received).toBe(8 * 1024 * 1024);
+    expect(errors.join('\n')).toMatch(/guest RAM is no longer mapped/);
+  });
+
+  it('a turn that spends the byte budget and the queue budget at once still leaves the rest for the next turn (found by virtio-device-properties)', async () => {
+    const mem = GuestMemory.map(4 * 1024 * 1024);
+    try {
+      let received = 0;
+      const dev = new VirtioConsole(mem, (b) => (received += b.length), () => {}, () => {}, () => {});
+      const t = new MmioTransport(0xd0000000, dev, mem);
+      const rx = new DriverQueue(mem, 0x10000);
+      const tx = new DriverQueue(mem, 0x20000);
+      driverUp(t, VERSION_1, [rx.queue.config, tx.queue.config]);
+      // Nine chains of two 512 KiB descriptors: eight make 8 MiB and 16 descriptors, both budgets.
+      for (let i = 0; i < 9; i++) tx.offerChain([{ gpa: 0x100000, len: 512 * 1024 }, { gpa: 0x180000, len: 512 * 1024 }]);
+      t.write(0x050, 4, 1); // QueueNotify 1
+      expect(received).toBe(8 * 1024 * 1024);
+      for (let turn = 0; turn < 3; turn++) await new Promise((r) => setImmediate(r));
+      expect(received).toBe(9 * 1024 * 1024); // no second notification: the device went on by itself
+    } finally {
+      mem.unmap();
+    }
   });
 });

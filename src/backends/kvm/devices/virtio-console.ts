@@ -31,6 +31,12 @@ const PORT_READY = 3;
 const PORT_OPEN = 6;
 const PORT_NAME = 7;
 const CONTROL_BYTES = 8;
+/**
+ * Control answers held for a driver that has posted no buffer for them. The handshake needs three;
+ * a guest that asks again and again without taking them must not grow host memory (nor a saved
+ * state past what a restore takes).
+ */
+const MAX_PENDING_CONTROL = 64;
 
 /**
  * The most a transmit chain may carry: the largest frame either guest sends in one buffer (the
@@ -134,7 +140,7 @@ export class VirtioConsole implements VirtioDevice {
     const o = objectAt(value, path);
     checkVersion(o, path, CONSOLE_STATE_VERSION);
     const outbox = bytesAt(o, 'outbox', path, { min: 0, max: MAX_SAVED_OUTBOX_BYTES });
-    const controlOutbox = arrayAt(o, 'controlOutbox', path, 64).map((_, i) => bytesAt(o.controlOutbox as Record<string, unknown>, String(i), `${path}.controlOutbox`, { min: CONTROL_BYTES, max: 4096 }));
+    const controlOutbox = arrayAt(o, 'controlOutbox', path, MAX_PENDING_CONTROL).map((_, i) => bytesAt(o.controlOutbox as Record<string, unknown>, String(i), `${path}.controlOutbox`, { min: CONTROL_BYTES, max: 4096 }));
     this.outbox = outbox.length ? [outbox] : [];
     this.controlOutbox = controlOutbox;
     // As activate, but without delivering: the machine is paused; the notifications it gives
@@ -203,7 +209,21 @@ export class VirtioConsole implements VirtioDevice {
     }
     this.signal(tx, usedBefore);
     // The guest may have more: the rest in a later turn, so the event loop is not held.
-    if (taken >= TRANSMIT_BYTES_PER_TURN && tx.hasAvailable()) setImmediate(() => this.tx === tx && this.drainTransmit());
+    if (taken >= TRANSMIT_BYTES_PER_TURN && tx.hasAvailable()) setImmediate(() => this.drainLater(tx));
+  }
+
+  /**
+   * The rest of the transmit queue, in a later turn: no vCPU exit's handler is on the stack to end
+   * the VM on a throw (the VM may have stopped and unmapped guest RAM since), so it is reported,
+   * never left to end the host process as an uncaught exception.
+   */
+  private drainLater(tx: SplitQueue): void {
+    if (this.tx !== tx) return;
+    try {
+      this.drainTransmit();
+    } catch (e) {
+      this.queueError(`transmit queue: ${(e as Error).message}`);
+    }
   }
 
   private flush(): void {
@@ -271,6 +291,10 @@ export class VirtioConsole implements VirtioDevice {
   }
 
   private control(id: number, event: number, value: number, text = ''): void {
+    if (this.controlOutbox.length >= MAX_PENDING_CONTROL) {
+      this.queueError(`control answer ${event} dropped: ${MAX_PENDING_CONTROL} wait already for the driver's buffers`);
+      return;
+    }
     const msg = Buffer.alloc(CONTROL_BYTES + Buffer.byteLength(text));
     msg.writeUInt32LE(id, 0);
     msg.writeUInt16LE(event, 4);

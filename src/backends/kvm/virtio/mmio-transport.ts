@@ -195,7 +195,14 @@ export class MmioTransport {
       if (!(status & STATUS_DRIVER_OK)) throw new SnapshotError(`${path}.status: an active device has DRIVER_OK set, the state has ${status}`);
       const queues = arrayAt(a, 'queues', at, d.queueCount);
       if (queues.length !== d.queueCount) throw new SnapshotError(`${at}.queues: the state has ${queues.length} queues, this device ${d.queueCount}`);
-      live = queues.map((q, i) => (q === null ? null : SplitQueue.fromState(this.mem, parseQueueState(q, `${at}.queues[${i}]`), `${at}.queues[${i}]`)));
+      live = queues.map((q, i) => {
+        if (q === null) return null;
+        const qPath = `${at}.queues[${i}]`;
+        const state = parseQueueState(q, qPath);
+        // No larger than a driver could make it: the size is also the queue's budget per turn.
+        if (state.size > this.maxQueueSize(i)) throw new SnapshotError(`${qPath}.size: ${state.size}, more than the ${this.maxQueueSize(i)} this device's queue takes`);
+        return SplitQueue.fromState(this.mem, state, qPath);
+      });
       if (!d.restoreState) throw new SnapshotError(`${at}.device: virtio device ${d.deviceId} cannot restore its state yet`);
       d.restoreState(a.device, live, driverFeatures, `${at}.device`);
       live.forEach((q, i) => q && this.wireQueue(q, i));
@@ -209,8 +216,17 @@ export class MmioTransport {
   }
 
   private wireQueue(queue: SplitQueue, i: number): void {
-    // A budget-stopped device goes on in a later turn of the event loop, as if notified.
-    queue.onBudgetRenewed = () => this.notify(i);
+    // A budget-stopped device goes on in a later turn of the event loop, as if notified. No vCPU
+    // exit's handler is on the stack there to end the VM on a throw: one would be an uncaught
+    // exception, the end of the host process (the VM may even have stopped and unmapped guest RAM
+    // since), so it is reported instead.
+    queue.onBudgetRenewed = () => {
+      try {
+        this.notify(i);
+      } catch (e) {
+        this.onDeviceError(`virtio device ${this.device.deviceId}: queue ${i}: ${(e as Error).message}`);
+      }
+    };
     queue.onBroken = (why) => this.needsReset(`queue ${i}: ${why}`);
   }
 
@@ -315,6 +331,9 @@ export class MmioTransport {
   }
 
   private writeStatus(value: number): void {
+    // The device status is 8 bits (virtio 1.x, 2.1), as QEMU keeps it: the register's upper bits
+    // mean nothing, and kept they made a status that a saved state cannot hold.
+    value &= 0xff;
     if (value === 0) {
       this.status = 0;
       this.driverFeatures = 0n;
@@ -379,7 +398,9 @@ export class MmioTransport {
 
 function parseSlot(value: unknown, path: string): QueueSlotState {
   const q = objectAt(value, path);
-  const gpa = (key: string) => integerAt(q, key, path, 0, Number.MAX_SAFE_INTEGER);
+  // A 64-bit register as the driver wrote it, whatever it holds: the queue is checked when it is
+  // used. (A high word beyond 2^21 makes a number past 2^53, which JSON carries as it is.)
+  const gpa = (key: string) => integerAt(q, key, path, 0, 2 ** 64);
   return { num: integerAt(q, 'num', path, 0, 0xffffffff), ready: booleanAt(q, 'ready', path), desc: gpa('desc'), driver: gpa('driver'), device: gpa('device') };
 }
 

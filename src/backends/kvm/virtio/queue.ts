@@ -7,9 +7,10 @@ import { SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
 import { checkVersion, integerAt, objectAt } from '../state-fields';
 
-const VIRTQ_DESC_F_NEXT = 1;
-const VIRTQ_DESC_F_WRITE = 2;
-const VIRTQ_DESC_F_INDIRECT = 4;
+// Descriptor flags (virtio 1.x, 2.7.5; <linux/virtio_ring.h>).
+export const VIRTQ_DESC_F_NEXT = 1;
+export const VIRTQ_DESC_F_WRITE = 2;
+export const VIRTQ_DESC_F_INDIRECT = 4;
 /** avail.flags: the driver does not want an interrupt when buffers are used. */
 const VIRTQ_AVAIL_F_NO_INTERRUPT = 1;
 /** used.flags: the device does not want a notification when buffers are made available. */
@@ -125,6 +126,10 @@ export class SplitQueue {
     if (!mem.contains(descGpa, 16 * size) || !mem.contains(availGpa, 6 + 2 * size) || !mem.contains(usedGpa, 6 + 8 * size)) {
       throw new QueueError('virtqueue rings lie outside guest RAM');
     }
+    // The split ring's alignment (virtio 1.x, 2.7) keeps every ring field inside one guest RAM
+    // view, whose seams are page-aligned: a field across one cannot be written through a view.
+    // The transport checks it when the driver sets DRIVER_OK; a saved state must pass it too.
+    if (descGpa % 16 || availGpa % 2 || usedGpa % 4) throw new QueueError('virtqueue rings are not aligned (descriptors 16, available 2, used 4 bytes)');
   }
 
   /** This queue's state, for a snapshot (see {@link QueueState}). */
@@ -185,11 +190,18 @@ export class SplitQueue {
 
   /**
    * True if the driver has made a chain available that the device may take now (false while the
-   * queue is broken or this turn's budget is spent).
+   * queue is broken or this turn's budget is spent). A chain that waits for the budget counts as a
+   * taker stopped by it: {@link onBudgetRenewed} follows, as after a pop the budget refused (a
+   * device that stopped for a reason of its own, and asked here, would otherwise never go on).
    */
   hasAvailable(): boolean {
-    if (this.brokenBy !== undefined || this.takenThisTurn >= this.config.size) return false;
-    return this.mem.readU16(this.config.availGpa + 2) !== this.nextAvail;
+    if (this.brokenBy !== undefined) return false;
+    const available = this.mem.readU16(this.config.availGpa + 2) !== this.nextAvail;
+    if (available && this.takenThisTurn >= this.config.size) {
+      this.stoppedByBudget = true;
+      return false;
+    }
+    return available;
   }
 
   /** Why the queue is broken, or undefined. */
