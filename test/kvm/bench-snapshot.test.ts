@@ -1,17 +1,18 @@
 // `pvisor bench snapshot` as a user runs it, once, on real KVM: it times what it says and checks
 // every clone's digest (a wrong one fails the bench), and the clone's offload holds its own pages.
 import { spawnSync } from 'node:child_process';
-import { mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
+import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 
 const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
 const MiB = 2 ** 20;
 
 describe('pvisor bench snapshot', () => {
-  // On a disk: /tmp may be tmpfs, where backing files are refused.
-  const cache = join(__dirname, '..', '..', '..', '.cache');
-  mkdirSync(cache, { recursive: true });
-  const dir = mkdtempSync(join(cache, 'pvisor-bench-snapshot-test-'));
+  // On a disk, where snapshots and backing files live: /tmp may be tmpfs (Offload refuses it), and
+  // the repository may be on a file system whose private mappings are not the page cache's (the
+  // nested harness: there a clone's every page read as its own, and its offload wrote them all).
+  const dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-bench-snapshot-test-'));
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
   it('prints snapshot and restore times beside fresh starts, and the size of a clone\'s offload', () => {
