@@ -71,7 +71,8 @@ function mappingBudget(): number {
   } catch {
     // the default, then
   }
-  const used = readFileSync('/proc/self/maps', 'utf8').split('\n').length - 1;
+  // Read line by line, as memory-usage.ts reads maps: this process may hold tens of thousands.
+  const used = rangeMappingCount(0, Number.MAX_SAFE_INTEGER);
   return Math.max(0, max - used - MAP_COUNT_RESERVE);
 }
 
