@@ -11,6 +11,7 @@
  */
 import { createExternalBuffer, DataType, define, open } from 'ffi-rs';
 import { SystemCallError } from '../errors';
+import { EINTR } from './constants';
 
 open({ library: 'libc', path: 'libc.so.6' });
 
@@ -140,7 +141,13 @@ export function closeFd(fd: number): void {
  * name, used in the error.
  */
 export function ioctl(fd: number, request: number, arg: number, name: string): number {
-  return check(`ioctl(${name})`, fns.ioctl([fd, request, arg]) as ErrnoResult<number>);
+  // A signal to this thread (a profiler's SIGPROF under node --cpu-prof, found so) can end a KVM
+  // ioctl with EINTR before it did anything (KVM_CREATE_VM did); such an ioctl is simply asked
+  // again. KVM_RUN, whose EINTR means something, runs on the vCPU threads, not through here.
+  for (let attempt = 1; ; attempt++) {
+    const r = fns.ioctl([fd, request, arg]) as ErrnoResult<number>;
+    if (r.value >= 0 || r.errnoCode !== EINTR || attempt === 100) return check(`ioctl(${name})`, r);
+  }
 }
 
 /** mmap(2); returns the address. */
