@@ -2,7 +2,9 @@
 // a restore after clobbering the registers puts the guest back where it was, and a malformed
 // description is refused before any of it reaches KVM. Needs /dev/kvm.
 import { SnapshotError, Vm, VmStateError } from '../../src';
+import { Kvm } from '../../src/backends/kvm/ioctls';
 import { parseMachineState, type MachineState } from '../../src/backends/kvm/machine-state';
+import { msrsReadAndWrittenBack } from '../../src/backends/kvm/vcpu-state';
 import * as C from '../../src/sys/constants';
 import { hexOf } from '../probe-digest';
 
@@ -132,5 +134,30 @@ describe('machine state on KVM (probe guest)', () => {
   it('only a paused machine captures or restores', async () => {
     await expect(vm.kvmMachine.captureState()).rejects.toThrow(VmStateError);
     await expect(vm.kvmMachine.restoreState({})).rejects.toThrow(/pause it first/);
+  });
+});
+
+describe('the MSRs a vCPU saves (real KVM)', () => {
+  it('asked in batches, they are the ones that read and write back one at a time', () => {
+    const kvm = Kvm.open();
+    const vm = kvm.createVm();
+    try {
+      const vcpu = vm.createVcpu(0, kvm.vcpuMmapSize());
+      try {
+        vcpu.setCpuid(kvm.supportedCpuid());
+        const candidates = [...new Set([...kvm.msrIndexList(), ...(kvm.checkExtension(C.KVM_CAP_GET_MSR_FEATURES) > 0 ? kvm.featureMsrIndexList() : [])])];
+        const oneByOne = candidates.filter((index) => {
+          const read = vcpu.getMsrs([index]);
+          return read.length === 1 && vcpu.setMsrs(read) === 1;
+        });
+        expect(oneByOne.length).toBeGreaterThan(10);
+        expect(msrsReadAndWrittenBack(vcpu, candidates)).toEqual(oneByOne);
+      } finally {
+        vcpu.close();
+      }
+    } finally {
+      vm.close();
+      kvm.close();
+    }
   });
 });

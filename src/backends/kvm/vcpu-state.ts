@@ -66,27 +66,37 @@ export interface VcpuStateFormat {
  * in this machine's shape (measured: 0x4b564d06, MSR_KVM_ASYNC_PF_INT, is refused without an
  * in-kernel LAPIC). They are tried on a throwaway VM of the same shape, so that no write touches
  * the guest's own vCPUs.
+ *
+ * The answer depends only on the host's KVM and the machine's shape, so a process works it out
+ * once per shape: a restore is timed to ready, and the throwaway VM with its MSR round trips was a
+ * fifth of a Linux clone's restore in the nested harness, where every ioctl is expensive.
  */
 export function vcpuStateFormat(kvm: Kvm, vm: VmFd, inKernelIrqchip: boolean, cpuid: Buffer): VcpuStateFormat {
-  const xsave2 = vm.checkExtension(C.KVM_CAP_XSAVE2);
   const features = kvm.checkExtension(C.KVM_CAP_GET_MSR_FEATURES) > 0 ? kvm.featureMsrIndexList() : [];
   const candidates = [...new Set([...kvm.msrIndexList(), ...features])];
+  const key = `${candidates.join(',')}|${inKernelIrqchip}|${cpuid.toString('base64')}`;
+  let format = knownFormats.get(key);
+  if (!format) knownFormats.set(key, (format = probeVcpuStateFormat(kvm, vm, inKernelIrqchip, cpuid, candidates)));
+  return { ...format, msrIndices: [...format.msrIndices] };
+}
+
+/** Formats this process worked out, by what KVM lists, the machine's shape and its CPUID. */
+const knownFormats = new Map<string, VcpuStateFormat>();
+
+function probeVcpuStateFormat(kvm: Kvm, vm: VmFd, inKernelIrqchip: boolean, cpuid: Buffer, candidates: readonly number[]): VcpuStateFormat {
+  const xsave2 = vm.checkExtension(C.KVM_CAP_XSAVE2);
   const probeVm = kvm.createVm();
   try {
     if (inKernelIrqchip) probeVm.createIrqchip();
     const vcpu = probeVm.createVcpu(0, kvm.vcpuMmapSize());
     try {
       vcpu.setCpuid(cpuid);
-      const msrIndices = candidates.filter((index) => {
-        const read = vcpu.getMsrs([index]);
-        return read.length === 1 && vcpu.setMsrs(read) === 1;
-      });
       return {
         sregsFormat: vm.checkExtension(C.KVM_CAP_SREGS2) > 0 ? 'sregs2' : 'sregs',
         xsaveBytes: xsave2 > 0 ? Math.max(xsave2, C.KVM_XSAVE_SIZE) : vm.checkExtension(C.KVM_CAP_XSAVE) > 0 ? C.KVM_XSAVE_SIZE : 0,
         xcrs: vm.checkExtension(C.KVM_CAP_XCRS) > 0,
         lapic: inKernelIrqchip,
-        msrIndices,
+        msrIndices: msrsReadAndWrittenBack(vcpu, candidates),
       };
     } finally {
       vcpu.close();
@@ -94,6 +104,29 @@ export function vcpuStateFormat(kvm: Kvm, vm: VmFd, inKernelIrqchip: boolean, cp
   } finally {
     probeVm.close();
   }
+}
+
+/**
+ * The `candidates` a vCPU both returns and takes back, in order. KVM_GET_MSRS and KVM_SET_MSRS
+ * each stop at the first MSR they refuse and say how many they did, so whole batches go in one
+ * call each and a refusal costs one more call, not one call per MSR.
+ */
+export function msrsReadAndWrittenBack(vcpu: Pick<VcpuFd, 'getMsrs' | 'setMsrs'>, candidates: readonly number[]): number[] {
+  const kept: number[] = [];
+  let next = 0;
+  while (next < candidates.length) {
+    const batch = candidates.slice(next, next + MAX_MSRS_PER_CALL);
+    const read = vcpu.getMsrs(batch);
+    // The MSR after the prefix read is the one refused: skipped.
+    next += read.length < batch.length ? read.length + 1 : batch.length;
+    let rest = read;
+    while (rest.length > 0) {
+      const taken = Math.max(0, Math.min(vcpu.setMsrs(rest), rest.length));
+      for (let i = 0; i < taken; i++) kept.push(rest[i].index);
+      rest = rest.slice(taken + 1);
+    }
+  }
+  return kept;
 }
 
 /**
