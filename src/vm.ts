@@ -2,7 +2,7 @@
  * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
  */
 import { createHash } from 'node:crypto';
-import { accessSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
+import { accessSync, closeSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
@@ -110,6 +110,16 @@ export interface RestoreOptions {
   /** Memory strategies of the restored VM, as {@link VmOptions.strategies}. Default none. */
   strategies?: readonly MemoryStrategy[];
   /**
+   * Read and check all of guest RAM before the VM runs. By default a restore into private memory
+   * is lazy: the VM runs at once, and each chunk of the RAM file is read and checked against the
+   * manifest when the guest first touches it, or before, by a background load of every chunk
+   * (a native thread behind userfaultfd); a chunk that fails its check is never mapped, and the
+   * VM ends with a {@link SnapshotError}. With `verify: true` such a snapshot is refused before
+   * anything runs. Restores where userfaultfd cannot serve guest RAM (beside ColdCompression or
+   * PoolClient) always read it first. {@link SharedSnapshot} has its own `verify`. Default false.
+   */
+  verify?: boolean;
+  /**
    * Linux guest: how long to wait, once the machine runs, for the agent to answer that it was
    * restored (see {@link Vm.restore}); then the restore rejects with a {@link TimeoutError} and
    * the VM is stopped. Default 60000 ms.
@@ -123,7 +133,13 @@ export interface RestoreInfo {
   dir: string;
   /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered). */
   readyMs: number;
-  /** Of `readyMs`, the milliseconds spent reading and checking guest RAM from the snapshot. */
+  /**
+   * How guest RAM came from the snapshot: `read` (read and checked in full before the VM ran),
+   * `lazy` (loaded and checked chunk by chunk as the guest touched it, and in the background; see
+   * {@link RestoreOptions.verify}) or `mapped` (a {@link SharedSnapshot} clone's).
+   */
+  ramLoad: 'read' | 'lazy' | 'mapped';
+  /** Of `readyMs`, the milliseconds spent reading and checking guest RAM from the snapshot (setting up a lazy load: see `ramLoad`). */
   ramMs: number;
   /** Of `readyMs`, the milliseconds from the machine's resume to the agent's answer (0 for the probe). */
   agentMs: number;
@@ -344,8 +360,9 @@ export class Vm extends EventEmitter<VmEvents> {
 
   /**
    * Restores a VM from a directory {@link Vm.snapshot} wrote: the manifest and the state are
-   * checked, a new machine is built, guest RAM is read into private memory (each chunk checked
-   * against the manifest before the guest can see it), and the saved state is put back. Resolves
+   * checked, a new machine is built, guest RAM comes into private memory, each chunk checked
+   * against the manifest before the guest can see it (lazily by default, as the guest touches it:
+   * see {@link RestoreOptions.verify}), and the saved state is put back. Resolves
    * with the VM running from where the snapshot was taken; the directory is not used afterwards.
    * With a {@link SharedSnapshot} among the strategies, guest RAM maps the RAM file instead
    * (checked in full first, once per process per unchanged file): clones share what they only
@@ -365,6 +382,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const t0 = performance.now();
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
     const readyTimeoutMs = options.readyTimeoutMs === undefined ? 60000 : parseTimeoutMs('readyTimeoutMs', options.readyTimeoutMs);
+    if (options.verify !== undefined && typeof options.verify !== 'boolean') throw new InvalidOptionError('verify', `expected a boolean, got ${JSON.stringify(options.verify)}`);
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
     const { state } = snapshot;
@@ -385,11 +403,25 @@ export class Vm extends EventEmitter<VmEvents> {
     }
     let report = { detachedProcesses: 0, endedRequests: 0 };
     const phases = { ramMs: 0, agentMs: 0 };
+    let ramLoad: RestoreInfo['ramLoad'] = 'read';
     try {
       const tRam = performance.now();
       const ram = vm.machine.memory;
-      if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(snapshot.checkMappedRam(ram.backing.fd, shared.verifyAgain));
-      else snapshot.readRam(ram);
+      const lazy = !shared && !options.verify && vm.memory.canLoadLazily ? snapshot.openRamForLazyLoad() : undefined;
+      ramLoad = shared ? 'mapped' : lazy ? 'lazy' : 'read';
+      try {
+        if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(snapshot.checkMappedRam(ram.backing.fd, shared.verifyAgain));
+        else if (!lazy) snapshot.readRam(ram);
+        // Strategies map before anything touches RAM: a lazy load needs it untouched.
+        vm.memory.attach(ram);
+        if (lazy) {
+          await vm.memory.loadLazily(lazy.fd, lazy.ranges, (why, offset) =>
+            new SnapshotError(`${snapshot.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
+          );
+        }
+      } finally {
+        if (lazy) closeSync(lazy.fd);
+      }
       phases.ramMs = performance.now() - tRam;
       vm.agent.restoreState(state.agent, 'snapshot.agent');
       if (state.guest === 'probe') (vm._probe = new ProbeGuest(vm.agent)).restoreState(state.guestClient, 'snapshot.guestClient');
@@ -398,17 +430,18 @@ export class Vm extends EventEmitter<VmEvents> {
       if (vm.memory.freePageSink && !vm.machine.freePageReportingActive) {
         throw new InvalidOptionError('strategies', "the snapshot's guest did not set up free page reporting (its VM ran without IdleRelease), so its clones cannot report freed pages: snapshot a VM started with IdleRelease");
       }
-      vm.memory.attach(vm.machine.memory);
       const tResume = performance.now();
       vm.machine.resume();
       // A crash meanwhile closes the agent client, which rejects this at once.
       if (vm._linux) report = await vm._linux.restored({ timeoutMs: readyTimeoutMs });
       phases.agentMs = performance.now() - tResume;
+      // It may have ended meanwhile (a chunk of a lazy load failed its check).
+      if (vm.endError) throw vm.endError;
     } catch (e) {
       vm.stop();
       throw e;
     }
-    vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report };
+    vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report };
     vm.becomeRunning();
     return vm;
   }

@@ -9,7 +9,7 @@ import { GuestCrashError, PvisorError, VmStateError } from '../errors';
 import { ownPageRuns } from './pages';
 import { BACKING_CAPABILITIES, describeBacking, openBacking, type DiscardTo, type RamBacking, type RamBackingKind, type RamBackingRequest } from './ram-backing';
 import { StrategyConflictError, type MemoryStrategy, type StrategyContext, type StrategyStats, type SuspendWork } from './strategy';
-import type { UffdServer } from './uffd-server';
+import type { FileRange, UffdServer } from './uffd-server';
 
 /** What the composition needs of guest RAM (the KVM backend's GuestMemory). */
 export interface GuestRam {
@@ -79,6 +79,8 @@ export class MemoryComposition {
   /** The VM's userfaultfd server, once a strategy asked for it; `serverReady` once it exists. */
   private server: Promise<UffdServer> | undefined;
   private serverReady: UffdServer | undefined;
+  /** Guest RAM still loading from a snapshot's RAM file (see {@link loadLazily}); a suspend waits for it. */
+  private loading: Promise<void> | undefined;
 
   /** Checks the composition (see {@link planComposition}); allocates nothing. */
   constructor(
@@ -153,11 +155,45 @@ export class MemoryComposition {
   }
 
   /**
+   * Whether guest RAM can be loaded lazily (see {@link loadLazily}): its backing is served by
+   * userfaultfd, and no strategy drops or replaces resident pages on its own (ColdCompression,
+   * PoolClient), which a range still loading would race with.
+   */
+  get canLoadLazily(): boolean {
+    return BACKING_CAPABILITIES[this.backingRequest.kind].includes('userfaultfd-missing') && !this.strategies.some((s) => s.exclusive.includes('resident-pages'));
+  }
+
+  /**
+   * Serves guest RAM (fresh: nothing may have touched it) from `ranges` of the file `fd` through
+   * the VM's userfaultfd server: a range loads whole, checked against its CRC32C, when the guest
+   * or the VMM first touches it, and every range loads in the background from now on, in address
+   * order. A range that fails its check is never mapped: `failure(why, offset)` makes the error
+   * the VM ends with. A suspend waits until every range is loaded (its strategies read and drop
+   * guest RAM as a whole). Call after {@link attach}, before any vCPU runs.
+   */
+  async loadLazily(fd: number, ranges: readonly FileRange[], failure: (why: string, offset: number) => PvisorError): Promise<void> {
+    if (ranges.length === 0) return;
+    const server = await this.context.uffd();
+    let settle!: () => void;
+    this.loading = new Promise<void>((resolve) => (settle = resolve));
+    const source = server.addSource({ kind: 'file', fd, ranges, checksum: true }, (event) => {
+      if (event.kind === 'error') this.hooks.fail(failure(event.why, event.offset));
+      else this.tryStep('userfaultfd source', () => source.remove());
+      // A VM that failed has ended: nothing waits for the rest.
+      this.loading = undefined;
+      settle();
+    });
+    source.loadAll();
+  }
+
+  /**
    * Runs every suspend hook in order (the vCPUs are stopped). If one throws, those before it are
    * resumed in reverse, so the VM is as it was, and the error is rethrown. Resolves when every hook
    * has returned; memory may still be being released (see {@link memoryReleased}).
    */
   async suspend(checkNotEnded: () => void): Promise<void> {
+    await this.loading;
+    checkNotEnded();
     this.setRunning(false);
     await Promise.all(this.ticking);
     const ctx = this.context;

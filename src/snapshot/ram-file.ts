@@ -7,7 +7,7 @@
 import { closeSync, fstatSync, fsyncSync, ftruncateSync, openSync, readSync, writeSync } from 'node:fs';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { SnapshotError } from '../errors';
-import { crc32c } from '../memory/uffd-server';
+import { crc32c, type FileRange } from '../memory/uffd-server';
 import { adviseRandomAccess, fileDataRuns } from '../sys/libc';
 
 /** Bytes per checksummed chunk: a huge page, and small enough that one bad byte costs little to find. */
@@ -100,6 +100,30 @@ export function checkRamFile(fd: number, path: string, chunkCrc32c: readonly num
     out.chunksHoles--;
   });
   return out;
+}
+
+/**
+ * The chunks of the RAM file open as `fd` (`path` for messages, `size` bytes) that hold data, as
+ * ranges for a userfaultfd source that loads each whole and checks it against its CRC32C before
+ * the guest sees a byte of it (a lazy restore). Chunks that are all hole read as zeros without
+ * loading; each is checked here, against the checksum of zeros, so a chunk whose data was punched
+ * out is refused now.
+ */
+export function dataChunkRanges(fd: number, path: string, size: number, chunkCrc32c: readonly number[]): FileRange[] {
+  const data = fileDataRuns(fd, size);
+  // Only the data is read, without readahead (see forEachCheckedChunk).
+  adviseRandomAccess(fd);
+  const ranges: FileRange[] = [];
+  let run = 0;
+  for (let off = 0, i = 0; off < size; off += RAM_CHUNK_BYTES, i++) {
+    const len = Math.min(RAM_CHUNK_BYTES, size - off);
+    while (run < data.length && data[run][1] <= off) run++;
+    if (run < data.length && data[run][0] < off + len) ranges.push({ offset: off, length: len, fileOffset: off, checksum: chunkCrc32c[i] });
+    else if (zeroChunkCrc32c(len) !== chunkCrc32c[i]) {
+      throw new SnapshotError(`${path}: RAM chunk ${i} (bytes ${off} to ${off + len}) is a hole, which reads as zeros with CRC32C ${hex32(zeroChunkCrc32c(len))}, the manifest says ${hex32(chunkCrc32c[i])}: the file was changed`);
+    }
+  }
+  return ranges;
 }
 
 /**

@@ -10,10 +10,10 @@ import { join } from 'node:path';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { arrayAt, booleanAt, checkVersion, choiceAt, integerAt, objectAt, stringAt } from '../backends/kvm/state-fields';
 import { SnapshotError } from '../errors';
-import { crc32c } from '../memory/uffd-server';
+import { crc32c, type FileRange } from '../memory/uffd-server';
 import type { PageRun } from '../memory/pages';
 import { fileDataRuns } from '../sys/libc';
-import { checkRamFile, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
+import { checkRamFile, dataChunkRanges, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
 
 /** The version of the directory's layout and manifest this code writes and reads. */
 export const SNAPSHOT_FORMAT_VERSION = 1;
@@ -129,6 +129,23 @@ export class SnapshotReader {
   /** Reads guest RAM into `mem` (fresh), checking every chunk first. */
   readRam(mem: GuestMemory): void {
     readRamFile(this.ramPath, mem, this.chunkChecksums());
+  }
+
+  /**
+   * Opens the RAM file for a lazy restore: its size is checked now, and so is every chunk that
+   * is a hole; the chunks with data come back as ranges for a userfaultfd source, each checked
+   * against the manifest as it loads. The caller closes `fd` (a source reads from a duplicate).
+   */
+  openRamForLazyLoad(): { fd: number; ranges: FileRange[] } {
+    const fd = openSync(this.ramPath, 'r');
+    try {
+      const size = fstatSync(fd).size;
+      if (size !== this.manifest.ramBytes) throw new SnapshotError(`${this.ramPath}: ${size} bytes, the manifest says ${this.manifest.ramBytes}: the file was truncated or grown`);
+      return { fd, ranges: dataChunkRanges(fd, this.ramPath, size, this.chunkChecksums()) };
+    } catch (e) {
+      closeSync(fd);
+      throw e;
+    }
   }
 
   /**

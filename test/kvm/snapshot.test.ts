@@ -106,10 +106,53 @@ describe('VM snapshots (probe guest)', () => {
       [newer, /the snapshot is of format 2, written by a newer pvisor/],
     ];
     for (const [d, message] of cases) {
-      const err = await Vm.restore(d).then(() => undefined, (e: unknown) => e);
+      // verify: read and check all of RAM first (by default a restore loads it lazily: below).
+      const err = await Vm.restore(d, { verify: true }).then(() => undefined, (e: unknown) => e);
       expect([d, err]).toEqual([d, expect.any(SnapshotError)]);
       expect((err as Error).message).toMatch(message);
       expect(Vm.liveGuestRam()).toHaveLength(liveBefore);
+    }
+  });
+
+  it('by default RAM loads lazily: a changed chunk is never mapped, and the VM ends with SnapshotError', async () => {
+    const liveBefore = Vm.liveGuestRam().length;
+    const tampered = copyOf(dir, 'tampered-lazy');
+    const at = 8 * MiB + 12345;
+    const fd = openSync(join(tampered, 'ram'), 'r+');
+    const one = Buffer.alloc(1);
+    require('node:fs').readSync(fd, one, 0, 1, at);
+    one[0] ^= 0xff;
+    writeSync(fd, one, 0, 1, at);
+    closeSync(fd);
+    const restored = await Vm.restore(tampered, { name: 'lazy-tampered' }).then(
+      (vm) => ({ vm }),
+      (e: unknown) => ({ e }),
+    );
+    let err: unknown;
+    if ('vm' in restored) {
+      const vm = restored.vm;
+      expect(vm.restoreInfo!.ramLoad).toBe('lazy');
+      // The background load reaches chunk 4 soon, or the digest touches it first: either way the
+      // guest never reads the changed byte, so no digest comes back.
+      const ended = new Promise<unknown>((resolve) => (vm.state === 'crashed' ? resolve(undefined) : vm.once('exit', (info) => resolve(info.error))));
+      await expect(vm.probe.digest()).rejects.toThrow();
+      err = await ended;
+      vm.stop();
+    } else err = restored.e;
+    expect(err).toBeInstanceOf(SnapshotError);
+    expect((err as Error).message).toMatch(/the RAM chunk at byte 8388608 cannot be loaded \(CRC32C mismatch\)/);
+    expect(Vm.liveGuestRam()).toHaveLength(liveBefore);
+  });
+
+  it('a lazily restored VM suspended at once with Offload waits for the load to finish, and keeps its digest', async () => {
+    const clone = await Vm.restore(dir, { name: 'lazy-clone', strategies: [new Offload()] });
+    try {
+      expect(clone.restoreInfo!.ramLoad).toBe('lazy');
+      await clone.suspend();
+      await clone.resume();
+      expect((await clone.probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [] }));
+    } finally {
+      clone.stop();
     }
   });
 
