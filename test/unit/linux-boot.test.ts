@@ -71,16 +71,22 @@ describe('MP table', () => {
 });
 
 describe('per-vCPU CPUID', () => {
-  it('puts the APIC id in leaf 1 EBX[31:24] and leaf 0xB EDX, leaving the rest', () => {
+  it('puts the APIC id in leaf 1 EBX[31:24] and leaf 0xB EDX, sets the hypervisor bit, leaving the rest', () => {
+    // struct kvm_cpuid_entry2: function, index, flags, eax, ebx, ecx, edx, padding[3] (40 bytes)
     const cpuid = Buffer.alloc(8 + 2 * 40);
     cpuid.writeUInt32LE(2, 0);
     cpuid.writeUInt32LE(1, 8);
     cpuid.writeUInt32LE(0x00020800, 8 + 16); // ebx
+    cpuid.writeUInt32LE(0x00000201, 8 + 20); // ecx
     cpuid.writeUInt32LE(0xb, 48);
+    cpuid.writeUInt32LE(0x12345678, 48 + 28); // padding: not a register
     const out = cpuidForVcpu(cpuid, 3);
     expect(out.readUInt32LE(8 + 16)).toBe(0x03020800);
-    expect(out.readUInt32LE(48 + 28)).toBe(3);
+    expect(out.readUInt32LE(8 + 20)).toBe(0x80000201);
+    expect(out.readUInt32LE(48 + 24)).toBe(3);
+    expect(out.readUInt32LE(48 + 28)).toBe(0x12345678);
     expect(cpuid.readUInt32LE(8 + 16)).toBe(0x00020800); // the shared copy is untouched
+    expect(cpuid.readUInt32LE(8 + 20)).toBe(0x00000201);
   });
 });
 
