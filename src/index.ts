@@ -30,6 +30,9 @@ export {
   OutputLimitError,
   SnapshotError,
   PoolUnavailableError,
+  VmNotFoundError,
+  ControlSocketError,
+  OptionalDependencyError,
 } from './errors';
 export { IdleRelease } from './memory/strategies/idle-release';
 export { ColdCompression, ColdBlockError } from './memory/strategies/cold-compression';
