@@ -7,6 +7,7 @@ import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError } from '../errors';
 import { formatMiB } from '../units';
 import { validateVmName } from '../vm-name';
+import { parseUsage } from './usage';
 import { controlRequest, runtimeDir, socketPathFor, type ControlResponse } from './control-socket';
 
 /** Parsed arguments of `pvisor snapshot`. */
@@ -62,7 +63,7 @@ export function parseSnapshotArgs(argv: string[], cwd: string = process.cwd(), d
 
 /** Runs `pvisor snapshot`; resolves with the exit status. */
 export async function cmdSnapshot(argv: string[]): Promise<number> {
-  const a = parseSnapshotArgs(argv);
+  const a = parseUsage('snapshot', () => parseSnapshotArgs(argv));
   const progress = reportProgress(a);
   let r: ControlResponse;
   try {
