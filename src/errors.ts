@@ -135,6 +135,19 @@ export class ControlSocketError extends PvisorError {
 }
 
 /**
+ * The other end of a VM's control socket speaks another version of the control protocol
+ * (docs/control-protocol.md): a `pvisor run` of another pvisor version. Nothing was done.
+ */
+export class ControlProtocolError extends PvisorError {
+  /** The version the other end spoke (`undefined` if it said none). */
+  readonly version: unknown;
+  constructor(version: unknown, message: string) {
+    super('PVISOR_CONTROL_PROTOCOL', message);
+    this.version = version;
+  }
+}
+
+/**
  * Saved machine state (a snapshot's description of vCPUs, VM or devices) is malformed, from
  * another format version, or cannot be applied to this machine. Raised before any of it is applied.
  */

@@ -21,6 +21,7 @@ import type { MemoryStrategy, StrategyStats } from './memory/strategy';
 import { parseTimeoutMs, type Size } from './units';
 import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
+import { VmHandle, type ConnectOptions } from './vm-handle';
 
 /** Which guest a VM runs. */
 export type GuestKind = 'linux' | 'probe';
@@ -788,6 +789,11 @@ export class Vm extends EventEmitter<VmEvents> {
   /** @internal Guest RAM host ranges of every live VM in this process (for the bench). */
   static liveGuestRam(): { start: number; length: number }[] {
     return [...live].map((vm) => ({ start: vm.machine.memory.hostAddr, length: vm.machine.memory.sizeBytes }));
+  }
+
+  /** A VM that another process runs (`pvisor run --name ID`), reached over its control socket: {@link VmHandle.connect}. */
+  static connect(id: string, options?: ConnectOptions): Promise<VmHandle> {
+    return VmHandle.connect(id, options);
   }
 }
 

@@ -1,6 +1,6 @@
 /**
  * `pvisor suspend`, `resume`, `stop` and `ps`: the client end of the control socket of VMs started
- * by `pvisor run` (see ./control-socket.ts), with the reference CLI's options for parity.
+ * by `pvisor run` (see ../control-socket.ts), with the reference CLI's options for parity.
  */
 import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
@@ -14,7 +14,7 @@ import {
   type ControlMemory,
   type ControlRequest,
   type ControlResponse,
-} from './control-socket';
+} from '../control-socket';
 import { validateVmName } from '../vm-name';
 import { parseUsage } from './usage';
 

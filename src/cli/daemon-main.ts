@@ -8,7 +8,7 @@ import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
 import { parseSize } from '../units';
-import { ensureRuntimeDir, runtimeDir } from './control-socket';
+import { ensureRuntimeDir, runtimeDir } from '../control-socket';
 import { DAEMON_HELP, DAEMON_USAGE, packageVersion, parseUsage, printUsage, runProgram, UsageError, wantsHelp } from './usage';
 
 /** Where the pool's socket is unless --socket says otherwise. */

@@ -1,6 +1,6 @@
 /**
  * `pvisor snapshot ID DIR`: asks a VM started by `pvisor run` to write a snapshot of itself into
- * DIR, through its control socket (./control-socket.ts); `pvisor run --from DIR` restores it.
+ * DIR, through its control socket (../control-socket.ts); `pvisor run --from DIR` restores it.
  */
 import { resolve } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -8,7 +8,7 @@ import { InvalidOptionError, PvisorError } from '../errors';
 import { formatMiB } from '../units';
 import { validateVmName } from '../vm-name';
 import { parseUsage } from './usage';
-import { controlRequest, runtimeDir, socketPathFor, type ControlResponse } from './control-socket';
+import { controlRequest, runtimeDir, socketPathFor, type ControlResponse } from '../control-socket';
 
 /** Parsed arguments of `pvisor snapshot`. */
 export interface SnapshotArgs {
