@@ -13,6 +13,7 @@ import { KsmAdvice } from '../memory/strategies/ksm-advice';
 import { Offload } from '../memory/strategies/offload';
 import { PoolClient } from '../memory/strategies/pool-client';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
+import { planComposition } from '../memory/composition';
 import type { MemoryStrategy } from '../memory/strategy';
 import { parseDurationMs } from '../units';
 import { checkVmShape, MAX_VCPUS } from '../vm-shape';
@@ -67,7 +68,8 @@ const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootf
 
 /**
  * Parses `pvisor run [OPTIONS] -- CMD...`. A wrong or conflicting option is an
- * {@link InvalidOptionError} naming it; an unknown one is Node's `ERR_PARSE_ARGS_UNKNOWN_OPTION`.
+ * {@link InvalidOptionError} naming it (strategies that cannot be composed, a
+ * StrategyConflictError); an unknown one is Node's `ERR_PARSE_ARGS_UNKNOWN_OPTION`.
  * @param cwd what a relative `--from` is relative to.
  */
 export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunArgs {
@@ -133,6 +135,8 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   // nothing until a suspend, so it is composed unless another suspend-image strategy was chosen.
   if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload({ dir }));
   if (values.name !== undefined) validateVmName(values.name);
+  // A composition that cannot work is refused now, as Vm.start would refuse it, before anything is printed.
+  planComposition(strategies);
   return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command };
 }
 

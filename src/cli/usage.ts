@@ -9,6 +9,7 @@
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { InvalidOptionError, PvisorError, VmNotFoundError } from '../errors';
+import { StrategyConflictError } from '../memory/strategy';
 import { PACKAGE_ROOT } from '../native';
 
 /** Exit status of a usage error. */
@@ -31,13 +32,14 @@ export class UsageError extends Error {
 
 /**
  * Runs `parse` (a command's argument parsing and checking, which starts nothing) and turns what it
- * refuses (an {@link InvalidOptionError}, or Node's parseArgs errors) into a {@link UsageError}.
+ * refuses (an {@link InvalidOptionError}, memory strategies that cannot be composed, or Node's
+ * parseArgs errors) into a {@link UsageError}.
  */
 export function parseUsage<T>(command: string, parse: () => T, program = 'pvisor'): T {
   try {
     return parse();
   } catch (e) {
-    if (e instanceof InvalidOptionError || isParseArgsError(e)) throw new UsageError(program, command, (e as Error).message);
+    if (e instanceof InvalidOptionError || e instanceof StrategyConflictError || isParseArgsError(e)) throw new UsageError(program, command, (e as Error).message);
     throw e;
   }
 }
