@@ -3,6 +3,7 @@
  * over that VM's control socket (docs/control-protocol.md).
  * @module
  */
+import { resolve } from 'node:path';
 import { controlRequest, errorFromPayload, runtimeDir, socketPathFor, type ControlMemory, type ControlRequest, type ControlResponse, type ControlVmInfo } from './control-socket';
 import type { Command, ExecResult } from './guest/linux-client';
 import type { SnapshotInfo } from './vm';
@@ -118,7 +119,6 @@ export class VmHandle {
    * `leavePaused`.
    */
   async snapshot(dir: string, options: { leavePaused?: boolean } = {}): Promise<SnapshotInfo> {
-    const { resolve } = await import('node:path');
     const r = await this.request({ op: 'snapshot', dir: resolve(dir), leavePaused: options.leavePaused ?? false });
     return r.snapshot!;
   }
