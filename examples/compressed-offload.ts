@@ -1,7 +1,7 @@
 // A suspended sandbox whose working set compresses well costs almost nothing, on disk too:
 // suspend it to a zstd frame file, resume it later with every byte checked.
 // Run: node dist/examples/compressed-offload.js   (on a host with /dev/kvm)
-import { CompressedOffload, Vm } from '../src';
+import { CompressedOffload, Vm } from 'pvisor';
 
 const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(2)} MiB`;
 

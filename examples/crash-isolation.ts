@@ -1,6 +1,6 @@
 // A sandbox whose guest crashes ends with an event; the host process and other VMs go on.
 // Run: node dist/examples/crash-isolation.js   (on a host with /dev/kvm)
-import { Vm } from '../src';
+import { Vm } from 'pvisor';
 
 async function main(): Promise<void> {
   await using healthy = await Vm.start({ guest: 'probe', memory: '128MiB', vcpus: 1 });

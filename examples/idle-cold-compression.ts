@@ -1,7 +1,7 @@
 // A sandbox that sits idle between an agent's tool calls keeps running, yet costs the host only
 // the compressed size of what it does not touch; the next touch brings it back, checked.
 // Run: node dist/examples/idle-cold-compression.js   (on a host with /dev/kvm)
-import { ColdCompression, Vm } from '../src';
+import { ColdCompression, Vm } from 'pvisor';
 
 const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(2)} MiB`;
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));

@@ -1,7 +1,7 @@
 // An agent framework's everyday loop: boot a Linux sandbox, hand it a file, run a command on it,
 // read the result back. Needs hardware virtualisation (or the nested harness: scripts/with-kvm.js).
 // Run: node dist/examples/linux-exec.js
-import { Vm } from '../src';
+import { Vm } from 'pvisor';
 
 async function main(): Promise<void> {
   await using vm = await Vm.start({ memory: '512MiB', vcpus: 2, bootTimeoutMs: 180_000 });

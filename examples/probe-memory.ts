@@ -1,7 +1,7 @@
 // What a VM costs the host, and how free page reporting gives memory back: boot the probe guest,
 // give it a 64 MiB working set, then let it free that memory.
 // Run: node dist/examples/probe-memory.js   (on a host with /dev/kvm)
-import { IdleRelease, Vm } from '../src';
+import { IdleRelease, Vm } from 'pvisor';
 
 const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`;
 

@@ -3,7 +3,7 @@
 // Run: node dist/examples/snapshot-clones.js   (on a host with /dev/kvm)
 import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
-import { SharedSnapshot, Vm } from '../src';
+import { SharedSnapshot, Vm } from 'pvisor';
 
 const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`;
 

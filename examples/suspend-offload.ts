@@ -1,7 +1,7 @@
 // An idle sandbox should cost the host almost nothing: suspend it to a file, resume it later
 // with every byte intact.
 // Run: node dist/examples/suspend-offload.js   (on a host with /dev/kvm)
-import { Offload, Vm } from '../src';
+import { Offload, Vm } from 'pvisor';
 
 const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`;
 

@@ -114,7 +114,7 @@ export class TimeoutError extends PvisorError {
   }
 }
 
-/** The CLI found no running VM of that id: no control socket, or one whose process has gone. */
+/** No running VM of that id (for the CLI, or the SDK reaching a VM of another process): no control socket, or one whose process has gone. */
 export class VmNotFoundError extends PvisorError {
   /** The VM id asked for. */
   readonly vmId: string;
@@ -131,6 +131,19 @@ export class ControlSocketError extends PvisorError {
   constructor(socketPath: string, message: string, options?: { cause?: unknown }) {
     super('PVISOR_CONTROL_SOCKET', `${socketPath}: ${message}`, options);
     this.socketPath = socketPath;
+  }
+}
+
+/**
+ * The other end of a VM's control socket speaks another version of the control protocol
+ * (docs/control-protocol.md): a `pvisor run` of another pvisor version. Nothing was done.
+ */
+export class ControlProtocolError extends PvisorError {
+  /** The version the other end spoke (`undefined` if it said none). */
+  readonly version: unknown;
+  constructor(version: unknown, message: string) {
+    super('PVISOR_CONTROL_PROTOCOL', message);
+    this.version = version;
   }
 }
 
@@ -159,5 +172,23 @@ export function errnoName(errno: number): string {
 export class PoolUnavailableError extends PvisorError {
   constructor(message: string, options?: { cause?: unknown }) {
     super('PVISOR_POOL_UNAVAILABLE', message, options);
+  }
+}
+
+/**
+ * A feature needs an optional dependency that is not installed. npm leaves an optional dependency
+ * out when its install fails (zstd-napi compiles from source, so a host without python3, make and
+ * g++ goes without it); everything that does not need it works. Raised when the feature is asked
+ * for (e.g. `new CompressedOffload()`), before any VM exists.
+ */
+export class OptionalDependencyError extends PvisorError {
+  /** The npm package that is missing, e.g. `zstd-napi`. */
+  readonly dependency: string;
+  /** What needs it, e.g. `CompressedOffload`. */
+  readonly feature: string;
+  constructor(dependency: string, feature: string, howToGet: string, options?: { cause?: unknown }) {
+    super('PVISOR_OPTIONAL_DEPENDENCY', `${feature} needs the optional dependency ${dependency}, which is not installed (or did not build): ${howToGet}`, options);
+    this.dependency = dependency;
+    this.feature = feature;
   }
 }

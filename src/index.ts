@@ -10,6 +10,9 @@
  * @module
  */
 export { Vm } from './vm';
+export { VmHandle } from './vm-handle';
+export type { ConnectOptions, HandleExecOptions, VmHandleStatus, VmHandleMemoryUsage } from './vm-handle';
+export type { ControlMemory, ControlVmInfo } from './control-socket';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
@@ -30,6 +33,10 @@ export {
   OutputLimitError,
   SnapshotError,
   PoolUnavailableError,
+  VmNotFoundError,
+  ControlSocketError,
+  ControlProtocolError,
+  OptionalDependencyError,
 } from './errors';
 export { IdleRelease } from './memory/strategies/idle-release';
 export { ColdCompression, ColdBlockError } from './memory/strategies/cold-compression';

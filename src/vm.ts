@@ -15,11 +15,13 @@ import { SharedSnapshot } from './memory/strategies/shared-snapshot';
 import { nativePrebuild } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
-import { hostMemTotalBytes, processResident, rangeResident } from './memory-usage';
+import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
-import { parseSize, parseTimeoutMs, type Size } from './units';
+import { parseTimeoutMs, type Size } from './units';
 import { validateVmName } from './vm-name';
+import { checkVmShape } from './vm-shape';
+import { VmHandle, type ConnectOptions } from './vm-handle';
 
 /** Which guest a VM runs. */
 export type GuestKind = 'linux' | 'probe';
@@ -259,14 +261,7 @@ export class Vm extends EventEmitter<VmEvents> {
    * ready. Invalid options and an unusable host reject before anything is allocated.
    */
   static async start(options: VmOptions = {}): Promise<Vm> {
-    const memoryBytes = parseSize('memory', options.memory ?? '512MiB');
-    if (memoryBytes === 0 || memoryBytes % 4096 !== 0) throw new InvalidOptionError('memory', `must be a non-zero multiple of 4 KiB, got ${memoryBytes} bytes`);
-    const hostBytes = hostMemTotalBytes();
-    if (memoryBytes > hostBytes) throw new InvalidOptionError('memory', `${memoryBytes} bytes is more than this host has (${hostBytes} bytes)`);
-    const vcpus = options.vcpus ?? 2;
-    if (!Number.isInteger(vcpus) || vcpus < 1 || vcpus > 8) throw new InvalidOptionError('vcpus', `must be a whole number from 1 to 8, got ${vcpus}`);
-    const guest = options.guest ?? 'linux';
-    if (guest !== 'linux' && guest !== 'probe') throw new InvalidOptionError('guest', `expected "linux" or "probe", got ${JSON.stringify(guest)}`);
+    const { memoryBytes, vcpus, guest } = checkVmShape(options);
     const disk = rootfsDisk(options.rootfs, guest);
     const bootTimeoutMs = options.bootTimeoutMs === undefined ? 60000 : parseTimeoutMs('bootTimeoutMs', options.bootTimeoutMs);
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
@@ -797,6 +792,11 @@ export class Vm extends EventEmitter<VmEvents> {
   /** @internal Guest RAM host ranges of every live VM in this process (for the bench). */
   static liveGuestRam(): { start: number; length: number }[] {
     return [...live].map((vm) => ({ start: vm.machine.memory.hostAddr, length: vm.machine.memory.sizeBytes }));
+  }
+
+  /** A VM that another process runs (`pvisor run --name ID`), reached over its control socket: {@link VmHandle.connect}. */
+  static connect(id: string, options?: ConnectOptions): Promise<VmHandle> {
+    return VmHandle.connect(id, options);
   }
 }
 

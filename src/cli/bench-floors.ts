@@ -16,6 +16,7 @@ import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import { PACKAGE_ROOT } from '../native';
 import { parseSize } from '../units';
 import { printTable, progress, stats } from './bench';
+import { parseUsage } from './usage';
 
 const MiB = 2 ** 20;
 
@@ -157,23 +158,26 @@ export function floorRows(f: MemoryFloors): string[][] {
   return rows;
 }
 
+/** `pvisor bench floors`' options (its usage in ./usage.ts names each). */
+export const BENCH_FLOORS_OPTIONS = {
+  // On a disk: the floors of writing and reading back are those of the disk under pvisor's
+  // backing files, so by default where they go (tmpfs is refused by the program).
+  dir: { type: 'string', default: join(DEFAULT_BACKING_DIR, 'pvisor-bench-floors') },
+  size: { type: 'string', default: '64MiB' },
+  runs: { type: 'string', default: '5' },
+  json: { type: 'string' },
+} as const;
+
 /** Entry of `pvisor bench floors`. */
 export async function benchFloors(argv: string[]): Promise<number> {
-  const { values } = parseArgs({
-    args: argv,
-    options: {
-      // On a disk: the floors of writing and reading back are those of the disk under pvisor's
-      // backing files, so by default where they go (tmpfs is refused by the program).
-      dir: { type: 'string', default: join(DEFAULT_BACKING_DIR, 'pvisor-bench-floors') },
-      size: { type: 'string', default: '64MiB' },
-      runs: { type: 'string', default: '5' },
-      json: { type: 'string' },
-    },
+  const { values, sizeMiB, runs } = parseUsage('bench floors', () => {
+    const { values } = parseArgs({ args: argv, options: BENCH_FLOORS_OPTIONS, strict: true });
+    const sizeMiB = parseSize('--size', values.size) / MiB;
+    if (!Number.isInteger(sizeMiB) || sizeMiB < 1) throw new InvalidOptionError('--size', 'expected whole MiB, at least 1MiB');
+    const runs = Number(values.runs);
+    if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
+    return { values, sizeMiB, runs };
   });
-  const sizeMiB = parseSize('--size', values.size) / MiB;
-  if (!Number.isInteger(sizeMiB) || sizeMiB < 1) throw new InvalidOptionError('--size', 'expected whole MiB, at least 1MiB');
-  const runs = Number(values.runs);
-  if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
   mkdirSync(values.dir, { recursive: true });
   progress(`physical floors, ${sizeMiB} MiB, ${runs} runs, files in ${resolve(values.dir)}`);
   const floors = await measureMemoryFloors({ dir: values.dir, sizeMiB, runs });

@@ -15,6 +15,7 @@ import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import { Vm } from '../vm';
 import { printTable, progress, sleep, stats } from './bench';
+import { parseUsage } from './usage';
 
 const MiB = 2 ** 20;
 const MODES = ['ioeventfd+irqfd', 'ioeventfd+irq-line', 'exit+irqfd', 'exit+irq-line'];
@@ -107,29 +108,32 @@ async function cloneRuns(vm: Vm, restores: number): Promise<CloneTimes> {
   return t;
 }
 
+/** `pvisor bench linux`'s options (its usage in ./usage.ts names each). */
+export const BENCH_LINUX_OPTIONS = {
+  runs: { type: 'string', default: '3' },
+  execs: { type: 'string', default: '20' },
+  'file-mib': { type: 'string', default: '10' },
+  signalling: { type: 'string', default: MODES.join(',') },
+  restores: { type: 'string', default: '3' },
+  json: { type: 'string' },
+} as const;
+
 /** Entry of `pvisor bench linux`. */
 export async function benchLinux(argv: string[]): Promise<number> {
-  const { values } = parseArgs({
-    args: argv,
-    options: {
-      runs: { type: 'string', default: '3' },
-      execs: { type: 'string', default: '20' },
-      'file-mib': { type: 'string', default: '10' },
-      signalling: { type: 'string', default: MODES.join(',') },
-      restores: { type: 'string', default: '3' },
-      json: { type: 'string' },
-    },
+  const { values, runs, execs, fileMib, restores, modes } = parseUsage('bench linux', () => {
+    const { values } = parseArgs({ args: argv, options: BENCH_LINUX_OPTIONS, strict: true });
+    const runs = Number(values.runs);
+    const execs = Number(values.execs);
+    const fileMib = Number(values['file-mib']);
+    const restores = Number(values.restores);
+    for (const [name, v] of [['--runs', runs], ['--execs', execs], ['--file-mib', fileMib]] as const) {
+      if (!Number.isInteger(v) || v < 1) throw new InvalidOptionError(name, `wants a whole number >= 1, got ${v}`);
+    }
+    if (!Number.isInteger(restores) || restores < 0) throw new InvalidOptionError('--restores', `wants a whole number >= 0, got ${restores}`);
+    const modes = values.signalling.split(',');
+    for (const m of modes) if (!parseSignalling(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${MODES.join(', ')}`);
+    return { values, runs, execs, fileMib, restores, modes };
   });
-  const runs = Number(values.runs);
-  const execs = Number(values.execs);
-  const fileMib = Number(values['file-mib']);
-  const restores = Number(values.restores);
-  for (const [name, v] of [['--runs', runs], ['--execs', execs], ['--file-mib', fileMib]] as const) {
-    if (!Number.isInteger(v) || v < 1) throw new InvalidOptionError(name, `wants a whole number >= 1, got ${v}`);
-  }
-  if (!Number.isInteger(restores) || restores < 0) throw new InvalidOptionError('--restores', `wants a whole number >= 0, got ${restores}`);
-  const modes = values.signalling!.split(',');
-  for (const m of modes) if (!parseSignalling(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${MODES.join(', ')}`);
 
   const file = randomBytes(fileMib * MiB);
   const times = new Map(modes.map((m) => [m, { boot: [], exec: [], write: [], read: [] } as ModeTimes]));

@@ -36,6 +36,7 @@ import { Vm } from '../vm';
 import { CellCgroup } from './cell-cgroup';
 import { CellProcess, parentLink, type ParentLink } from './cell-process';
 import { GOALS, STUDY_TABLE1, STUDY_TABLE2, savingPercent, studyRowOf, type PerContent } from './study-figures';
+import { parseUsage, UsageError } from './usage';
 
 const MiB = 2 ** 20;
 const STUDY_WORKING_SET_MIB = 64;
@@ -317,7 +318,7 @@ function printTable(rows: string[][]): void {
 }
 
 /** Options of Tables 1 and 2 (`--table` and `--json` are the dispatcher's, {@link cmdBenchMemory}). */
-const TABLE12_OPTIONS = {
+export const TABLE12_OPTIONS = {
   modes: { type: 'string', default: MODES.map((m) => m.name).join(',') },
   contents: { type: 'string', default: 'repetitive,random' },
   'backing-dir': { type: 'string', default: join(DEFAULT_BACKING_DIR, 'pvisor-bench-backing') },
@@ -332,26 +333,29 @@ const TABLE12_OPTIONS = {
 
 /** Tables 1 and 2: measures, prints the tables, returns the JSON. */
 async function benchMemory(argv: string[]): Promise<object> {
-  const { values } = parseArgs({ args: argv, options: TABLE12_OPTIONS, strict: true });
-  const modes = values.modes.split(',').map((name) => {
-    const m = MODES.find((x) => x.name === name);
-    if (!m) throw new InvalidOptionError('--modes', `unknown mode ${name}; modes: ${MODES.map((x) => x.name).join(', ')}`);
-    return m;
+  const { values, modes, contents, workingSetMiB, backingDir, sharedVms, floorRuns } = parseUsage('bench memory', () => {
+    const { values } = parseArgs({ args: argv, options: TABLE12_OPTIONS, strict: true });
+    const modes = values.modes.split(',').map((name) => {
+      const m = MODES.find((x) => x.name === name);
+      if (!m) throw new InvalidOptionError('--modes', `unknown mode ${name}; modes: ${MODES.map((x) => x.name).join(', ')}`);
+      return m;
+    });
+    if (!modes.some((m) => m.name === 'default')) modes.unshift(MODES[0]); // savings need the baseline
+    const contents = values.contents.split(',') as Content[];
+    for (const c of contents) if (!(c in SEEDS)) throw new InvalidOptionError('--contents', `unknown working set ${c}; use repetitive, random or compressible`);
+    const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
+    if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1) throw new InvalidOptionError('--working-set', 'expected whole MiB, at least 1MiB');
+    const backingDir = resolve(values['backing-dir']);
+    const sharedVms = Number(values['shared-vms']);
+    if (!Number.isInteger(sharedVms) || sharedVms < 0 || sharedVms > 8) throw new InvalidOptionError('--shared-vms', 'expected 0 to 8');
+    const floorRuns = Number(values['floor-runs']);
+    if (!Number.isInteger(floorRuns) || floorRuns < 0 || floorRuns > 100) throw new InvalidOptionError('--floor-runs', 'expected 0 to 100');
+    return { values, modes, contents, workingSetMiB, backingDir, sharedVms, floorRuns };
   });
-  if (!modes.some((m) => m.name === 'default')) modes.unshift(MODES[0]); // savings need the baseline
-  const contents = values.contents.split(',') as Content[];
-  for (const c of contents) if (!(c in SEEDS)) throw new InvalidOptionError('--contents', `unknown working set ${c}; use repetitive, random or compressible`);
-  const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
-  if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1) throw new InvalidOptionError('--working-set', 'expected whole MiB, at least 1MiB');
   if (workingSetMiB !== STUDY_WORKING_SET_MIB) progress(`warning: the study's cells use ${STUDY_WORKING_SET_MIB} MiB; with ${workingSetMiB} MiB its figures do not compare`);
-  const backingDir = resolve(values['backing-dir']);
-  const sharedVms = Number(values['shared-vms']);
-  if (!Number.isInteger(sharedVms) || sharedVms < 0 || sharedVms > 8) throw new InvalidOptionError('--shared-vms', 'expected 0 to 8');
   mkdirSync(backingDir, { recursive: true });
   const fsType = filesystemOf(backingDir);
   if (fsType === 'tmpfs') progress(`warning: ${backingDir} is on tmpfs, so offloaded pages stay in RAM (as shmem); use --backing-dir on a disk`);
-  const floorRuns = Number(values['floor-runs']);
-  if (!Number.isInteger(floorRuns) || floorRuns < 0 || floorRuns > 100) throw new InvalidOptionError('--floor-runs', 'expected 0 to 100');
   let floors: MemoryFloors | undefined;
   if (floorRuns > 0) {
     progress(`physical floors for ${workingSetMiB} MiB, ${floorRuns} runs, files in ${backingDir}`);
@@ -511,14 +515,16 @@ export async function cmdBenchMemory(argv: string[], cell: boolean): Promise<num
     return 0;
   }
   const { TABLE3_OPTIONS, benchTable3, parseTable3Options } = await import('./bench-table3');
-  const { values, tokens } = parseArgs({
-    args: argv,
-    options: { table: { type: 'string', default: '1,2' }, json: { type: 'string' }, ...TABLE12_OPTIONS, ...TABLE3_OPTIONS },
-    strict: true,
-    tokens: true,
-  });
+  const { values, tokens } = parseUsage('bench memory', () =>
+    parseArgs({
+      args: argv,
+      options: { table: { type: 'string', default: '1,2' }, json: { type: 'string' }, ...TABLE12_OPTIONS, ...TABLE3_OPTIONS },
+      strict: true,
+      tokens: true,
+    }),
+  );
   const tables = new Set(values.table.split(','));
-  for (const t of tables) if (!['1', '2', '3'].includes(t)) throw new InvalidOptionError('--table', `expected a list of 1, 2 and 3, got ${JSON.stringify(values.table)}`);
+  for (const t of tables) if (!['1', '2', '3'].includes(t)) throw new UsageError('pvisor', 'bench memory', `--table: expected a list of 1, 2 and 3, got ${JSON.stringify(values.table)}`);
   // Tables 1 and 2 come from the same cells: either selects both.
   const want12 = tables.has('1') || tables.has('2');
   const want3 = tables.has('3');
@@ -527,10 +533,10 @@ export async function cmdBenchMemory(argv: string[], cell: boolean): Promise<num
   const argsOf = (names: object) => given.flatMap((t) => (t.kind === 'option' && t.name in names ? [`--${t.name}`, ...(t.value === undefined ? [] : [t.value])] : []));
   for (const t of given) {
     if (t.kind !== 'option') continue;
-    if (!(want12 && t.name in TABLE12_OPTIONS) && !(want3 && t.name in TABLE3_OPTIONS)) throw new InvalidOptionError(`--${t.name}`, `is not an option of --table ${values.table}`);
+    if (!(want12 && t.name in TABLE12_OPTIONS) && !(want3 && t.name in TABLE3_OPTIONS)) throw new UsageError('pvisor', 'bench memory', `--${t.name}: is not an option of --table ${values.table}`);
   }
   // Table 3's options are checked before Tables 1-2 spend their minutes.
-  const table3 = want3 ? parseTable3Options(argsOf(TABLE3_OPTIONS)) : undefined;
+  const table3 = want3 ? parseUsage('bench memory', () => parseTable3Options(argsOf(TABLE3_OPTIONS))) : undefined;
   const table12 = want12 ? await benchMemory(argsOf(TABLE12_OPTIONS)) : undefined;
   const json3 = table3 ? await benchTable3(table3) : undefined;
   const json = table12 && json3 ? { ...table12, table3: json3 } : (table12 ?? json3);

@@ -16,6 +16,8 @@ import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import { dropFileCache } from '../sys/libc';
 import { Vm } from '../vm';
 import { printTable, progress, stats } from './bench';
+import { InvalidOptionError } from '../errors';
+import { parseUsage } from './usage';
 
 const MiB = 2 ** 20;
 const WORKING_SET_MIB = 64;
@@ -39,10 +41,17 @@ function dropCache(path: string): void {
   }
 }
 
+/** `pvisor bench snapshot`'s options (its usage in ./usage.ts names each). */
+export const BENCH_SNAPSHOT_OPTIONS = { runs: { type: 'string', default: '5' }, dir: { type: 'string', default: DEFAULT_BACKING_DIR }, json: { type: 'string' } } as const;
+
 /** Entry of `pvisor bench snapshot`. */
 export async function benchSnapshot(argv: string[]): Promise<number> {
-  const { values } = parseArgs({ args: argv, options: { runs: { type: 'string', default: '5' }, dir: { type: 'string', default: DEFAULT_BACKING_DIR }, json: { type: 'string' } } });
-  const runs = Number(values.runs);
+  const { values, runs } = parseUsage('bench snapshot', () => {
+    const { values } = parseArgs({ args: argv, options: BENCH_SNAPSHOT_OPTIONS, strict: true });
+    const runs = Number(values.runs);
+    if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
+    return { values, runs };
+  });
   const base = mkdtempSync(join(values.dir, 'pvisor-bench-snapshot-'));
   try {
     const source = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, name: 'bench-snapshot-source' });

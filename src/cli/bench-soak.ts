@@ -22,6 +22,7 @@ import { processResident, type ResidentBytes } from '../memory-usage';
 import { parseSize } from '../units';
 import { Vm } from '../vm';
 import { printTable, progress } from './bench';
+import { parseUsage } from './usage';
 
 const MiB = 2 ** 20;
 /** Guest RAM of each VM: room for the largest working set the bench takes, and the probe's own. */
@@ -178,26 +179,29 @@ function runSoak(config: SoakConfig): SoakRun {
   return JSON.parse(r.stdout) as SoakRun;
 }
 
+/** `pvisor bench soak`'s options (its usage in ./usage.ts names each). */
+export const BENCH_SOAK_OPTIONS = {
+  cycles: { type: 'string', default: '1000' },
+  strategy: { type: 'string', default: Object.keys(SOAK_STRATEGIES).join(',') },
+  vms: { type: 'string', default: '1' },
+  'working-set': { type: 'string', default: '16MiB' },
+  'backing-dir': { type: 'string', default: DEFAULT_BACKING_DIR },
+  json: { type: 'string' },
+} as const;
+
 async function benchSoak(argv: string[]): Promise<number> {
-  const { values } = parseArgs({
-    args: argv,
-    options: {
-      cycles: { type: 'string', default: '1000' },
-      strategy: { type: 'string', default: Object.keys(SOAK_STRATEGIES).join(',') },
-      vms: { type: 'string', default: '1' },
-      'working-set': { type: 'string', default: '16MiB' },
-      'backing-dir': { type: 'string', default: DEFAULT_BACKING_DIR },
-      json: { type: 'string' },
-    },
+  const { values, cycles, vms, strategies, workingSetMiB } = parseUsage('bench soak', () => {
+    const { values } = parseArgs({ args: argv, options: BENCH_SOAK_OPTIONS, strict: true });
+    const cycles = Number(values.cycles);
+    if (!Number.isInteger(cycles) || cycles < 1 || cycles > 1_000_000) throw new InvalidOptionError('--cycles', 'expected 1 to 1000000');
+    const vms = Number(values.vms);
+    if (!Number.isInteger(vms) || vms < 1 || vms > 16) throw new InvalidOptionError('--vms', 'expected 1 to 16');
+    const strategies = values.strategy.split(',');
+    for (const s of strategies) if (!(s in SOAK_STRATEGIES)) throw new InvalidOptionError('--strategy', `unknown strategy ${s}; strategies: ${Object.keys(SOAK_STRATEGIES).join(', ')}`);
+    const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
+    if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1 || workingSetMiB > MAX_WORKING_SET_MIB) throw new InvalidOptionError('--working-set', `expected whole MiB from 1MiB to ${MAX_WORKING_SET_MIB}MiB`);
+    return { values, cycles, vms, strategies, workingSetMiB };
   });
-  const cycles = Number(values.cycles);
-  if (!Number.isInteger(cycles) || cycles < 1 || cycles > 1_000_000) throw new InvalidOptionError('--cycles', 'expected 1 to 1000000');
-  const vms = Number(values.vms);
-  if (!Number.isInteger(vms) || vms < 1 || vms > 16) throw new InvalidOptionError('--vms', 'expected 1 to 16');
-  const strategies = values.strategy.split(',');
-  for (const s of strategies) if (!(s in SOAK_STRATEGIES)) throw new InvalidOptionError('--strategy', `unknown strategy ${s}; strategies: ${Object.keys(SOAK_STRATEGIES).join(', ')}`);
-  const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
-  if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1 || workingSetMiB > MAX_WORKING_SET_MIB) throw new InvalidOptionError('--working-set', `expected whole MiB from 1MiB to ${MAX_WORKING_SET_MIB}MiB`);
   const dir = resolve(values['backing-dir']);
   mkdirSync(dir, { recursive: true });
 

@@ -9,7 +9,9 @@ import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { PACKAGE_ROOT } from '../native';
 import { processResident, rangeResident } from '../memory-usage';
+import { InvalidOptionError } from '../errors';
 import { Vm } from '../vm';
+import { BENCH_USAGE, parseUsage, printUsage, PVISOR_USAGE, UsageError, wantsHelp, type BenchName } from './usage';
 
 const MiB = 2 ** 20;
 /** A progress line on stderr (stdout carries the tables and JSON). */
@@ -120,9 +122,14 @@ function memoryCase(vms: number): MemoryCase {
 }
 
 async function benchVmm(argv: string[]): Promise<number> {
-  const { values } = parseArgs({ args: argv, options: { runs: { type: 'string', default: '5' }, exits: { type: 'string', default: '100000' }, json: { type: 'string' } } });
-  const runs = Number(values.runs);
-  const exits = Number(values.exits);
+  const { runs, exits, json } = parseUsage('bench vmm', () => {
+    const { values } = parseArgs({ args: argv, options: BENCH_VMM_OPTIONS, strict: true });
+    const runs = Number(values.runs);
+    if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
+    const exits = Number(values.exits);
+    if (!Number.isInteger(exits) || exits < 1) throw new InvalidOptionError('--exits', 'expected a whole number >= 1');
+    return { runs, exits, json: values.json };
+  });
   progress(`start-to-ready, ${runs} fresh VMs`);
   const start = stats(await startTimes(runs));
   progress(`exits per second, ${exits} port writes`);
@@ -145,15 +152,23 @@ async function benchVmm(argv: string[]): Promise<number> {
     ['process PSS share per VM (incl. Node), 4 VMs, MiB', f(four.processSharePerVmBytes), '-'],
   ];
   printTable(rows);
-  const json = { startToReadyMs: start, exitsPerSecond: { pvisor: rates.pvisor, native: rates.native, ratio: rates.pvisor / rates.native }, memory: [one, four] };
-  if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
-  else process.stdout.write(`${JSON.stringify(json)}\n`);
+  const result = { startToReadyMs: start, exitsPerSecond: { pvisor: rates.pvisor, native: rates.native, ratio: rates.pvisor / rates.native }, memory: [one, four] };
+  if (json) writeFileSync(json, JSON.stringify(result, null, 2));
+  else process.stdout.write(`${JSON.stringify(result)}\n`);
   return 0;
 }
+
+/** `pvisor bench vmm`'s options (its usage in ./usage.ts names each). */
+export const BENCH_VMM_OPTIONS = { runs: { type: 'string', default: '5' }, exits: { type: 'string', default: '100000' }, json: { type: 'string' } } as const;
 
 /** Entry of `pvisor bench`. */
 export async function cmdBench(argv: string[]): Promise<number> {
   const [what, ...rest] = argv;
+  if (what === undefined || what === '--help' || what === '-h') {
+    if (what === undefined) throw new UsageError('pvisor', 'bench', `which bench? ${Object.keys(BENCH_USAGE).join(', ')}`);
+    return printUsage(PVISOR_USAGE.bench);
+  }
+  if (what in BENCH_USAGE && wantsHelp(rest)) return printUsage(BENCH_USAGE[what as BenchName]);
   switch (what) {
     case 'vmm':
       return benchVmm(rest);
@@ -188,7 +203,6 @@ export async function cmdBench(argv: string[]): Promise<number> {
       process.stdout.write(JSON.stringify(await memoryCaseChild(Number(rest[0]))));
       return 0;
     default:
-      process.stderr.write('usage: pvisor bench vmm [--runs N] [--exits N] [--json FILE]\n       pvisor bench memory [--table 1,2,3] [--modes default,idle-release,offload] [--contents repetitive,random] [--backing-dir DIR] [--shared-vms N]\n                           [--working-sets same-repetitive,same-random,unique-random] [--schemes private,shared-snapshot,ksm,daemon-pool] [--ksm-read-after 60s] [--snapshot-dir DIR] [--json FILE]\n       pvisor bench linux [--runs N] [--execs N] [--file-mib N] [--signalling eventfd,exit] [--restores N] [--json FILE]\n       pvisor bench snapshot [--runs N] [--dir DIR] [--json FILE]\n       pvisor bench floors [--dir DIR] [--size 64MiB] [--runs 5] [--json FILE]\n       pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms N] [--working-set 16MiB] [--backing-dir DIR] [--json FILE]\n');
-      return 2;
+      throw new UsageError('pvisor', 'bench', `unknown bench ${JSON.stringify(what)}; benches: ${Object.keys(BENCH_USAGE).join(', ')}`);
   }
 }

@@ -1,6 +1,6 @@
 /**
  * `pvisor suspend`, `resume`, `stop` and `ps`: the client end of the control socket of VMs started
- * by `pvisor run` (see ./control-socket.ts), with the reference CLI's options for parity.
+ * by `pvisor run` (see ../control-socket.ts), with the reference CLI's options for parity.
  */
 import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
@@ -14,8 +14,9 @@ import {
   type ControlMemory,
   type ControlRequest,
   type ControlResponse,
-} from './control-socket';
+} from '../control-socket';
 import { validateVmName } from '../vm-name';
+import { parseUsage } from './usage';
 
 /** The commands that act on one VM. */
 export type ControlCommand = 'suspend' | 'resume' | 'stop';
@@ -83,7 +84,7 @@ export function formatBytes(bytes: number): string {
 
 /** Runs suspend, resume or stop; resolves with the exit status. */
 export async function cmdControl(command: ControlCommand, argv: string[]): Promise<number> {
-  const a = parseControlArgs(command, argv);
+  const a = parseUsage(command, () => parseControlArgs(command, argv));
   const request: ControlRequest = command === 'suspend' ? { op: 'suspend', offload: a.offload } : { op: command };
   const r = await controlRequest(a.socketPath, a.id, request, OPERATION_TIMEOUT_MS);
   if (a.json) process.stdout.write(`${JSON.stringify(r)}\n`);
@@ -116,7 +117,7 @@ function describe(command: ControlCommand, a: ControlArgs, r: ControlResponse & 
 
 /** `pvisor ps [--json]`: the live VMs of this user's runtime directory. */
 export async function cmdPs(argv: string[]): Promise<number> {
-  const { values } = parseArgs({ args: argv, options: { json: { type: 'boolean', default: false } }, strict: true });
+  const { values } = parseUsage('ps', () => parseArgs({ args: argv, options: { json: { type: 'boolean', default: false } }, strict: true }));
   const dir = runtimeDir();
   let names: string[];
   try {

@@ -8,21 +8,8 @@ import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
 import { parseSize } from '../units';
-import { ensureRuntimeDir, runtimeDir } from './control-socket';
-
-const HELP = `pvisor-daemon: the page pool that pvisor VMs share
-
-Usage:
-  pvisor-daemon serve --memory-pool [--socket PATH] [--max-pool 1GiB] [--group GROUP]
-      Holds one copy of each page that VMs started with --vm-pool (SDK: new PoolClient()) have in
-      common, in a memfd they map copy-on-write. The socket is 0600 (0660 and of GROUP with
-      --group); every peer's credentials are checked. SIGTERM or SIGINT ends it; VMs keep the
-      pages they map and carry on without the pool.
-  pvisor-daemon status [--socket PATH] [--json]
-      Prints the pool's size, pages, references and clients.
-
-The socket defaults to ${join('$PVISOR_RUNTIME_DIR (or /run/pvisor)', 'pool.sock')}.
-`;
+import { ensureRuntimeDir, runtimeDir } from '../control-socket';
+import { DAEMON_HELP, DAEMON_USAGE, packageVersion, parseUsage, printUsage, runProgram, UsageError, wantsHelp } from './usage';
 
 /** Where the pool's socket is unless --socket says otherwise. */
 export function defaultPoolSocket(): string {
@@ -30,13 +17,21 @@ export function defaultPoolSocket(): string {
 }
 
 async function serve(argv: string[]): Promise<number> {
-  const { values } = parseArgs({
-    args: argv,
-    options: { 'memory-pool': { type: 'boolean', default: false }, socket: { type: 'string' }, 'max-pool': { type: 'string', default: '1GiB' }, group: { type: 'string' } },
-  });
-  if (!values['memory-pool']) throw new InvalidOptionError('--memory-pool', 'serve needs --memory-pool (the pool is off unless asked for)');
-  const poolBytes = parseSize('--max-pool', values['max-pool']!);
-  if (poolBytes < 4096 || poolBytes > 2 ** 44) throw new InvalidOptionError('--max-pool', `must be from 4 KiB to 16 TiB, got ${poolBytes} bytes`);
+  const { values, poolBytes } = parseUsage(
+    'serve',
+    () => {
+      const { values } = parseArgs({
+        args: argv,
+        options: { 'memory-pool': { type: 'boolean', default: false }, socket: { type: 'string' }, 'max-pool': { type: 'string', default: '1GiB' }, group: { type: 'string' } },
+        strict: true,
+      });
+      if (!values['memory-pool']) throw new InvalidOptionError('--memory-pool', 'serve needs --memory-pool (the pool is off unless asked for)');
+      const poolBytes = parseSize('--max-pool', values['max-pool']);
+      if (poolBytes < 4096 || poolBytes > 2 ** 44) throw new InvalidOptionError('--max-pool', `must be from 4 KiB to 16 TiB, got ${poolBytes} bytes`);
+      return { values, poolBytes };
+    },
+    'pvisor-daemon',
+  );
   const socketPath = values.socket ?? (ensureRuntimeDir(runtimeDir()), defaultPoolSocket());
   const gid = values.group === undefined ? undefined : groupId(values.group);
   const { PoolServer } = await import('../daemon/pool-server');
@@ -61,7 +56,7 @@ function groupId(group: string): number {
 }
 
 async function status(argv: string[]): Promise<number> {
-  const { values } = parseArgs({ args: argv, options: { socket: { type: 'string' }, json: { type: 'boolean', default: false } } });
+  const { values } = parseUsage('status', () => parseArgs({ args: argv, options: { socket: { type: 'string' }, json: { type: 'boolean', default: false } }, strict: true }), 'pvisor-daemon');
   const { poolStatus } = await import('../memory/pool-link');
   const s = await poolStatus(values.socket ?? defaultPoolSocket(), 5000);
   if (values.json) {
@@ -76,6 +71,7 @@ async function status(argv: string[]): Promise<number> {
 
 async function main(argv: string[]): Promise<number> {
   const [command, ...rest] = argv;
+  if (command !== undefined && command in DAEMON_USAGE && wantsHelp(rest)) return printUsage(DAEMON_USAGE[command]);
   switch (command) {
     case 'serve':
       return serve(rest);
@@ -84,18 +80,17 @@ async function main(argv: string[]): Promise<number> {
     case 'help':
     case '--help':
     case '-h':
-      process.stdout.write(HELP);
+      process.stdout.write(DAEMON_HELP);
       return 0;
+    case '--version':
+    case '-V':
+      process.stdout.write(`pvisor-daemon ${packageVersion()}\n`);
+      return 0;
+    case undefined:
+      throw new UsageError('pvisor-daemon', '', 'which command? serve or status');
     default:
-      process.stderr.write(HELP);
-      return 2;
+      throw new UsageError('pvisor-daemon', '', `unknown command ${JSON.stringify(command)}`);
   }
 }
 
-main(process.argv.slice(2)).then(
-  (code) => process.exit(code),
-  (e: Error) => {
-    process.stderr.write(`pvisor-daemon: ${e.message}\n`);
-    process.exit(1);
-  },
-);
+runProgram('pvisor-daemon', main);

@@ -13,8 +13,11 @@ import { KsmAdvice } from '../memory/strategies/ksm-advice';
 import { Offload } from '../memory/strategies/offload';
 import { PoolClient } from '../memory/strategies/pool-client';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
+import { planComposition } from '../memory/composition';
 import type { MemoryStrategy } from '../memory/strategy';
-import { parseDurationMs, parseSize } from '../units';
+import { parseDurationMs } from '../units';
+import { checkVmShape, MAX_VCPUS } from '../vm-shape';
+import { validateVmName } from '../vm-name';
 import type { GuestKind, RootfsOptions } from '../vm';
 
 /** A VM booted fresh from a guest image. */
@@ -65,7 +68,8 @@ const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootf
 
 /**
  * Parses `pvisor run [OPTIONS] -- CMD...`. A wrong or conflicting option is an
- * {@link InvalidOptionError} naming it; an unknown one is Node's `ERR_PARSE_ARGS_UNKNOWN_OPTION`.
+ * {@link InvalidOptionError} naming it (strategies that cannot be composed, a
+ * StrategyConflictError); an unknown one is Node's `ERR_PARSE_ARGS_UNKNOWN_OPTION`.
  * @param cwd what a relative `--from` is relative to.
  */
 export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunArgs {
@@ -130,15 +134,18 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   // `pvisor suspend ID --vm-offload` must work on any VM, as in the reference CLI: Offload costs
   // nothing until a suspend, so it is composed unless another suspend-image strategy was chosen.
   if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload({ dir }));
+  if (values.name !== undefined) validateVmName(values.name);
+  // A composition that cannot work is refused now, as Vm.start would refuse it, before anything is printed.
+  planComposition(strategies);
   return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command };
 }
 
 function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean }): BootSource {
   const memoryText = values.memory ?? '512MiB';
-  const vcpus = Number(values.vcpus ?? '2');
-  // Vm.start checks the guest's name; here only what depends on it.
-  const guest = (values.guest ?? 'linux') as GuestKind;
-  const memoryBytes = parseSize('memory', memoryText);
+  // Checked here as Vm.start checks them, so that a bad value is a usage error before anything is printed.
+  const vcpuText = values.vcpus ?? '2';
+  if (!/^\d+$/.test(vcpuText)) throw new InvalidOptionError('vcpus', `must be a whole number from 1 to ${MAX_VCPUS}, got ${JSON.stringify(vcpuText)}`);
+  const { memoryBytes, vcpus, guest } = checkVmShape({ memory: memoryText, vcpus: Number(vcpuText), guest: values.guest });
   if (guest === 'probe' && (values.kernel !== undefined || values.initrd !== undefined)) throw new InvalidOptionError('--kernel', '--kernel and --initrd are for the Linux guest');
   if (guest === 'probe' && values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'is for the Linux guest');
   const rootfs = values.rootfs === undefined ? undefined : { path: values.rootfs, readOnly: values['rootfs-readonly'] === true };

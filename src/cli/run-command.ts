@@ -8,14 +8,15 @@ import { Vm, type GuestKind } from '../vm';
 import { parseProbeScript, runProbeScript } from './probe-script';
 import { parseRunArgs } from './run-args';
 import { RunControl } from './run-control';
+import { parseUsage } from './usage';
 
 /** Runs `pvisor run ARGS`; resolves with the run's exit status. */
 export async function cmdRun(argv: string[]): Promise<number> {
-  const args = parseRunArgs(argv);
+  const args = parseUsage('run', () => parseRunArgs(argv));
   const { source } = args;
   const machine = source.kind === 'boot' ? source : await readSnapshotMachine(source.dir);
   // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
-  const steps = machine.guest === 'probe' ? parseProbeScript(args.command) : undefined;
+  const steps = machine.guest === 'probe' ? parseUsage('run', () => parseProbeScript(args.command)) : undefined;
   // Claim the id before booting, so that a taken id fails without starting anything.
   const control = await RunControl.open({ name: args.name, socketPath: args.socketPath, guest: machine.guest, memoryBytes: machine.memoryBytes, vcpus: machine.vcpus });
   try {

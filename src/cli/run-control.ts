@@ -1,11 +1,13 @@
 /**
  * `pvisor run`'s end of the control socket: claims the VM's id, answers status, suspend, resume,
  * snapshot and stop against the running {@link Vm}, and turns SIGINT/SIGTERM into a clean stop.
- * The protocol is documented in ./control-socket.ts.
+ * The protocol is in docs/control-protocol.md.
  */
 import { randomBytes } from 'node:crypto';
 import { InvalidOptionError, VmStateError } from '../errors';
+import type { ExecResult } from '../guest/linux-client';
 import type { GuestKind, Vm } from '../vm';
+import { parseProbeScript, runProbeScript } from './probe-script';
 import {
   ControlServer,
   ensureRuntimeDir,
@@ -16,8 +18,9 @@ import {
   type ControlHandler,
   type ControlMemory,
   type ControlRequest,
+  type ControlResponse,
   type ControlVmInfo,
-} from './control-socket';
+} from '../control-socket';
 import { validateVmName } from '../vm-name';
 
 /** What ended a run from outside its steps. */
@@ -130,7 +133,8 @@ export class RunControl {
   }
 
   private readonly handle: ControlHandler = (request: ControlRequest) =>
-    this.enqueue(async () => {
+    // A command may run for long: it is not queued behind, nor holds up, pause, resume or stop.
+    request.op === 'exec' ? this.exec(request) : this.enqueue(async () => {
       const vm = this.vm;
       if (!vm) return { response: { ok: false, error: errorPayload(new VmStateError(`${this.id} is starting`)), vm: this.info() } };
       try {
@@ -165,6 +169,28 @@ export class RunControl {
         return { response: { ok: false, error: errorPayload(e), vm: this.info(), memory: this.memory() } };
       }
     });
+
+  /**
+   * Runs a command in the guest: an argv or a shell command for the Linux guest (Vm.exec), probe
+   * steps for the probe guest (their lines are the output), as `pvisor run` runs its own CMD.
+   */
+  private async exec(request: ControlRequest & { op: 'exec' }): Promise<{ response: ControlResponse }> {
+    const vm = this.vm;
+    try {
+      if (!vm) throw new VmStateError(`${this.id} is starting`);
+      let exec: ExecResult;
+      if (vm.guest === 'linux') exec = await vm.exec(request.command, { timeoutMs: request.timeoutMs });
+      else {
+        const lines: string[] = [];
+        const words = typeof request.command === 'string' ? request.command.split(/\s+/).filter(Boolean) : request.command;
+        await runProbeScript(vm, parseProbeScript(words), (line) => lines.push(line));
+        exec = { exitCode: 0, signal: null, stdout: lines.map((l) => `${l}\n`).join(''), stderr: '' };
+      }
+      return { response: { ok: true, vm: this.info(), exec } };
+    } catch (e) {
+      return { response: { ok: false, error: errorPayload(e), vm: this.info() } };
+    }
+  }
 
   private info(): ControlVmInfo {
     const d = this.description;

@@ -1,13 +1,14 @@
 /**
  * `pvisor snapshot ID DIR`: asks a VM started by `pvisor run` to write a snapshot of itself into
- * DIR, through its control socket (./control-socket.ts); `pvisor run --from DIR` restores it.
+ * DIR, through its control socket (../control-socket.ts); `pvisor run --from DIR` restores it.
  */
 import { resolve } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError } from '../errors';
 import { formatMiB } from '../units';
 import { validateVmName } from '../vm-name';
-import { controlRequest, runtimeDir, socketPathFor, type ControlResponse } from './control-socket';
+import { parseUsage } from './usage';
+import { controlRequest, runtimeDir, socketPathFor, type ControlResponse } from '../control-socket';
 
 /** Parsed arguments of `pvisor snapshot`. */
 export interface SnapshotArgs {
@@ -62,7 +63,7 @@ export function parseSnapshotArgs(argv: string[], cwd: string = process.cwd(), d
 
 /** Runs `pvisor snapshot`; resolves with the exit status. */
 export async function cmdSnapshot(argv: string[]): Promise<number> {
-  const a = parseSnapshotArgs(argv);
+  const a = parseUsage('snapshot', () => parseSnapshotArgs(argv));
   const progress = reportProgress(a);
   let r: ControlResponse;
   try {

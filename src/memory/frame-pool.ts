@@ -8,8 +8,8 @@
 import { availableParallelism } from 'node:os';
 import { join } from 'node:path';
 import { Worker } from 'node:worker_threads';
-import { compressBound } from 'zstd-napi/binding';
 import type { EncodedFrame, FrameKind } from './frame-file';
+import { loadZstd } from './zstd-binding';
 import type { FrameJob, FrameJobResult, FrameWorkerData } from './frame-worker';
 
 /** A pair of shared buffers that one worker reads and writes for one frame at a time. */
@@ -41,7 +41,7 @@ function takeBuffers(frameBytes: number, slots: number): SlotBuffers {
   if (spare && spare.length === slots) return spare;
   return Array.from({ length: slots }, () => ({
     input: new SharedArrayBuffer(frameBytes),
-    output: new SharedArrayBuffer(Math.max(frameBytes, compressBound(frameBytes))),
+    output: new SharedArrayBuffer(Math.max(frameBytes, loadZstd().compressBound(frameBytes))),
   }));
 }
 

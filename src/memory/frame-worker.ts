@@ -5,8 +5,10 @@
  * the buffers are made once and reused for every frame.
  */
 import { parentPort, workerData } from 'node:worker_threads';
-import { CCtx, DCtx } from 'zstd-napi/binding';
 import { decodeFrame, encodeFrame, type FrameKind } from './frame-file';
+import { loadZstd } from './zstd-binding';
+
+const { CCtx, DCtx } = loadZstd();
 
 /** What the pool gives a worker at start. */
 export interface FrameWorkerData {

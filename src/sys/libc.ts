@@ -1,44 +1,72 @@
 /**
  * libc bindings through ffi-rs: the one place where pvisor calls into C.
  *
- * Every function is declared here, once, and resolved when this module is first loaded, on the
- * main thread: ffi-rs keeps its symbol cache in an unlocked global, so a lookup from a worker
- * racing another lookup can crash the process. Call descriptors are built once (`define`) and
- * reused, because ffi-rs re-prepares a call from its JS descriptor each time.
+ * Every function is declared here, once. ffi-rs (a native addon) is loaded and libc opened on the
+ * first call, not when this module loads: importing pvisor must load no native code, so that an
+ * application that only imports it (to type-check, to read its errors, to reach a VM of another
+ * process over its control socket) neither pays for nor depends on the addon. The first call is
+ * made on the main thread (workers load zstd only, see memory/frame-worker.ts): ffi-rs keeps its
+ * symbol cache in an unlocked global, so a lookup from a worker racing another lookup can crash
+ * the process. Call descriptors are built once (`define`) and reused, because ffi-rs re-prepares a
+ * call from its JS descriptor each time.
  *
  * Addresses travel as JS numbers (ffi-rs U64): user-space addresses are below 2^47, well inside
  * the 2^53 a number holds exactly.
  */
-import { createExternalBuffer, DataType, define, open } from 'ffi-rs';
+import type * as Ffi from 'ffi-rs';
 import { SystemCallError } from '../errors';
 import { EINTR } from './constants';
 
-open({ library: 'libc', path: 'libc.so.6' });
+let ffi: typeof Ffi | undefined;
 
-const I32 = DataType.I32;
-const I64 = DataType.I64;
-const U64 = DataType.U64;
-const libc = 'libc';
+/**
+ * ffi-rs, loaded on first use, with libc opened for it under the library name `libc`. Modules
+ * that declare more libc functions of their own (./unix-socket.ts) call it before theirs.
+ */
+export function openLibc(): typeof Ffi {
+  if (!ffi) {
+    // require, not import: an import is hoisted to when this module loads.
+    const loaded = require('ffi-rs') as typeof Ffi;
+    loaded.open({ library: 'libc', path: 'libc.so.6' });
+    ffi = loaded;
+  }
+  return ffi;
+}
 
-const fns = define({
-  open: { library: libc, retType: I32, paramsType: [DataType.String, I32, I32], errno: true },
-  close: { library: libc, retType: I32, paramsType: [I32], errno: true },
-  ioctl: { library: libc, retType: I32, paramsType: [I32, U64, U64], errno: true },
-  mmap: { library: libc, retType: U64, paramsType: [U64, U64, I32, I32, I32, I64], errno: true },
-  munmap: { library: libc, retType: I32, paramsType: [U64, U64], errno: true },
-  mprotect: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
-  madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
-  mincore: { library: libc, retType: I32, paramsType: [U64, U64, U64], errno: true },
-  eventfd: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
-  memfd_create: { library: libc, retType: I32, paramsType: [DataType.String, I32], errno: true },
-  flock: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
-  lseek: { library: libc, retType: I64, paramsType: [I32, I64, I32], errno: true },
-  fallocate: { library: libc, retType: I32, paramsType: [I32, I32, I64, I64], errno: true },
-  // Returns the error number itself (not -1 and errno).
-  posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
-  // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
-  // an address into something createExternalBuffer accepts.
-  memset: { library: libc, retType: DataType.External, paramsType: [U64, I32, U64] },
+function defineLibc() {
+  const { DataType, define } = openLibc();
+  const I32 = DataType.I32;
+  const I64 = DataType.I64;
+  const U64 = DataType.U64;
+  const libc = 'libc';
+  return define({
+    open: { library: libc, retType: I32, paramsType: [DataType.String, I32, I32], errno: true },
+    close: { library: libc, retType: I32, paramsType: [I32], errno: true },
+    ioctl: { library: libc, retType: I32, paramsType: [I32, U64, U64], errno: true },
+    mmap: { library: libc, retType: U64, paramsType: [U64, U64, I32, I32, I32, I64], errno: true },
+    munmap: { library: libc, retType: I32, paramsType: [U64, U64], errno: true },
+    mprotect: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
+    madvise: { library: libc, retType: I32, paramsType: [U64, U64, I32], errno: true },
+    mincore: { library: libc, retType: I32, paramsType: [U64, U64, U64], errno: true },
+    eventfd: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
+    memfd_create: { library: libc, retType: I32, paramsType: [DataType.String, I32], errno: true },
+    flock: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
+    lseek: { library: libc, retType: I64, paramsType: [I32, I64, I32], errno: true },
+    fallocate: { library: libc, retType: I32, paramsType: [I32, I32, I64, I64], errno: true },
+    // Returns the error number itself (not -1 and errno).
+    posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
+    // memset(addr, 0, 0) returns `addr` as an ffi-rs External: the only way ffi-rs offers to turn
+    // an address into something createExternalBuffer accepts.
+    memset: { library: libc, retType: DataType.External, paramsType: [U64, I32, U64] },
+  });
+}
+
+type LibcFunctions = ReturnType<typeof defineLibc>;
+let defined: LibcFunctions | undefined;
+
+/** The libc functions, defined (and ffi-rs loaded) when one of them is first called. */
+const fns = new Proxy({} as LibcFunctions, {
+  get: (_, name) => (defined ??= defineLibc())[name as keyof LibcFunctions],
 });
 
 /** POSIX_FADV_RANDOM and POSIX_FADV_DONTNEED from <fcntl.h>. */
@@ -185,7 +213,7 @@ export function mincore(addr: number, length: number, vecAddr: number): void {
  * as the view is used: a view over an unmapped address crashes the process on access.
  */
 export function viewAt(addr: number, length: number): Buffer {
-  return createExternalBuffer(fns.memset([addr, 0, 0]), length);
+  return openLibc().createExternalBuffer(fns.memset([addr, 0, 0]), length);
 }
 
 /**

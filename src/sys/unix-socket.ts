@@ -4,10 +4,12 @@
  * would need ptrace rights over the daemon (root, or yama's ptrace_scope 0), SCM_RIGHTS needs only
  * the socket. Structs are built in the scratch buffer (x86-64 layouts, <sys/socket.h>, <sys/un.h>).
  */
-import { define, DataType } from 'ffi-rs';
 import { SystemCallError } from '../errors';
 import { scratchStruct } from './scratch';
-import { closeFd } from './libc'; // which also opens libc for ffi-rs
+import { closeFd, openLibc } from './libc';
+
+// This module is loaded only when a VM joins a page pool; its functions are libc's.
+const { define, DataType } = openLibc();
 
 const I32 = DataType.I32;
 const I64 = DataType.I64;

@@ -33,10 +33,10 @@ describe('pvisor run --guest probe', () => {
     expect(r.status).toBe(125);
   });
 
-  it('bad options fail before a VM starts', () => {
+  it('bad options are a usage error (2) before a VM starts', () => {
     const r = pvisor('run', '--guest', 'probe', '--memory', '12 parsecs', '--', 'digest');
     expect(r.stderr).toMatch(/pvisor: memory: cannot parse size/);
     expect(r.stderr).not.toMatch(/starting/);
-    expect(r.status).toBe(125);
+    expect(r.status).toBe(2);
   });
 });

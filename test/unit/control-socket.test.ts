@@ -14,7 +14,7 @@ import {
   runtimeDir,
   type ControlHandler,
   type ControlRequest,
-} from '../../src/cli/control-socket';
+} from '../../src/control-socket';
 import { ControlSocketError, InvalidOptionError, VmNotFoundError } from '../../src/errors';
 import { validateVmName } from '../../src/vm-name';
 

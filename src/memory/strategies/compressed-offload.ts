@@ -11,7 +11,7 @@
  * durable (fdatasync), as in Offload: a failure loses nothing, a resume meanwhile stops the
  * write-out and brings back only the units already dropped.
  */
-import { InvalidOptionError, type BackingFileError } from '../../errors';
+import { InvalidOptionError, type BackingFileError, type OptionalDependencyError } from '../../errors';
 import { MADV_POPULATE_WRITE } from '../../sys/constants';
 import { backingDirOptions, backingFilePath, checkBackingDir, removeBackingFile, type BackingDirOptions } from '../backing-file';
 import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from '../frame-file';
@@ -19,6 +19,7 @@ import type { FramePool } from '../frame-pool';
 import { releaseFileCache } from '../page-cache';
 import { splitZeroPages, unitsTouched } from '../pages';
 import type { Offload } from './offload';
+import { loadZstd } from '../zstd-binding';
 import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats, type SuspendWork } from '../strategy';
 
 /** Options of {@link CompressedOffload}. */
@@ -77,6 +78,9 @@ interface WriteOut {
  * the VM stays suspended and the file is left as it is. The file is created 0600 and removed on
  * resume or when the VM stops. Drives the `suspend-image`, so it cannot be combined with
  * {@link Offload}.
+ *
+ * Needs the optional dependency zstd-napi: without it the constructor throws an
+ * {@link OptionalDependencyError} that says how to install it (see the README).
  */
 export class CompressedOffload implements MemoryStrategy {
   readonly name = 'compressed-offload';
@@ -109,7 +113,10 @@ export class CompressedOffload implements MemoryStrategy {
     workersKept: 0,
   };
 
+  /** @throws {@link OptionalDependencyError} if zstd-napi is not installed. */
   constructor(options: CompressedOffloadOptions = {}) {
+    // Now, not at the first suspend: a VM that could never suspend as asked must not start.
+    loadZstd();
     this.backingDir = backingDirOptions(options);
     this.level = options.level ?? 1;
     if (!Number.isInteger(this.level) || this.level < -7 || this.level > 22 || this.level === 0) {

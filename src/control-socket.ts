@@ -9,46 +9,28 @@
  * whoever can connect can suspend, resume or stop the VM. The run removes its socket when it ends;
  * a socket file left by a killed run (nobody listening) is replaced by the next run of that ID.
  *
- * **Protocol.** Newline-delimited JSON over a Unix stream socket: the client writes one request per
- * line, the server answers each with one line, in order. Requests:
- * ```
- * {"op":"status"}
- * {"op":"suspend","offload":false}   pause: vCPUs stop, guest RAM stays as it is
- * {"op":"suspend","offload":true}    Vm.suspend(): vCPUs stop, then every memory strategy's suspend
- *                                    hook runs (the CLI composes Offload by default: RAM goes to a
- *                                    file and is dropped)
- * {"op":"resume"}                    strategies bring back and verify what they took, vCPUs run
- * {"op":"snapshot","dir":"/abs/dir","leavePaused":false}
- *                                    Vm.snapshot(dir): pauses if running, writes a sealed snapshot
- *                                    into dir (new or empty; absolute, since the run's cwd is not
- *                                    the client's), resumes unless leavePaused
- * {"op":"stop"}                      answered first, then the VM stops and the run ends
- * ```
- * Every answer carries the VM (`vm`: id, pid, state, guest, memoryBytes, vcpus) and its memory
- * figures after the operation (`memory`: guestRamResidentBytes (PSS), guestRamRssBytes,
- * processPssBytes, bytesOnDisk, and each strategy's own figures); suspend and resume add the figures
- * before (`before`) and the time taken (`tookMs`); a snapshot adds what it wrote (`snapshot`: dir,
- * ramDataPageCount, ms). A suspend with offload is answered once the
- * memory is released, and adds the time that took from the request (`releasedMs`); a release that
- * fails (e.g. a full disk) is an error answer, with the VM suspended and its unwritten pages kept:
- * ```
- * {"ok":true,"vm":{...,"state":"suspended"},"before":{...},"memory":{...},"tookMs":3.1,"releasedMs":152.4}
- * {"ok":false,"error":{"code":"PVISOR_VM_STATE","message":"T1 is running; this needs it paused or suspended"},"vm":{...},"memory":{...}}
- * ```
- * Error codes are those of pvisor's typed errors (`PVISOR_VM_STATE`, `PVISOR_BACKING_FILE`,
- * `PVISOR_INVALID_OPTION` for a malformed request, ...). A failed operation leaves the VM as it was.
+ * **Protocol.** Newline-delimited JSON over a Unix stream socket, versioned: every request and
+ * answer carries `"v": 1` ({@link CONTROL_PROTOCOL_VERSION}), and a peer that speaks another
+ * version is refused with a {@link ControlProtocolError}. The requests (status, suspend, resume,
+ * snapshot, stop, exec) and their answers are specified in docs/control-protocol.md; the CLI's
+ * suspend, resume, snapshot, stop and ps and the SDK's {@link VmHandle} are its clients.
  * @module
  */
 import { lstatSync, mkdirSync, rmSync, chmodSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import { basename, isAbsolute, join } from 'node:path';
-import { ControlSocketError, InvalidOptionError, PvisorError, TimeoutError, VmNotFoundError } from '../errors';
-import type { StrategyStats } from '../memory/strategy';
-import type { GuestKind, SnapshotInfo, VmState } from '../vm';
+import { ControlProtocolError, ControlSocketError, InvalidOptionError, PvisorError, TimeoutError, VmNotFoundError, VmStateError } from './errors';
+import type { ExecResult } from './guest/linux-client';
+import type { StrategyStats } from './memory/strategy';
+import type { GuestKind, SnapshotInfo, VmState } from './vm';
 
-/** A request to a VM's control socket. */
+/** The version of the control protocol this pvisor speaks; see docs/control-protocol.md. */
+export const CONTROL_PROTOCOL_VERSION = 1;
+
+/** A request to a VM's control socket (sent with `v`, {@link CONTROL_PROTOCOL_VERSION}). */
 export type ControlRequest =
   | { op: 'status' }
+  | { op: 'exec'; command: string | string[]; timeoutMs?: number }
   | { op: 'suspend'; offload: boolean }
   | { op: 'resume' }
   | { op: 'snapshot'; dir: string; leavePaused: boolean }
@@ -79,7 +61,7 @@ export interface ControlMemory {
 
 /** An answer from a VM's control socket. */
 export type ControlResponse =
-  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number; releasedMs?: number; snapshot?: SnapshotInfo }
+  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number; releasedMs?: number; snapshot?: SnapshotInfo; exec?: ExecResult }
   | { ok: false; error: { code: string; message: string }; vm?: ControlVmInfo; memory?: ControlMemory };
 
 /** What the server does with a request: the answer, and what to do once it has been sent. */
@@ -132,9 +114,21 @@ export function parseRequest(line: string): ControlRequest {
     throw new InvalidOptionError('control request', `not JSON: ${JSON.stringify(line.slice(0, 80))}`);
   }
   const r = value as Record<string, unknown> | null;
+  // A request without "v" is from a client older than versioning, which spoke version 1.
+  if (r && typeof r === 'object' && r.v !== undefined && r.v !== CONTROL_PROTOCOL_VERSION) {
+    throw new ControlProtocolError(r.v, `control request of protocol version ${JSON.stringify(r.v)}; this VM speaks version ${CONTROL_PROTOCOL_VERSION}`);
+  }
   switch (r && typeof r === 'object' ? r.op : undefined) {
     case 'status':
       return { op: 'status' };
+    case 'exec': {
+      const command = r!.command;
+      const argv = Array.isArray(command) && command.length > 0 && command.every((w) => typeof w === 'string');
+      if (!argv && !(typeof command === 'string' && command.trim())) throw new InvalidOptionError('control request', 'exec: command must be a non-empty string or array of strings');
+      const timeoutMs = r!.timeoutMs;
+      if (timeoutMs !== undefined && (typeof timeoutMs !== 'number' || !(timeoutMs > 0))) throw new InvalidOptionError('control request', 'exec: timeoutMs must be a positive number');
+      return { op: 'exec', command: command as string | string[], timeoutMs: timeoutMs as number | undefined };
+    }
     case 'resume':
       return { op: 'resume' };
     case 'stop':
@@ -149,7 +143,7 @@ export function parseRequest(line: string): ControlRequest {
       return { op: 'snapshot', dir: r!.dir, leavePaused: r!.leavePaused === true };
     }
     default:
-      throw new InvalidOptionError('control request', `expected {"op": "status" | "suspend" | "resume" | "snapshot" | "stop"}, got ${JSON.stringify(line.slice(0, 80))}`);
+      throw new InvalidOptionError('control request', `expected {"v": 1, "op": "status" | "exec" | "suspend" | "resume" | "snapshot" | "stop"}, got ${JSON.stringify(line.slice(0, 80))}`);
   }
 }
 
@@ -157,6 +151,21 @@ export function parseRequest(line: string): ControlRequest {
 export function errorPayload(e: unknown): { code: string; message: string } {
   if (e instanceof PvisorError) return { code: e.code, message: e.message };
   return { code: 'PVISOR_INTERNAL', message: e instanceof Error ? e.message : String(e) };
+}
+
+/**
+ * The error an answer carries, as the typed error the client throws: the classes a caller is
+ * likely to handle by kind keep theirs, the others are a {@link PvisorError} with the same code.
+ */
+export function errorFromPayload(error: { code: string; message: string }): PvisorError {
+  switch (error.code) {
+    case 'PVISOR_VM_STATE':
+      return new VmStateError(error.message);
+    case 'PVISOR_TIMEOUT':
+      return new TimeoutError(error.message);
+    default:
+      return new PvisorError(error.code, error.message);
+  }
 }
 
 /** Is somebody listening on `path`? A file there that is not a socket is an error. */
@@ -268,7 +277,7 @@ function serve(conn: Socket, handler: ControlHandler): void {
           answer = { response: { ok: false, error: errorPayload(e) } };
         }
         if (conn.destroyed) answer.afterSent?.();
-        else conn.write(`${JSON.stringify(answer.response)}\n`, () => answer.afterSent?.());
+        else conn.write(`${JSON.stringify({ v: CONTROL_PROTOCOL_VERSION, ...answer.response })}\n`, () => answer.afterSent?.());
         queued--;
         pump();
       });
@@ -279,7 +288,7 @@ function serve(conn: Socket, handler: ControlHandler): void {
   conn.on('data', (chunk: string) => {
     buffered += chunk;
     if (buffered.length > MAX_LINE_BYTES && !buffered.slice(0, MAX_LINE_BYTES + 1).includes('\n')) {
-      conn.end(`${JSON.stringify({ ok: false, error: { code: 'PVISOR_INVALID_OPTION', message: `control request: longer than ${MAX_LINE_BYTES} bytes` } })}\n`);
+      conn.end(`${JSON.stringify({ v: CONTROL_PROTOCOL_VERSION, ok: false, error: { code: 'PVISOR_INVALID_OPTION', message: `control request: longer than ${MAX_LINE_BYTES} bytes` } })}\n`);
       buffered = '';
       return;
     }
@@ -305,15 +314,19 @@ export function controlRequest(path: string, id: string, request: ControlRequest
     };
     const timer = setTimeout(() => settle(() => reject(new TimeoutError(`${id} did not answer ${request.op} on ${path} within ${timeoutMs} ms`))), timeoutMs);
     conn.setEncoding('utf8');
-    conn.once('connect', () => conn.write(`${JSON.stringify(request)}\n`));
+    conn.once('connect', () => conn.write(`${JSON.stringify({ v: CONTROL_PROTOCOL_VERSION, ...request })}\n`));
     conn.on('data', (chunk: string) => {
       buffered += chunk;
       const nl = buffered.indexOf('\n');
       if (nl < 0) return;
       settle(() => {
         try {
-          const r = JSON.parse(buffered.slice(0, nl)) as ControlResponse;
+          const r = JSON.parse(buffered.slice(0, nl)) as (ControlResponse & { v?: unknown }) | null;
           if (typeof r !== 'object' || r === null || typeof r.ok !== 'boolean') throw new Error('no "ok" field');
+          if (r.v !== CONTROL_PROTOCOL_VERSION) {
+            reject(new ControlProtocolError(r.v, `${path}: ${id} answered in control protocol version ${JSON.stringify(r.v)}; this pvisor speaks version ${CONTROL_PROTOCOL_VERSION} (a pvisor run of another pvisor version?)`));
+            return;
+          }
           resolve(r);
         } catch (e) {
           reject(new ControlSocketError(path, `malformed answer: ${(e as Error).message}`));

@@ -1,0 +1,131 @@
+// The CLI's conventions, on the built commands: --help on stdout with exit 0 for every command,
+// --version, usage errors exit 2 before anything is started or printed about a VM, and each
+// bench's usage names exactly the options it accepts. No KVM needed: nothing here starts a VM.
+import { spawnSync } from 'node:child_process';
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { BENCH_VMM_OPTIONS } from '../../src/cli/bench';
+import { BENCH_FLOORS_OPTIONS } from '../../src/cli/bench-floors';
+import { BENCH_LINUX_OPTIONS } from '../../src/cli/bench-linux';
+import { TABLE12_OPTIONS } from '../../src/cli/bench-memory';
+import { BENCH_SNAPSHOT_OPTIONS } from '../../src/cli/bench-snapshot';
+import { BENCH_SOAK_OPTIONS } from '../../src/cli/bench-soak';
+import { TABLE3_OPTIONS } from '../../src/cli/bench-table3';
+import { BENCH_USAGE, PVISOR_USAGE } from '../../src/cli/usage';
+
+const root = join(__dirname, '..', '..', '..');
+const bin = (name: string) => join(__dirname, '..', '..', 'src', 'cli', name);
+const run = (program: string, ...args: string[]) => spawnSync(process.execPath, [bin(program), ...args], { encoding: 'utf8', env: { ...process.env, PVISOR_RUNTIME_DIR: '/nonexistent/pvisor-usage-test' } });
+const pvisor = (...args: string[]) => run('main.js', ...args);
+const daemon = (...args: string[]) => run('daemon-main.js', ...args);
+const version = (JSON.parse(readFileSync(join(root, 'package.json'), 'utf8')) as { version: string }).version;
+
+describe('--help and --version', () => {
+  it.each(Object.keys(PVISOR_USAGE))('pvisor %s --help prints its usage on stdout and exits 0', (command) => {
+    const r = pvisor(...command.split(' '), '--help');
+    expect(r.status).toBe(0);
+    expect(r.stderr).toBe('');
+    expect(r.stdout).toContain(`pvisor ${command}`);
+    expect(r.stdout).toBe(`Usage:\n${PVISOR_USAGE[command]}`);
+  });
+
+  it('pvisor --help lists every command; -h and help too', () => {
+    for (const flag of ['--help', '-h', 'help']) {
+      const r = pvisor(flag);
+      expect(r.status).toBe(0);
+      for (const command of ['run', 'suspend', 'resume', 'snapshot', 'stop', 'ps', 'bench vmm', 'bench soak']) expect(r.stdout).toContain(`pvisor ${command}`);
+    }
+  });
+
+  it('--help after -- belongs to the guest command, not to pvisor run', () => {
+    // Not help: the command is parsed, and --vcpus 0 is then a usage error.
+    const r = pvisor('run', '--vcpus', '0', '--', 'sh', '--help');
+    expect(r.status).toBe(2);
+    expect(r.stdout).toBe('');
+  });
+
+  it('pvisor --version and pvisor-daemon --version print the package version', () => {
+    expect(pvisor('--version')).toMatchObject({ status: 0, stdout: `pvisor ${version}\n` });
+    expect(daemon('--version')).toMatchObject({ status: 0, stdout: `pvisor-daemon ${version}\n` });
+  });
+
+  it.each(['serve', 'status'])('pvisor-daemon %s --help prints its usage and exits 0', (command) => {
+    const r = daemon(command, '--help');
+    expect(r.status).toBe(0);
+    expect(r.stdout).toContain(`pvisor-daemon ${command}`);
+  });
+
+  it('pvisor-daemon --help lists its commands', () => {
+    const r = daemon('--help');
+    expect(r.status).toBe(0);
+    expect(r.stdout).toMatch(/pvisor-daemon serve --memory-pool/);
+    expect(r.stdout).toMatch(/pvisor-daemon status/);
+  });
+});
+
+describe('usage errors exit 2 before anything is started or printed', () => {
+  const cases: [string, string[], RegExp][] = [
+    ['no command', [], /which command\?/],
+    ['an unknown command', ['frobnicate'], /unknown command "frobnicate"/],
+    ['--vcpus 99', ['run', '--guest', 'probe', '--vcpus', '99', '--', 'digest'], /vcpus: must be a whole number from 1 to 8, got 99/],
+    ['--vcpus two', ['run', '--guest', 'probe', '--vcpus', 'two', '--', 'digest'], /vcpus: must be a whole number from 1 to 8, got "two"/],
+    ['--memory 5000', ['run', '--guest', 'probe', '--memory', '5000', '--', 'digest'], /memory: must be a non-zero multiple of 4 KiB/],
+    ['--guest windows', ['run', '--guest', 'windows', '--', 'digest'], /guest: expected "linux" or "probe", got "windows"/],
+    ['an unknown option', ['run', '--memroy', '1GiB', '--', 'digest'], /Unknown option '--memroy'/],
+    ['a bad probe step', ['run', '--guest', 'probe', '--', 'fly 3'], /unknown step "fly"/],
+    ['no command to run', ['run', '--guest', 'probe'], /nothing to run/],
+    ['a bad --name', ['run', '--guest', 'probe', '--name', '../x', '--', 'digest'], /is not a VM id/],
+    ['suspend without an id', ['suspend'], /which VM\?/],
+    ['stop with two ids', ['stop', 'A', 'B'], /one VM at a time/],
+    ['ps with an argument it does not take', ['ps', '--all'], /Unknown option '--all'/],
+    ['bench without a bench', ['bench'], /which bench\?/],
+    ['an unknown bench', ['bench', 'everything'], /unknown bench "everything"/],
+    ['bench vmm --runs 0', ['bench', 'vmm', '--runs', '0'], /--runs: expected 1 to 100/],
+    ['bench soak --strategy nope', ['bench', 'soak', '--strategy', 'nope'], /unknown strategy nope/],
+    ['bench floors --size 1KiB', ['bench', 'floors', '--size', '1KiB'], /--size: expected whole MiB/],
+    ['bench linux --execs 0', ['bench', 'linux', '--execs', '0'], /--execs: wants a whole number >= 1/],
+    ['bench snapshot --runs x', ['bench', 'snapshot', '--runs', 'x'], /--runs: expected 1 to 100/],
+    ['bench memory --modes nope', ['bench', 'memory', '--modes', 'nope', '--floor-runs', '0'], /unknown mode nope/],
+    ['bench memory --table 4', ['bench', 'memory', '--table', '4'], /--table: expected a list of 1, 2 and 3/],
+    ['bench memory --schemes with table 1', ['bench', 'memory', '--schemes', 'ksm'], /--schemes: is not an option of --table 1,2/],
+  ];
+  it.each(cases)('%s', (_, args, message) => {
+    const r = pvisor(...args);
+    expect(r.stderr).toMatch(message);
+    expect(r.stderr).toMatch(/--help says what it accepts/);
+    expect(r.stderr).not.toMatch(/starting|control socket|bench: /);
+    expect(r.stdout).toBe('');
+    expect(r.status).toBe(2);
+  });
+
+  it('pvisor-daemon: serve without --memory-pool, an unknown option, an unknown command', () => {
+    for (const args of [['serve'], ['status', '--bogus'], ['nope'], []]) {
+      const r = daemon(...args);
+      expect(r.status).toBe(2);
+      expect(r.stdout).toBe('');
+    }
+  });
+});
+
+describe('failures of pvisor itself exit 125', () => {
+  it('a missing rootfs image: the run is well formed, the host cannot do it', () => {
+    const r = pvisor('run', '--rootfs', '/no/such/rootfs.img', '--', 'true');
+    expect(r.stderr).toMatch(/rootfs: cannot use \/no\/such\/rootfs\.img/);
+    expect(r.status).toBe(125);
+  });
+});
+
+describe("each bench's usage names exactly the options it accepts", () => {
+  const accepted: Record<keyof typeof BENCH_USAGE, string[]> = {
+    vmm: Object.keys(BENCH_VMM_OPTIONS),
+    linux: Object.keys(BENCH_LINUX_OPTIONS),
+    memory: ['table', 'json', ...Object.keys(TABLE12_OPTIONS), ...Object.keys(TABLE3_OPTIONS)],
+    snapshot: Object.keys(BENCH_SNAPSHOT_OPTIONS),
+    floors: Object.keys(BENCH_FLOORS_OPTIONS),
+    soak: Object.keys(BENCH_SOAK_OPTIONS),
+  };
+  it.each(Object.keys(accepted) as (keyof typeof BENCH_USAGE)[])('bench %s', (name) => {
+    const named = new Set([...BENCH_USAGE[name].matchAll(/\[--([a-z][a-z-]*)/g)].map((m) => m[1]));
+    expect([...named].sort()).toEqual([...new Set(accepted[name])].sort());
+  });
+});
