@@ -2,7 +2,7 @@
 // where the snapshot was taken (its digest is the host model's), clones of one snapshot are
 // independent, a changed snapshot is refused before anything runs, and a clone does not need the
 // directory once restored. Needs /dev/kvm.
-import { chmodSync, copyFileSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, openSync, writeSync, closeSync } from 'node:fs';
+import { chmodSync, copyFileSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, openSync, readSync, writeSync, closeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { ColdCompression, HostUnsupportedError, IdleRelease, InvalidOptionError, KsmAdvice, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
@@ -24,6 +24,17 @@ function copyOf(dir: string, name: string): string {
     chmodSync(join(to, f), 0o644);
   }
   return to;
+}
+
+/** Flips one byte of a snapshot's RAM inside the working set (chunk 4: bytes 8 to 10 MiB). */
+function flipRamByte(snapshotDir: string): void {
+  const at = 8 * MiB + 12345;
+  const fd = openSync(join(snapshotDir, 'ram'), 'r+');
+  const one = Buffer.alloc(1);
+  readSync(fd, one, 0, 1, at);
+  one[0] ^= 0xff;
+  writeSync(fd, one, 0, 1, at);
+  closeSync(fd);
 }
 
 describe('VM snapshots (probe guest)', () => {
@@ -86,13 +97,7 @@ describe('VM snapshots (probe guest)', () => {
     const manifest = JSON.parse(readFileSync(join(dir, 'manifest.json'), 'utf8'));
     // A byte inside the working set: it starts after the probe's own pages, somewhere in the first 16 MiB.
     const tampered = copyOf(dir, 'tampered');
-    const at = 8 * MiB + 12345;
-    const fd = openSync(join(tampered, 'ram'), 'r+');
-    const one = Buffer.alloc(1);
-    require('node:fs').readSync(fd, one, 0, 1, at);
-    one[0] ^= 0xff;
-    writeSync(fd, one, 0, 1, at);
-    closeSync(fd);
+    flipRamByte(tampered);
     const truncated = copyOf(dir, 'truncated');
     truncateSync(join(truncated, 'ram'), 128 * MiB);
     const wrongState = copyOf(dir, 'wrong-state');
@@ -117,13 +122,7 @@ describe('VM snapshots (probe guest)', () => {
   it('by default RAM loads lazily: a changed chunk is never mapped, and the VM ends with SnapshotError', async () => {
     const liveBefore = Vm.liveGuestRam().length;
     const tampered = copyOf(dir, 'tampered-lazy');
-    const at = 8 * MiB + 12345;
-    const fd = openSync(join(tampered, 'ram'), 'r+');
-    const one = Buffer.alloc(1);
-    require('node:fs').readSync(fd, one, 0, 1, at);
-    one[0] ^= 0xff;
-    writeSync(fd, one, 0, 1, at);
-    closeSync(fd);
+    flipRamByte(tampered);
     const restored = await Vm.restore(tampered, { name: 'lazy-tampered' }).then(
       (vm) => ({ vm }),
       (e: unknown) => ({ e }),
