@@ -28,6 +28,7 @@ export {
   TimeoutError,
   BackingFileError,
   OutputLimitError,
+  RequestTooLargeError,
   SnapshotError,
   PoolUnavailableError,
 } from './errors';
