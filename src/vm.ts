@@ -343,6 +343,7 @@ export class Vm extends EventEmitter<VmEvents> {
       (bytes) => this.machine.sendToAgent(bytes),
       (f) => this.onAgentEvent(f),
       (message) => this.warnings.warn(`agent protocol: ${message}`),
+      (held) => this.machine?.holdAgentOutput(held),
     );
     this.machine = KvmMachine.create(
       {

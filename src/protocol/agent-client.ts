@@ -64,11 +64,41 @@ export class AgentClient {
   private readonly orphans = new Map<number, number>();
   private orphanCount = 0;
 
+  /** Consumers whose buffers are full (see {@link holdFlow}). */
+  private readonly flowHolds = new Set<object>();
+
+  /**
+   * @param onFlow told `true` when the first consumer holds the channel and `false` when the last
+   *   one lets go: the owner stops (or starts again) taking what the guest transmits
+   */
   constructor(
     private readonly send: (bytes: Buffer) => void,
     private readonly onEvent: (frame: Frame) => void,
     private readonly onProtocolError: (message: string) => void,
+    private readonly onFlow: (held: boolean) => void = () => {},
   ) {}
+
+  /**
+   * A consumer of stream chunks (`holder`, e.g. a process's stdout) is full: nothing more is taken
+   * from the guest until every holder has let go ({@link releaseFlow}). The whole channel waits,
+   * answers to other requests included, so the guest's agent and the writer in the guest block
+   * instead of the host buffering without end.
+   */
+  holdFlow(holder: object): void {
+    if (this.closedWith || this.flowHolds.has(holder)) return;
+    this.flowHolds.add(holder);
+    if (this.flowHolds.size === 1) this.onFlow(true);
+  }
+
+  /** `holder` takes chunks again (or will take none: its request ended, its stream was destroyed). */
+  releaseFlow(holder: object): void {
+    if (this.flowHolds.delete(holder) && this.flowHolds.size === 0) this.onFlow(false);
+  }
+
+  /** How many consumers hold the channel now. */
+  get flowHolders(): number {
+    return this.flowHolds.size;
+  }
 
   /** Feeds bytes received from the guest. */
   receive(bytes: Buffer): void {
@@ -214,6 +244,7 @@ export class AgentClient {
   /** Fails every outstanding and future request with `error`. */
   close(error: Error = new VmStateError('the VM has stopped')): void {
     this.closedWith ??= error;
+    this.flowHolds.clear();
     for (const [id, p] of this.pending) {
       if (p.timer) clearTimeout(p.timer);
       p.reject(this.closedWith);
