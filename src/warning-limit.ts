@@ -63,7 +63,10 @@ export class WarningLimiter {
 
   private onRefill(): void {
     this.timer = undefined;
-    if (this.dropped && this.take()) this.sayDropped();
+    if (!this.dropped) return;
+    if (this.take()) this.sayDropped();
+    // A warning took the token first (and said the count then, unless it was dropped too): try again.
+    else this.timer = setTimeout(() => this.onRefill(), Math.ceil(1000 / this.limit.perSecond)).unref();
   }
 
   private sayDropped(): void {

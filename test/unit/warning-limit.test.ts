@@ -41,6 +41,19 @@ describe('warning limit', () => {
     expect(out[1]).toMatch(/^2 more warnings dropped over/);
   });
 
+  it('the count comes even when the token it waited for went to a warning that was then dropped too', async () => {
+    let now = 0;
+    const out: string[] = [];
+    const w = new WarningLimiter((m) => out.push(m), { burst: 1, perSecond: 20 }, () => now);
+    w.warn('a');
+    w.warn('b'); // dropped; the count is due in 50 ms
+    await new Promise((r) => setTimeout(r, 70)); // the timer fires, but the fake clock gave no token
+    expect(out).toEqual(['a']);
+    now += 50;
+    await new Promise((r) => setTimeout(r, 70));
+    expect(out).toEqual(['a', expect.stringMatching(/^1 more warning dropped over/)]);
+  });
+
   it('Infinity lets every one through; a bad option is an InvalidOptionError', () => {
     const out: string[] = [];
     const w = new WarningLimiter((m) => out.push(m), parseWarningLimit({ burst: Infinity, perSecond: Infinity }));
