@@ -186,8 +186,8 @@ export interface VmEvents {
   exit: (info: { state: 'stopped' | 'crashed'; error?: PvisorError }) => void;
   /**
    * A device refused a malformed request from the guest, the agent channel carried garbage, or a
-   * strategy reports a problem; the guest goes on. At most as many as {@link VmOptions.warningLimit}
-   * allows (by default 20 at once, then 2 a second).
+   * strategy reports a problem; the guest goes on. At most as many as
+   * {@link VmOptions.warningLimit} allows (by default 20 at once, then 2 a second).
    */
   warning: (message: string) => void;
   /**

@@ -7,9 +7,12 @@
  */
 import { InvalidOptionError } from './errors';
 
-/** How many warnings a VM emits: `burst` at once, then `perSecond` on average. See {@link VmOptions.warningLimit}. */
+/** How many warnings a VM emits: `burst` at once, then `perSecond` on average (`warningLimit`). */
 export interface WarningLimit {
-  /** Warnings let through at once before the rate applies: a whole number from 1, or Infinity. Default 20. */
+  /**
+   * Warnings let through at once before the rate applies: a whole number from 1, or Infinity.
+   * Default 20.
+   */
   burst?: number;
   /** Warnings per second after the burst: a number above 0, or Infinity. Default 2. */
   perSecond?: number;
@@ -65,7 +68,7 @@ export class WarningLimiter {
     this.timer = undefined;
     if (!this.dropped) return;
     if (this.take()) this.sayDropped();
-    // A warning took the token first (and said the count then, unless it was dropped too): try again.
+    // A warning took the token first (and said the count, unless it was dropped too): try again.
     else this.timer = setTimeout(() => this.onRefill(), Math.ceil(1000 / this.limit.perSecond)).unref();
   }
 

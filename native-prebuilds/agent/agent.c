@@ -267,7 +267,8 @@ static const char *const base_env[] = {
     NULL,
 };
 
-/* Copies a u32-length-prefixed string out (pv_take_str); NULL when it overruns the payload or holds a NUL. */
+/* Copies a u32-length-prefixed string out (pv_take_str); NULL when it overruns the payload or
+ * holds a NUL. */
 static char *take_str(const uint8_t **p, const uint8_t *end) {
   const uint8_t *s;
   uint32_t n;

@@ -185,7 +185,7 @@ function guestOutput(agent: AgentClient, onRead: () => void = () => {}): Readabl
   return s;
 }
 
-/** Gives a chunk to a {@link guestOutput} stream; false if it is now full (and holds the channel). */
+/** Gives a {@link guestOutput} stream a chunk; false if it is full (it then holds the channel). */
 function deliver(agent: AgentClient, s: Readable, chunk: Buffer): boolean {
   if (s.destroyed || s.readableEnded) return true; // destroyed by its consumer: dropped
   if (s.push(chunk)) return true;

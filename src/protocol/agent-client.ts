@@ -90,7 +90,7 @@ export class AgentClient {
     if (this.flowHolds.size === 1) this.onFlow(true);
   }
 
-  /** `holder` takes chunks again (or will take none: its request ended, its stream was destroyed). */
+  /** `holder` takes chunks again, or takes none any more (its request ended, it was destroyed). */
   releaseFlow(holder: object): void {
     if (this.flowHolds.delete(holder) && this.flowHolds.size === 0) this.onFlow(false);
   }

@@ -99,7 +99,7 @@ describe("guest output and the host's consumer: backpressure to the guest", () =
       expect(g.client.flowHolders).toBe(1);
       expect(p.stdout.readableLength).toBeGreaterThanOrEqual(MiB);
       expect(p.stdout.readableLength).toBeLessThanOrEqual(MiB + FRAME_PAYLOAD);
-      // The ring is full and stays so: the guest's writer is blocked, not the host's memory growing.
+      // The ring is full and stays so: the guest's writer is blocked, the host's memory flat.
       expect(g.inFlight).toBe(SIZE);
       const takenWhileHeld = g.taken;
       for (let i = 0; i < 50; i++) {
