@@ -305,7 +305,10 @@ export class Vm extends EventEmitter<VmEvents> {
     const ready = new Promise<void>((resolve, reject) => {
       const timer = setTimeout(() => {
         this.hello = undefined;
-        reject(new TimeoutError(`the ${this.guest} guest did not become ready within ${bootTimeoutMs} ms`));
+        // Where the boot got to, in the guest's own words: a panic, or the last line before a hang.
+        const said = this.machine.lastConsoleLines(3);
+        reject(new TimeoutError(`the ${this.guest} guest did not become ready within ${bootTimeoutMs} ms; ` +
+          (said.length ? `its console's last lines: ${said.join(' / ')}` : 'its console printed nothing')));
       }, bootTimeoutMs);
       this.hello = () => {
         clearTimeout(timer);

@@ -516,6 +516,14 @@ export class KvmMachine {
   }
 
   /** Sends bytes to the guest agent (held while paused, so RAM is not written under a strategy). */
+  /**
+   * The guest console's last `count` lines, each quoted and capped: for an error that says where
+   * a guest got to (they are the guest's words, which anything in it can print).
+   */
+  lastConsoleLines(count: number): string[] {
+    return this.recentConsole.slice(-count).map(quoteConsole);
+  }
+
   sendToAgent(bytes: Buffer): void {
     if (this.ended) return;
     if (this.pausing) this.console.hold(bytes);
