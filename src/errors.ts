@@ -107,6 +107,23 @@ export class BackingFileError extends PvisorError {
   }
 }
 
+/**
+ * A request to the guest agent is larger than one frame carries (1 MiB of payload): it was
+ * refused before anything was sent, and the channel goes on. An `exec` or `spawn` command line and
+ * environment must fit in it; large data goes in several frames (`files.write` does this).
+ */
+export class RequestTooLargeError extends PvisorError {
+  /** The request's payload, in bytes. */
+  readonly sizeBytes: number;
+  /** The most a frame carries, in bytes. */
+  readonly limitBytes: number;
+  constructor(sizeBytes: number, limitBytes: number, message: string) {
+    super('PVISOR_REQUEST_TOO_LARGE', message);
+    this.sizeBytes = sizeBytes;
+    this.limitBytes = limitBytes;
+  }
+}
+
 /** A guest request did not answer in time. */
 export class TimeoutError extends PvisorError {
   constructor(message: string) {

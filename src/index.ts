@@ -20,6 +20,7 @@ export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestM
 export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ZeroOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';
 export type { ProbeContent } from './guest/probe-content';
 export type { Size } from './units';
+export type { WarningLimit } from './warning-limit';
 export {
   PvisorError,
   InvalidOptionError,
@@ -31,6 +32,7 @@ export {
   TimeoutError,
   BackingFileError,
   OutputLimitError,
+  RequestTooLargeError,
   SnapshotError,
   PoolUnavailableError,
   VmNotFoundError,

@@ -22,6 +22,7 @@ import { parseTimeoutMs, type Size } from './units';
 import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
+import { parseWarningLimit, WarningLimiter, type WarningLimit } from './warning-limit';
 
 /** Which guest a VM runs. */
 export type GuestKind = 'linux' | 'probe';
@@ -71,6 +72,13 @@ export interface VmOptions {
    * `StrategyConflictError` naming both sides, before anything is allocated. Default none.
    */
   strategies?: readonly MemoryStrategy[];
+  /**
+   * How many `warning` events the VM emits: most are the guest's doing (a malformed device
+   * request, garbage on the agent channel) and a guest can cause them without end, so by default
+   * 20 at once, then 2 a second; what is dropped is counted and said in one warning when the
+   * limit allows again. `{ burst: Infinity, perSecond: Infinity }` emits every one.
+   */
+  warningLimit?: WarningLimit;
 }
 
 /** A root filesystem image and how to attach it. See {@link VmOptions.rootfs}. */
@@ -111,6 +119,8 @@ export interface RestoreOptions {
   name?: string;
   /** Memory strategies of the restored VM, as {@link VmOptions.strategies}. Default none. */
   strategies?: readonly MemoryStrategy[];
+  /** As {@link VmOptions.warningLimit}. */
+  warningLimit?: WarningLimit;
   /**
    * Read and check all of guest RAM before the VM runs. By default a restore into private memory
    * is lazy: the VM runs at once, and each chunk of the RAM file is read and checked against the
@@ -176,7 +186,11 @@ export interface VmEvents {
   crash: (error: PvisorError) => void;
   /** The VM ended, by {@link Vm.stop} or a crash. */
   exit: (info: { state: 'stopped' | 'crashed'; error?: PvisorError }) => void;
-  /** A device refused a malformed request from the guest; the guest goes on. */
+  /**
+   * A device refused a malformed request from the guest, the agent channel carried garbage, or a
+   * strategy reports a problem; the guest goes on. At most as many as
+   * {@link VmOptions.warningLimit} allows (by default 20 at once, then 2 a second).
+   */
   warning: (message: string) => void;
   /**
    * After {@link Vm.suspend} resolved: the memory the strategies set out to release is released
@@ -241,17 +255,19 @@ export class Vm extends EventEmitter<VmEvents> {
   /** The rootfs attached, if any: a snapshot records it. */
   private rootfs: DiskConfig | undefined;
   private _restoreInfo: RestoreInfo | undefined;
+  private readonly warnings: WarningLimiter;
 
   /** Checks the strategies' composition; allocates nothing. */
-  private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[]) {
+  private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[], warningLimit: Required<WarningLimit>) {
     super();
+    this.warnings = new WarningLimiter((m) => this.emit('warning', m), warningLimit);
     this.name = name;
     this.memoryBytes = memoryBytes;
     this.vcpus = vcpus;
     this.guest = guest;
     this.memory = new MemoryComposition(strategies, name, {
       fail: (error) => this.failByStrategy(error),
-      warn: (message) => this.emit('warning', message),
+      warn: (message) => this.warnings.warn(message),
       withGuestPaused: (work) => this.withGuestPaused(work),
     });
   }
@@ -265,9 +281,10 @@ export class Vm extends EventEmitter<VmEvents> {
     const disk = rootfsDisk(options.rootfs, guest);
     const bootTimeoutMs = options.bootTimeoutMs === undefined ? 60000 : parseTimeoutMs('bootTimeoutMs', options.bootTimeoutMs);
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
+    const warningLimit = parseWarningLimit(options.warningLimit);
     const strategies = [...(options.strategies ?? [])];
     if (strategies.some((s) => s instanceof SharedSnapshot)) throw new InvalidOptionError('strategies', "SharedSnapshot maps a snapshot's RAM: give it to Vm.restore, not Vm.start");
-    const vm = new Vm(name, memoryBytes, vcpus, guest, strategies);
+    const vm = new Vm(name, memoryBytes, vcpus, guest, strategies, warningLimit);
     const host = checkKvmHost();
     if (guest === 'linux') requireKernelModeGuests(host, 'linux');
     const boot = guest === 'linux' ? loadLinuxGuest(options, disk) : ({ kind: 'probe', image: loadProbeImage() } as const);
@@ -323,7 +340,8 @@ export class Vm extends EventEmitter<VmEvents> {
     this.agent = new AgentClient(
       (bytes) => this.machine.sendToAgent(bytes),
       (f) => this.onAgentEvent(f),
-      (message) => this.emit('warning', `agent protocol: ${message}`),
+      (message) => this.warnings.warn(`agent protocol: ${message}`),
+      (held) => this.machine?.holdAgentOutput(held),
     );
     this.machine = KvmMachine.create(
       {
@@ -340,7 +358,7 @@ export class Vm extends EventEmitter<VmEvents> {
         onConsole: (line) => this.emit('console', line),
         onAgentData: (bytes) => this.agent.receive(bytes),
         onCrash: (error) => this.onCrash(error),
-        onDeviceError: (message) => this.emit('warning', message),
+        onDeviceError: (message) => this.warnings.warn(message),
         // Strategies close before vCPU threads are joined: a userfaultfd may hold one in a fault.
         onEnding: () => this.closeStrategies(),
       },
@@ -380,6 +398,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const t0 = performance.now();
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
     const readyTimeoutMs = options.readyTimeoutMs === undefined ? 60000 : parseTimeoutMs('readyTimeoutMs', options.readyTimeoutMs);
+    const warningLimit = parseWarningLimit(options.warningLimit);
     if (options.verify !== undefined && typeof options.verify !== 'boolean') throw new InvalidOptionError('verify', `expected a boolean, got ${JSON.stringify(options.verify)}`);
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
@@ -388,7 +407,7 @@ export class Vm extends EventEmitter<VmEvents> {
     // Bound before the composition is planned: its RAM file is guest RAM's backing.
     const shared = strategies.find((s): s is SharedSnapshot => s instanceof SharedSnapshot);
     shared?.useRamFile(snapshot.ramPath);
-    const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies);
+    const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies, warningLimit);
     const host = checkKvmHost();
     if (state.guest === 'linux') requireKernelModeGuests(host, 'linux');
     const disk = state.rootfs && { path: state.rootfs.path, readOnly: true };

@@ -48,9 +48,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "agent-frames.h"
+
 /* ---- protocol constants (docs/probe-guest.md, docs/agent-protocol.md) ---- */
-#define HDR 16
-#define MAX_PAYLOAD (1u << 20)
+#define HDR PV_HDR
+#define MAX_PAYLOAD PV_MAX_PAYLOAD
 #define CHUNK_MAX (64u << 10) /* stream chunks carry at most 64 KiB */
 
 enum { T_REQUEST = 1, T_RESPONSE = 2, T_CHUNK = 3, T_ERROR = 4, T_EVENT = 5 };
@@ -122,12 +124,6 @@ static void *xmalloc(size_t n) {
   return p;
 }
 
-static uint32_t rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-static void wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i); }
-static void wr64(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> 8 * i); }
-
 static void set_nonblock(int fd) {
   int fl = fcntl(fd, F_GETFL);
   if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) die("fcntl O_NONBLOCK");
@@ -175,10 +171,10 @@ static void send_frame(int type, uint32_t id, uint16_t op, uint16_t flags, const
   h[1] = 0x56;
   h[2] = 1;
   h[3] = (uint8_t)type;
-  wr32(h + 4, id);
-  wr16(h + 8, op);
-  wr16(h + 10, flags);
-  wr32(h + 12, (uint32_t)plen);
+  pv_wr32(h + 4, id);
+  pv_wr16(h + 8, op);
+  pv_wr16(h + 10, flags);
+  pv_wr32(h + 12, (uint32_t)plen);
   if (alen) memcpy(h + HDR, a, alen);
   if (blen) memcpy(h + HDR + alen, b, blen);
   out.len += HDR + plen;
@@ -194,10 +190,10 @@ static void chunk_commit(uint32_t id, uint16_t op, uint16_t flags, size_t n) {
   h[1] = 0x56;
   h[2] = 1;
   h[3] = T_CHUNK;
-  wr32(h + 4, id);
-  wr16(h + 8, op);
-  wr16(h + 10, flags);
-  wr32(h + 12, (uint32_t)n);
+  pv_wr32(h + 4, id);
+  pv_wr16(h + 8, op);
+  pv_wr16(h + 10, flags);
+  pv_wr32(h + 12, (uint32_t)n);
   out.len += HDR + n;
 }
 
@@ -212,7 +208,7 @@ static void send_error(uint32_t id, uint16_t op, uint32_t code, const char *fmt,
   if (n < 0) n = 0;
   if ((size_t)n >= sizeof text) n = sizeof text - 1;
   uint8_t c[4];
-  wr32(c, code);
+  pv_wr32(c, code);
   send_frame(T_ERROR, id, op, 0, c, 4, text, (size_t)n);
 }
 
@@ -271,17 +267,15 @@ static const char *const base_env[] = {
     NULL,
 };
 
-/* Reads a u32-length-prefixed string; NULL when it overruns the payload or holds a NUL. */
+/* Copies a u32-length-prefixed string out (pv_take_str); NULL when it overruns the payload or
+ * holds a NUL. */
 static char *take_str(const uint8_t **p, const uint8_t *end) {
-  if ((size_t)(end - *p) < 4) return NULL;
-  uint32_t n = rd32(*p);
-  if (n > (size_t)(end - *p) - 4) return NULL;
-  const uint8_t *s = *p + 4;
-  if (memchr(s, 0, n)) return NULL;
-  char *r = xmalloc(n + 1);
+  const uint8_t *s;
+  uint32_t n;
+  if (!pv_take_str(p, end, &s, &n)) return NULL;
+  char *r = xmalloc((size_t)n + 1);
   memcpy(r, s, n);
   r[n] = 0;
-  *p = s + n;
   return r;
 }
 
@@ -322,11 +316,10 @@ extern char **environ;
 static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   const uint8_t *end = p + n;
   if (n < 16) return send_error(id, OP_EXEC, E_BADARG, "EXEC payload shorter than 16 bytes");
-  uint32_t flags = rd32(p), argc = rd32(p + 4), envc = rd32(p + 8);
-  p += 16;
-  if (argc == 0) return send_error(id, OP_EXEC, E_BADARG, "EXEC needs argv[0]");
+  uint32_t flags, argc, envc;
   /* every string costs at least its 4-byte length: bounds both counts by the payload */
-  if ((uint64_t)argc + envc + 1 > (n - 16) / 4) return send_error(id, OP_EXEC, E_BADARG, "EXEC counts exceed the payload");
+  if (!pv_exec_counts_fit(p, n, &flags, &argc, &envc)) return send_error(id, OP_EXEC, E_BADARG, argc == 0 ? "EXEC needs argv[0]" : "EXEC counts exceed the payload");
+  p += 16;
   if (find_proc(id)) return send_error(id, OP_EXEC, E_BADARG, "request id %u already names a process", id);
   if (nprocs >= MAX_PROCS) return send_error(id, OP_EXEC, E_BUSY, "%d processes already running", MAX_PROCS);
 
@@ -414,7 +407,7 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   procs = pr;
   nprocs++;
   uint8_t started[4];
-  wr32(started, (uint32_t)pid);
+  pv_wr32(started, (uint32_t)pid);
   send_frame(T_CHUNK, id, OP_EXEC, CH_STARTED, started, 4, NULL, 0);
 out_free:
   free(cwd);
@@ -440,7 +433,7 @@ static void stdin_progress(struct proc *pr) {
   }
   if (pr->wpending) {
     uint8_t r[8];
-    wr64(r, pr->wlen);
+    pv_wr64(r, pr->wlen);
     respond(pr->wreq, OP_STDIN_WRITE, r, 8);
     pr->wpending = 0;
     free(pr->wdata);
@@ -458,8 +451,8 @@ static struct proc *proc_arg(uint32_t id, uint16_t op, const uint8_t *p, size_t 
     send_error(id, op, E_BADARG, "payload shorter than %zu bytes", need);
     return NULL;
   }
-  struct proc *pr = find_proc(rd32(p));
-  if (!pr) send_error(id, op, E_NOPROC, "no running process %u", rd32(p));
+  struct proc *pr = find_proc(pv_rd32(p));
+  if (!pr) send_error(id, op, E_NOPROC, "no running process %u", pv_rd32(p));
   return pr;
 }
 
@@ -492,7 +485,7 @@ static void op_stdin_close(uint32_t id, const uint8_t *p, size_t n) {
 static void op_kill(uint32_t id, const uint8_t *p, size_t n) {
   struct proc *pr = proc_arg(id, OP_KILL, p, n, 8);
   if (!pr) return;
-  uint32_t sig = rd32(p + 4);
+  uint32_t sig = pv_rd32(p + 4);
   if (sig == 0 || sig >= (uint32_t)NSIG) return send_error(id, OP_KILL, E_BADARG, "bad signal %u", sig);
   /* ESRCH: the group is gone (exited, pipes not yet drained): nothing left to signal */
   if (kill(-pr->pid, (int)sig) && errno != ESRCH) return send_os_error(id, OP_KILL, errno, "kill");
@@ -525,8 +518,8 @@ static void finish_procs(void) {
     uint8_t r[8];
     int code = WIFEXITED(pr->status) ? WEXITSTATUS(pr->status) : -1;
     int sig = WIFSIGNALED(pr->status) ? WTERMSIG(pr->status) : 0;
-    wr32(r, (uint32_t)code);
-    wr32(r + 4, (uint32_t)sig);
+    pv_wr32(r, (uint32_t)code);
+    pv_wr32(r + 4, (uint32_t)sig);
     respond(pr->id, OP_EXEC, r, 8);
     close_fd(&pr->in_fd);
     free(pr->wdata);
@@ -597,7 +590,7 @@ static void pump_reads(void) {
     if (n < 0) send_os_error(r->id, OP_FILE_READ, errno, "read");
     else {
       uint8_t t[8];
-      wr64(t, r->total);
+      pv_wr64(t, r->total);
       respond(r->id, OP_FILE_READ, t, 8);
     }
     close(r->fd);
@@ -625,7 +618,7 @@ static int mkdir_parents(char *path) {
 static void op_file_write(uint32_t id, const uint8_t *p, size_t n) {
   const uint8_t *end = p + n;
   if (n < 12) return send_error(id, OP_FILE_WRITE, E_BADARG, "FILE_WRITE payload shorter than 12 bytes");
-  uint32_t flags = rd32(p), mode = rd32(p + 4) & 07777;
+  uint32_t flags = pv_rd32(p), mode = pv_rd32(p + 4) & 07777;
   p += 8;
   char *path = take_str(&p, end);
   if (!path || !path[0]) {
@@ -650,7 +643,7 @@ static void op_file_write(uint32_t id, const uint8_t *p, size_t n) {
     goto fail;
   }
   uint8_t r[8];
-  wr64(r, len);
+  pv_wr64(r, len);
   respond(id, OP_FILE_WRITE, r, 8);
   free(path);
   return;
@@ -680,16 +673,16 @@ static void op_meminfo(uint32_t id) {
   fclose(f);
   if (found != 15) return send_error(id, OP_MEMINFO, E_OS, "/proc/meminfo lacks a field");
   uint8_t r[32];
-  for (int i = 0; i < 4; i++) wr64(r + 8 * i, v[i]);
+  for (int i = 0; i < 4; i++) pv_wr64(r + 8 * i, v[i]);
   respond(id, OP_MEMINFO, r, 32);
 }
 
 /* DROP_CACHES {u32 what: 1 page cache, 2 slab, 3 both} -> {} (after sync, as the kernel docs advise). */
 static void op_drop_caches(uint32_t id, const uint8_t *p, size_t n) {
-  if (n < 4 || rd32(p) < 1 || rd32(p) > 3) return send_error(id, OP_DROP_CACHES, E_BADARG, "DROP_CACHES wants {u32 1..3}");
+  if (n < 4 || pv_rd32(p) < 1 || pv_rd32(p) > 3) return send_error(id, OP_DROP_CACHES, E_BADARG, "DROP_CACHES wants {u32 1..3}");
   sync();
   int fd = open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
-  char c[2] = {(char)('0' + rd32(p)), '\n'};
+  char c[2] = {(char)('0' + pv_rd32(p)), '\n'};
   if (fd < 0 || write(fd, c, 2) != 2) {
     int e = errno;
     if (fd >= 0) close(fd);
@@ -736,7 +729,7 @@ static void op_shutdown(uint32_t id) {
 static void op_restored(uint32_t id, const uint8_t *p, size_t n) {
   if (n < 16 + RESTORED_MIN_ENTROPY || n > 16 + RESTORED_MAX_ENTROPY)
     return send_error(id, OP_RESTORED, E_BADARG, "RESTORED wants 16 bytes and %d to %d bytes of entropy, got %zu bytes", RESTORED_MIN_ENTROPY, RESTORED_MAX_ENTROPY, n);
-  uint64_t ns = (uint64_t)rd32(p) | (uint64_t)rd32(p + 4) << 32;
+  uint64_t ns = (uint64_t)pv_rd32(p) | (uint64_t)pv_rd32(p + 4) << 32;
   if (ns < RESTORED_MIN_REALTIME_NS || ns > (uint64_t)INT64_MAX) return send_error(id, OP_RESTORED, E_BADARG, "RESTORED time %llu ns is not a plausible wall clock", (unsigned long long)ns);
   size_t bytes = n - 16;
   struct {
@@ -784,10 +777,10 @@ static void op_restored(uint32_t id, const uint8_t *p, size_t n) {
     ended++;
   }
   uint8_t r[16];
-  wr32(r, 1);
-  wr32(r + 4, GUEST_KIND_LINUX);
-  wr32(r + 8, detached);
-  wr32(r + 12, ended);
+  pv_wr32(r, 1);
+  pv_wr32(r + 4, GUEST_KIND_LINUX);
+  pv_wr32(r + 8, detached);
+  pv_wr32(r + 12, ended);
   respond(id, OP_RESTORED, r, sizeof r);
   flush_out(); /* the host waits for this answer; the console line can come after it */
   logmsg("restored: RNG reseeded with %zu bytes, clock set, %u processes detached, %u requests ended", bytes, detached, ended);
@@ -810,25 +803,20 @@ static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n)
   }
 }
 
-/* Serves every complete frame in the input buffer. */
-static void parse_input(void) {
-  while (in.len >= HDR) {
-    const uint8_t *h = in.p + in.head;
-    uint32_t plen = rd32(h + 12);
-    if (h[0] != 0x50 || h[1] != 0x56 || h[2] != 1 || plen > MAX_PAYLOAD) {
-      /* resynchronise: drop everything buffered (as the probe does) */
-      send_error(0, 0, E_BADFRAME, "bad frame header (magic, version or length)");
-      buf_consume(&in, in.len);
-      return;
-    }
-    if (in.len < HDR + plen) return;
-    uint32_t id = rd32(h + 4);
-    uint16_t op = rd16(h + 8);
-    if (h[3] != T_REQUEST) send_error(id, op, E_BADFRAME, "frame type %u is not a request", h[3]);
-    else handle_request(id, op, h + HDR, plen);
-    buf_consume(&in, HDR + plen);
-  }
+static void serve_frame(void *ctx, const struct pv_frame *f) {
+  (void)ctx;
+  if (f->type != T_REQUEST) send_error(f->id, f->op, E_BADFRAME, "frame type %u is not a request", f->type);
+  else handle_request(f->id, f->op, f->payload, f->len);
 }
+
+static void bad_frame(void *ctx) {
+  (void)ctx;
+  /* resynchronise: everything buffered is dropped (as the probe does) */
+  send_error(0, 0, E_BADFRAME, "bad frame header (magic, version or length)");
+}
+
+/* Serves every complete frame in the input buffer. */
+static void parse_input(void) { buf_consume(&in, pv_frames_take(in.p + in.head, in.len, serve_frame, bad_frame, NULL)); }
 
 /* ---- start-up ---- */
 /* Copies the value of NAME=VALUE from the kernel command line into out; 0 if absent or too long. */
@@ -990,9 +978,9 @@ int main(int argc, char **argv) {
   struct sysinfo si;
   if (sysinfo(&si)) die("sysinfo");
   uint8_t hello[32] = {0};
-  wr32(hello, 1);
-  wr32(hello + 4, GUEST_KIND_LINUX);
-  wr64(hello + 8, (uint64_t)si.totalram * si.mem_unit);
+  pv_wr32(hello, 1);
+  pv_wr32(hello + 4, GUEST_KIND_LINUX);
+  pv_wr64(hello + 8, (uint64_t)si.totalram * si.mem_unit);
   /* wsBase / wsLimit stay 0: the Linux guest has no probe working set */
   send_frame(T_EVENT, 0, OP_HELLO, 0, hello, sizeof hello, NULL, 0);
   logmsg("ready on %s", path);

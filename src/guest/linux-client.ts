@@ -162,6 +162,43 @@ function frameChunks(bytes: Buffer): Buffer[] {
   return chunks;
 }
 
+/**
+ * Bytes a stream of guest output buffers for a consumer that does not read before it holds the
+ * agent channel (see {@link AgentClient.holdFlow}): a command whose output nobody reads yet
+ * neither blocks for its first megabyte nor grows the host beyond it.
+ */
+const STREAM_HIGH_WATER_BYTES = 1024 * 1024;
+
+/**
+ * A stream of one request's chunks whose full buffer holds the agent channel until its consumer
+ * reads (or destroys it): backpressure all the way to the writer in the guest.
+ */
+function guestOutput(agent: AgentClient, onRead: () => void = () => {}): Readable {
+  const s: Readable = new Readable({
+    highWaterMark: STREAM_HIGH_WATER_BYTES,
+    read: () => {
+      agent.releaseFlow(s);
+      onRead();
+    },
+  });
+  s.once('close', () => agent.releaseFlow(s));
+  return s;
+}
+
+/** Gives a {@link guestOutput} stream a chunk; false if it is full (it then holds the channel). */
+function deliver(agent: AgentClient, s: Readable, chunk: Buffer): boolean {
+  if (s.destroyed || s.readableEnded) return true; // destroyed by its consumer: dropped
+  if (s.push(chunk)) return true;
+  agent.holdFlow(s);
+  return false;
+}
+
+/** No more chunks come for the stream: it ends once read, and holds nothing meanwhile. */
+function endOutput(agent: AgentClient, s: Readable): void {
+  if (!s.destroyed && !s.readableEnded) s.push(null);
+  agent.releaseFlow(s);
+}
+
 function signalNumber(signal: NodeJS.Signals | number): number {
   const n = typeof signal === 'number' ? signal : osConstants.signals[signal];
   if (!Number.isInteger(n) || n < 1 || n > 64) throw new InvalidOptionError('signal', `unknown signal ${String(signal)}`);
@@ -170,10 +207,15 @@ function signalNumber(signal: NodeJS.Signals | number): number {
 
 /** A process running in the guest. */
 export class GuestProcess {
-  /** The command's standard output. */
-  readonly stdout = new Readable({ read() {} });
-  /** The command's standard error. */
-  readonly stderr = new Readable({ read() {} });
+  /**
+   * The command's standard output. Up to 1 MiB waits for a consumer; beyond it the host takes
+   * nothing more from the guest until it is read (or destroyed): the command then blocks in
+   * write(), and so, meanwhile, does every other answer of this VM's agent. Read it, pipe it, or
+   * destroy it.
+   */
+  readonly stdout: Readable;
+  /** The command's standard error; as {@link stdout}. */
+  readonly stderr: Readable;
   /** The guest pid, once the program has started. */
   readonly pid: Promise<number>;
   /** Resolves when the process has ended and its output is complete; rejects if it never started. */
@@ -187,6 +229,8 @@ export class GuestProcess {
     private readonly agent: AgentClient,
     argvPayload: Buffer,
   ) {
+    const stdout = (this.stdout = guestOutput(agent));
+    const stderr = (this.stderr = guestOutput(agent));
     let started!: (pid: number) => void;
     let neverStarted!: (e: Error) => void;
     this.pid = new Promise((resolve, reject) => {
@@ -201,15 +245,15 @@ export class GuestProcess {
         // of the receive path (which would end the VM as a VMM error).
         if (flags === CHUNK_STARTED) {
           if (payload.length >= 4) started(payload.readUInt32LE(0));
-        } else if (flags === CHUNK_STDOUT) this.stdout.push(payload);
-        else if (flags === CHUNK_STDERR) this.stderr.push(payload);
+        } else if (flags === CHUNK_STDOUT) deliver(agent, stdout, payload);
+        else if (flags === CHUNK_STDERR) deliver(agent, stderr, payload);
       },
     });
     this.handle = req.id;
     this.exited = req.done.then(
       (r) => {
-        this.stdout.push(null);
-        this.stderr.push(null);
+        endOutput(agent, stdout);
+        endOutput(agent, stderr);
         // Ended without a STARTED chunk that held a pid: `pid` must settle all the same.
         neverStarted(new GuestRequestError(0, 'the guest ended the command without reporting its pid'));
         if (r.length < 8) throw new GuestRequestError(0, `the guest ended a command with a ${r.length}-byte status, 8 expected`);
@@ -220,8 +264,10 @@ export class GuestProcess {
       (e: Error) => {
         // Closed without an error: a stream 'error' nobody listens to would throw in the host
         // process. Why the process ended is `exited`'s rejection.
-        this.stdout.destroy();
-        this.stderr.destroy();
+        stdout.destroy();
+        stderr.destroy();
+        agent.releaseFlow(stdout);
+        agent.releaseFlow(stderr);
         neverStarted(e);
         throw e;
       },
@@ -423,6 +469,63 @@ export class GuestFiles {
     const total = Number(r.readBigUInt64LE(0));
     if (total !== data.length) throw new GuestRequestError(0, `the guest said ${total} bytes but sent ${data.length} for ${path}`);
     return data;
+  }
+
+  /**
+   * A regular file's content as a stream, with backpressure to the guest: while the stream's
+   * buffer (1 MiB) is full the host takes nothing more from the guest, so a file of any size costs
+   * the host no more than that (as for {@link GuestProcess.stdout}, every other answer of this VM's
+   * agent waits meanwhile: consume or destroy the stream). It errors with the guest's
+   * {@link GuestRequestError} (no such file, not a regular file), with a {@link TimeoutError} when
+   * the guest sends nothing for `timeoutMs` while the stream wants more, and with a
+   * GuestRequestError if the guest's count of bytes differs from what it sent.
+   */
+  readStream(path: string, options: RequestTimeout = {}): Readable {
+    const timeoutMs = requestTimeout(options);
+    const payload = str(path, 'path');
+    let received = 0;
+    let done = false;
+    let timer: NodeJS.Timeout | undefined;
+    const disarm = () => {
+      if (timer) clearTimeout(timer);
+      timer = undefined;
+    };
+    // Waiting on the guest: armed while the stream wants more, never while its consumer is full.
+    const arm = () => {
+      disarm();
+      if (done || s.destroyed) return;
+      timer = setTimeout(() => s.destroy(new TimeoutError(`the guest sent nothing of ${path} for ${timeoutMs} ms`)), timeoutMs);
+    };
+    const s = guestOutput(this.agent, arm);
+    s.once('close', disarm);
+    const finish = () => {
+      done = true;
+      disarm();
+    };
+    this.agent
+      .request(LinuxOp.FileRead, payload, {
+        onChunk: (_f, p) => {
+          received += p.length;
+          if (deliver(this.agent, s, p)) arm();
+          else disarm();
+        },
+      })
+      .then(
+        (r) => {
+          finish();
+          if (r.length < 8) s.destroy(new GuestRequestError(0, `the guest answered FILE_READ with ${r.length} bytes, 8 expected`));
+          else if (Number(r.readBigUInt64LE(0)) !== received) s.destroy(new GuestRequestError(0, `the guest said ${Number(r.readBigUInt64LE(0))} bytes but sent ${received} for ${path}`));
+          else endOutput(this.agent, s);
+          this.agent.releaseFlow(s);
+        },
+        (e: Error) => {
+          finish();
+          s.destroy(e);
+          this.agent.releaseFlow(s);
+        },
+      );
+    arm();
+    return s;
   }
 
   /**

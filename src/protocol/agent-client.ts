@@ -2,9 +2,9 @@
  * The host end of the agent protocol: numbered requests with several outstanding at once,
  * responses matched by id, guest events delivered to a callback.
  */
-import { GuestRequestError, SnapshotError, TimeoutError, VmStateError } from '../errors';
+import { GuestRequestError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
 import { arrayAt, base64Of, bytesAt, checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
-import { encodeFrame, FrameDecoder, FrameType, type Frame } from './frame';
+import { encodeFrame, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES, type Frame } from './frame';
 
 /** Common ops (both guests). */
 export const enum CommonOp {
@@ -64,11 +64,41 @@ export class AgentClient {
   private readonly orphans = new Map<number, number>();
   private orphanCount = 0;
 
+  /** Consumers whose buffers are full (see {@link holdFlow}). */
+  private readonly flowHolds = new Set<object>();
+
+  /**
+   * @param onFlow told `true` when the first consumer holds the channel and `false` when the last
+   *   one lets go: the owner stops (or starts again) taking what the guest transmits
+   */
   constructor(
     private readonly send: (bytes: Buffer) => void,
     private readonly onEvent: (frame: Frame) => void,
     private readonly onProtocolError: (message: string) => void,
+    private readonly onFlow: (held: boolean) => void = () => {},
   ) {}
+
+  /**
+   * A consumer of stream chunks (`holder`, e.g. a process's stdout) is full: nothing more is taken
+   * from the guest until every holder has let go ({@link releaseFlow}). The whole channel waits,
+   * answers to other requests included, so the guest's agent and the writer in the guest block
+   * instead of the host buffering without end.
+   */
+  holdFlow(holder: object): void {
+    if (this.closedWith || this.flowHolds.has(holder)) return;
+    this.flowHolds.add(holder);
+    if (this.flowHolds.size === 1) this.onFlow(true);
+  }
+
+  /** `holder` takes chunks again, or takes none any more (its request ended, it was destroyed). */
+  releaseFlow(holder: object): void {
+    if (this.flowHolds.delete(holder) && this.flowHolds.size === 0) this.onFlow(false);
+  }
+
+  /** How many consumers hold the channel now. */
+  get flowHolders(): number {
+    return this.flowHolds.size;
+  }
 
   /** Feeds bytes received from the guest. */
   receive(bytes: Buffer): void {
@@ -163,11 +193,20 @@ export class AgentClient {
     return this.start(op, payload, options).done;
   }
 
-  /** Sends a request and returns its id at once, with a promise of its final frame. */
+  /**
+   * Sends a request and returns its id at once, with a promise of its final frame. The promise
+   * settles exactly once: with the final frame, the timeout, {@link close}, or at once when the
+   * request cannot be sent (a payload over one frame's {@link MAX_PAYLOAD_BYTES} is a
+   * {@link RequestTooLargeError}, and nothing is sent).
+   */
   start(op: number, payload: Buffer = Buffer.alloc(0), options: RequestOptions = {}): StartedRequest {
-    const id = this.nextId;
-    if (this.closedWith) return { id, done: Promise.reject(this.closedWith) };
-    this.nextId = this.nextId >= 0xffffffff ? 1 : this.nextId + 1;
+    if (this.closedWith) return { id: this.nextId, done: Promise.reject(this.closedWith) };
+    if (payload.length > MAX_PAYLOAD_BYTES) {
+      const e = new RequestTooLargeError(payload.length, MAX_PAYLOAD_BYTES, `a request of op 0x${op.toString(16)} with ${payload.length} bytes exceeds the ${MAX_PAYLOAD_BYTES} bytes one frame carries; nothing was sent`);
+      return { id: this.nextId, done: Promise.reject(e) };
+    }
+    const id = this.takeId();
+    const frame = encodeFrame({ type: FrameType.Request, id, op, payload });
     const done = new Promise<Buffer>((resolve, reject) => {
       const p: Pending = { op, resolve, reject, onChunk: options.onChunk };
       if (options.timeoutMs !== undefined) {
@@ -177,14 +216,35 @@ export class AgentClient {
         }, options.timeoutMs);
       }
       this.pending.set(id, p);
-      this.send(encodeFrame({ type: FrameType.Request, id, op, payload }));
+      try {
+        this.send(frame);
+      } catch (e) {
+        // Never sent: it settles now, and leaves no entry for a later frame, timer or close.
+        this.pending.delete(id);
+        if (p.timer) clearTimeout(p.timer);
+        reject(e instanceof PvisorError ? e : new VmStateError(`op 0x${op.toString(16)} could not be sent to the guest: ${(e as Error).message}`));
+      }
     });
     return { id, done };
+  }
+
+  /**
+   * The next request id that names nothing in flight: after 2^32 - 1 requests ids wrap, and a
+   * request still pending (a long-running process) or one of a restored snapshot's keeps its id;
+   * a new request under it would take its answer, and the first would never settle.
+   */
+  private takeId(): number {
+    for (;;) {
+      const id = this.nextId;
+      this.nextId = id >= 0xffffffff ? 1 : id + 1;
+      if (!this.pending.has(id) && !this.orphans.has(id)) return id;
+    }
   }
 
   /** Fails every outstanding and future request with `error`. */
   close(error: Error = new VmStateError('the VM has stopped')): void {
     this.closedWith ??= error;
+    this.flowHolds.clear();
     for (const [id, p] of this.pending) {
       if (p.timer) clearTimeout(p.timer);
       p.reject(this.closedWith);

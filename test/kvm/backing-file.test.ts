@@ -10,6 +10,9 @@ import { basename, join } from 'node:path';
 import { BackingFileError, CompressedOffload, InvalidOptionError, Offload, Vm, type MemoryStrategy } from '../../src';
 import type { ProbeWorkingSet } from '../../src/guest/probe-content';
 import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
+import * as C from '../../src/sys/constants';
+import { ioctl, mmap, munmap, viewAt } from '../../src/sys/libc';
+import { processThreads } from '../process-threads';
 import { hexOf } from '../probe-digest';
 
 const MiB = 2 ** 20;
@@ -234,3 +237,108 @@ function fillUp(path: string): void {
     closeSync(fd);
   }
 }
+
+/**
+ * FS_IOC_SHUTDOWN with FSOP_GOING_FLAGS_NOLOGFLUSH (<linux/fs.h>; the xfstests "godown"): from
+ * here on every read, write, create and unlink on that ext4 fails with EIO, as on a disk that
+ * died. What was made durable before is on the image; a fresh mount sees it again.
+ */
+function killFilesystem(mountPoint: string): void {
+  const FS_IOC_SHUTDOWN = 0x8004587d; // _IOR('X', 125, __u32)
+  const arg = mmap(0, C.PAGE_SIZE, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_ANONYMOUS, -1, 0, 'shutdown flags');
+  const fd = openSync(mountPoint, 'r');
+  try {
+    viewAt(arg, 4).writeUInt32LE(2, 0);
+    ioctl(fd, FS_IOC_SHUTDOWN, arg, 'FS_IOC_SHUTDOWN');
+  } finally {
+    closeSync(fd);
+    munmap(arg, C.PAGE_SIZE);
+  }
+}
+
+describe('a disk that fails with EIO (an ext4 shut down under the VM)', () => {
+  let base: string;
+  let image: string;
+  let mnt: string;
+  let unavailable: string | undefined;
+  const mount = () => spawnSync('mount', ['-o', 'loop', image, mnt], { encoding: 'utf8' });
+  /** Unmounts the dead filesystem and mounts the image again: the disk "comes back". */
+  const remount = () => {
+    const u = spawnSync('umount', [mnt], { encoding: 'utf8' });
+    if (u.status !== 0) throw new Error(`umount ${mnt}: ${u.stderr.trim()} (does something of pvisor's still hold a file there?)`);
+    const m = mount();
+    if (m.status !== 0) throw new Error(`mount ${mnt}: ${m.stderr.trim()}`);
+  };
+  beforeAll(() => {
+    base = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-eio-'));
+    image = join(base, 'fs.img');
+    mnt = join(base, 'mnt');
+    mkdirSync(mnt);
+    writeFileSync(image, '');
+    truncateSync(image, 128 * MiB);
+    const mkfs = spawnSync('mkfs.ext4', ['-q', '-F', '-m', '0', '-O', '^has_journal', image], { encoding: 'utf8' });
+    const m = mkfs.status === 0 ? mount() : mkfs;
+    if (m.status !== 0) unavailable = `cannot make and loop-mount an ext4 here (${(m.stderr || m.error?.message || '').trim()})`;
+  });
+  afterAll(() => {
+    if (!unavailable && spawnSync('umount', [mnt]).status !== 0) spawnSync('umount', ['-l', mnt]);
+    rmSync(base, { recursive: true, force: true });
+  });
+
+  it('Offload: suspend and resume fail with a typed error and change nothing, the VM keeps every byte, and teardown completes', async () => {
+    if (unavailable) {
+      console.log(`skipped: ${unavailable}`);
+      return;
+    }
+    const threadsBefore = processThreads();
+    const fdsBefore = openFds();
+    await withVm(new Offload({ dir: mnt }), async (vm, digest) => {
+      // 1. The disk is dead when the suspend begins: the backing file cannot be made. The suspend
+      // fails, typed, and the VM runs on as it was.
+      killFilesystem(mnt);
+      const atSuspend = await vm.suspend().catch((e: unknown) => e);
+      expect(atSuspend).toBeInstanceOf(BackingFileError);
+      expect((atSuspend as Error).message).toMatch(/EIO/);
+      expect(vm.state).toBe('running');
+      expect((await vm.probe.digest()).hex).toBe(digest);
+      remount();
+
+      // 2. The disk dies once part of RAM is in the file and dropped: the rest of the write-out
+      // fails, what was not written stays resident; the resume cannot read back what was dropped,
+      // fails typed, and the VM stays suspended, nothing lost.
+      const before = vm.memoryUsage().guestRamRssBytes;
+      await vm.suspend();
+      for (let i = 0; i < 2000 && before - vm.memoryUsage().guestRamRssBytes < 16 * MiB; i++) await new Promise((r) => setTimeout(r, 5));
+      expect(before - vm.memoryUsage().guestRamRssBytes).toBeGreaterThanOrEqual(16 * MiB); // a batch left RAM
+      killFilesystem(mnt);
+      const released = await vm.memoryReleased().then(() => undefined, (e: unknown) => e);
+      // Unless the whole write-out was through before the disk died, its rest failed with EIO.
+      if (released !== undefined) {
+        expect(released).toBeInstanceOf(BackingFileError);
+        expect((released as Error).message).toMatch(/EIO/);
+      }
+      const atResume = await vm.resume().catch((e: unknown) => e);
+      expect(atResume).toBeInstanceOf(BackingFileError);
+      expect((atResume as Error).message).toMatch(/EIO.*the VM stays suspended$/);
+      expect((atResume as Error).message).not.toMatch(/missing/); // the file is there: the disk failed
+      expect(vm.state).toBe('suspended');
+      console.log(`EIO: at suspend: ${(atSuspend as Error).message}\nduring the write-out: ${released === undefined ? 'all written before the disk died' : (released as Error).message}\nat resume: ${(atResume as Error).message}`);
+      // The disk comes back with what was made durable: the resume brings every byte back.
+      remount();
+      await vm.resume();
+      expect(vm.state).toBe('running');
+      expect((await vm.probe.digest()).hex).toBe(digest);
+
+      // 3. The disk dies while the VM is suspended and it is stopped there: teardown completes.
+      await vm.suspend();
+      await vm.memoryReleased();
+      killFilesystem(mnt);
+      vm.stop();
+      expect(vm.state).toBe('stopped');
+    }, { memory: '128MiB', sizeMiB: 48 });
+    await new Promise((r) => setTimeout(r, 50)); // a stopped VM's socket handle closes on the next tick
+    expect(processThreads()).toBe(threadsBefore);
+    expect(openFds()).toBeLessThanOrEqual(fdsBefore + 1);
+    remount(); // nothing of the VM's holds a file there any more, or this would be EBUSY
+  });
+});

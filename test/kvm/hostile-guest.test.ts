@@ -320,7 +320,8 @@ describe('a hostile guest, from inside, against the host and a second VM', () =>
   });
 
   it.each(ATTACKS.map((a) => [`${a.kind}${a.options ? ` ${JSON.stringify(a.options)}` : ''}`, a] as const))('%s', async (_name, attack) => {
-    const hostile = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1, strategies: [new IdleRelease()], name: `hostile-${attack.kind}` });
+    // Every warning, to count what each attack caused (the default limit is tested below).
+    const hostile = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1, strategies: [new IdleRelease()], name: `hostile-${attack.kind}`, warningLimit: { burst: Infinity, perSecond: Infinity } });
     const warnings: string[] = [];
     hostile.on('warning', (m) => {
       if (warnings.length < 10_000) warnings.push(m);
@@ -367,6 +368,32 @@ describe('a hostile guest, from inside, against the host and a second VM', () =>
       hostile.stop();
     }
   }, 120_000 * SLOW);
+
+  it('by default the warnings a guest causes reach listeners 20 at once, then 2 a second, and what was dropped is counted', async () => {
+    const hostile = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1, name: 'hostile-warnings' });
+    const got: string[] = [];
+    hostile.on('warning', (m) => got.push(m));
+    try {
+      const n = scaled(100);
+      const t0 = performance.now();
+      const r = await hostile.probe.hostile('tx-malformed', { count: n, timeoutMs: 60_000 * SLOW });
+      expect(r.counts[0]).toBe(7 * n);
+      const isCount = (m: string) => /^\d+ more warnings? dropped over [\d.]+ s \(at most 20 at once, then 2 a second/.test(m);
+      const accounted = () => got.filter((m) => !isCount(m)).length + got.filter(isCount).reduce((sum, m) => sum + Number(m.split(' ')[0]), 0);
+      // The count of what was dropped comes once the limit allows again (within a second or two).
+      for (let i = 0; i < 60 && accounted() < 7 * n; i++) await sleep(50);
+      const seconds = (performance.now() - t0) / 1000;
+      const summaries = got.filter(isCount);
+      const dropped = summaries.reduce((sum, m) => sum + Number(m.split(' ')[0]), 0);
+      // The attack causes 7 warnings a round (see tx-malformed above): each one emitted or counted.
+      expect(got.length - summaries.length + dropped).toBe(7 * n);
+      expect(summaries.length).toBeGreaterThan(0);
+      expect(got.length).toBeLessThanOrEqual(20 + Math.ceil(2 * seconds) + 1);
+      figures.push(`default warning limit: ${7 * n} warnings caused in ${seconds.toFixed(1)} s, ${got.length} emitted (${summaries.length} of them counts of the dropped)`);
+    } finally {
+      hostile.stop();
+    }
+  });
 
   it("the bystander's working set is intact, and the hostile VMs left no thread or fd behind", async () => {
     expect((await bystander.probe.digest()).hex).toBe(bystanderHex);

@@ -1,7 +1,7 @@
 // The agent client's bookkeeping of requests, over frames a test writes: pure logic, no VM.
-import { GuestRequestError, TimeoutError } from '../../src';
+import { GuestRequestError, RequestTooLargeError, TimeoutError, VmStateError } from '../../src';
 import { AgentClient } from '../../src/protocol/agent-client';
-import { encodeFrame, FrameDecoder, FrameType } from '../../src/protocol/frame';
+import { encodeFrame, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES } from '../../src/protocol/frame';
 
 function client() {
   const sent: Buffer[] = [];
@@ -49,6 +49,65 @@ describe('agent client', () => {
     const id = lastId();
     await expect(p).rejects.toThrow(TimeoutError);
     c.receive(encodeFrame({ type: FrameType.Response, id, op: 0x104, payload: Buffer.alloc(0) }));
+  });
+});
+
+describe('agent client: every request settles exactly once', () => {
+  /** How often each of a request's settle paths ran. */
+  function settles(p: Promise<unknown>) {
+    const seen = { resolved: 0, rejected: 0, error: undefined as unknown };
+    p.then(() => seen.resolved++, (e) => (seen.rejected++, (seen.error = e)));
+    return seen;
+  }
+
+  it('a payload bigger than one frame carries is a RequestTooLargeError before anything is sent; the channel goes on', async () => {
+    const { c, lastId } = client();
+    const sent: Buffer[] = [];
+    const c2 = new AgentClient((b) => sent.push(b), () => {}, () => {});
+    for (const size of [MAX_PAYLOAD_BYTES + 1, 4 * MAX_PAYLOAD_BYTES]) {
+      const err = await c2.request(0x101, Buffer.alloc(size), { timeoutMs: 50 }).catch((e: Error) => e);
+      expect(err).toBeInstanceOf(RequestTooLargeError);
+      expect(err).toMatchObject({ code: 'PVISOR_REQUEST_TOO_LARGE', sizeBytes: size, limitBytes: MAX_PAYLOAD_BYTES });
+    }
+    expect(sent).toHaveLength(0);
+    // The largest payload a frame carries still goes, as one frame, and its answer is taken.
+    const p = c.request(0x101, Buffer.alloc(MAX_PAYLOAD_BYTES));
+    c.receive(encodeFrame({ type: FrameType.Response, id: lastId(), op: 0x101, payload: Buffer.from('ok') }));
+    expect((await p).toString()).toBe('ok');
+  });
+
+  it('a send that throws (the VM stopped under it) rejects the request once, and no timer or close settles it again', async () => {
+    let fail = true;
+    const c = new AgentClient(() => {
+      if (fail) throw new VmStateError('the machine is gone');
+    }, () => {}, () => {});
+    const p = c.request(0x101, Buffer.alloc(8), { timeoutMs: 20 });
+    const seen = settles(p);
+    await new Promise((r) => setTimeout(r, 60)); // past the timeout
+    expect(c.saveState().inFlight).toEqual([]); // nothing left waiting
+    fail = false;
+    const ok = c.request(0x101);
+    expect(c.saveState().inFlight).toHaveLength(1);
+    c.close();
+    await expect(ok).rejects.toThrow(VmStateError);
+    expect(seen).toMatchObject({ resolved: 0, rejected: 1 });
+    expect(seen.error).toBeInstanceOf(VmStateError);
+    expect((seen.error as Error).message).toMatch(/the machine is gone/);
+  });
+
+  it('ids wrap past 2^32 - 1 without reusing one still in flight', async () => {
+    const { c, lastId } = client();
+    c.restoreState({ version: 1, nextId: 0xffffffff, inFlight: [{ id: 2, op: 0x101 }], partialFrame: '' });
+    const long = c.request(0x201); // 0xffffffff: a process that runs on
+    expect(lastId()).toBe(0xffffffff);
+    const a = c.request(0x101);
+    expect(lastId()).toBe(1);
+    const b = c.request(0x101);
+    expect(lastId()).toBe(3); // 2 was in flight at the snapshot
+    c.receive(encodeFrame({ type: FrameType.Response, id: 3, op: 0x101, payload: Buffer.from('b') }));
+    c.receive(encodeFrame({ type: FrameType.Response, id: 1, op: 0x101, payload: Buffer.from('a') }));
+    c.receive(encodeFrame({ type: FrameType.Response, id: 0xffffffff, op: 0x201, payload: Buffer.from('long') }));
+    expect((await Promise.all([long, a, b])).map(String)).toEqual(['long', 'a', 'b']);
   });
 });
 

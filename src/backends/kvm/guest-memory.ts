@@ -183,18 +183,33 @@ export class GuestMemory {
   }
 
   writeU16(gpa: number, value: number): void {
-    const off = this.offsetOrThrow(gpa, 2);
-    this.chunks[Math.floor(off / CHUNK_BYTES)].writeUInt16LE(value, off % CHUNK_BYTES);
+    this.writeScalar(gpa, 2, (b, at) => b.writeUInt16LE(value & 0xffff, at));
   }
 
   writeU32(gpa: number, value: number): void {
-    const off = this.offsetOrThrow(gpa, 4);
-    this.chunks[Math.floor(off / CHUNK_BYTES)].writeUInt32LE(value >>> 0, off % CHUNK_BYTES);
+    this.writeScalar(gpa, 4, (b, at) => b.writeUInt32LE(value >>> 0, at));
   }
 
   writeU64(gpa: number, value: number | bigint): void {
-    const off = this.offsetOrThrow(gpa, 8);
-    this.chunks[Math.floor(off / CHUNK_BYTES)].writeBigUInt64LE(BigInt(value), off % CHUNK_BYTES);
+    this.writeScalar(gpa, 8, (b, at) => b.writeBigUInt64LE(BigInt(value), at));
+  }
+
+  /**
+   * A little-endian field written in place, or through {@link write} when it straddles the seam
+   * between two 1 GiB views: a guest may place any field there, and Buffer's own bounds check
+   * would otherwise end the device's work with a RangeError instead of a write.
+   */
+  private writeScalar(gpa: number, len: number, put: (b: Buffer, at: number) => void): void {
+    const off = this.offsetOrThrow(gpa, len);
+    const chunk = Math.floor(off / CHUNK_BYTES);
+    const inChunk = off - chunk * CHUNK_BYTES;
+    if (inChunk + len <= CHUNK_BYTES) {
+      put(this.chunks[chunk], inChunk);
+      return;
+    }
+    const b = Buffer.allocUnsafe(len);
+    put(b, 0);
+    this.write(gpa, b);
   }
 
   /**

@@ -228,7 +228,15 @@ export class KvmMachine {
         disk: () => (this.disk = new VirtioBlk(this.memory, config.disk!, used(2), deviceError)),
       };
       for (const slot of layout.slots) {
-        const t = new MmioTransport(slot.base, devices[slot.role](), this.memory, pulse(slot.irq), deviceError);
+        const d = transports.length;
+        // Work a queue's budget left for a later turn is a notification like any other: held
+        // while the machine is paused, dropped once it has stopped.
+        const goOnLater = (q: number) => {
+          if (this.ended) return;
+          if (this.pausing) this.heldNotifies.add(d * QUEUES_PER_TAG + q);
+          else transports[d].notify(q);
+        };
+        const t = new MmioTransport(slot.base, devices[slot.role](), this.memory, pulse(slot.irq), deviceError, goOnLater);
         transports.push(t);
         this.mmio.add(slot.base, VIRTIO_MMIO_SIZE, { read: (o, s) => t.read(o, s), write: (o, s, v) => t.write(o, s, v) });
       }
@@ -288,6 +296,7 @@ export class KvmMachine {
   async restoreSaved(saved: { machine: unknown; devices: unknown }): Promise<void> {
     this.prepare(this.linux ? 'linux' : 'probe');
     this.pausing = true;
+    this.console.holdTransmit('machine', true);
     this.restoreDevices(saved.devices);
     await this.restoreState(saved.machine);
   }
@@ -328,6 +337,7 @@ export class KvmMachine {
   /** Stops every vCPU and resolves once none is inside KVM_RUN. */
   pause(): Promise<void> {
     this.pausing = true;
+    this.console.holdTransmit('machine', true);
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'running') this.runner.kick(i);
     return new Promise((resolve) => {
       this.pauseWaiters.push(resolve);
@@ -339,6 +349,7 @@ export class KvmMachine {
   resume(): void {
     if (this.settling.size > 0) throw new VmStateError('the machine is capturing or restoring its state: resume after it has finished');
     this.pausing = false;
+    this.console.holdTransmit('machine', false);
     const notifies = [...this.heldNotifies];
     this.heldNotifies.clear();
     for (const tag of notifies) this.onRecord({ index: tag, kind: RecordKind.Notify, err: 0 });
@@ -495,6 +506,15 @@ export class KvmMachine {
     } else v.state = 'held'; // runnable, or idle with console data it has not seen yet
   }
 
+  /**
+   * Stops taking (or takes again) what the guest agent transmits, for a host consumer that is
+   * full: see {@link VirtioConsole.holdTransmit}.
+   */
+  holdAgentOutput(held: boolean): void {
+    if (this.ended) return;
+    this.console.holdTransmit('consumer', held);
+  }
+
   /** Sends bytes to the guest agent (held while paused, so RAM is not written under a strategy). */
   /**
    * The guest console's last `count` lines, each quoted and capped: for an error that says where
@@ -514,6 +534,8 @@ export class KvmMachine {
   stop(): void {
     if (this.ended) return;
     this.ended = true;
+    // Nothing more is taken from the guest, not even what a turn left for the next.
+    this.tryStep('console hold', () => this.console?.holdTransmit('machine', true));
     // Every step runs whatever an earlier one threw (a leak of threads, fds or guest RAM is worse
     // than a failed step); what failed is said as a warning, stop itself never throws.
     this.tryStep('ending hook', () => this.hooks.onEnding?.());

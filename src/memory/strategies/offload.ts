@@ -413,11 +413,19 @@ function openChecked(image: Image, flags: number): number {
   try {
     fd = openSync(image.path, flags | (image.direct ? constants.O_DIRECT : 0));
   } catch (e) {
-    throw new BackingFileError(image.path, 'the backing file is missing; the VM stays suspended', { cause: e });
+    // Missing is one thing; a disk that fails (EIO) or refuses (EACCES) is another, and says so.
+    const why = (e as NodeJS.ErrnoException).code === 'ENOENT' ? 'the backing file is missing' : `the backing file cannot be opened (${(e as Error).message})`;
+    throw new BackingFileError(image.path, `${why}; the VM stays suspended`, { cause: e });
   }
   const last = image.pieces[image.pieces.length - 1];
   const need = last ? last.offset + last.length : 0;
-  const size = fstatSync(fd).size;
+  let size: number;
+  try {
+    size = fstatSync(fd).size;
+  } catch (e) {
+    closeSync(fd);
+    throw new BackingFileError(image.path, `the backing file cannot be examined (${(e as Error).message}); the VM stays suspended`, { cause: e });
+  }
   if (size < need) {
     closeSync(fd);
     throw new BackingFileError(image.path, `the backing file is truncated (${size} bytes, ${need} needed); the VM stays suspended`);

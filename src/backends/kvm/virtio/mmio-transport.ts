@@ -140,6 +140,12 @@ export class MmioTransport {
     private readonly mem: GuestMemory,
     private readonly onInterrupt: () => void = () => {},
     private readonly onDeviceError: (message: string) => void = () => {},
+    /**
+     * How a queue whose budget stopped its device goes on in a later turn: by default a
+     * notification at once. A machine passes its own, which waits while it is paused (guest RAM is
+     * then the memory strategies') and does nothing once it has stopped.
+     */
+    private readonly goOnLater: (queueIndex: number) => void = (i) => this.notify(i),
   ) {
     this.queues = this.freshQueues();
   }
@@ -222,7 +228,7 @@ export class MmioTransport {
     // since), so it is reported instead.
     queue.onBudgetRenewed = () => {
       try {
-        this.notify(i);
+        this.goOnLater(i);
       } catch (e) {
         this.onDeviceError(`virtio device ${this.device.deviceId}: queue ${i}: ${(e as Error).message}`);
       }

@@ -1,0 +1,110 @@
+/*
+ * The agent's reading of agent protocol v1 (docs/probe-guest.md): a frame's 16-byte header
+ * found in the bytes received so far, and the length-prefixed strings inside request payloads.
+ * Everything the host sends passes through these before any op sees it, so they are kept apart
+ * from agent.c: pure functions over a byte range, no I/O, no allocation, nothing global. The
+ * fuzz driver beside them (fuzz-frames.c, run by the unit suite under ASan and UBSan) calls the
+ * very code the agent runs.
+ */
+#ifndef PVISOR_AGENT_FRAMES_H
+#define PVISOR_AGENT_FRAMES_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PV_HDR 16
+#define PV_MAX_PAYLOAD (1u << 20)
+#define PV_VERSION 1
+
+static inline uint32_t pv_rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+static inline uint16_t pv_rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline void pv_wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+static inline void pv_wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i); }
+static inline void pv_wr64(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> 8 * i); }
+
+/* One frame found in a byte range; payload points into that range. */
+struct pv_frame {
+  uint8_t type;
+  uint32_t id;
+  uint16_t op;
+  uint16_t flags;
+  uint32_t len;
+  const uint8_t *payload;
+};
+
+enum pv_scan {
+  PV_NEED_MORE, /* no whole frame yet: wait for more bytes (never more than PV_HDR + PV_MAX_PAYLOAD) */
+  PV_FRAME,     /* *f is the first frame; it spans PV_HDR + f->len bytes */
+  PV_BAD,       /* the header is not one of ours (magic, version, or a length over the limit) */
+};
+
+/*
+ * The first frame of the `n` bytes at `p`. A bad header is said as soon as its 16 bytes are in,
+ * before any of its claimed payload: the agent then drops what it holds and resynchronises.
+ */
+static inline enum pv_scan pv_frame_scan(const uint8_t *p, size_t n, struct pv_frame *f) {
+  if (n < PV_HDR) return PV_NEED_MORE;
+  uint32_t len = pv_rd32(p + 12);
+  if (p[0] != 0x50 || p[1] != 0x56 || p[2] != PV_VERSION || len > PV_MAX_PAYLOAD) return PV_BAD;
+  if (n - PV_HDR < len) return PV_NEED_MORE;
+  f->type = p[3];
+  f->id = pv_rd32(p + 4);
+  f->op = pv_rd16(p + 8);
+  f->flags = pv_rd16(p + 10);
+  f->len = len;
+  f->payload = p + PV_HDR;
+  return PV_FRAME;
+}
+
+/*
+ * Serves the whole frames at the start of the `n` bytes at `p`, in order: each to `frame`; a bad
+ * header to `bad`, which drops everything held (the sender resynchronises from there). Returns
+ * the bytes used, which the caller drops from its input; what is left is the start of a frame.
+ */
+static inline size_t pv_frames_take(const uint8_t *p, size_t n, void (*frame)(void *ctx, const struct pv_frame *f), void (*bad)(void *ctx), void *ctx) {
+  size_t used = 0;
+  for (;;) {
+    struct pv_frame f;
+    enum pv_scan r = pv_frame_scan(p + used, n - used, &f);
+    if (r == PV_NEED_MORE) return used;
+    if (r == PV_BAD) {
+      bad(ctx);
+      return n;
+    }
+    frame(ctx, &f);
+    used += PV_HDR + (size_t)f.len;
+  }
+}
+
+/*
+ * A string of a request payload (u32 length, then its bytes) at *p, before `end`: 1 with *s and
+ * *len set to its bytes (not NUL-terminated) and *p moved past it; 0 if it overruns the payload
+ * or holds a NUL (it will be a C string), and *p is left as it was.
+ */
+static inline int pv_take_str(const uint8_t **p, const uint8_t *end, const uint8_t **s, uint32_t *len) {
+  if (end < *p || (size_t)(end - *p) < 4) return 0;
+  uint32_t n = pv_rd32(*p);
+  if (n > (size_t)(end - *p) - 4) return 0;
+  const uint8_t *at = *p + 4;
+  if (memchr(at, 0, n)) return 0;
+  *s = at;
+  *len = n;
+  *p = at + n;
+  return 1;
+}
+
+/*
+ * EXEC's fixed part {u32 flags, u32 argc, u32 envc, u32 reserved}: 1 if its counts can be right
+ * for a payload of `n` bytes (argv[0] is there, and every string costs at least its 4-byte length,
+ * cwd included), which bounds what the agent allocates for them by the payload; else 0.
+ */
+static inline int pv_exec_counts_fit(const uint8_t *p, size_t n, uint32_t *flags, uint32_t *argc, uint32_t *envc) {
+  if (n < 16) return 0;
+  *flags = pv_rd32(p);
+  *argc = pv_rd32(p + 4);
+  *envc = pv_rd32(p + 8);
+  return *argc != 0 && (uint64_t)*argc + *envc + 1 <= (n - 16) / 4;
+}
+
+#endif

@@ -1,0 +1,257 @@
+/*
+ * Seeded fuzz driver of the agent's frame reading (agent-frames.h), built by the unit suite
+ * (test/unit/agent-frames-fuzz.test.ts) with the host's C compiler under AddressSanitizer and
+ * UndefinedBehaviorSanitizer, so an out-of-bounds read or an overflow stops it with a report.
+ * It drives the very functions agent.c calls, over input buffers allocated to their exact size
+ * (a read past the bytes received is a sanitizer error, not a quiet read of stale data):
+ *
+ * 1. streams of valid frames cut at random points are served whole and in order, each exactly
+ *    once, as they were sent (type, id, op, flags, payload), however the bytes arrive;
+ * 2. streams of random bytes and of valid frames with random bytes changed, cut at random points:
+ *    every frame served lies inside the bytes received and within the payload limit, the bytes
+ *    used never exceed those held, and what is held never exceeds one largest frame;
+ * 3. request strings (pv_take_str) and EXEC's counts (pv_exec_counts_fit) over random payloads
+ *    agree with a plain reference, and a string never reaches past its payload.
+ *
+ * usage: fuzz-frames SEED [ROUNDS]; prints the seed first, so a failure reruns from it.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "agent-frames.h"
+
+static uint64_t rng_state;
+static uint64_t next64(void) { /* splitmix64 */
+  uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+static uint32_t below(uint32_t n) { return n ? (uint32_t)(next64() % n) : 0; }
+
+#define CHECK(cond, ...)                                                                  \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      fprintf(stderr, "fuzz-frames: %s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                                       \
+      fprintf(stderr, "\n");                                                              \
+      exit(1);                                                                            \
+    }                                                                                     \
+  } while (0)
+
+/* A payload length: mostly small, sometimes around 64 KiB, now and then up to the limit. */
+static uint32_t some_length(void) {
+  switch (below(16)) {
+  case 0: return PV_MAX_PAYLOAD - below(3);
+  case 1: case 2: return below(70000);
+  default: return below(64);
+  }
+}
+
+/* ---- the receiving side, as agent.c's main loop and parse_input() use it ---- */
+struct sent { uint8_t type; uint32_t id; uint16_t op, flags; uint32_t len; uint64_t sum; };
+struct receiver {
+  uint8_t *held; /* exactly `n` bytes, reallocated to size on every arrival */
+  size_t n;
+  const struct sent *expect; /* property 1: what must come, in order */
+  size_t expected, served, bad;
+  const uint8_t *lo, *hi; /* the buffer being served, for property 2's bounds */
+};
+
+static uint64_t sum_of(const uint8_t *p, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+static void on_frame(void *ctx, const struct pv_frame *f) {
+  struct receiver *r = ctx;
+  CHECK(f->len <= PV_MAX_PAYLOAD, "frame of %u bytes", f->len);
+  CHECK(f->payload >= r->lo + PV_HDR && f->payload + f->len <= r->hi, "payload outside the bytes received");
+  if (r->expect) {
+    CHECK(r->served < r->expected, "frame %zu served, only %zu sent", r->served, r->expected);
+    const struct sent *s = &r->expect[r->served];
+    CHECK(f->type == s->type && f->id == s->id && f->op == s->op && f->flags == s->flags && f->len == s->len, "frame %zu differs from what was sent", r->served);
+    CHECK(sum_of(f->payload, f->len) == s->sum, "frame %zu's payload differs", r->served);
+  }
+  r->served++;
+}
+
+static void on_bad(void *ctx) { ((struct receiver *)ctx)->bad++; }
+
+/* Bytes arrive: held grows by them, then every whole frame is served and dropped. */
+static void arrive(struct receiver *r, const uint8_t *bytes, size_t k) {
+  uint8_t *held = malloc(r->n + k ? r->n + k : 1);
+  CHECK(held != NULL, "malloc");
+  if (r->n) memcpy(held, r->held, r->n);
+  memcpy(held + r->n, bytes, k);
+  free(r->held);
+  r->held = held;
+  r->n += k;
+  r->lo = held;
+  r->hi = held + r->n;
+  size_t used = pv_frames_take(held, r->n, on_frame, on_bad, r);
+  CHECK(used <= r->n, "used %zu of %zu bytes", used, r->n);
+  /* exact size again: what is left is all the next pass may read */
+  size_t left = r->n - used;
+  uint8_t *rest = malloc(left ? left : 1);
+  CHECK(rest != NULL, "malloc");
+  memcpy(rest, held + used, left);
+  free(held);
+  r->held = rest;
+  r->n = left;
+  CHECK(r->n < PV_HDR + PV_MAX_PAYLOAD, "%zu bytes held without a whole frame", r->n);
+}
+
+/*
+ * Feeds a stream in pieces of random sizes (single bytes, a header's worth, large runs), often
+ * cut one byte before, at or after a frame's end (`ends`, if known): where an off-by-one shows.
+ */
+static void feed(struct receiver *r, const uint8_t *s, size_t n, const size_t *ends, size_t nends) {
+  size_t e = 0;
+  for (size_t at = 0; at < n;) {
+    size_t k;
+    while (e < nends && ends[e] <= at + 1) e++;
+    switch (below(5)) {
+    case 0: k = 1; break;
+    case 1: k = 1 + below(PV_HDR * 2); break;
+    case 2: k = 1 + below(4096); break;
+    case 3: k = e < nends ? ends[e] - at - 1 + below(3) : 1; break;
+    default: k = 1 + below(300000); break;
+    }
+    if (k > n - at) k = n - at;
+    arrive(r, s + at, k);
+    at += k;
+  }
+}
+
+/* A stream of valid frames, and what each was. */
+static uint8_t *valid_stream(size_t frames, struct sent *sent, size_t *len, size_t *ends) {
+  size_t cap = 0;
+  for (size_t i = 0; i < frames; i++) {
+    sent[i] = (struct sent){.type = (uint8_t)below(256), .id = (uint32_t)next64(), .op = (uint16_t)next64(), .flags = (uint16_t)next64(), .len = some_length()};
+    cap += PV_HDR + sent[i].len;
+  }
+  uint8_t *s = malloc(cap ? cap : 1), *p = s;
+  CHECK(s != NULL, "malloc");
+  for (size_t i = 0; i < frames; i++) {
+    p[0] = 0x50, p[1] = 0x56, p[2] = PV_VERSION, p[3] = sent[i].type;
+    pv_wr32(p + 4, sent[i].id);
+    pv_wr16(p + 8, sent[i].op);
+    pv_wr16(p + 10, sent[i].flags);
+    pv_wr32(p + 12, sent[i].len);
+    for (uint32_t j = 0; j < sent[i].len; j++) p[PV_HDR + j] = (uint8_t)next64();
+    sent[i].sum = sum_of(p + PV_HDR, sent[i].len);
+    p += PV_HDR + sent[i].len;
+    ends[i] = (size_t)(p - s);
+  }
+  *len = cap;
+  return s;
+}
+
+static void property_valid_streams(void) {
+  struct sent sent[24];
+  size_t ends[24], frames = 1 + below(24), n;
+  uint8_t *s = valid_stream(frames, sent, &n, ends);
+  struct receiver r = {.expect = sent, .expected = frames};
+  feed(&r, s, n, ends, frames);
+  CHECK(r.served == frames && r.bad == 0 && r.n == 0, "%zu of %zu frames served, %zu bad, %zu bytes left", r.served, frames, r.bad, r.n);
+  free(r.held);
+  free(s);
+}
+
+static void property_hostile_streams(void) {
+  size_t n, ends[16], nends = 0;
+  uint8_t *s;
+  if (below(2)) {
+    n = below(200000);
+    s = malloc(n ? n : 1);
+    CHECK(s != NULL, "malloc");
+    for (size_t i = 0; i < n; i++) s[i] = (uint8_t)next64();
+    /* now and then a plausible header inside the noise */
+    for (size_t k = below(8); k-- && n >= PV_HDR;) {
+      uint8_t *h = s + below((uint32_t)(n - PV_HDR + 1));
+      h[0] = 0x50, h[1] = 0x56, h[2] = PV_VERSION;
+      pv_wr32(h + 12, below(3) ? some_length() : (uint32_t)next64());
+    }
+  } else {
+    struct sent sent[16];
+    nends = 1 + below(16);
+    s = valid_stream(nends, sent, &n, ends);
+    for (size_t k = 1 + below(16); k-- && n;) s[below((uint32_t)n)] = (uint8_t)next64();
+  }
+  struct receiver r = {0};
+  feed(&r, s, n, ends, nends);
+  free(r.held);
+  free(s);
+}
+
+/* The reference: a string as the protocol describes it, checked with 64-bit arithmetic. */
+static int ref_take_str(const uint8_t *p, size_t avail, size_t *len) {
+  if (avail < 4) return 0;
+  uint64_t n = pv_rd32(p);
+  if (4 + n > avail) return 0;
+  for (uint64_t i = 0; i < n; i++)
+    if (!p[4 + i]) return 0;
+  *len = (size_t)n;
+  return 1;
+}
+
+static void property_payload_fields(void) {
+  size_t n = below(4) ? below(64) : below(5000);
+  uint8_t *pl = malloc(n ? n : 1);
+  CHECK(pl != NULL, "malloc");
+  for (size_t i = 0; i < n; i++) pl[i] = below(8) ? (uint8_t)(1 + below(255)) : (uint8_t)next64();
+  /* strings whose lengths are near what is left, at random places */
+  for (size_t at = 0; at + 4 <= n && below(4);) {
+    uint32_t v = (uint32_t)(n - at - 4) + below(5) - 2;
+    if (below(8) == 0) v = (uint32_t)next64();
+    pv_wr32(pl + at, v);
+    at += 4 + below((uint32_t)(n - at));
+  }
+  const uint8_t *p = pl, *end = pl + n;
+  while (p <= end) {
+    size_t ref_len = 0;
+    int ref = ref_take_str(p, (size_t)(end - p), &ref_len);
+    const uint8_t *before = p, *str = NULL;
+    uint32_t len = 0;
+    int got = pv_take_str(&p, end, &str, &len);
+    CHECK(got == ref, "pv_take_str says %d, the reference %d", got, ref);
+    if (!got) {
+      CHECK(p == before, "a refused string moved the cursor");
+      break;
+    }
+    CHECK(len == ref_len && str == before + 4 && p == str + len && p <= end, "string of %u bytes, the reference %zu", len, ref_len);
+    CHECK(!memchr(str, 0, len), "a NUL inside an accepted string");
+  }
+  uint32_t flags, argc, envc;
+  int fit = pv_exec_counts_fit(pl, n, &flags, &argc, &envc);
+  if (n >= 16) {
+    int ref = pv_rd32(pl + 4) != 0 && (unsigned __int128)pv_rd32(pl + 4) + pv_rd32(pl + 8) + 1 <= (n - 16) / 4;
+    CHECK(fit == ref && argc == pv_rd32(pl + 4) && envc == pv_rd32(pl + 8) && flags == pv_rd32(pl), "EXEC counts: %d, the reference %d", fit, ref);
+    /* what the agent then allocates: argc + envc + 2 pointers, bounded by the payload */
+    if (fit) CHECK((uint64_t)argc + envc <= n / 4, "counts %u + %u beyond a %zu-byte payload", argc, envc, n);
+  } else CHECK(!fit, "EXEC counts fit a %zu-byte payload", n);
+  free(pl);
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: fuzz-frames SEED [ROUNDS]\n");
+    return 2;
+  }
+  uint64_t seed = strtoull(argv[1], NULL, 0);
+  long rounds = argc > 2 ? strtol(argv[2], NULL, 0) : 300;
+  printf("fuzz-frames: seed %llu, %ld rounds\n", (unsigned long long)seed, rounds);
+  fflush(stdout);
+  for (long i = 0; i < rounds; i++) {
+    rng_state = seed ^ (0x51ed2701u * (uint64_t)(i + 1));
+    property_valid_streams();
+    property_hostile_streams();
+    for (int k = 0; k < 20; k++) property_payload_fields();
+  }
+  printf("fuzz-frames: ok, %ld rounds of each property\n", rounds);
+  return 0;
+}
