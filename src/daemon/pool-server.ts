@@ -12,7 +12,7 @@
  * gone (checked by pid and start time, against pid reuse).
  */
 import { chmodSync, chownSync, existsSync, lstatSync, readFileSync, unlinkSync } from 'node:fs';
-import { createServer, type Server, type Socket } from 'node:net';
+import { connect, createServer, type Server, type Socket } from 'node:net';
 import { pageHashesOf } from '../memory/uffd-server';
 import { processResident } from '../memory-usage';
 import { encodeFrame, FrameDecoder, FrameError, FrameType, type Frame } from '../protocol/frame';
@@ -276,7 +276,7 @@ async function removeStaleSocket(path: string): Promise<void> {
   if (!existsSync(path)) return;
   if (!lstatSync(path).isSocket()) throw new Error(`${path} exists and is not a socket`);
   const live = await new Promise<boolean>((resolve) => {
-    const s = require('node:net').connect(path) as Socket;
+    const s = connect(path);
     s.once('connect', () => {
       s.destroy();
       resolve(true);
