@@ -45,6 +45,16 @@ export function parseTimeoutMs(option: string, value: unknown): number {
   return value;
 }
 
+/**
+ * A numeric option of a strategy: `fallback` when absent, else a finite number that `ok` accepts;
+ * anything else is an {@link InvalidOptionError} naming `option` and saying `what` it must be.
+ */
+export function numberOption(option: string, value: number | undefined, fallback: number, ok: (v: number) => boolean, what: string): number {
+  if (value === undefined) return fallback;
+  if (typeof value !== 'number' || !Number.isFinite(value) || !ok(value)) throw new InvalidOptionError(option, `must be ${what}, got ${String(value)}`);
+  return value;
+}
+
 /** Formats bytes as MiB with one decimal, the unit of every memory figure pvisor prints. */
 export function formatMiB(bytes: number): string {
   return `${(bytes / 1024 ** 2).toFixed(1)} MiB`;

@@ -1,5 +1,6 @@
 import { InvalidOptionError } from '../../src/errors';
-import { parseSize } from '../../src/units';
+import { numberOption, parseSize } from '../../src/units';
+import { ColdCompression, PoolClient } from '../../src';
 
 describe('parseSize', () => {
   it.each([
@@ -22,5 +23,22 @@ describe('parseSize', () => {
   it('rejects negative and fractional byte counts', () => {
     expect(() => parseSize('memory', -4096)).toThrow(InvalidOptionError);
     expect(() => parseSize('memory', 1.5)).toThrow(InvalidOptionError);
+  });
+});
+
+describe('numberOption (the strategies\' numeric options)', () => {
+  const inRange = (v: number) => v >= 1 && v <= 99;
+  it('gives the fallback when absent and the value when it is accepted', () => {
+    expect(numberOption('x', undefined, 25, inRange, 'from 1 to 99')).toBe(25);
+    expect(numberOption('x', 50, 25, inRange, 'from 1 to 99')).toBe(50);
+  });
+  it.each([[0], [100], [NaN], [Infinity], ['50' as unknown as number]])('refuses %p with an error naming the option and what it must be', (v) => {
+    expect(() => numberOption('minSavingPercent', v, 25, inRange, 'from 1 to 99')).toThrow(
+      new InvalidOptionError('minSavingPercent', `must be from 1 to 99, got ${String(v)}`),
+    );
+  });
+  it('is what ColdCompression and PoolClient check their options with', () => {
+    expect(() => new ColdCompression({ minSavingPercent: 0 })).toThrow(/minSavingPercent.*must be from 1 to 99, got 0/);
+    expect(() => new PoolClient({ socket: '/nowhere', intervalMs: 5 })).toThrow(/intervalMs.*must be from 100 to 3600000, got 5/);
   });
 });

@@ -21,7 +21,7 @@
 import { closeSync, constants } from 'node:fs';
 import { BackingFileError, InvalidOptionError, PvisorError, SystemCallError } from '../../errors';
 import { backingDirOptions, backingFilePath, checkBackingDir, createBackingFile, removeBackingFile, type BackingDirOptions } from '../backing-file';
-import { parseTimeoutMs } from '../../units';
+import { numberOption, parseTimeoutMs } from '../../units';
 import type { ColdOutcome, ColdScan, ColdStore } from '../uffd-server';
 /** COLD_BATCH_BYTES of ../uffd-server, which is not imported here: importing pvisor loads no native code. */
 const COLD_BATCH_BYTES = 1024 * 1024;
@@ -100,12 +100,6 @@ export class ColdBlockError extends PvisorError {
   }
 }
 
-function option(name: string, value: number | undefined, fallback: number, ok: (v: number) => boolean, what: string): number {
-  if (value === undefined) return fallback;
-  if (typeof value !== 'number' || !Number.isFinite(value) || !ok(value)) throw new InvalidOptionError(name, `must be ${what}, got ${String(value)}`);
-  return value;
-}
-
 /** Compresses cold guest RAM into host memory while the VM runs. */
 export class ColdCompression implements MemoryStrategy {
   readonly name = 'cold-compression';
@@ -141,10 +135,10 @@ export class ColdCompression implements MemoryStrategy {
 
   constructor(options: ColdCompressionOptions = {}) {
     this.coldAfterMs = options.coldAfterMs === undefined ? 10_000 : parseTimeoutMs('coldAfterMs', options.coldAfterMs);
-    this.blockBytes = option('blockBytes', options.blockBytes, 64 * 1024, (v) => Number.isInteger(v) && v >= 16 * 1024 && v <= 4 * 1024 * 1024 && (v & (v - 1)) === 0, 'a power of two from 16 KiB to 4 MiB');
-    this.maxStoreBytesOption = options.maxStoreBytes === undefined ? undefined : option('maxStoreBytes', options.maxStoreBytes, 0, (v) => Number.isSafeInteger(v) && v > 0, 'a positive whole number of bytes');
-    const cpuShare = option('cpuShare', options.cpuShare, 0.05, (v) => v >= 0.001 && v <= 1, 'from 0.001 to 1');
-    this.minSaving = option('minSavingPercent', options.minSavingPercent, 25, (v) => v >= 1 && v <= 99, 'from 1 to 99') / 100;
+    this.blockBytes = numberOption('blockBytes', options.blockBytes, 64 * 1024, (v) => Number.isInteger(v) && v >= 16 * 1024 && v <= 4 * 1024 * 1024 && (v & (v - 1)) === 0, 'a power of two from 16 KiB to 4 MiB');
+    this.maxStoreBytesOption = options.maxStoreBytes === undefined ? undefined : numberOption('maxStoreBytes', options.maxStoreBytes, 0, (v) => Number.isSafeInteger(v) && v > 0, 'a positive whole number of bytes');
+    const cpuShare = numberOption('cpuShare', options.cpuShare, 0.05, (v) => v >= 0.001 && v <= 1, 'from 0.001 to 1');
+    this.minSaving = numberOption('minSavingPercent', options.minSavingPercent, 25, (v) => v >= 1 && v <= 99, 'from 1 to 99') / 100;
     this.periodic = { intervalMs: SCAN_INTERVAL_MS, cpuShare };
     this.backingDir = backingDirOptions(options);
   }

@@ -16,6 +16,7 @@
  */
 import { readFileSync } from 'node:fs';
 import { InvalidOptionError } from '../../errors';
+import { numberOption } from '../../units';
 import { rangeMappingCount } from '../../memory-usage';
 import { MADV_DONTNEED, MAP_SHARED, PAGE_SIZE, PROT_READ } from '../../sys/constants';
 import { closeFd, madvise, mmap, munmap, viewAt } from '../../sys/libc';
@@ -125,11 +126,8 @@ export class PoolClient implements MemoryStrategy {
     } catch (e) {
       throw new InvalidOptionError('scope', (e as Error).message);
     }
-    const num = (name: string, v: number | undefined, fallback: number, min: number, max: number) => {
-      if (v === undefined) return fallback;
-      if (typeof v !== 'number' || !Number.isFinite(v) || v < min || v > max) throw new InvalidOptionError(name, `must be from ${min} to ${max}, got ${String(v)}`);
-      return v;
-    };
+    const num = (name: string, v: number | undefined, fallback: number, min: number, max: number) =>
+      numberOption(name, v, fallback, (x) => x >= min && x <= max, `from ${min} to ${max}`);
     this.periodic = { intervalMs: num('intervalMs', options.intervalMs, 10_000, 100, 3_600_000), cpuShare: num('cpuShare', options.cpuShare, 0.1, 0.001, 1) };
     this.requestTimeoutMs = num('requestTimeoutMs', options.requestTimeoutMs, 10_000, 100, 600_000);
   }
