@@ -515,7 +515,6 @@ export class KvmMachine {
     this.console.holdTransmit('consumer', held);
   }
 
-  /** Sends bytes to the guest agent (held while paused, so RAM is not written under a strategy). */
   /**
    * The guest console's last `count` lines, each quoted and capped: for an error that says where
    * a guest got to (they are the guest's words, which anything in it can print).
@@ -524,6 +523,7 @@ export class KvmMachine {
     return this.recentConsole.slice(-count).map(quoteConsole);
   }
 
+  /** Sends bytes to the guest agent (held while paused, so RAM is not written under a strategy). */
   sendToAgent(bytes: Buffer): void {
     if (this.ended) return;
     if (this.pausing) this.console.hold(bytes);
