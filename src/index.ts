@@ -30,7 +30,10 @@ export {
   OutputLimitError,
   SnapshotError,
   PoolUnavailableError,
+  NetworkSetupError,
 } from './errors';
+export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
+export type { VmNetworkInfo } from './network/host-network';
 export { IdleRelease } from './memory/strategies/idle-release';
 export { ColdCompression, ColdBlockError } from './memory/strategies/cold-compression';
 export type { ColdCompressionOptions } from './memory/strategies/cold-compression';

@@ -16,6 +16,7 @@ import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import type { MemoryStrategy } from '../memory/strategy';
 import { parseDurationMs, parseSize } from '../units';
 import type { GuestKind, RootfsOptions } from '../vm';
+import { networkFromCli, parseNetworkOption, type NetworkOption } from '../network/options';
 
 /** A VM booted fresh from a guest image. */
 export interface BootSource {
@@ -28,6 +29,8 @@ export interface BootSource {
   kernel?: string;
   initrd?: string;
   rootfs?: RootfsOptions;
+  /** `--net` and `--net-allow`. */
+  network: NetworkOption;
 }
 
 /** A VM restored from a snapshot directory (`--from DIR`). */
@@ -61,7 +64,7 @@ export interface RunArgs {
  * Options a snapshot decides: the VM it restores has the memory, vCPUs, guest and disks it was
  * taken with, so giving one beside `--from` can only be a mistake.
  */
-const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootfs', 'rootfs-readonly'] as const;
+const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootfs', 'rootfs-readonly', 'net', 'net-allow'] as const;
 
 /**
  * Parses `pvisor run [OPTIONS] -- CMD...`. A wrong or conflicting option is an
@@ -85,6 +88,8 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
       initrd: { type: 'string' },
       rootfs: { type: 'string' },
       'rootfs-readonly': { type: 'boolean' },
+      net: { type: 'string' },
+      'net-allow': { type: 'string', multiple: true },
       console: { type: 'boolean', default: false },
       'vm-ram-dedup': { type: 'boolean', default: false },
       'vm-idle-release': { type: 'boolean', default: false },
@@ -133,7 +138,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command };
 }
 
-function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean }): BootSource {
+function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean; net?: string; 'net-allow'?: string[] }): BootSource {
   const memoryText = values.memory ?? '512MiB';
   const vcpus = Number(values.vcpus ?? '2');
   // Vm.start checks the guest's name; here only what depends on it.
@@ -142,5 +147,9 @@ function bootSource(values: { memory?: string; vcpus?: string; guest?: string; k
   if (guest === 'probe' && (values.kernel !== undefined || values.initrd !== undefined)) throw new InvalidOptionError('--kernel', '--kernel and --initrd are for the Linux guest');
   if (guest === 'probe' && values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'is for the Linux guest');
   const rootfs = values.rootfs === undefined ? undefined : { path: values.rootfs, readOnly: values['rootfs-readonly'] === true };
-  return { kind: 'boot', memoryBytes, memoryText, vcpus, guest, kernel: values.kernel, initrd: values.initrd, rootfs };
+  if (values['net-allow'] !== undefined && values.net === undefined) throw new InvalidOptionError('--net-allow', 'only goes with --net nat');
+  const network = networkFromCli(values.net ?? 'none', values['net-allow'] ?? []);
+  parseNetworkOption(network); // a bad CIDR is a usage error, before anything starts
+  if (guest === 'probe' && network !== 'none') throw new InvalidOptionError('--net', 'is for the Linux guest');
+  return { kind: 'boot', memoryBytes, memoryText, vcpus, guest, kernel: values.kernel, initrd: values.initrd, rootfs, network };
 }
