@@ -68,10 +68,23 @@ describe('MP table', () => {
     expect([config[44], config[45], config[47]]).toEqual([0, 0, 3]); // processor, APIC id 0, enabled + BSP
     expect([config[64], config[65], config[67]]).toEqual([0, 1, 1]);
   });
+
+  it('wires every ISA IRQ to the I/O APIC pin of its number, the timer to pin 0 where KVM sends GSI 0', () => {
+    const config = buildMpTable(2).subarray(16);
+    const pins = new Map<number, number>();
+    // Entries after the 44-byte header: processors are 20 bytes, the rest 8.
+    for (let at = 44; at < config.length; at += config[at] === 0 ? 20 : 8) {
+      if (config[at] === 3) pins.set(config[at + 5], config[at + 7]); // I/O interrupt: source IRQ -> pin
+    }
+    expect(pins.get(0)).toBe(0);
+    expect(pins.has(2)).toBe(false); // the PIC cascade
+    for (const [irq, pin] of pins) expect(pin).toBe(irq);
+    expect(pins.size).toBe(23);
+  });
 });
 
 describe('per-vCPU CPUID', () => {
-  it('puts the APIC id in leaf 1 EBX[31:24] and leaf 0xB EDX, sets the hypervisor bit, leaving the rest', () => {
+  it('puts the APIC id in leaf 1 EBX[31:24] and leaf 0xB EDX, leaving the rest (the hypervisor bit too)', () => {
     // struct kvm_cpuid_entry2: function, index, flags, eax, ebx, ecx, edx, padding[3] (40 bytes)
     const cpuid = Buffer.alloc(8 + 2 * 40);
     cpuid.writeUInt32LE(2, 0);
@@ -82,7 +95,7 @@ describe('per-vCPU CPUID', () => {
     cpuid.writeUInt32LE(0x12345678, 48 + 28); // padding: not a register
     const out = cpuidForVcpu(cpuid, 3);
     expect(out.readUInt32LE(8 + 16)).toBe(0x03020800);
-    expect(out.readUInt32LE(8 + 20)).toBe(0x80000201);
+    expect(out.readUInt32LE(8 + 20)).toBe(0x00000201);
     expect(out.readUInt32LE(48 + 24)).toBe(3);
     expect(out.readUInt32LE(48 + 28)).toBe(0x12345678);
     expect(cpuid.readUInt32LE(8 + 16)).toBe(0x00020800); // the shared copy is untouched

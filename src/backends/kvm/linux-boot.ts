@@ -206,16 +206,14 @@ const LAPIC_LVT1 = 0x360;
 const APIC_MODE_NMI = 0x4;
 const APIC_MODE_EXTINT = 0x7;
 
-/** Leaf 1 ECX bit 31: "a hypervisor is present", which KVM's supported CPUID leaves clear. */
-const CPUID_1_ECX_HYPERVISOR = 0x8000_0000;
-
 /**
  * A copy of KVM's supported CPUID with vCPU `index`'s APIC id in leaf 1 (EBX[31:24]) and leaves
- * 0xB and 0x1F (EDX, the x2APIC id), so that the ids Linux reads match the MP table, and with the hypervisor bit set (leaf 1
- * ECX[31]). Without that bit Linux never looks at KVM's leaves (0x40000000): it did not use
- * kvm-clock and ran on refined-jiffies (its clock drifted), and it kept its boot-time check that
- * the IO-APIC timer ticks within a few jiffies, which a loaded host fails ("IO-APIC + timer
- * doesn't work!", a panic seen in the nested harness); as a KVM guest it skips that check.
+ * 0xB and 0x1F (EDX, the x2APIC id), so that the ids Linux reads match the MP table.
+ *
+ * The hypervisor bit (leaf 1 ECX[31]) stays clear, as KVM gives it: with it set the guest found
+ * KVM's leaves and ran on kvm-clock, and in the nested harness (the only KVM here that runs this
+ * guest) its timers then never fired: `sleep 1` did not return, which hung every test that
+ * waited on one.
  */
 export function cpuidForVcpu(supported: Buffer, index: number): Buffer {
   const out = Buffer.from(supported);
@@ -223,7 +221,6 @@ export function cpuidForVcpu(supported: Buffer, index: number): Buffer {
   for (let i = 0; i < n; i++) {
     const e = 8 + i * CPUID_ENTRY_BYTES;
     const fn = out.readUInt32LE(e);
-    if (fn === 1) out.writeUInt32LE((out.readUInt32LE(e + 20) | CPUID_1_ECX_HYPERVISOR) >>> 0, e + 20);
     if (fn === 1) out.writeUInt32LE(((out.readUInt32LE(e + 16) & 0x00ffffff) | (index << 24)) >>> 0, e + 16);
     // struct kvm_cpuid_entry2: function, index, flags, eax, ebx, ecx, edx (+24), padding.
     if (fn === 0xb || fn === 0x1f) out.writeUInt32LE(index, e + 24);

@@ -13,7 +13,7 @@ const LAPIC_ADDR = 0xfee00000;
 const IOAPIC_ADDR = 0xfec00000;
 const APIC_VERSION = 0x14;
 const IOAPIC_VERSION = 0x11;
-/** ISA IRQs 0..23 go to the I/O APIC pins of the same number, but for the timer (below). */
+/** ISA IRQs 0..23 go to the I/O APIC pins of the same number. */
 const IRQS = 24;
 
 const ENTRY_PROCESSOR = 0;
@@ -57,8 +57,11 @@ export function buildMpTable(vcpus: number): Buffer {
   ioapic.writeUInt32LE(IOAPIC_ADDR, 4);
   entries.push(ioapic);
   for (let irq = 0; irq < IRQS; irq++) {
-    // As on a PC: the timer (ISA IRQ 0) is wired to I/O APIC pin 2, which is where KVM's default
-    // routing sends GSI 0; ISA IRQ 2 is the PIC cascade and has no pin of its own.
+    // Every ISA IRQ on the pin of its number, the timer's too: KVM's default routing sends GSI 0
+    // (the in-kernel PIT) to I/O APIC pin 0. A PC's table says pin 2 (QEMU reroutes GSI 0 to
+    // match); said here, Linux's boot-time check found no tick on pin 2 and fell back to the
+    // 8259A, and on a loaded host that fallback failed too, with a panic ("IO-APIC + timer
+    // doesn't work!"). ISA IRQ 2 is the PIC cascade and has no pin of its own.
     if (irq === 2) continue;
     const e = Buffer.alloc(8);
     e[0] = ENTRY_IO_INTERRUPT;
@@ -67,7 +70,7 @@ export function buildMpTable(vcpus: number): Buffer {
     e[4] = 0; // source bus
     e[5] = irq;
     e[6] = ioapicId;
-    e[7] = irq === 0 ? 2 : irq;
+    e[7] = irq;
     entries.push(e);
   }
   for (const [type, lint, dest] of [[INT_TYPE_EXTINT, 0, 0], [INT_TYPE_NMI, 1, 0xff]] as const) {
