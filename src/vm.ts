@@ -22,6 +22,7 @@ import { parseSize, parseTimeoutMs, type Size } from './units';
 import { validateVmName } from './vm-name';
 import type { HostNetwork, VmNetworkInfo } from './network/host-network';
 import { parseNetworkOption, type NetworkOption } from './network/options';
+import { forwardPort, type ForwardOptions, type PortForward } from './network/port-forward';
 
 /** Which guest a VM runs. */
 export type GuestKind = 'linux' | 'probe';
@@ -254,6 +255,8 @@ export class Vm extends EventEmitter<VmEvents> {
   private _restoreInfo: RestoreInfo | undefined;
   /** The host side of the guest's network, when it has one. */
   private hostNetwork: HostNetwork | undefined;
+  /** Ports forwarded into the guest ({@link forward}), closed when the VM ends. */
+  private readonly forwards = new Set<PortForward>();
 
   /** Checks the strategies' composition; allocates nothing. */
   private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[]) {
@@ -769,8 +772,26 @@ export class Vm extends EventEmitter<VmEvents> {
     this.memory.close();
   }
 
+  /**
+   * Linux guest: listens on the host (127.0.0.1, a free port unless `hostPort` is given) and
+   * relays each connection to TCP port `guestPort` inside the guest, through the agent channel:
+   * no network device is needed (`network: 'none'` works). Each connection runs `nc 127.0.0.1
+   * PORT` in the guest (busybox's, in the shipped initramfs; a rootfs needs its own `nc`). The
+   * listener closes when the VM ends, or with the returned `close()`.
+   */
+  async forward(guestPort: number, options?: ForwardOptions): Promise<PortForward> {
+    this.requireState('running', 'paused', 'suspended');
+    const guest = this.linuxGuest;
+    const f = await forwardPort((command, spawnOptions) => guest.spawn(command, spawnOptions), guestPort, options);
+    const close = f.close;
+    const tracked: PortForward = { ...f, close: () => (this.forwards.delete(tracked), close()) };
+    this.forwards.add(tracked);
+    return tracked;
+  }
+
   /** Removes the host side of the network (after the machine, whose vhost uses the TAP, stopped). */
   private releaseNetwork(): void {
+    for (const f of [...this.forwards]) void f.close();
     const problem = this.hostNetwork?.close();
     if (problem) this.emit('warning', `network teardown: ${problem}`);
   }

@@ -58,6 +58,8 @@ export interface RunArgs {
   strategies: MemoryStrategy[];
   /** The words after `--`: an argv for the Linux guest, probe steps for the probe guest. */
   command: string[];
+  /** `--publish HOSTPORT:GUESTPORT`: 127.0.0.1:HOSTPORT reaches the guest's TCP GUESTPORT (Linux guest). */
+  publish: { hostPort: number; guestPort: number }[];
 }
 
 /**
@@ -89,6 +91,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
       rootfs: { type: 'string' },
       'rootfs-readonly': { type: 'boolean' },
       net: { type: 'string' },
+      publish: { type: 'string', multiple: true },
       'net-allow': { type: 'string', multiple: true },
       console: { type: 'boolean', default: false },
       'vm-ram-dedup': { type: 'boolean', default: false },
@@ -135,7 +138,14 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   // `pvisor suspend ID --vm-offload` must work on any VM, as in the reference CLI: Offload costs
   // nothing until a suspend, so it is composed unless another suspend-image strategy was chosen.
   if (!strategies.some((s) => s.exclusive.includes('suspend-image'))) strategies.push(new Offload({ dir }));
-  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command };
+  const publish = (values.publish ?? []).map((p) => {
+    const m = /^([0-9]{1,5}):([0-9]{1,5})$/.exec(p);
+    const [hostPort, guestPort] = m ? [Number(m[1]), Number(m[2])] : [0, 0];
+    if (!(hostPort >= 1 && hostPort <= 65535 && guestPort >= 1 && guestPort <= 65535)) throw new InvalidOptionError('--publish', `expected HOSTPORT:GUESTPORT (1-65535 each), got ${JSON.stringify(p)}`);
+    return { hostPort, guestPort };
+  });
+  if (publish.length && source.kind === 'boot' && source.guest === 'probe') throw new InvalidOptionError('--publish', 'is for the Linux guest');
+  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command, publish };
 }
 
 function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean; net?: string; 'net-allow'?: string[] }): BootSource {

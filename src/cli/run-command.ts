@@ -33,6 +33,10 @@ export async function cmdRun(argv: string[]): Promise<number> {
     }
     control.attach(vm);
     try {
+      for (const p of args.publish) {
+        const f = await vm.forward(p.guestPort, { hostPort: p.hostPort });
+        process.stderr.write(`pvisor: ${f.host}:${f.port} reaches the guest's port ${p.guestPort}\n`);
+      }
       if (args.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
       vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));
       process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms${source.kind === 'snapshot' ? ' (restored)' : ''}\n`);

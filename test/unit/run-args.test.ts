@@ -76,6 +76,13 @@ describe('pvisor run: argument parsing', () => {
     expect(() => parseRunArgs(['--from', 'snap', '--net', 'nat', '--', 'digest'], cwd)).toThrow(/^--net: does not go with --from/);
   });
 
+  it('--publish HOSTPORT:GUESTPORT, repeatable, checked before anything starts', () => {
+    expect(parseRunArgs(['--publish', '8080:80', '--publish', '2222:22', '--', 'true'], cwd).publish).toEqual([{ hostPort: 8080, guestPort: 80 }, { hostPort: 2222, guestPort: 22 }]);
+    expect(parseRunArgs(['--', 'true'], cwd).publish).toEqual([]);
+    for (const bad of ['80', '0:80', '8080:65536', 'a:b', '8080:80:1']) expect(() => parseRunArgs(['--publish', bad, '--', 'true'], cwd)).toThrow(/^--publish: expected HOSTPORT:GUESTPORT/);
+    expect(() => parseRunArgs(['--guest', 'probe', '--publish', '8080:80', '--', 'digest'], cwd)).toThrow(/^--publish: is for the Linux guest/);
+  });
+
   it('a chosen suspend-image strategy replaces the default Offload', () => {
     expect(parseRunArgs(['--from', 'snap', '--vm-ram-compression', '--', 'digest'], cwd).strategies.map((s) => s.name)).toEqual(['compressed-offload']);
   });
