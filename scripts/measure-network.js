@@ -102,8 +102,17 @@ async function main() {
 
       // Through a forwarded port (the agent channel, no network): host -> guest and guest -> host.
       const fwMiB = Math.max(1, Math.floor(sizeMiB / 2));
-      const listen = (cmd) => { const p = vm.spawn(['sh', '-c', cmd]); return new Promise((r) => setTimeout(r, 1500)).then(() => p); };
-      const sinkProc = await listen('nc -l -p 7000 >/dev/null');
+      // A guest listener, once busybox netstat shows it listening (a forwarded connection that
+      // comes first finds nothing and is reset).
+      const listen = async (cmd, port) => {
+        const p = vm.spawn(['sh', '-c', cmd]);
+        for (let i = 0; i < 50; i++) {
+          if ((await vm.exec(['sh', '-c', `netstat -tln | grep -q ':${port} '`])).exitCode === 0) return p;
+          await new Promise((r) => setTimeout(r, 200));
+        }
+        throw new Error(`the guest's listener on ${port} did not come up`);
+      };
+      const sinkProc = await listen('sleep 1000 | nc -l -p 7000 >/dev/null', 7000); // stdin never ends: no half-close
       const fin = await vm.forward(7000);
       let t1 = performance.now();
       await new Promise((resolve, reject) => {
@@ -119,7 +128,7 @@ async function main() {
       });
       await sinkProc.exited;
       out.hostToGuestForwarded = (fwMiB / ((performance.now() - t1) / 1000)).toFixed(1);
-      await listen(`dd if=/dev/zero bs=65536 count=${fwMiB * 16} 2>/dev/null | nc -l -p 7001`);
+      await listen(`dd if=/dev/zero bs=65536 count=${fwMiB * 16} 2>/dev/null | nc -l -p 7001`, 7001);
       const fout = await vm.forward(7001);
       let got = 0;
       t1 = performance.now();
