@@ -156,7 +156,9 @@ apt_kernel_version() {
 # kvm-amd; virtio_ring, virtio, virtio_pci_{modern,legacy}_dev, virtio_pci; 9pnet, 9pnet_virtio;
 # netfs, fscache, 9p.
 # virtio_blk and ext4: the L1's /var/tmp is an ext4 disk; loop: tests mount small filesystems.
-L1_MODULES=(kvm-amd virtio_pci 9pnet_virtio 9p virtio_blk ext4 loop)
+# Guest networking (test/kvm/linux-network.test.ts): tun and vhost_net for the VM's TAP, nf_tables
+# with NAT, masquerade and conntrack for its rules, veth for the test's server behind another netns.
+L1_MODULES=(kvm-amd virtio_pci 9pnet_virtio 9p virtio_blk ext4 loop tun vhost_net nf_tables nft_chain_nat nft_masq nft_ct veth)
 
 # Write the uncompressed ELF vmlinux inside a bzImage to $2, if QEMU can boot it directly (it can
 # when the ELF has a PVH note; Debian 6.1 has one). Booting it skips the in-guest decompression,

@@ -174,6 +174,20 @@ export class SnapshotError extends PvisorError {
   }
 }
 
+/**
+ * The host side of a VM's network could not be set up; nothing of it is left on the host (no TAP,
+ * rule or address), and the VM did not start. `reason`: `permission` (pvisor lacks CAP_NET_ADMIN or
+ * access to /dev/net/tun or /dev/vhost-net), `unsupported` (the host lacks a device, kernel feature
+ * or tool: vhost-net, nftables, iproute2), `failed` (anything else; see the message and `cause`).
+ */
+export class NetworkSetupError extends PvisorError {
+  readonly reason: 'permission' | 'unsupported' | 'failed';
+  constructor(reason: 'permission' | 'unsupported' | 'failed', message: string, options?: { cause?: unknown }) {
+    super('PVISOR_NETWORK_SETUP', message, options);
+    this.reason = reason;
+  }
+}
+
 const ERRNO_NAMES: Record<number, string> = {
   1: 'EPERM', 2: 'ENOENT', 4: 'EINTR', 5: 'EIO', 9: 'EBADF', 11: 'EAGAIN', 12: 'ENOMEM', 13: 'EACCES',
   14: 'EFAULT', 16: 'EBUSY', 17: 'EEXIST', 19: 'ENODEV', 22: 'EINVAL', 24: 'EMFILE', 25: 'ENOTTY',

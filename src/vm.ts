@@ -8,7 +8,7 @@ import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
-import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError } from './errors';
+import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
@@ -23,6 +23,9 @@ import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
 import { parseWarningLimit, WarningLimiter, type WarningLimit } from './warning-limit';
+import type { HostNetwork, VmNetworkInfo } from './network/host-network';
+import { parseNetworkOption, type NetworkOption } from './network/options';
+import { forwardPort, type ForwardOptions, type PortForward } from './network/port-forward';
 
 /** Which guest a VM runs. */
 export type GuestKind = 'linux' | 'probe';
@@ -79,6 +82,17 @@ export interface VmOptions {
    * limit allows again. `{ burst: Infinity, perSecond: Infinity }` emits every one.
    */
   warningLimit?: WarningLimit;
+  /**
+   * Linux guest: the guest's network, off by default. `'none'`: no network device (the agent
+   * channel still works). `'nat'`: a virtio-net device (eth0) on a TAP that pvisor creates, with a
+   * /30 of its own and NAT to the host's uplinks, every destination allowed but the host itself;
+   * `{ mode: 'nat', allow: ['CIDR[:PORT]', ...] }`: only those. Needs CAP_NET_ADMIN, /dev/net/tun,
+   * /dev/vhost-net, nft and ip; otherwise the start fails with a {@link NetworkSetupError} and
+   * nothing is left on the host. `{ tap: NAME }`: the user's own TAP, nothing configured on the host.
+   * Everything pvisor made is removed when the VM ends (by a later start after a crash of this
+   * process). See docs/networking.md. Default `'none'`.
+   */
+  network?: NetworkOption;
 }
 
 /** A root filesystem image and how to attach it. See {@link VmOptions.rootfs}. */
@@ -256,6 +270,10 @@ export class Vm extends EventEmitter<VmEvents> {
   private rootfs: DiskConfig | undefined;
   private _restoreInfo: RestoreInfo | undefined;
   private readonly warnings: WarningLimiter;
+  /** The host side of the guest's network, when it has one. */
+  private hostNetwork: HostNetwork | undefined;
+  /** Ports forwarded into the guest ({@link forward}), closed when the VM ends. */
+  private readonly forwards = new Set<PortForward>();
 
   /** Checks the strategies' composition; allocates nothing. */
   private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[], warningLimit: Required<WarningLimit>) {
@@ -287,11 +305,23 @@ export class Vm extends EventEmitter<VmEvents> {
     const vm = new Vm(name, memoryBytes, vcpus, guest, strategies, warningLimit);
     const host = checkKvmHost();
     if (guest === 'linux') requireKernelModeGuests(host, 'linux');
+    const network = parseNetworkOption(options.network);
+    if (network.kind !== 'none' && guest !== 'linux') throw new InvalidOptionError('network', `only the Linux guest has a network device (this VM runs the ${guest} guest)`);
     const boot = guest === 'linux' ? loadLinuxGuest(options, disk) : ({ kind: 'probe', image: loadProbeImage() } as const);
 
     vm.writableDisk = disk !== undefined && !disk.readOnly;
     vm.rootfs = disk;
-    await vm.boot(host.devicePath, boot, bootTimeoutMs, disk);
+    if (network.kind !== 'none') {
+      const { HostNetwork } = await import('./network/host-network');
+      vm.hostNetwork = HostNetwork.setup(network);
+      if (vm.hostNetwork.kernelArg && boot.kind === 'linux') boot.cmdline = `${boot.cmdline} ${vm.hostNetwork.kernelArg}`;
+    }
+    try {
+      await vm.boot(host.devicePath, boot, bootTimeoutMs, disk);
+    } catch (e) {
+      vm.releaseNetwork();
+      throw e;
+    }
     return vm;
   }
 
@@ -337,6 +367,8 @@ export class Vm extends EventEmitter<VmEvents> {
   private async build(kvmPath: string, disk: DiskConfig | undefined, restoring = false): Promise<void> {
     // Loaded here, not at the top: importing pvisor must not load native code until a VM starts.
     const { KvmMachine } = await import('./backends/kvm/kvm-machine');
+    const { VhostNet } = await import('./backends/kvm/devices/vhost-net');
+    const net = this.hostNetwork;
     this.agent = new AgentClient(
       (bytes) => this.machine.sendToAgent(bytes),
       (f) => this.onAgentEvent(f),
@@ -353,6 +385,7 @@ export class Vm extends EventEmitter<VmEvents> {
         freePageSink: this.memory.freePageSink,
         offerFreePageReporting: restoring || undefined,
         disk,
+        ...(net && { net: { tap: net.tap, openDataPath: () => VhostNet.open(), mac: net.mac } }),
       },
       {
         onConsole: (line) => this.emit('console', line),
@@ -491,6 +524,9 @@ export class Vm extends EventEmitter<VmEvents> {
             'after the snapshot and every clone would mount it. Start the VM with rootfs: { path, readOnly: true } (the guest then writes to its /tmp, in RAM).',
         );
       }
+      if (this.hostNetwork) {
+        throw new SnapshotError(`${this.name} has a network device (network: ${this.hostNetwork.info.mode}): a snapshot of a networked VM is not supported yet; start it with network: 'none'`);
+      }
       const wasRunning = this._state === 'running';
       if (wasRunning) {
         this.memory.setRunning(false);
@@ -538,6 +574,7 @@ export class Vm extends EventEmitter<VmEvents> {
     if (this.shuttingDown && error instanceof GuestCrashError && error.reason === 'shutdown') {
       live.delete(this);
       this.closeStrategies();
+      this.releaseNetwork();
       this.agent.close();
       this.setState('stopped');
       this.emit('exit', { state: 'stopped' });
@@ -546,6 +583,7 @@ export class Vm extends EventEmitter<VmEvents> {
     this.endError = error;
     live.delete(this);
     this.closeStrategies();
+    this.releaseNetwork();
     this.agent.close(error);
     this.setState('crashed');
     this.emit('crash', error);
@@ -740,6 +778,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const teardown = () => {
       this.machine?.stop();
       this.closeStrategies();
+      this.releaseNetwork();
     };
     if (this.inTransition) void this.lifecycle.then(teardown);
     else teardown();
@@ -748,6 +787,38 @@ export class Vm extends EventEmitter<VmEvents> {
 
   private closeStrategies(): void {
     this.memory.close();
+  }
+
+  /**
+   * Linux guest: listens on the host (127.0.0.1, a free port unless `hostPort` is given) and
+   * relays each connection to TCP port `guestPort` inside the guest, through the agent channel:
+   * no network device is needed (`network: 'none'` works). Each connection runs `nc 127.0.0.1
+   * PORT` in the guest (busybox's, in the shipped initramfs; a rootfs needs its own `nc`). The
+   * listener closes when the VM ends, or with the returned `close()`.
+   */
+  async forward(guestPort: number, options?: ForwardOptions): Promise<PortForward> {
+    this.requireState('running', 'paused', 'suspended');
+    const guest = this.linuxGuest;
+    const f = await forwardPort((command, spawnOptions) => guest.spawn(command, spawnOptions), guestPort, options);
+    const close = f.close;
+    const tracked: PortForward = { ...f, close: () => (this.forwards.delete(tracked), close()) };
+    this.forwards.add(tracked);
+    return tracked;
+  }
+
+  /** Removes the host side of the network (after the machine, whose vhost uses the TAP, stopped). */
+  private releaseNetwork(): void {
+    for (const f of [...this.forwards]) void f.close();
+    const problem = this.hostNetwork?.close();
+    if (problem) this.emit('warning', `network teardown: ${problem}`);
+  }
+
+  /**
+   * The guest's network: `{ mode: 'none' }`, or its TAP, addresses, MAC, resolver and policy
+   * (see {@link VmOptions.network}).
+   */
+  get network(): VmNetworkInfo {
+    return this.hostNetwork?.info ?? { mode: 'none' };
   }
 
   /**

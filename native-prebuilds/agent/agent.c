@@ -21,8 +21,9 @@
  * with the kernel's reboot=t / panic=-1 ends the VM where the VMM sees it.
  *
  * Not PID 1 (for debugging on a host): `agent CHANNEL` serves CHANNEL (a tty or pty) and skips
- * the system setup. As PID 1, `pvisor.channel=PATH` on the kernel command line picks another
- * channel than /dev/hvc0 (a virtio-serial port such as /dev/vport0p1, which is not a tty).
+ * the system setup (mounts, rootfs, network: agent-net.h). As PID 1, `pvisor.channel=PATH` on the
+ * kernel command line picks another channel than /dev/hvc0 (a virtio-serial port such as
+ * /dev/vport0p1, which is not a tty).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -930,6 +931,8 @@ static void enter_rootfs(void) {
   in_rootfs = !flags;
 }
 
+#include "agent-net.h"
+
 /* Opens the channel, waiting for the device (virtio ports may appear after init starts). */
 static int open_channel(const char *path) {
   for (int i = 0; i < 1000; i++) {
@@ -946,6 +949,7 @@ int main(int argc, char **argv) {
   if (is_init) {
     setup_system();
     enter_rootfs();
+    setup_network();
   }
   /* the channel: argv[1] (debugging), else pvisor.channel=PATH on the kernel command line (a
    * test harness may use a multiport virtio-serial port such as /dev/vport0p1), else /dev/hvc0 */

@@ -19,6 +19,7 @@ import { parseDurationMs } from '../units';
 import { checkVmShape, MAX_VCPUS } from '../vm-shape';
 import { validateVmName } from '../vm-name';
 import type { GuestKind, RootfsOptions } from '../vm';
+import { networkFromCli, parseNetworkOption, type NetworkOption } from '../network/options';
 
 /** A VM booted fresh from a guest image. */
 export interface BootSource {
@@ -31,6 +32,8 @@ export interface BootSource {
   kernel?: string;
   initrd?: string;
   rootfs?: RootfsOptions;
+  /** `--net` and `--net-allow`. */
+  network: NetworkOption;
 }
 
 /** A VM restored from a snapshot directory (`--from DIR`). */
@@ -58,13 +61,15 @@ export interface RunArgs {
   strategies: MemoryStrategy[];
   /** The words after `--`: an argv for the Linux guest, probe steps for the probe guest. */
   command: string[];
+  /** `--publish HOSTPORT:GUESTPORT`: 127.0.0.1:HOSTPORT reaches the guest's TCP GUESTPORT (Linux guest). */
+  publish: { hostPort: number; guestPort: number }[];
 }
 
 /**
  * Options a snapshot decides: the VM it restores has the memory, vCPUs, guest and disks it was
  * taken with, so giving one beside `--from` can only be a mistake.
  */
-const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootfs', 'rootfs-readonly'] as const;
+const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootfs', 'rootfs-readonly', 'net', 'net-allow'] as const;
 
 /**
  * Parses `pvisor run [OPTIONS] -- CMD...`. A wrong or conflicting option is an
@@ -89,6 +94,9 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
       initrd: { type: 'string' },
       rootfs: { type: 'string' },
       'rootfs-readonly': { type: 'boolean' },
+      net: { type: 'string' },
+      publish: { type: 'string', multiple: true },
+      'net-allow': { type: 'string', multiple: true },
       console: { type: 'boolean', default: false },
       'vm-ram-dedup': { type: 'boolean', default: false },
       'vm-idle-release': { type: 'boolean', default: false },
@@ -137,10 +145,17 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   if (values.name !== undefined) validateVmName(values.name);
   // A composition that cannot work is refused now, as Vm.start would refuse it, before anything is printed.
   planComposition(strategies);
-  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command };
+  const publish = (values.publish ?? []).map((p) => {
+    const m = /^([0-9]{1,5}):([0-9]{1,5})$/.exec(p);
+    const [hostPort, guestPort] = m ? [Number(m[1]), Number(m[2])] : [0, 0];
+    if (!(hostPort >= 1 && hostPort <= 65535 && guestPort >= 1 && guestPort <= 65535)) throw new InvalidOptionError('--publish', `expected HOSTPORT:GUESTPORT (1-65535 each), got ${JSON.stringify(p)}`);
+    return { hostPort, guestPort };
+  });
+  if (publish.length && source.kind === 'boot' && source.guest === 'probe') throw new InvalidOptionError('--publish', 'is for the Linux guest');
+  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command, publish };
 }
 
-function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean }): BootSource {
+function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean; net?: string; 'net-allow'?: string[] }): BootSource {
   const memoryText = values.memory ?? '512MiB';
   // Checked here as Vm.start checks them, so that a bad value is a usage error before anything is printed.
   const vcpuText = values.vcpus ?? '2';
@@ -149,5 +164,9 @@ function bootSource(values: { memory?: string; vcpus?: string; guest?: string; k
   if (guest === 'probe' && (values.kernel !== undefined || values.initrd !== undefined)) throw new InvalidOptionError('--kernel', '--kernel and --initrd are for the Linux guest');
   if (guest === 'probe' && values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'is for the Linux guest');
   const rootfs = values.rootfs === undefined ? undefined : { path: values.rootfs, readOnly: values['rootfs-readonly'] === true };
-  return { kind: 'boot', memoryBytes, memoryText, vcpus, guest, kernel: values.kernel, initrd: values.initrd, rootfs };
+  if (values['net-allow'] !== undefined && values.net === undefined) throw new InvalidOptionError('--net-allow', 'only goes with --net nat');
+  const network = networkFromCli(values.net ?? 'none', values['net-allow'] ?? []);
+  parseNetworkOption(network); // a bad CIDR is a usage error, before anything starts
+  if (guest === 'probe' && network !== 'none') throw new InvalidOptionError('--net', 'is for the Linux guest');
+  return { kind: 'boot', memoryBytes, memoryText, vcpus, guest, kernel: values.kernel, initrd: values.initrd, rootfs, network };
 }

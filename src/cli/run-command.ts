@@ -25,14 +25,19 @@ export async function cmdRun(argv: string[]): Promise<number> {
     let vm: Vm;
     if (source.kind === 'boot') {
       process.stderr.write(`pvisor: starting a ${source.memoryText} ${source.guest} VM with ${source.vcpus} vCPU(s)...\n`);
-      const { memoryBytes: memory, vcpus, guest, kernel, initrd, rootfs } = source;
-      vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies: args.strategies, kernel, initrd, rootfs });
+      const { memoryBytes: memory, vcpus, guest, kernel, initrd, rootfs, network } = source;
+      vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies: args.strategies, kernel, initrd, rootfs, network });
+      if (vm.network.mode !== 'none') process.stderr.write(`pvisor: ${vm.name} network ${vm.network.mode}: guest ${vm.network.guestAddress ?? '(unconfigured)'} on ${vm.network.tap}\n`);
     } else {
       process.stderr.write(`pvisor: restoring a ${formatMiB(machine.memoryBytes)} ${machine.guest} VM with ${machine.vcpus} vCPU(s) from ${source.dir}${source.shared ? ", its RAM the snapshot's file shared copy-on-write" : ''}...\n`);
       vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies });
     }
     control.attach(vm);
     try {
+      for (const p of args.publish) {
+        const f = await vm.forward(p.guestPort, { hostPort: p.hostPort });
+        process.stderr.write(`pvisor: ${f.host}:${f.port} reaches the guest's port ${p.guestPort}\n`);
+      }
       if (args.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
       vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));
       process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms${source.kind === 'snapshot' ? ' (restored)' : ''}\n`);

@@ -89,7 +89,8 @@ const RUN = `  pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest lin
              [--vm-ram-compression] [--vm-cold-ram-compression [--vm-cold-after 10s]]
              [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]] [--vm-socket PATH]
              [--kernel BZIMAGE] [--initrd CPIO]
-             [--rootfs IMAGE [--rootfs-readonly]] -- CMD [ARGS...]
+             [--rootfs IMAGE [--rootfs-readonly]] [--net none|nat|tap:NAME [--net-allow CIDR[:PORT]]...]
+             [--publish HOSTPORT:GUESTPORT]... -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
       shell. --kernel/--initrd boot your own instead of the shipped ones.
@@ -99,6 +100,12 @@ const RUN = `  pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest lin
         shut down cleanly at the end, so what CMD wrote is in the image;
         --rootfs-readonly attaches it read-only (the image needs /dev and /proc and a clean
         journal: e2fsck -p IMAGE).
+      --net nat: the guest gets eth0 on a TAP pvisor creates, NAT to the host's uplinks (needs
+        CAP_NET_ADMIN, /dev/vhost-net, nft and ip); --net-allow CIDR[:PORT] (repeatable): only
+        these destinations, everything else dropped on the host. --net tap:NAME: your own TAP,
+        nothing configured on the host. Default none: no network device. docs/networking.md.
+      --publish HOSTPORT:GUESTPORT (repeatable): 127.0.0.1:HOSTPORT reaches the guest's TCP
+        GUESTPORT through the agent channel (no network needed; the guest runs nc per connection).
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.

@@ -217,3 +217,35 @@ export const EFER_SCE = 1 << 0;
 export const EFER_LME = 1 << 8;
 export const EFER_LMA = 1 << 10;
 export const EFER_NX = 1 << 11;
+
+// <linux/vhost.h>: ioctls on /dev/vhost-net, _IO/_IOR/_IOW(VHOST_VIRTIO = 0xAF, nr, type)
+export const VHOST_GET_FEATURES = 0x8008af00; // _IOR(0xAF, 0x00, __u64)
+export const VHOST_SET_FEATURES = 0x4008af00; // _IOW(0xAF, 0x00, __u64)
+export const VHOST_SET_OWNER = 0xaf01; // _IO(0xAF, 0x01)
+export const VHOST_SET_MEM_TABLE = 0x4008af03; // _IOW(0xAF, 0x03, struct vhost_memory)
+export const VHOST_SET_VRING_NUM = 0x4008af10; // _IOW(0xAF, 0x10, struct vhost_vring_state)
+export const VHOST_SET_VRING_ADDR = 0x4028af11; // _IOW(0xAF, 0x11, struct vhost_vring_addr)
+export const VHOST_SET_VRING_BASE = 0x4008af12; // _IOW(0xAF, 0x12, struct vhost_vring_state)
+export const VHOST_SET_VRING_KICK = 0x4008af20; // _IOW(0xAF, 0x20, struct vhost_vring_file)
+export const VHOST_SET_VRING_CALL = 0x4008af21; // _IOW(0xAF, 0x21, struct vhost_vring_file)
+export const VHOST_NET_SET_BACKEND = 0x4008af30; // _IOW(0xAF, 0x30, struct vhost_vring_file)
+// struct vhost_memory { __u32 nregions; __u32 padding; struct vhost_memory_region regions[]; },
+// region { __u64 guest_phys_addr; __u64 memory_size; __u64 userspace_addr; __u64 flags_padding; }
+export const VHOST_MEMORY_HEADER_SIZE = 8;
+export const VHOST_MEMORY_REGION_SIZE = 32;
+// struct vhost_vring_addr { __u32 index; __u32 flags; __u64 desc_user_addr; __u64 used_user_addr;
+// __u64 avail_user_addr; __u64 log_guest_addr; }
+export const VHOST_VRING_ADDR_SIZE = 40;
+
+// <linux/if_tun.h>: ioctls on /dev/net/tun, _IOW('T', nr, int)
+export const TUNSETIFF = 0x400454ca;
+export const TUNSETOFFLOAD = 0x400454d0;
+export const TUNSETVNETHDRSZ = 0x400454d8;
+export const IFF_TAP = 0x0002;
+export const IFF_NO_PI = 0x1000;
+export const IFF_VNET_HDR = 0x4000;
+export const TUN_F_CSUM = 0x01;
+export const TUN_F_TSO4 = 0x02;
+// struct ifreq: char ifr_name[IFNAMSIZ = 16]; then a 24-byte union (ifr_flags is a short)
+export const IFREQ_SIZE = 40;
+export const IFNAMSIZ = 16;

@@ -7,7 +7,7 @@ describe('pvisor run: argument parsing', () => {
 
   it('boots a 512 MiB Linux VM with 2 vCPUs unless told otherwise, with Offload composed for pvisor suspend', () => {
     const a = parseRunArgs(['--', 'uname', '-a'], cwd);
-    expect(a.source).toEqual({ kind: 'boot', memoryBytes: 512 * 2 ** 20, memoryText: '512MiB', vcpus: 2, guest: 'linux', kernel: undefined, initrd: undefined, rootfs: undefined });
+    expect(a.source).toEqual({ kind: 'boot', memoryBytes: 512 * 2 ** 20, memoryText: '512MiB', vcpus: 2, guest: 'linux', kernel: undefined, initrd: undefined, rootfs: undefined, network: 'none' });
     expect(a.command).toEqual(['uname', '-a']);
     expect(a.strategies.map((s) => s.name)).toEqual(['offload']);
   });
@@ -61,6 +61,26 @@ describe('pvisor run: argument parsing', () => {
     expect(() => parseRunArgs(['--memory', '12 parsecs', '--', 'digest'], cwd)).toThrow(/^memory: cannot parse size/);
     expect(() => parseRunArgs(['--vm-offload-reload', 'lazy', '--', 'digest'], cwd)).toThrow(/^--vm-offload-reload: only goes with --vm-offload/);
     expect(parseRunArgs(['--rootfs', 'r.img', '--rootfs-readonly', '--', 'true'], cwd).source).toMatchObject({ rootfs: { path: 'r.img', readOnly: true } });
+  });
+
+  it('--net and --net-allow become the network option, and are checked before anything starts', () => {
+    expect(parseRunArgs(['--net', 'nat', '--', 'true'], cwd).source).toMatchObject({ network: 'nat' });
+    expect(parseRunArgs(['--net', 'nat', '--net-allow', '10.0.0.0/8', '--net-allow', '192.0.2.7/32:443', '--', 'true'], cwd).source).toMatchObject({
+      network: { mode: 'nat', allow: ['10.0.0.0/8', '192.0.2.7/32:443'] },
+    });
+    expect(parseRunArgs(['--net', 'tap:tap0', '--', 'true'], cwd).source).toMatchObject({ network: { tap: 'tap0' } });
+    expect(() => parseRunArgs(['--net', 'bridge', '--', 'true'], cwd)).toThrow(/^--net: expected none, nat or tap:NAME/);
+    expect(() => parseRunArgs(['--net-allow', '10.0.0.0/8', '--', 'true'], cwd)).toThrow(/^--net-allow: only goes with --net nat/);
+    expect(() => parseRunArgs(['--net', 'nat', '--net-allow', '10.0.0.1/8', '--', 'true'], cwd)).toThrow(/^network.allow: "10.0.0.1\/8" is not CIDR/);
+    expect(() => parseRunArgs(['--net', 'nat', '--guest', 'probe', '--', 'digest'], cwd)).toThrow(/^--net: is for the Linux guest/);
+    expect(() => parseRunArgs(['--from', 'snap', '--net', 'nat', '--', 'digest'], cwd)).toThrow(/^--net: does not go with --from/);
+  });
+
+  it('--publish HOSTPORT:GUESTPORT, repeatable, checked before anything starts', () => {
+    expect(parseRunArgs(['--publish', '8080:80', '--publish', '2222:22', '--', 'true'], cwd).publish).toEqual([{ hostPort: 8080, guestPort: 80 }, { hostPort: 2222, guestPort: 22 }]);
+    expect(parseRunArgs(['--', 'true'], cwd).publish).toEqual([]);
+    for (const bad of ['80', '0:80', '8080:65536', 'a:b', '8080:80:1']) expect(() => parseRunArgs(['--publish', bad, '--', 'true'], cwd)).toThrow(/^--publish: expected HOSTPORT:GUESTPORT/);
+    expect(() => parseRunArgs(['--guest', 'probe', '--publish', '8080:80', '--', 'digest'], cwd)).toThrow(/^--publish: is for the Linux guest/);
   });
 
   it('a chosen suspend-image strategy replaces the default Offload', () => {

@@ -13,6 +13,7 @@ import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
 import { VirtioConsole } from './devices/virtio-console';
 import { VirtioLayout, type VirtioRole } from './device-layout';
 import { VirtioBlk, type DiskConfig } from './devices/virtio-blk';
+import { VirtioNet, type NetDataPath, type NetTap } from './devices/virtio-net';
 import type { RamBacking } from '../../memory/ram-backing';
 import { GuestMemory } from './guest-memory';
 import { IoBus, type VcpuAction } from './io-bus';
@@ -117,6 +118,16 @@ export interface MachineConfig {
   signalling?: VirtioSignalling;
   /** A disk (virtio-blk) after console and balloon: the guest's /dev/vda. */
   disk?: DiskConfig;
+  /** A network device (virtio-net over vhost-net), last: the guest's eth0. Linux guest only. */
+  net?: NetConfig;
+}
+
+/** The guest's network device: its TAP (the caller's, still open after the machine stops), its data path and MAC. */
+export interface NetConfig {
+  tap: NetTap;
+  /** Opens the data path; called once while the machine is built, closed when it stops. */
+  openDataPath: () => NetDataPath;
+  mac: Buffer;
 }
 
 /** The version of {@link DevicesState} this code writes and reads. */
@@ -147,6 +158,7 @@ export class KvmMachine {
   private balloon!: VirtioBalloon;
   private console!: VirtioConsole;
   private disk: VirtioBlk | undefined;
+  private net: VirtioNet | undefined;
   private readonly layout: VirtioLayout;
   /** Booted or restored: a machine is either, once. */
   private prepared = false;
@@ -218,7 +230,8 @@ export class KvmMachine {
         this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
       }
 
-      const layout = (this.layout = new VirtioLayout({ disk: config.disk !== undefined }));
+      if (config.net && !linux) throw new InvalidOptionError('network', 'only the Linux guest has a network device');
+      const layout = (this.layout = new VirtioLayout({ disk: config.disk !== undefined, net: config.net !== undefined }));
       const transports = this.transports;
       const used = (i: number) => () => transports[i]?.signalUsed();
       const devices: Record<VirtioRole, () => VirtioDevice> = {
@@ -226,6 +239,16 @@ export class KvmMachine {
         // Free page reporting is offered only when something takes the reports (or to restore a guest that uses it).
         balloon: () => (this.balloon = new VirtioBalloon(config.freePageSink ?? (() => {}), used(1), deviceError, config.offerFreePageReporting ?? config.freePageSink !== undefined)),
         disk: () => (this.disk = new VirtioBlk(this.memory, config.disk!, used(2), deviceError)),
+        net: () => {
+          const net = config.net!;
+          const path = net.openDataPath();
+          try {
+            return (this.net = new VirtioNet(this.memory, net.tap, path, net.mac, deviceError));
+          } catch (e) {
+            path.close();
+            throw e;
+          }
+        },
       };
       for (const slot of layout.slots) {
         const d = transports.length;
@@ -236,8 +259,21 @@ export class KvmMachine {
           if (this.pausing) this.heldNotifies.add(d * QUEUES_PER_TAG + q);
           else transports[d].notify(q);
         };
-        const t = new MmioTransport(slot.base, devices[slot.role](), this.memory, pulse(slot.irq), deviceError, goOnLater);
+        const device = devices[slot.role]();
+        const t = new MmioTransport(slot.base, device, this.memory, pulse(slot.irq), deviceError, goOnLater);
         transports.push(t);
+        if (device.bindKernelSignals) {
+          // Served in the kernel whatever the signalling: KVM hands the guest's notifications to
+          // the device's eventfds and the device's interrupts to the irqchip, never to this thread.
+          const kicks = Array.from({ length: device.queueCount }, (_, q) => {
+            const fd = this.eventFd();
+            vm.ioeventfd(fd, slot.base + VIRTIO_MMIO_QUEUE_NOTIFY, 4, q);
+            return fd;
+          });
+          const call = this.eventFd();
+          vm.irqfd(call, slot.irq);
+          device.bindKernelSignals(kicks, call);
+        }
         this.mmio.add(slot.base, VIRTIO_MMIO_SIZE, { read: (o, s) => t.read(o, s), write: (o, s, v) => t.write(o, s, v) });
       }
 
@@ -255,6 +291,7 @@ export class KvmMachine {
       }
       if (signalling.notify === 'ioeventfd') {
         transports.forEach((t, d) => {
+          if (t.servedInKernel) return;
           for (let q = 0; q < t.queueCount; q++) {
             const fd = this.eventFd();
             vm.ioeventfd(fd, t.base + VIRTIO_MMIO_QUEUE_NOTIFY, 4, q);
@@ -338,6 +375,7 @@ export class KvmMachine {
   pause(): Promise<void> {
     this.pausing = true;
     this.console.holdTransmit('machine', true);
+    this.net?.pause();
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'running') this.runner.kick(i);
     return new Promise((resolve) => {
       this.pauseWaiters.push(resolve);
@@ -359,6 +397,12 @@ export class KvmMachine {
     }
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'held') this.continueVcpu(i);
     this.console.deliver();
+    this.net?.resume();
+  }
+
+  /** Whether the network device's data path is attached to its TAP now (detached while paused). */
+  get networkServing(): boolean {
+    return this.net?.serving ?? false;
   }
 
   /**
@@ -574,6 +618,8 @@ export class KvmMachine {
    * would crash the process); every later step runs whatever the others do.
    */
   private releaseGuest(): void {
+    // vhost's worker touches guest RAM: it stops before RAM is unmapped.
+    this.tryStep('network device close', () => this.net?.close());
     this.runner?.destroy();
     for (const fd of this.eventFds.splice(0)) this.tryStep('eventfd close', () => closeFd(fd));
     for (const v of this.vcpus) this.tryStep('vCPU fd close', () => v.fd.close());

@@ -69,6 +69,18 @@ export interface VirtioDevice {
   /** The driver reset the device (status 0). */
   reset(): void;
   /**
+   * The device's queues signal the guest from inside the host kernel (vhost through an irqfd),
+   * never through {@link MmioTransport.signalUsed}: InterruptStatus then always reports used
+   * buffers, or the driver would not look at its rings after such an interrupt.
+   */
+  readonly signalsInKernel?: boolean;
+  /**
+   * For a device served in the kernel: the machine's eventfds, one per queue that KVM signals on
+   * the guest's QueueNotify write (an ioeventfd), and one that raises the device's interrupt (an
+   * irqfd). The machine owns and closes them.
+   */
+  bindKernelSignals?(kickFds: number[], callFd: number): void;
+  /**
    * The device's own state for a snapshot, beyond its queues (the transport saves those): bytes
    * it holds for the guest, for instance. Absent on a device that cannot be snapshotted yet.
    */
@@ -278,6 +290,11 @@ export class MmioTransport {
     this.device.notify(index);
   }
 
+  /** Whether the device's queues are served in the kernel (see {@link VirtioDevice.bindKernelSignals}). */
+  get servedInKernel(): boolean {
+    return this.device.bindKernelSignals !== undefined;
+  }
+
   /** Queues the device has, for whoever registers an ioeventfd per queue. */
   get queueCount(): number {
     return this.device.queueCount;
@@ -296,7 +313,7 @@ export class MmioTransport {
         return this.deviceFeaturesSel > 1 ? 0 : Number((this.device.features >> BigInt(32 * this.deviceFeaturesSel)) & 0xffffffffn);
       case Reg.QueueNumMax: return q ? this.maxQueueSize(this.queueSel) : 0;
       case Reg.QueueReady: return q?.ready ? 1 : 0;
-      case Reg.InterruptStatus: return this.interruptStatus;
+      case Reg.InterruptStatus: return this.device.signalsInKernel ? this.interruptStatus | 1 : this.interruptStatus;
       case Reg.Status: return this.status;
       case Reg.ConfigGeneration: return this.configGeneration;
       default: return 0;

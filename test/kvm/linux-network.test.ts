@@ -1,0 +1,208 @@
+// Guest networking and port forwarding on real KVM with the Linux guest, as root (the nested harness's L1 is the
+// test's to configure). "Outside" is a network namespace behind a veth pair on this machine
+// (198.18.0.0/30, a range kept for tests and never routed): no packet leaves the machine.
+import { execFileSync, spawn, spawnSync, type ChildProcess } from 'node:child_process';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { createServer, get, type Server } from 'node:http';
+import { randomBytes } from 'node:crypto';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { SnapshotError, Vm } from '../../src';
+
+const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
+const NS = 'pvnet-outside';
+const OUTSIDE = '198.18.0.2';
+const MiB = 2 ** 20;
+
+const sh = (cmd: string) => execFileSync('sh', ['-c', cmd], { encoding: 'utf8' });
+const links = () => sh('ip -o link show');
+const tables = () => sh('nft list tables');
+const ourLinks = () => [...links().matchAll(/^[0-9]+: (pv[0-9]+n[0-9]+)[:@]/gm)].map((m) => m[1]);
+const ourTables = () => [...tables().matchAll(/^table ip (pvisor_[0-9]+_[0-9]+)$/gm)].map((m) => m[1]);
+const fetchBytes = (url: string) =>
+  new Promise<Buffer>((resolve, reject) => {
+    get(url, (r) => {
+      const parts: Buffer[] = [];
+      r.on('data', (d: Buffer) => parts.push(d));
+      r.on('end', () => (r.statusCode === 200 ? resolve(Buffer.concat(parts)) : reject(new Error(`HTTP ${r.statusCode}`))));
+      r.on('error', reject);
+    }).on('error', reject);
+  });
+const rssBytes = () => Number(/^VmRSS:\s+(\d+) kB/m.exec(readFileSync('/proc/self/status', 'utf8'))![1]) * 1024;
+
+async function until(what: string, check: () => boolean, timeoutMs: number): Promise<void> {
+  for (const end = Date.now() + timeoutMs; !check();) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 200));
+  }
+}
+
+/** A UDP sender as fast as it can for SECONDS: the guest's packet flood (busybox has no UDP sender). */
+const FLOOD_C = `
+#include <arpa/inet.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <time.h>
+int main(int argc, char **argv) {
+  int s = socket(AF_INET, SOCK_DGRAM, 0);
+  struct sockaddr_in to = { .sin_family = AF_INET, .sin_port = htons(atoi(argv[2])) };
+  inet_aton(argv[1], &to.sin_addr);
+  static char payload[1400];
+  long sent = 0;
+  time_t end = time(NULL) + atoi(argv[3]);
+  while (time(NULL) < end)
+    for (int i = 0; i < 256; i++) if (sendto(s, payload, sizeof payload, 0, (struct sockaddr *)&to, sizeof to) > 0) sent++;
+  printf("%ld\\n", sent);
+  return 0;
+}`;
+
+const describeAsRoot = process.getuid?.() === 0 ? describe : describe.skip;
+
+describeAsRoot('Linux guest networking', () => {
+  let outside: ChildProcess;
+  let hostServer: Server;
+  let work: string;
+  beforeAll(async () => {
+    work = mkdtempSync(join(tmpdir(), 'pvnet-'));
+    spawnSync('ip', ['netns', 'delete', NS]);
+    sh(`ip netns add ${NS} && ip link add pvt-host type veth peer name pvt-out && ip link set pvt-out netns ${NS} &&
+        ip addr add 198.18.0.1/30 dev pvt-host && ip link set pvt-host up &&
+        ip netns exec ${NS} sh -c 'ip addr add ${OUTSIDE}/30 dev pvt-out && ip link set pvt-out up && ip link set lo up'`);
+    // The outside's server: says who connected (the NAT's address, not the guest's), on two ports.
+    const serve = `for (const p of [8080, 8081]) require('http').createServer((q, r) => r.end('hello ' + p + ' from ' + q.socket.remoteAddress)).listen(p, '${OUTSIDE}', () => console.log('up ' + p));`;
+    outside = spawn('ip', ['netns', 'exec', NS, process.execPath, '-e', serve], { stdio: ['ignore', 'pipe', 'inherit'] });
+    let up = '';
+    await new Promise<void>((resolve, reject) => {
+      outside.stdout!.on('data', (d) => (up += d) && up.includes('up 8080') && up.includes('up 8081') && resolve());
+      outside.once('exit', (code) => reject(new Error(`the outside server exited (${code})`)));
+    });
+    // A server on the host itself, on every address: the guest must not reach it.
+    hostServer = createServer((_q, r) => r.end('host')).listen(8090, '0.0.0.0');
+    execFileSync('gcc', ['-static', '-O2', '-o', join(work, 'flood'), '-x', 'c', '-'], { input: FLOOD_C });
+  }, 60_000);
+  afterAll(() => {
+    outside?.kill();
+    hostServer?.close();
+    spawnSync('ip', ['netns', 'delete', NS]);
+    spawnSync('ip', ['link', 'delete', 'pvt-host']);
+    rmSync(work, { recursive: true, force: true });
+  });
+
+  it("'nat' after a SIGKILLed owner: its leftovers are removed, the guest reaches the outside through NAT and not the host; pause detaches; no snapshot", async () => {
+    // A pvisor run whose process is killed leaves its table; its TAP goes with its fds.
+    const run = spawn(process.execPath, [main, 'run', '--memory', '128MiB', '--vcpus', '1', '--net', 'nat', '--', 'sleep', '600'], { stdio: 'ignore' });
+    const pid = run.pid!;
+    try {
+      await until('the killed run to have its TAP and table', () => ourLinks().includes(`pv${pid}n0`) && ourTables().includes(`pvisor_${pid}_0`), 180_000);
+    } finally {
+      run.kill('SIGKILL');
+    }
+    await new Promise((r) => run.once('exit', r));
+    await until('the TAP to go with the killed process', () => !ourLinks().includes(`pv${pid}n0`), 10_000);
+    expect(ourTables()).toContain(`pvisor_${pid}_0`);
+
+    const vm = await Vm.start({ memory: '256MiB', vcpus: 1, network: 'nat', bootTimeoutMs: 180_000 });
+    try {
+      expect(ourTables()).not.toContain(`pvisor_${pid}_0`); // removed by this start
+      const net = vm.network;
+      expect(net).toMatchObject({ mode: 'nat', tap: `pv${process.pid}n0`, allow: 'all', nftTable: `pvisor_${process.pid}_0` });
+      expect(net.guestAddress).toMatch(/^10\.200\.[0-9]+\.[0-9]+\/30$/);
+      expect(sh(`ip -4 -o addr show dev ${net.tap}`)).toContain(`${net.hostAddress}/30`);
+      const eth0 = await vm.exec('cat /sys/class/net/eth0/address; ip -4 -o addr show eth0 2>/dev/null || ifconfig eth0');
+      expect(eth0.stdout).toContain(net.mac!);
+      expect(eth0.stdout).toContain(net.guestAddress!.split('/')[0]);
+
+      // timeout(1), not wget -T: Debian's busybox-static 1.35 wget segfaults with -T.
+      const get = (url: string) => vm.exec(['timeout', '10', 'wget', '-q', '-O', '-', url]);
+      expect(await get(`http://${OUTSIDE}:8080/`)).toMatchObject({ exitCode: 0, stdout: 'hello 8080 from 198.18.0.1' });
+      expect(await get(`http://${OUTSIDE}:8081/`)).toMatchObject({ exitCode: 0, stdout: 'hello 8081 from 198.18.0.1' });
+      // The host itself (its TAP end, where a server listens on every address) is not reachable.
+      expect((await get(`http://${net.hostAddress}:8090/`)).exitCode).not.toBe(0);
+
+      await vm.pause();
+      expect(vm.kvmMachine.networkServing).toBe(false);
+      await vm.resume();
+      expect(vm.kvmMachine.networkServing).toBe(true);
+      expect(await get(`http://${OUTSIDE}:8080/`)).toMatchObject({ exitCode: 0 });
+
+      await expect(vm.snapshot(join(work, 'snap'))).rejects.toThrow(SnapshotError);
+      expect(vm.state).toBe('running');
+    } finally {
+      vm.stop();
+    }
+    expect(ourLinks()).toEqual([]);
+    expect(ourTables()).toEqual([]);
+  }, 400_000);
+
+  it('an allow list reaches only what it lists; a flooding guest is dropped on the host, which stays responsive with bounded memory', async () => {
+    const vm = await Vm.start({ memory: '256MiB', vcpus: 1, network: { mode: 'nat', allow: [`${OUTSIDE}/32:8080`] }, bootTimeoutMs: 180_000 });
+    try {
+      const get = (url: string) => vm.exec(['timeout', '10', 'wget', '-q', '-O', '-', url]);
+      expect(await get(`http://${OUTSIDE}:8080/`)).toMatchObject({ exitCode: 0, stdout: 'hello 8080 from 198.18.0.1' });
+      expect((await get(`http://${OUTSIDE}:8081/`)).exitCode).not.toBe(0);
+
+      await vm.files.write('/tmp/flood', readFileSync(join(work, 'flood')));
+      const tap = vm.network.tap!;
+      const rxBefore = Number(readFileSync(`/sys/class/net/${tap}/statistics/rx_packets`, 'utf8'));
+      const rssBefore = rssBytes();
+      let worstLagMs = 0;
+      let last = performance.now();
+      const ticker = setInterval(() => {
+        const now = performance.now();
+        worstLagMs = Math.max(worstLagMs, now - last - 10);
+        last = now;
+      }, 10);
+      let flood;
+      try {
+        // To a port the policy denies: every packet is the host kernel's to drop.
+        flood = await vm.exec(['sh', '-c', `chmod +x /tmp/flood && /tmp/flood ${OUTSIDE} 9999 8`]);
+      } finally {
+        clearInterval(ticker);
+      }
+      const sent = Number(flood.stdout.trim());
+      const rx = Number(readFileSync(`/sys/class/net/${tap}/statistics/rx_packets`, 'utf8')) - rxBefore;
+      console.log(`flood: the guest sent ${sent} datagrams in 8 s, the host's TAP took ${rx}; worst event-loop lag ${worstLagMs.toFixed(0)} ms; RSS ${(rssBefore / MiB).toFixed(0)} -> ${(rssBytes() / MiB).toFixed(0)} MiB`);
+      expect(flood.exitCode).toBe(0);
+      expect(sent).toBeGreaterThan(1000);
+      expect(rx).toBeGreaterThan(1000);
+      expect(rssBytes() - rssBefore).toBeLessThan(64 * MiB);
+      expect(worstLagMs).toBeLessThan(2000);
+      // And the VM still works: the allowed destination answers.
+      expect(await get(`http://${OUTSIDE}:8080/`)).toMatchObject({ exitCode: 0 });
+    } finally {
+      vm.stop();
+    }
+    expect(ourLinks()).toEqual([]);
+    expect(ourTables()).toEqual([]);
+    expect(sh('ip -4 -o addr show')).not.toMatch(/inet 10\.200\./);
+  }, 300_000);
+
+  it("'none' (the default): no network device in the guest, nothing on the host; a forwarded port reaches a guest server all the same", async () => {
+    const linksBefore = links().split('\n').length;
+    const vm = await Vm.start({ memory: '128MiB', vcpus: 1, bootTimeoutMs: 180_000 });
+    let port = 0;
+    try {
+      expect(vm.network).toEqual({ mode: 'none' });
+      expect((await vm.exec('ls /sys/class/net')).stdout.trim()).toBe('lo');
+      expect((await vm.exec(['timeout', '10', 'wget', '-q', '-O', '-', `http://${OUTSIDE}:8080/`])).exitCode).not.toBe(0);
+      expect(links().split('\n').length).toBe(linksBefore);
+      expect(ourTables()).toEqual([]);
+
+      const blob = randomBytes(MiB);
+      await vm.files.write('/tmp/www/blob', blob);
+      expect((await vm.exec('httpd -p 127.0.0.1:8000 -h /tmp/www')).exitCode).toBe(0);
+      const f = await vm.forward(8000);
+      port = f.port;
+      expect(f).toMatchObject({ host: '127.0.0.1', guestPort: 8000 });
+      const got = await fetchBytes(`http://127.0.0.1:${f.port}/blob`);
+      expect(got.equals(blob)).toBe(true);
+      // Nothing listens on the guest's port 8001: the connection ends, nothing hangs.
+      const refused = await vm.forward(8001);
+      await expect(fetchBytes(`http://127.0.0.1:${refused.port}/`)).rejects.toThrow();
+    } finally {
+      vm.stop();
+    }
+    await expect(fetchBytes(`http://127.0.0.1:${port}/blob`)).rejects.toThrow(/ECONNREFUSED/);
+  }, 200_000);
+});

@@ -1,0 +1,99 @@
+// The host side's pure parts: the network option, each VM's /30, the nftables ruleset and the
+// names that tell a dead owner's leftovers apart. No root, no nft.
+import { InvalidOptionError } from '../../src/errors';
+import { allocateSubnet, formatCidr, formatIpv4, parseCidr, parseIpAddrShow, parseIpv4 } from '../../src/network/addresses';
+import { tapName, tapOwner } from '../../src/network/host-network';
+import { natRuleset, parseTableList, tableName, tableOwner } from '../../src/network/nft-rules';
+import { parseAllowRule, parseNetworkOption } from '../../src/network/options';
+
+describe('network option', () => {
+  it("is 'none' by default, and 'nat' allows every destination from the default range", () => {
+    expect(parseNetworkOption(undefined)).toEqual({ kind: 'none' });
+    expect(parseNetworkOption('nat')).toEqual({ kind: 'nat', allow: 'all', range: parseCidr('10.200.0.0/16'), dns: undefined });
+  });
+
+  it('takes an allow list of CIDR[:PORT] and refuses what is not one, naming it', () => {
+    const plan = parseNetworkOption({ mode: 'nat', allow: ['192.0.2.0/24', '198.51.100.7:443'] });
+    expect(plan).toMatchObject({ kind: 'nat', allow: [{ network: parseCidr('192.0.2.0/24') }, { network: parseCidr('198.51.100.7/32'), port: 443 }] });
+    for (const bad of ['10.0.0.1/8', '10.0.0.0/33', '10.0.0.0/8:0', '10.0.0.0/8:65536', 'example.com', '10.0.0.0/8:80:1', '256.0.0.0/8']) {
+      expect(() => parseAllowRule(bad)).toThrow(InvalidOptionError);
+    }
+    expect(() => parseNetworkOption({ mode: 'nat', allow: '10.0.0.0/8' })).toThrow(/^network.allow: expected an array/);
+    expect(() => parseNetworkOption({ mode: 'nat', allowed: [] })).toThrow(/^network: unknown field allowed/);
+    expect(() => parseNetworkOption({ mode: 'nat', subnetRange: '10.0.0.0/31' })).toThrow(/^network.subnetRange/);
+    expect(() => parseNetworkOption({ mode: 'bridge' })).toThrow(/^network.mode/);
+    expect(() => parseNetworkOption('on')).toThrow(InvalidOptionError);
+  });
+
+  it('takes a user TAP by name, with an optional guest address', () => {
+    expect(parseNetworkOption({ tap: 'tap0' })).toEqual({ kind: 'tap', name: 'tap0' });
+    expect(parseNetworkOption({ tap: 'tap0', address: '192.168.7.2/24', gateway: '192.168.7.1' })).toEqual({
+      kind: 'tap', name: 'tap0', guest: { address: parseIpv4('192.168.7.2'), prefixLength: 24, gateway: parseIpv4('192.168.7.1'), dns: undefined },
+    });
+    expect(() => parseNetworkOption({ tap: 'a/b' })).toThrow(/^network.tap/);
+    expect(() => parseNetworkOption({ tap: 'x'.repeat(16) })).toThrow(/^network.tap/);
+    expect(() => parseNetworkOption({ tap: 'tap0', address: '192.168.7.2' })).toThrow(/^network.address/);
+    expect(() => parseNetworkOption({ tap: 'tap0', gateway: '192.168.7.1' })).toThrow(/need address/);
+  });
+});
+
+describe('address allocation', () => {
+  const range = parseCidr('10.200.0.0/16')!;
+  it('gives the first /30 that overlaps nothing on the host: the host end .1, the guest .2', () => {
+    const s = allocateSubnet(range, [])!;
+    expect([formatCidr(s.network), formatIpv4(s.hostAddress), formatIpv4(s.guestAddress)]).toEqual(['10.200.0.0/30', '10.200.0.1', '10.200.0.2']);
+    const used = parseIpAddrShow('1: lo    inet 127.0.0.1/8 scope host lo\n5: pv12n0    inet 10.200.0.1/30 scope global pv12n0\n6: eth0    inet 10.200.0.9/29 brd 10.200.0.15 scope global eth0\n');
+    expect(used.map(formatCidr)).toEqual(['127.0.0.0/8', '10.200.0.0/30', '10.200.0.8/29']);
+    expect(formatCidr(allocateSubnet(range, used)!.network)).toBe('10.200.0.4/30');
+    expect(formatCidr(allocateSubnet(range, [...used, parseCidr('10.200.0.4/30')!])!.network)).toBe('10.200.0.16/30');
+  });
+
+  it('says when the range is full, and a host route over the whole range fills it', () => {
+    expect(allocateSubnet(parseCidr('10.9.0.0/30')!, [parseCidr('10.9.0.0/30')!])).toBeUndefined();
+    expect(allocateSubnet(range, [parseCidr('10.0.0.0/8')!])).toBeUndefined();
+  });
+});
+
+describe('nftables rules of one VM', () => {
+  const guest = parseIpv4('10.200.0.6')!;
+  it('allow all: forwards what the guest sends but never to the host, and lets only replies in', () => {
+    const text = natRuleset({ table: 'pvisor_42_0', tap: 'pv42n0', guestAddress: guest, allow: 'all' });
+    const forward = text.slice(text.indexOf('chain forward'), text.indexOf('chain input'));
+    expect(forward.split('\n').map((l) => l.trim()).filter((l) => l.includes('pv42n0'))).toEqual([
+      'iifname "pv42n0" ct state established,related accept',
+      'iifname "pv42n0" ip saddr 10.200.0.6 accept',
+      'iifname "pv42n0" drop',
+      'oifname "pv42n0" ct state established,related accept',
+      'oifname "pv42n0" drop',
+    ]);
+    expect(text).toMatch(/chain input \{[^}]*iifname "pv42n0" ct state established,related accept\s+iifname "pv42n0" drop\s+\}/);
+    expect(text).toMatch(/type nat hook postrouting priority srcnat;[^}]*ip saddr 10.200.0.6 oifname != "pv42n0" masquerade/);
+    expect(text.startsWith('table ip pvisor_42_0 {')).toBe(true);
+  });
+
+  it('an allow list: each CIDR, with a port for TCP and UDP, and a drop after them; an empty list drops all', () => {
+    const allow = [parseAllowRule('192.0.2.0/24'), parseAllowRule('198.51.100.7/32:443')];
+    const lines = natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, allow }).split('\n').map((l) => l.trim());
+    const at = lines.indexOf('iifname "pv1n0" ct state established,related accept');
+    expect(lines.slice(at + 1, at + 5)).toEqual([
+      'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 192.0.2.0/24 accept',
+      'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 198.51.100.7/32 tcp dport 443 accept',
+      'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 198.51.100.7/32 udp dport 443 accept',
+      'iifname "pv1n0" drop',
+    ]);
+    const none = natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, allow: [] }).split('\n').map((l) => l.trim());
+    expect(none.filter((l) => l.startsWith('iifname "pv1n0"') && l.endsWith('accept'))).toEqual([
+      'iifname "pv1n0" ct state established,related accept', // forward: replies
+      'iifname "pv1n0" ct state established,related accept', // input: replies
+    ]);
+  });
+
+  it('names tables and TAPs after their process, and finds the owner again; other names are not ours', () => {
+    expect(tableOwner(tableName(4194304, 12))).toEqual({ pid: 4194304, index: 12 });
+    expect(tapName(4194304, 12).length).toBeLessThanOrEqual(15);
+    expect(tapOwner(tapName(4194304, 12))).toEqual({ pid: 4194304, index: 12 });
+    for (const other of ['filter', 'pvisor_', 'pvisor_0_1', 'pvisor_12', 'pvisor_12_x', 'pvisor_12_1_2']) expect(tableOwner(other)).toBeUndefined();
+    for (const other of ['eth0', 'pv', 'pvn1', 'pv0n1', 'pv12n', 'tap0']) expect(tapOwner(other)).toBeUndefined();
+    expect(parseTableList('table inet filter\ntable ip pvisor_9_0\ntable ip nat\ntable ip6 pvisor_9_1\n')).toEqual(['pvisor_9_0', 'nat']);
+  });
+});
