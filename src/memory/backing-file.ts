@@ -9,6 +9,7 @@ import { constants, lstatSync, openSync, readdirSync, renameSync, rm, rmSync, st
 import { basename, dirname, extname, join } from 'node:path';
 import { BackingFileError, InvalidOptionError } from '../errors';
 import { RAMFS_MAGIC, TMPFS_MAGIC } from '../sys/constants';
+import { processGone } from '../sys/processes';
 
 /**
  * Where backing files go unless a strategy is told otherwise. Not the temp directory: /tmp is
@@ -165,15 +166,6 @@ export function removeStaleBackingFiles(dir: string): void {
     } catch {
       // Gone meanwhile, or not ours to remove: the next sweep tries again.
     }
-  }
-}
-
-function processGone(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return false;
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === 'ESRCH';
   }
 }
 

@@ -20,6 +20,7 @@ import { allocateSubnet, formatCidr, formatIpv4, formatMac, macFor, parseIpAddrS
 import { natRuleset, parseTableList, tableName, tableOwner } from './nft-rules';
 import { formatAllowRule, type NetworkPlan } from './options';
 import { Tap, TUN_PATH } from './tap';
+import { processGone } from '../sys/processes';
 
 /** What {@link Vm.network} says of a VM's network. */
 export interface VmNetworkInfo {
@@ -66,15 +67,6 @@ export function hasNetAdmin(): boolean {
   return m !== null && (BigInt(`0x${m[1]}`) & (1n << CAP_NET_ADMIN)) !== 0n;
 }
 
-function processAlive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === 'EPERM';
-  }
-}
-
 /** Runs a host tool; throws with its stderr. A missing tool is `unsupported`, naming its package. */
 function run(tool: 'nft' | 'ip', args: string[], input?: string): string {
   const r = spawnSync(tool, args, { input, encoding: 'utf8', timeout: 15_000, env: { ...process.env, LC_ALL: 'C' } });
@@ -96,7 +88,7 @@ export function removeStaleNetworks(): string[] {
   const removed: string[] = [];
   for (const table of parseTableList(run('nft', ['list', 'tables']))) {
     const owner = tableOwner(table);
-    if (!owner || owner.pid === process.pid || processAlive(owner.pid)) continue;
+    if (!owner || owner.pid === process.pid || !processGone(owner.pid)) continue;
     try {
       run('nft', ['delete', 'table', 'ip', table]);
       removed.push(table);
@@ -106,7 +98,7 @@ export function removeStaleNetworks(): string[] {
   }
   for (const m of run('ip', ['-o', 'link', 'show']).matchAll(/^[0-9]+: ([^:@\s]+)/gm)) {
     const owner = tapOwner(m[1]);
-    if (!owner || owner.pid === process.pid || processAlive(owner.pid)) continue;
+    if (!owner || owner.pid === process.pid || !processGone(owner.pid)) continue;
     try {
       run('ip', ['link', 'delete', m[1]]);
       removed.push(m[1]);
