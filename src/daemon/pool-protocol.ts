@@ -62,66 +62,108 @@ export interface PoolStatus {
 /** A payload that breaks the protocol: the connection ends. */
 export class PoolProtocolError extends Error {}
 
+// Each layout below is written in one place: the writers fill a buffer in place (the client
+// builds its requests straight into its link's one reusable frame), and the encoders the daemon
+// and the tests use allocate and call them.
+
+/** Bytes of one Offer entry: u32 guest page, u32 key.lo, u32 key.hi. */
+export const OFFER_ENTRY_BYTES = 12;
+/** Bytes of one Answer entry: u32 guest page, u32 answer. */
+export const ANSWER_ENTRY_BYTES = 8;
+
+/** Writes Offer entry `i` into `b`. */
+export function writeOfferEntry(b: Buffer, i: number, page: number, key: PageKey): void {
+  b.writeUInt32LE(page, i * OFFER_ENTRY_BYTES);
+  b.writeUInt32LE(key.lo >>> 0, i * OFFER_ENTRY_BYTES + 4);
+  b.writeUInt32LE(key.hi >>> 0, i * OFFER_ENTRY_BYTES + 8);
+}
+
 /** Offer entries: guest page, key. */
 export function encodeOffer(entries: { page: number; key: PageKey }[]): Buffer {
-  const b = Buffer.allocUnsafe(entries.length * 12);
-  entries.forEach((e, i) => {
-    b.writeUInt32LE(e.page, i * 12);
-    b.writeUInt32LE(e.key.lo, i * 12 + 4);
-    b.writeUInt32LE(e.key.hi, i * 12 + 8);
-  });
+  const b = Buffer.allocUnsafe(entries.length * OFFER_ENTRY_BYTES);
+  entries.forEach((e, i) => writeOfferEntry(b, i, e.page, e.key));
   return b;
 }
 
 export function decodeOffer(p: Buffer): { page: number; key: PageKey }[] {
-  if (p.length % 12 !== 0 || p.length / 12 > MAX_OFFER_ENTRIES) throw new PoolProtocolError(`an Offer of ${p.length} bytes`);
+  if (p.length % OFFER_ENTRY_BYTES !== 0 || p.length / OFFER_ENTRY_BYTES > MAX_OFFER_ENTRIES) throw new PoolProtocolError(`an Offer of ${p.length} bytes`);
   const out: { page: number; key: PageKey }[] = [];
-  for (let at = 0; at < p.length; at += 12) out.push({ page: p.readUInt32LE(at), key: { lo: p.readUInt32LE(at + 4), hi: p.readUInt32LE(at + 8) } });
+  for (let at = 0; at < p.length; at += OFFER_ENTRY_BYTES) out.push({ page: p.readUInt32LE(at), key: { lo: p.readUInt32LE(at + 4), hi: p.readUInt32LE(at + 8) } });
   return out;
 }
 
 /** Answer entries: guest page, answer. */
 export function encodeAnswers(entries: { page: number; answer: number }[]): Buffer {
-  const b = Buffer.allocUnsafe(entries.length * 8);
+  const b = Buffer.allocUnsafe(entries.length * ANSWER_ENTRY_BYTES);
   entries.forEach((e, i) => {
-    b.writeUInt32LE(e.page, i * 8);
-    b.writeUInt32LE(e.answer >>> 0, i * 8 + 4);
+    b.writeUInt32LE(e.page, i * ANSWER_ENTRY_BYTES);
+    b.writeUInt32LE(e.answer >>> 0, i * ANSWER_ENTRY_BYTES + 4);
   });
   return b;
 }
 
+/** The guest page of Answer entry `i`. */
+export function answerPage(p: Buffer, i: number): number {
+  return p.readUInt32LE(i * ANSWER_ENTRY_BYTES);
+}
+
+/** The answer of Answer entry `i`: a pool page, {@link ANSWER_SEND}, {@link ANSWER_NONE} or {@link ANSWER_FULL}. */
+export function answerOf(p: Buffer, i: number): number {
+  return p.readUInt32LE(i * ANSWER_ENTRY_BYTES + 4);
+}
+
 export function decodeAnswers(p: Buffer, max: number): { page: number; answer: number }[] {
-  if (p.length % 8 !== 0 || p.length / 8 > max) throw new PoolProtocolError(`an answer of ${p.length} bytes`);
+  if (p.length % ANSWER_ENTRY_BYTES !== 0 || p.length / ANSWER_ENTRY_BYTES > max) throw new PoolProtocolError(`an answer of ${p.length} bytes`);
   const out: { page: number; answer: number }[] = [];
-  for (let at = 0; at < p.length; at += 8) out.push({ page: p.readUInt32LE(at), answer: p.readUInt32LE(at + 4) });
+  for (let i = 0; i < p.length / ANSWER_ENTRY_BYTES; i++) out.push({ page: answerPage(p, i), answer: answerOf(p, i) });
   return out;
 }
 
-/** Put: u32 count, the guest pages, then their bytes, page after page (so they can be keyed in one call). */
+/** Bytes of a Put of `count` pages: u32 count, the guest pages, then their bytes, page after page (so they can be keyed in one call). */
+export function putBytes(count: number): number {
+  return 4 + count * (4 + PAGE_BYTES);
+}
+
+/** Writes a Put's count into `b` (sized by {@link putBytes}) and returns where page `k`'s number and bytes go. */
+export function writePutCount(b: Buffer, count: number): (k: number, page: number) => Buffer {
+  b.writeUInt32LE(count, 0);
+  const data = 4 + 4 * count;
+  return (k, page) => {
+    b.writeUInt32LE(page, 4 + 4 * k);
+    return b.subarray(data + k * PAGE_BYTES, data + (k + 1) * PAGE_BYTES);
+  };
+}
+
 export function encodePut(pages: { page: number; bytes: Buffer }[]): Buffer {
-  const data = 4 + 4 * pages.length;
-  const b = Buffer.allocUnsafe(data + pages.length * PAGE_BYTES);
-  b.writeUInt32LE(pages.length, 0);
-  pages.forEach((e, i) => {
-    b.writeUInt32LE(e.page, 4 + 4 * i);
-    e.bytes.copy(b, data + i * PAGE_BYTES, 0, PAGE_BYTES);
-  });
+  const b = Buffer.allocUnsafe(putBytes(pages.length));
+  const slot = writePutCount(b, pages.length);
+  pages.forEach((e, k) => e.bytes.copy(slot(k, e.page), 0, 0, PAGE_BYTES));
   return b;
 }
 
 export function decodePut(p: Buffer): { pages: number[]; data: Buffer } {
   const count = p.length >= 4 ? p.readUInt32LE(0) : -1;
-  if (count < 1 || count > MAX_PUT_PAGES || p.length !== 4 + count * (4 + PAGE_BYTES)) throw new PoolProtocolError(`a Put of ${p.length} bytes`);
+  if (count < 1 || count > MAX_PUT_PAGES || p.length !== putBytes(count)) throw new PoolProtocolError(`a Put of ${p.length} bytes`);
   const pages: number[] = [];
   for (let i = 0; i < count; i++) pages.push(p.readUInt32LE(4 + 4 * i));
   return { pages, data: p.subarray(4 + 4 * count) };
 }
 
-/** Settle: u32 count of kept pages, the kept pool pages, then the dropped ones. */
-export function encodeSettle(keep: readonly number[], drop: readonly number[]): Buffer {
-  const b = Buffer.allocUnsafe(4 + 4 * (keep.length + drop.length));
+/** Bytes of a Settle naming `pages` pool pages. */
+export function settleBytes(pages: number): number {
+  return 4 + 4 * pages;
+}
+
+/** Settle: u32 count of kept pages, the kept pool pages, then the dropped ones; written into `b` (sized by {@link settleBytes}). */
+export function writeSettle(b: Buffer, keep: readonly number[], drop: readonly number[]): void {
   b.writeUInt32LE(keep.length, 0);
-  [...keep, ...drop].forEach((page, i) => b.writeUInt32LE(page, 4 + 4 * i));
+  keep.forEach((page, i) => b.writeUInt32LE(page, 4 + 4 * i));
+  drop.forEach((page, i) => b.writeUInt32LE(page, 4 + 4 * (keep.length + i)));
+}
+
+export function encodeSettle(keep: readonly number[], drop: readonly number[]): Buffer {
+  const b = Buffer.allocUnsafe(settleBytes(keep.length + drop.length));
+  writeSettle(b, keep, drop);
   return b;
 }
 

@@ -24,12 +24,21 @@ import {
   ANSWER_FULL,
   ANSWER_NONE,
   ANSWER_SEND,
+  answerOf,
+  answerPage,
   checkName,
   MAX_OFFER_ENTRIES,
   MAX_PUT_PAGES,
   MAX_SETTLE_PAGES,
+  OFFER_ENTRY_BYTES,
+  ANSWER_ENTRY_BYTES,
   PoolOp,
   PoolProtocolError,
+  putBytes,
+  settleBytes,
+  writeOfferEntry,
+  writePutCount,
+  writeSettle,
 } from '../../daemon/pool-protocol';
 import type { PoolLink } from '../pool-link';
 import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, type StrategyRam, type StrategyStats } from '../strategy';
@@ -268,27 +277,24 @@ export class PoolClient implements MemoryStrategy {
     const candidates: number[] = []; // guest page, pool page, ...: each a reference held
     const send: number[] = [];
     try {
-      // Offers, built straight into the link's request frame, 12 bytes each.
-      let batch = pool.link.payload(MAX_OFFER_ENTRIES * 12);
+      // Offers, built straight into the link's request frame.
+      let batch = pool.link.payload(MAX_OFFER_ENTRIES * OFFER_ENTRY_BYTES);
       let n = 0;
       const flushOffer = async () => {
-        const answers = await pool.link.requestBuilt(PoolOp.Offer, n * 12, this.requestTimeoutMs);
+        const answers = await pool.link.requestBuilt(PoolOp.Offer, n * OFFER_ENTRY_BYTES, this.requestTimeoutMs);
         this.checkAnswers(answers, n, pool);
-        for (let at = 0; at < answers.length; at += 8) {
-          const page = answers.readUInt32LE(at);
-          const answer = answers.readUInt32LE(at + 4);
-          if (answer === ANSWER_SEND) send.push(page);
-          else if (answer !== ANSWER_NONE) candidates.push(page, answer);
+        for (let i = 0; i < n; i++) {
+          const answer = answerOf(answers, i);
+          if (answer === ANSWER_SEND) send.push(answerPage(answers, i));
+          else if (answer !== ANSWER_NONE) candidates.push(answerPage(answers, i), answer);
         }
         n = 0;
-        batch = pool.link.payload(MAX_OFFER_ENTRIES * 12);
+        batch = pool.link.payload(MAX_OFFER_ENTRIES * OFFER_ENTRY_BYTES);
       };
       for (const r of runs) {
         for (let p = r.offset / PAGE_SIZE; p < (r.offset + r.length) / PAGE_SIZE; p++) {
           if (keys[p] === zero) continue;
-          batch.writeUInt32LE(p, n * 12);
-          batch.writeUInt32LE(Number(keys[p] & 0xffffffffn), n * 12 + 4);
-          batch.writeUInt32LE(Number(keys[p] >> 32n), n * 12 + 8);
+          writeOfferEntry(batch, n, p, { lo: Number(keys[p] & 0xffffffffn), hi: Number(keys[p] >> 32n) });
           if (++n === MAX_OFFER_ENTRIES) await flushOffer();
         }
       }
@@ -296,20 +302,17 @@ export class PoolClient implements MemoryStrategy {
       // The pages asked for, straight from guest RAM into the frame.
       for (let i = 0; i < send.length; i += MAX_PUT_PAGES) {
         const count = Math.min(MAX_PUT_PAGES, send.length - i);
-        const payload = pool.link.payload(4 + count * (4 + PAGE_SIZE));
-        payload.writeUInt32LE(count, 0);
-        for (let k = 0; k < count; k++) {
-          payload.writeUInt32LE(send[i + k], 4 + 4 * k);
-          ram.view(send[i + k] * PAGE_SIZE, PAGE_SIZE).copy(payload, 4 + 4 * count + k * PAGE_SIZE);
-        }
+        const payload = pool.link.payload(putBytes(count));
+        const slot = writePutCount(payload, count);
+        for (let k = 0; k < count; k++) ram.view(send[i + k] * PAGE_SIZE, PAGE_SIZE).copy(slot(k, send[i + k]));
         const answers = await pool.link.requestBuilt(PoolOp.Put, payload.length, this.requestTimeoutMs);
         this.checkAnswers(answers, count, pool);
         this.figures.pagesSent += count;
         let full = false;
-        for (let at = 0; at < answers.length; at += 8) {
-          const answer = answers.readUInt32LE(at + 4);
+        for (let k = 0; k < count; k++) {
+          const answer = answerOf(answers, k);
           if (answer === ANSWER_FULL) full = true;
-          else candidates.push(answers.readUInt32LE(at), answer);
+          else candidates.push(answerPage(answers, k), answer);
         }
         if (full) {
           this.figures.poolFull++;
@@ -328,9 +331,8 @@ export class PoolClient implements MemoryStrategy {
       }
       for (let i = 0; i < drop.length; i += MAX_SETTLE_PAGES) {
         const part = drop.slice(i, i + MAX_SETTLE_PAGES);
-        const payload = pool.link.payload(4 + 4 * part.length);
-        payload.writeUInt32LE(0, 0); // nothing kept: every page named is dropped
-        part.forEach((page, k) => payload.writeUInt32LE(page, 4 + 4 * k));
+        const payload = pool.link.payload(settleBytes(part.length));
+        writeSettle(payload, [], part); // nothing kept: every page named is dropped
         await pool.link.requestBuilt(PoolOp.Settle, payload.length, this.requestTimeoutMs);
       }
     } catch (e) {
@@ -347,9 +349,9 @@ export class PoolClient implements MemoryStrategy {
   /** An answer of the wrong size, or naming a page the pool cannot have, ends the link. */
   private checkAnswers(payload: Buffer, expected: number, pool: PoolGeneration): void {
     const poolPages = pool.bytes / PAGE_SIZE;
-    let bad = payload.length !== expected * 8;
-    for (let at = 0; !bad && at < payload.length; at += 8) {
-      const answer = payload.readUInt32LE(at + 4);
+    let bad = payload.length !== expected * ANSWER_ENTRY_BYTES;
+    for (let i = 0; !bad && i < expected; i++) {
+      const answer = answerOf(payload, i);
       bad = answer < ANSWER_FULL && answer >= poolPages;
     }
     if (bad) {
