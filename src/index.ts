@@ -67,6 +67,7 @@ export type {
   SuspendWork,
   PeriodicWork,
   PageRun,
+  FileRunOver,
   DiscardTo,
   RamBackingKind,
   RamBackingRequest,

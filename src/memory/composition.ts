@@ -5,10 +5,10 @@
  * work within a CPU budget, figures, and close (once). `Vm` calls it; it knows nothing of the VM's
  * devices or guest.
  */
-import { GuestCrashError, PvisorError, VmStateError } from '../errors';
+import { GuestCrashError, PvisorError, VmStateError, type SystemCallError } from '../errors';
 import { ownPageRuns } from './pages';
 import { BACKING_CAPABILITIES, describeBacking, openBacking, type DiscardTo, type RamBacking, type RamBackingKind, type RamBackingRequest } from './ram-backing';
-import { StrategyConflictError, type MemoryStrategy, type StrategyContext, type StrategyStats, type SuspendWork } from './strategy';
+import { StrategyConflictError, type FileRunOver, type MemoryStrategy, type StrategyContext, type StrategyStats, type SuspendWork } from './strategy';
 import type { FileRange, UffdServer } from './uffd-server';
 
 /** What the composition needs of guest RAM (the KVM backend's GuestMemory). */
@@ -21,7 +21,7 @@ export interface GuestRam {
   discard(gpa: number, length: number, to?: DiscardTo): void;
   discardHost(offset: number, length: number, to?: DiscardTo): void;
   hostOffset(gpa: number, length: number): number;
-  mapFileOver(offset: number, length: number, fd: number, fileOffset: number): void;
+  mapFileRuns(fd: number, runs: readonly FileRunOver[]): { mapped: number; error?: SystemCallError };
 }
 
 /** What the composition tells its VM. */
@@ -129,7 +129,7 @@ export class MemoryComposition {
         discard: (gpa, length, to) => ram.discard(gpa, length, to),
         discardHost: (offset, length, to) => ram.discardHost(offset, length, to),
         hostOffset: (gpa, length) => ram.hostOffset(gpa, length),
-        mapFileOver: (offset, length, fd, fileOffset) => ram.mapFileOver(offset, length, fd, fileOffset),
+        mapFileRuns: (fd, runs) => ram.mapFileRuns(fd, runs),
         ownPageRuns: () => ownPageRuns(ram.hostAddr, ram.sizeBytes, backing),
       },
       uffd: () => this.uffdServer(ram, backing),

@@ -5,7 +5,7 @@
  * and before it resumes.
  * @module
  */
-import { PvisorError } from '../errors';
+import { PvisorError, type SystemCallError } from '../errors';
 import type { PageRun } from './pages';
 import type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from './ram-backing';
 import type { UffdServer } from './uffd-server';
@@ -19,6 +19,14 @@ export type { PageRun } from './pages';
  * them behind the guest's back, or maps other memory over them).
  */
 export type ExclusiveResource = 'free-page-reporting' | 'suspend-image' | 'resident-pages';
+
+/** A run of a file to map over guest RAM: [offset, offset+length) of the RAM mapping gets the file's bytes from `fileOffset`. */
+export interface FileRunOver {
+  /** Offset into the guest RAM mapping. */
+  offset: number;
+  length: number;
+  fileOffset: number;
+}
 
 /** What a strategy sees of guest RAM. */
 export interface StrategyRam {
@@ -46,13 +54,14 @@ export interface StrategyRam {
   /** {@link discard} by offset into the mapping. */
   discardHost(offset: number, length: number, to?: DiscardTo): void;
   /**
-   * Maps `length` bytes of the file `fd` from `fileOffset` privately over [offset,
-   * offset+length) (page-aligned): the guest then reads the file's pages, shared with every other
-   * mapping of them, and a write makes a private copy. What the range held is dropped. The fd
-   * stays the caller's. For strategies that hand out shared pages (a page pool); a range mapped so
-   * cannot be served by userfaultfd any more.
+   * Maps each run of the file `fd` privately over guest RAM, [offset, offset+length) from
+   * `fileOffset` (all page-aligned), in one native call: the guest then reads the file's pages,
+   * shared with every other mapping of them, and a write makes a private copy. What a range held
+   * is dropped. The fd stays the caller's. For strategies that hand out shared pages (a page
+   * pool); a range mapped so cannot be served by userfaultfd any more. Returns how many runs were
+   * mapped, in order, and the error that stopped it, if one did.
    */
-  mapFileOver(offset: number, length: number, fd: number, fileOffset: number): void;
+  mapFileRuns(fd: number, runs: readonly FileRunOver[]): { mapped: number; error?: SystemCallError };
   /**
    * The runs holding the VM's own pages, in address order: what exists nowhere but in this VM's
    * RAM (a private file mapping's unwritten pages are the file's and not counted).

@@ -108,7 +108,15 @@ describe('guest RAM backings', () => {
       const ws: ProbeWorkingSet = { content: 'random', seed: 3, sizeBytes: 8 * MiB, rewrites: [] };
       const ownBefore = ctx!.ram.ownPageRuns().reduce((n, r) => n + r.length, 0);
       await vm.pause();
-      ctx!.ram.mapFileOver(WS_BASE + first * 4096, count * 4096, fd, 0);
+      // Two runs in one call; a bad fd maps nothing and says why, leaving the RAM as it was.
+      const bad = ctx!.ram.mapFileRuns(-1, [{ offset: WS_BASE + first * 4096, length: 4096, fileOffset: 0 }]);
+      expect(bad.mapped).toBe(0);
+      expect(bad.error).toMatchObject({ call: 'mmap', errno: 9 });
+      const half = (count / 2) * 4096;
+      expect(ctx!.ram.mapFileRuns(fd, [
+        { offset: WS_BASE + first * 4096, length: half, fileOffset: 0 },
+        { offset: WS_BASE + first * 4096 + half, length: half, fileOffset: half },
+      ])).toEqual({ mapped: 2 });
       await vm.resume();
       // Those 2 MiB are the file's now, not the VM's: the VM's own pages shrank by them.
       expect(ctx!.ram.ownPageRuns().reduce((n, r) => n + r.length, 0)).toBe(ownBefore - count * 4096);

@@ -6,7 +6,8 @@
  * device MMIO. Both slots come from the same host mapping, so the mapping is the unit that memory
  * strategies act on (madvise, backing files, userfaultfd).
  */
-import { GuestCrashError } from '../../errors';
+import { GuestCrashError, type SystemCallError } from '../../errors';
+import { mapFileRuns } from '../../memory/file-runs';
 import type { DiscardTo, RamBacking } from '../../memory/ram-backing';
 import * as C from '../../sys/constants';
 import { closeFd, madvise, mmap, mprotect, munmap, viewAt } from '../../sys/libc';
@@ -45,7 +46,7 @@ export class GuestMemory {
   /** Whole-range advices given so far, in order, with their names. */
   private readonly advices: [number, string][] = [];
   /**
-   * Pages of anonymous RAM that {@link mapFileOver} covered with a file's pages (one byte per
+   * Pages of anonymous RAM that {@link mapFileRuns} covered with a file's pages (one byte per
    * page, made on first use): dropping one of them must map anonymous memory back to read zero.
    */
   private fileOver: Uint8Array | undefined;
@@ -263,19 +264,27 @@ export class GuestMemory {
   }
 
   /**
-   * Maps `length` bytes of `fd` from `fileOffset` privately over [offset, offset+length) of the
-   * mapping: reads share the file's page cache pages with every other mapping of them, a write
-   * makes a private copy; what the range held before is dropped. What a page pool hands a VM.
-   * Whole-range advice is applied again; KVM follows through its MMU notifier.
+   * Maps runs of `fd` privately over guest RAM, each [offset, offset+length) from its
+   * `fileOffset`, in one native call: reads share the file's page cache pages with every other
+   * mapping of them, a write makes a private copy; what a range held before is dropped. What a
+   * page pool hands a VM. Whole-range advice is applied again; KVM follows through its MMU
+   * notifier. Returns how many runs were mapped, and the error that stopped it, if one did.
    */
-  mapFileOver(offset: number, length: number, fd: number, fileOffset: number): void {
+  mapFileRuns(fd: number, runs: readonly { offset: number; length: number; fileOffset: number }[]): { mapped: number; error?: SystemCallError } {
     this.checkMapped();
-    if (offset % C.PAGE_SIZE !== 0 || length % C.PAGE_SIZE !== 0 || fileOffset % C.PAGE_SIZE !== 0 || offset < 0 || length <= 0 || offset + length > this.sizeBytes) {
-      throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)} (file offset 0x${fileOffset.toString(16)}) is not page-aligned inside guest RAM`);
+    for (const { offset, length, fileOffset } of runs) {
+      if (offset % C.PAGE_SIZE !== 0 || length % C.PAGE_SIZE !== 0 || fileOffset % C.PAGE_SIZE !== 0 || offset < 0 || length <= 0 || fileOffset < 0 || offset + length > this.sizeBytes) {
+        throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)} (file offset 0x${fileOffset.toString(16)}) is not page-aligned inside guest RAM`);
+      }
     }
-    mmap(this.hostAddr + offset, length, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_NORESERVE | C.MAP_FIXED, fd, fileOffset, 'a file mapped over guest RAM');
-    this.adviseAgain(offset, length);
-    if (this.backing.kind === 'anonymous') (this.fileOver ??= new Uint8Array(this.sizeBytes / C.PAGE_SIZE)).fill(1, offset / C.PAGE_SIZE, (offset + length) / C.PAGE_SIZE);
+    const result = mapFileRuns(fd, runs.map((r) => ({ address: this.hostAddr + r.offset, length: r.length, fileOffset: r.fileOffset })), this.advices.map(([advice]) => advice));
+    if (this.backing.kind === 'anonymous') {
+      const over = (this.fileOver ??= new Uint8Array(this.sizeBytes / C.PAGE_SIZE));
+      // A run that failed in madvise is mapped too.
+      const touched = result.error ? Math.min(runs.length, result.mapped + 1) : result.mapped;
+      for (const r of runs.slice(0, touched)) over.fill(1, r.offset / C.PAGE_SIZE, (r.offset + r.length) / C.PAGE_SIZE);
+    }
+    return result;
   }
 
   /**
