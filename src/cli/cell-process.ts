@@ -7,6 +7,7 @@
 import { spawn, type ChildProcessWithoutNullStreams } from 'node:child_process';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
+import { PVISOR_NODE_FLAGS } from './node-flags';
 import type { CellCgroup } from './cell-cgroup';
 
 /** One message: a JSON object per line. */
@@ -35,7 +36,7 @@ export class CellProcess {
    */
   static spawn(cgroup: CellCgroup | string, args: string[], label: string): CellProcess {
     const node = process.execPath;
-    const argv = [join(__dirname, 'main.js'), 'bench', ...args];
+    const argv = [...PVISOR_NODE_FLAGS, join(__dirname, 'main.js'), 'bench', ...args];
     const [cmd, full] = typeof cgroup === 'string' ? [node, argv] : cgroup.wrap(node, argv);
     return new CellProcess(spawn(cmd, full, { stdio: ['pipe', 'pipe', 'pipe'] }), label);
   }

@@ -119,13 +119,14 @@ export class PoolServer {
       return;
     }
     this.clients.add(client);
-    const decoder = new FrameDecoder();
+    // Each frame is handled as it completes and nothing of its payload is kept (Put copies the
+    // pages into the pool): one assembly buffer serves every frame of this client.
+    const decoder = new FrameDecoder({ reusePayloads: true });
     socket.on('data', (bytes: Buffer) => {
       try {
-        for (const f of decoder.push(bytes)) {
-          if (socket.destroyed) return;
-          this.handle(client, f, fd!);
-        }
+        decoder.pushEach(bytes, (f) => {
+          if (!socket.destroyed) this.handle(client, f, fd!);
+        });
       } catch (e) {
         // Whatever went wrong with this client ends this client, never the daemon and the others.
         const expected = e instanceof FrameError || e instanceof PoolProtocolError || e instanceof RangeError;

@@ -68,6 +68,17 @@ export class FrameDecoder {
   /** The frame being assembled once its header is in, with how much of its payload has come. */
   private frame: Frame | undefined;
   private payloadFill = 0;
+  /** With `reusePayloads`: the one buffer every payload is assembled in. */
+  private assembly: Buffer | undefined;
+
+  /**
+   * @param options.reusePayloads assemble every payload in one buffer, allocated once, and hand
+   *   frames out only through {@link pushEach}, each valid until its callback returns. For a
+   *   reader that handles each frame at once and keeps nothing of it (the page pool's daemon,
+   *   which takes 1 MiB frames of pages as fast as VMs send them: a fresh buffer per frame grew it
+   *   by tens of MiB of garbage that malloc kept).
+   */
+  constructor(private readonly options: { reusePayloads?: boolean } = {}) {}
 
   /**
    * The bytes of the frame being assembled, as they came: what a fresh decoder must be fed to
@@ -81,7 +92,22 @@ export class FrameDecoder {
 
   /** Adds bytes and returns every frame now complete. Throws {@link FrameError} on garbage. */
   push(bytes: Buffer): Frame[] {
+    if (this.options.reusePayloads) throw new Error('a decoder that reuses its payload buffer hands frames out through pushEach');
     const frames: Frame[] = [];
+    this.feed(bytes, (f) => frames.push(f));
+    return frames;
+  }
+
+  /**
+   * Adds bytes and calls `handle` with each frame as it completes, before assembling the next.
+   * With `reusePayloads`, a frame's payload is valid only until `handle` returns. Throws
+   * {@link FrameError} on garbage, and what `handle` throws (the rest of `bytes` is then dropped).
+   */
+  pushEach(bytes: Buffer, handle: (f: Frame) => void): void {
+    this.feed(bytes, handle);
+  }
+
+  private feed(bytes: Buffer, handle: (f: Frame) => void): void {
     let at = 0;
     while (at < bytes.length || (this.frame && this.payloadFill === this.frame.payload.length)) {
       if (!this.frame) {
@@ -100,10 +126,9 @@ export class FrameDecoder {
       this.payloadFill += n;
       at += n;
       if (this.payloadFill < f.payload.length) break;
-      frames.push(f);
       this.frame = undefined;
+      handle(f);
     }
-    return frames;
   }
 
   /** The header's frame, with a payload buffer of its length to fill. Lost framing throws. */
@@ -112,6 +137,7 @@ export class FrameDecoder {
     if (b[2] !== PROTOCOL_VERSION) throw new FrameError(`unsupported protocol version ${b[2]}`);
     const length = b.readUInt32LE(12);
     if (length > MAX_PAYLOAD_BYTES) throw new FrameError(`payload length ${length} exceeds ${MAX_PAYLOAD_BYTES}`);
-    return { type: b[3] as FrameType, id: b.readUInt32LE(4), op: b.readUInt16LE(8), flags: b.readUInt16LE(10), payload: Buffer.allocUnsafe(length) };
+    const payload = this.options.reusePayloads ? (this.assembly ??= Buffer.allocUnsafe(MAX_PAYLOAD_BYTES)).subarray(0, length) : Buffer.allocUnsafe(length);
+    return { type: b[3] as FrameType, id: b.readUInt32LE(4), op: b.readUInt16LE(8), flags: b.readUInt16LE(10), payload };
   }
 }

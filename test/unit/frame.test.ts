@@ -49,4 +49,24 @@ describe('agent protocol framing', () => {
     expect(frames[0].payload.length).toBe(1024 * 1024 - 1);
     expect(frames[0].payload.every((x) => x === 0x5a)).toBe(true);
   });
+
+  it('reusePayloads: every frame comes through pushEach, assembled in one buffer, whole while it is handled', () => {
+    const c = encodeFrame({ type: FrameType.Request, id: 9, op: 3, payload: Buffer.alloc(5000, 0xcd) });
+    const stream = Buffer.concat([b, a, c, b]);
+    for (let cut = 0; cut <= stream.length; cut += 4999) {
+      const d = new FrameDecoder({ reusePayloads: true });
+      const seen: [number, number, boolean][] = [];
+      const buffers = new Set<ArrayBuffer>();
+      const handle = (f: { id: number; payload: Buffer }) => {
+        const fill = f.id === 7 ? -1 : f.id === 9 ? 0xcd : 0xab;
+        seen.push([f.id, f.payload.length, fill < 0 ? f.payload.equals(Buffer.from([1, 2, 3])) : f.payload.every((x) => x === fill)]);
+        buffers.add(f.payload.buffer as ArrayBuffer);
+      };
+      d.pushEach(stream.subarray(0, cut), handle);
+      d.pushEach(stream.subarray(cut), handle);
+      expect(seen).toEqual([[0xfffffffe, 70000, true], [7, 3, true], [9, 5000, true], [0xfffffffe, 70000, true]]);
+      expect(buffers.size).toBe(1);
+    }
+    expect(() => new FrameDecoder({ reusePayloads: true }).push(a)).toThrow(/pushEach/);
+  });
 });

@@ -1,0 +1,14 @@
+/**
+ * V8 flags for pvisor's own long-running processes: `pvisor` (a `pvisor run` holds a VM for its
+ * whole life) and `pvisor-daemon`. Their bins pass them in their `#!/usr/bin/env -S node ...`
+ * line (test/unit/cli-usage.test.ts keeps the two in step), and pvisor's benches pass them to
+ * the processes they start, so a bench cell measures what a user runs.
+ *
+ * `--max-semi-space-size=1` (MiB): V8's young generation otherwise grows to 16 MiB semispaces
+ * (32 MiB and more resident) in a process that allocates quickly, as a page pool's merge pass
+ * does on both ends, and keeps them. Measured with `pvisor bench memory --table 3 --schemes
+ * private,daemon-pool` (kvm_pvm, probe guest, one run each way): the daemon's PSS 63-79 -> 38-62
+ * MiB, a pooled VM of the same repetitive set 53.8 -> 37.1 MiB, a private VM 82.8 -> 80.9 MiB.
+ * A library user's process chooses its own flags: see docs/page-pool.md.
+ */
+export const PVISOR_NODE_FLAGS: readonly string[] = ['--max-semi-space-size=1'];
