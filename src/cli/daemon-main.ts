@@ -1,4 +1,4 @@
-#!/usr/bin/env -S node --max-semi-space-size=1
+#!/usr/bin/env -S node --max-semi-space-size=1 --optimize-for-size
 /**
  * The `pvisor-daemon` command: `serve --memory-pool` runs the page pool that PoolClient VMs share
  * (src/daemon/), `status` asks a running one for its figures.

@@ -299,35 +299,45 @@ export class PoolClient implements MemoryStrategy {
         }
       }
       if (n > 0) await flushOffer();
-      // The pages asked for, straight from guest RAM into the frame.
-      for (let i = 0; i < send.length; i += MAX_PUT_PAGES) {
-        const count = Math.min(MAX_PUT_PAGES, send.length - i);
-        const payload = pool.link.payload(putBytes(count));
-        const slot = writePutCount(payload, count);
-        for (let k = 0; k < count; k++) ram.view(send[i + k] * PAGE_SIZE, PAGE_SIZE).copy(slot(k, send[i + k]));
-        const answers = await pool.link.requestBuilt(PoolOp.Put, payload.length, this.requestTimeoutMs);
-        this.checkAnswers(answers, count, pool);
-        this.figures.pagesSent += count;
-        let full = false;
-        for (let k = 0; k < count; k++) {
-          const answer = answerOf(answers, k);
-          if (answer === ANSWER_FULL) full = true;
-          else candidates.push(answerPage(answers, k), answer);
-        }
-        if (full) {
-          this.figures.poolFull++;
-          break;
-        }
-      }
-      const pairs: [number, number][] = [];
-      for (let k = 0; k < candidates.length; k += 2) pairs.push([candidates[k], candidates[k + 1]]);
-      pairs.sort((a, b) => a[0] - b[0]);
       this.mappingBudget = mappingBudget();
-      for (let i = 0; i < pairs.length; i += PAGES_PER_PAUSE) {
-        const slice = pairs.slice(i, i + PAGES_PER_PAUSE);
-        const refused = await ctx.withGuestPaused(() => this.mapSlice(ram, pool, slice));
-        // The VM changed state or ended meanwhile: nothing of the slice was mapped.
-        drop.push(...(refused ?? slice.map(([, poolPage]) => poolPage)));
+      // Maps (guest page, pool page) pairs, in guest page order, a slice at a time with the guest stopped.
+      const mapPairs = async (flat: number[]) => {
+        const pairs: [number, number][] = [];
+        for (let k = 0; k < flat.length; k += 2) pairs.push([flat[k], flat[k + 1]]);
+        pairs.sort((a, b) => a[0] - b[0]);
+        for (let i = 0; i < pairs.length; i += PAGES_PER_PAUSE) {
+          const slice = pairs.slice(i, i + PAGES_PER_PAUSE);
+          const refused = await ctx.withGuestPaused(() => this.mapSlice(ram, pool, slice));
+          // The VM changed state or ended meanwhile: nothing of the slice was mapped.
+          drop.push(...(refused ?? slice.map(([, poolPage]) => poolPage)));
+        }
+      };
+      // What the pool held already.
+      await mapPairs(candidates);
+      // Then the pages it asked for, straight from guest RAM into the frame, a slice at a time,
+      // each slice mapped as soon as the pool holds it: the VM's copy and the pool's coexist for
+      // one slice, not for the whole pass (they did, and made the group's peak during a merge a
+      // whole working set higher).
+      let full = false;
+      for (let i = 0; i < send.length && !full; i += PAGES_PER_PAUSE) {
+        const sliceEnd = Math.min(send.length, i + PAGES_PER_PAUSE);
+        const pooled: number[] = [];
+        for (let j = i; j < sliceEnd && !full; j += MAX_PUT_PAGES) {
+          const count = Math.min(MAX_PUT_PAGES, sliceEnd - j);
+          const payload = pool.link.payload(putBytes(count));
+          const slot = writePutCount(payload, count);
+          for (let k = 0; k < count; k++) ram.view(send[j + k] * PAGE_SIZE, PAGE_SIZE).copy(slot(k, send[j + k]));
+          const answers = await pool.link.requestBuilt(PoolOp.Put, payload.length, this.requestTimeoutMs);
+          this.checkAnswers(answers, count, pool);
+          this.figures.pagesSent += count;
+          for (let k = 0; k < count; k++) {
+            const answer = answerOf(answers, k);
+            if (answer === ANSWER_FULL) full = true;
+            else pooled.push(answerPage(answers, k), answer);
+          }
+        }
+        if (full) this.figures.poolFull++;
+        await mapPairs(pooled);
       }
       for (let i = 0; i < drop.length; i += MAX_SETTLE_PAGES) {
         const part = drop.slice(i, i + MAX_SETTLE_PAGES);
