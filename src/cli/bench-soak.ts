@@ -94,6 +94,12 @@ export interface SoakRun {
   /** The same process after the last cycle, its VMs resumed and still live. */
   processAfter: ResidentBytes;
   /**
+   * The process's RSS every tenth of the cycles (after that many over all VMs, read as the cycle
+   * ends): memory that levels off is what allocators and V8 keep once grown, memory that keeps
+   * rising is a leak of the cycles. One reading says neither.
+   */
+  rssByCycles: { cycles: number; rssBytes: number }[];
+  /**
    * JavaScript heap in use after a full garbage collection, before the first cycle and after the
    * last; null where the process cannot ask for a collection. (Not external memory: it counts
    * the views of guest RAM, and native buffers whose finalisers run some time after a collection.)
@@ -143,10 +149,14 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
     const total = config.vms * config.cycles;
     let done = 0;
     const step = Math.max(1, Math.round(total / 10));
+    const rssByCycles = [{ cycles: 0, rssBytes: processBefore.rssBytes }];
     const results = await Promise.all(
       vms.map((vm, i) =>
         soakVm(vm, digests[i], config.cycles, () => {
-          if (++done % step === 0) progress(`${config.strategy}: ${done}/${total} cycles`);
+          if (++done % step !== 0) return;
+          const { rssBytes } = processResident();
+          rssByCycles.push({ cycles: done, rssBytes });
+          progress(`${config.strategy}: ${done}/${total} cycles, host RSS ${(rssBytes / MiB).toFixed(1)} MiB`);
         }),
       ),
     );
@@ -164,6 +174,7 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
       firstFailure: results.find((r) => r.firstFailure)?.firstFailure,
       processBefore,
       processAfter,
+      rssByCycles,
       liveHeapBytes: liveBefore === null || liveAfter === null ? null : { before: liveBefore, after: liveAfter },
       cycleMs: { median: percentile(all, 0.5), p99: percentile(all, 0.99), max: all[all.length - 1] ?? NaN },
       wallMs,
@@ -230,6 +241,7 @@ async function benchSoak(argv: string[]): Promise<number> {
     ]);
   }
   printTable(rows);
+  for (const r of runs) process.stdout.write(`${r.strategy}: host RSS MiB after N cycles: ${r.rssByCycles.map((x) => `${x.cycles}: ${f(x.rssBytes)}`).join(', ')}\n`);
   for (const r of runs) if (r.firstFailure) process.stdout.write(`${r.strategy}: first failure: ${r.firstFailure}\n`);
   const json = { setup: { cycles, vms, vmMemoryMiB: VM_MEMORY_MIB, workingSetMiB, backingDir: dir }, runs };
   if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));

@@ -5,6 +5,7 @@
 import { constants as osConstants } from 'node:os';
 import { formatMiB } from '../units';
 import { Vm, type GuestKind } from '../vm';
+import { ConsoleCopy } from './console-copy';
 import { parseProbeScript, runProbeScript } from './probe-script';
 import { parseRunArgs } from './run-args';
 import { RunControl } from './run-control';
@@ -38,7 +39,11 @@ export async function cmdRun(argv: string[]): Promise<number> {
         const f = await vm.forward(p.guestPort, { hostPort: p.hostPort });
         process.stderr.write(`pvisor: ${f.host}:${f.port} reaches the guest's port ${p.guestPort}\n`);
       }
-      if (args.console) vm.on('console', (line) => process.stderr.write(`[console] ${line}\n`));
+      if (args.console) {
+        const copy = new ConsoleCopy(process.stderr);
+        vm.on('console', (line) => copy.line(line));
+        vm.once('exit', () => copy.close());
+      }
       vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));
       process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms${source.kind === 'snapshot' ? ' (restored)' : ''}\n`);
       if (steps) {

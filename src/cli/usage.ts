@@ -95,6 +95,8 @@ const RUN = `  pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest lin
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
       shell. --kernel/--initrd boot your own instead of the shipped ones.
       --memory: guest RAM, a multiple of 4 KiB (512MiB, 1GiB); --vcpus: 1 to 8.
+      --console: the guest's serial console on stderr as [console] lines; past 1 MiB that stderr
+        has not taken yet, lines are dropped, and a line says how many once it catches up.
       --rootfs IMAGE: CMD runs in this root filesystem (an ext4 image with the tools CMD needs,
         e.g. made with mke2fs -t ext4 -d DIR IMAGE 256M), attached read-write as /dev/vda and
         shut down cleanly at the end, so what CMD wrote is in the image;

@@ -116,41 +116,75 @@ export function createDirectBackingFile(path: string): { fd: number; direct: boo
 
 /** Renamed backing files whose unlink has not finished yet; removed at exit if still there. */
 const unlinking = new Set<string>();
+/**
+ * Backing files that could not be removed (a disk that fails with EIO, a filesystem shut down):
+ * the next sweep of their directory tries again (the next backing file created there), and so
+ * does the exit. Without this a file of a live process would stay for good: the sweep removes
+ * only those of processes that are gone.
+ */
+const unremoved = new Set<string>();
 
 /**
  * Removes a backing file without waiting for it: unlinking a large file frees its blocks, which
  * took 16-22 ms for 64 MiB here, too long for a resume to wait. The path is free at once (renamed
  * under a fresh name); the unlink runs on libuv's pool. If the process exits first, the exit
  * removes it; if it is killed first, the sweep of stale files does, next time. A file already
- * gone is fine.
+ * gone is fine; one that cannot be removed now is tried again later (see `unremoved`). Never throws.
  */
 export function removeBackingFile(path: string): void {
   const doomed = backingFilePath(dirname(path), 'removed', extname(path).slice(1) || 'ram');
   try {
     renameSync(path, doomed);
   } catch {
-    rmSync(path, { force: true }); // gone already, or elsewhere than its directory allows renaming
+    removeNow(path); // gone already, elsewhere than its directory allows renaming, or a failing disk
     return;
   }
-  if (!unlinking.size) process.once('exit', removeUnlinking);
   unlinking.add(doomed);
-  rm(doomed, { force: true }, () => {
+  removeAtExit();
+  rm(doomed, { force: true }, (e) => {
     unlinking.delete(doomed);
-    if (!unlinking.size) process.off('exit', removeUnlinking);
+    if (e) unremoved.add(doomed);
+    removeAtExit();
   });
 }
 
-function removeUnlinking(): void {
-  for (const path of unlinking) rmSync(path, { force: true });
+/** Removes `path` now; if it cannot be, remembers it in `unremoved`. */
+function removeNow(path: string): void {
+  try {
+    rmSync(path, { force: true });
+    unremoved.delete(path);
+  } catch {
+    unremoved.add(path);
+  }
+  removeAtExit();
+}
+
+/** Listens for the exit while some file is still to be removed, and only then. */
+function removeAtExit(): void {
+  process.off('exit', removeLeftovers);
+  if (unlinking.size || unremoved.size) process.once('exit', removeLeftovers);
+}
+
+function removeLeftovers(): void {
+  for (const path of [...unlinking, ...unremoved]) {
+    try {
+      rmSync(path, { force: true });
+    } catch {
+      // The disk still fails: nothing more can be done from here; a later sweep will.
+    }
+  }
   unlinking.clear();
+  unremoved.clear();
 }
 
 /**
- * Removes pvisor backing files in `dir` whose process is gone. Best effort, and only regular
+ * Removes pvisor backing files in `dir` whose process is gone, and those of this process that
+ * could not be removed before (see `unremoved`). Best effort, and only regular
  * files: anyone who can write to a shared directory such as /var/tmp can make a directory or a
  * fifo of that name, which must neither stop this sweep nor the suspend that runs it.
  */
 export function removeStaleBackingFiles(dir: string): void {
+  for (const path of unremoved) if (dirname(path) === dir) removeNow(path);
   let names: string[];
   try {
     names = readdirSync(dir);

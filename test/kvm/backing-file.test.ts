@@ -5,7 +5,7 @@
 // left behind. Needs /dev/kvm; the full disk also needs root (a loop-mounted ext4).
 import { spawnSync } from 'node:child_process';
 import nodeCrypto from 'node:crypto';
-import { chmodSync, closeSync, existsSync, lstatSync, mkdirSync, mkdtempSync, openSync, readdirSync, rmSync, statfsSync, symlinkSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
+import { chmodSync, closeSync, existsSync, lstatSync, mkdirSync, mkdtempSync, openSync, readdirSync, readFileSync, readlinkSync, rmSync, statfsSync, symlinkSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
 import { basename, join } from 'node:path';
 import { BackingFileError, CompressedOffload, InvalidOptionError, Offload, Vm, type MemoryStrategy } from '../../src';
 import type { ProbeWorkingSet } from '../../src/guest/probe-content';
@@ -30,6 +30,14 @@ async function withVm(strategy: MemoryStrategy, body: (vm: Vm, digest: string) =
 }
 
 const openFds = () => readdirSync('/proc/self/fd').length;
+const openFdTargets = () =>
+  readdirSync('/proc/self/fd').map((fd) => {
+    try {
+      return readlinkSync(`/proc/self/fd/${fd}`);
+    } catch {
+      return ''; // closed while listing
+    }
+  });
 
 /** The names in `dir` once every backing file being removed in the background is gone. */
 async function settledNames(dir: string): Promise<string[]> {
@@ -340,5 +348,63 @@ describe('a disk that fails with EIO (an ext4 shut down under the VM)', () => {
     expect(processThreads()).toBe(threadsBefore);
     expect(openFds()).toBeLessThanOrEqual(fdsBefore + 1);
     remount(); // nothing of the VM's holds a file there any more, or this would be EBUSY
+  });
+
+  it("Offload, lazy reload: the disk dies after the resume; the guest's first touch of a piece still in the file ends the VM with a typed error, and nothing of it is left", async () => {
+    if (unavailable) {
+      console.log(`skipped: ${unavailable}`);
+      return;
+    }
+    const threadsBefore = processThreads();
+    const fdsBefore = openFds();
+    const offload = new Offload({ dir: mnt, reload: 'lazy', prefetch: false });
+    let ramRange = '';
+    let path = '';
+    const crashes: Error[] = [];
+    const exits: unknown[] = [];
+    await withVm(offload, async (vm) => {
+      const [ram] = Vm.liveGuestRam().slice(-1);
+      ramRange = `${ram.start.toString(16)}-${(ram.start + ram.length).toString(16)} `;
+      vm.on('crash', (e) => crashes.push(e));
+      vm.on('exit', (e) => exits.push(e));
+      await vm.suspend();
+      await vm.memoryReleased();
+      path = offload.backingPath!;
+      await vm.resume(); // lazy, no prefetch: the working set waits in the file for a touch
+      expect(vm.state).toBe('running');
+      expect(openFdTargets().filter((t) => /userfaultfd/.test(t))).toHaveLength(1);
+      killFilesystem(mnt);
+      // The digest reads the whole working set: the server's read of the first piece it needs
+      // fails with EIO, the faulting vCPU never gets a byte, and the VM ends.
+      const err = await vm.probe.digest().then(
+        (d) => new Error(`the digest answered ${d.hex}`),
+        (e: unknown) => e,
+      );
+      expect(err).toBeInstanceOf(BackingFileError);
+      expect((err as Error).message).toMatch(/cannot be loaded \(read failed: EIO\) during a lazy reload; the VM cannot go on/);
+      expect(vm.state).toBe('crashed');
+      expect(vm.error).toBe(err);
+      expect(crashes).toEqual([err]);
+      expect(exits).toEqual([{ state: 'crashed', error: err }]);
+      console.log(`EIO during a lazy reload: ${(err as Error).message}`);
+    }, { memory: '128MiB', sizeMiB: 48 });
+    await new Promise((r) => setTimeout(r, 50)); // a stopped VM's socket handle closes on the next tick
+    // The process goes on: no vCPU or server thread, no fd (the userfaultfd, the file's), no guest RAM.
+    expect(processThreads()).toBe(threadsBefore);
+    expect(openFdTargets().some((t) => /userfaultfd/.test(t))).toBe(false);
+    expect(openFds()).toBeLessThanOrEqual(fdsBefore + 1); // Node may open its own once
+    expect(readFileSync('/proc/self/maps', 'utf8')).not.toContain(ramRange);
+    remount(); // nothing holds a file there any more, or this would be EBUSY
+    // The file could not be removed while the disk was dead. The disk back, the next backing file
+    // made there (by any VM of this process) removes it first, and the host runs VMs there again.
+    expect(existsSync(path)).toBe(true);
+    await withVm(new Offload({ dir: mnt, reload: 'lazy' }), async (vm, digest) => {
+      await vm.suspend();
+      expect(existsSync(path)).toBe(false);
+      await vm.memoryReleased();
+      await vm.resume();
+      expect((await vm.probe.digest()).hex).toBe(digest);
+    });
+    expect(await settledNames(mnt)).toEqual(['lost+found']);
   });
 });

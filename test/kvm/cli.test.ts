@@ -27,6 +27,15 @@ describe('pvisor run --guest probe', () => {
     expect(r.status).toBe(0);
   });
 
+  it('--console copies the guest console to stderr as [console] lines (through the bounded copy, test/unit/console-copy.test.ts)', () => {
+    const r = pvisor('run', '--guest', 'probe', '--memory', '64MiB', '--console', '--', 'digest');
+    expect(r.stderr.split('\n')).toContain('[console] probe: ready');
+    expect(r.stderr).not.toMatch(/dropped/);
+    expect(r.status).toBe(0);
+    // Without --console the console stays out of stderr.
+    expect(pvisor('run', '--guest', 'probe', '--memory', '64MiB', '--', 'digest').stderr).not.toContain('[console]');
+  });
+
   it('a guest-side error fails the run with a clear message and status 125', () => {
     const r = pvisor('run', '--guest', 'probe', '--memory', '64MiB', '--', 'fill 512MiB');
     expect(r.stderr).toMatch(/pvisor: guest refused op 0x101: FILL: size beyond wsLimit/);

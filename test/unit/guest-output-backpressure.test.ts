@@ -1,88 +1,20 @@
 // Backpressure from a host consumer to the guest, over the real parts between them: guest RAM (a
 // real mapping), the virtio-console device behind its mmio transport, the agent client and the
-// Linux client's streams. The guest's side is a driver that behaves as the agent under `yes` does:
-// it keeps the transmit ring full of 32 KiB frames of output for as long as the device takes them.
+// Linux client's streams. The guest's side (../flooding-guest.ts) is a driver that behaves as the
+// agent under `yes` does. The 1 GiB floods are in ./guest-output-flood.test.ts.
 // No KVM: the point is what the host takes and keeps, which these parts decide.
 import { Readable } from 'node:stream';
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
-import { MmioTransport } from '../../src/backends/kvm/virtio/mmio-transport';
 import { TimeoutError } from '../../src';
-import { LinuxGuest } from '../../src/guest/linux-client';
-import { AgentClient } from '../../src/protocol/agent-client';
-import { encodeFrame, FrameType } from '../../src/protocol/frame';
-import { DriverQueue, driverUp, SIZE } from '../virtio-driver';
+import { FloodingGuest, FRAME_PAYLOAD } from '../flooding-guest';
+import { DriverQueue, SIZE } from '../virtio-driver';
 
 const VERSION_1 = 1n << 32n;
 const KiB = 1024;
 const MiB = 1024 * KiB;
-const FRAME_PAYLOAD = 32 * KiB - 16; // a frame per 32 KiB buffer, as the Linux port sends
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 const turn = () => new Promise((r) => setImmediate(r));
-
-/** A guest whose agent answers request 1 with output chunks for as long as it is let. */
-class FloodingGuest {
-  readonly mem = GuestMemory.map(16 * MiB);
-  readonly dev: VirtioConsole;
-  readonly transport: MmioTransport;
-  readonly tx: DriverQueue;
-  readonly rx: DriverQueue;
-  readonly client: AgentClient;
-  readonly linux: LinuxGuest;
-  /** Chains the device has taken back from the transmit ring. */
-  taken = 0;
-  inFlight = 0;
-  sentBytes = 0;
-  warnings: string[] = [];
-  private seq = 0;
-
-  constructor(private readonly op: number, private readonly flags: number, private readonly stopAfterBytes = Infinity) {
-    this.dev = new VirtioConsole(this.mem, (b) => this.client.receive(b), () => {}, () => {}, (m) => this.warnings.push(m));
-    this.transport = new MmioTransport(0xd0000000, this.dev, this.mem);
-    this.rx = new DriverQueue(this.mem, 0x10000);
-    this.tx = new DriverQueue(this.mem, 0x20000);
-    driverUp(this.transport, VERSION_1, [this.rx.queue.config, this.tx.queue.config]);
-    for (let i = 0; i < SIZE; i++) this.rx.offer(0x40000 + 4 * KiB * i, 4 * KiB, true); // requests land here, unread
-    this.client = new AgentClient((b) => this.dev.send(b), () => {}, (m) => this.warnings.push(m), (held) => this.dev.holdTransmit('consumer', held));
-    this.linux = new LinuxGuest(this.client);
-  }
-
-  /** The agent's side: fills every free transmit buffer with a frame, then notifies once. */
-  produce(): void {
-    this.taken += this.tx.used().length;
-    this.inFlight = this.sentCount - this.taken;
-    let posted = 0;
-    while (this.sentCount - this.taken < SIZE && this.sentBytes < this.stopAfterBytes) {
-      const slot = this.sentCount % SIZE;
-      const gpa = 0x100000 + slot * 32 * KiB;
-      const payload = Buffer.alloc(FRAME_PAYLOAD, `${String.fromCharCode(97 + (this.seq++ % 26))}\n`);
-      this.mem.write(gpa, encodeFrame({ type: FrameType.StreamChunk, id: 1, op: this.op, flags: this.flags, payload }));
-      this.tx.offerChain([{ gpa, len: 16 + FRAME_PAYLOAD }]);
-      this.sentBytes += FRAME_PAYLOAD;
-      this.sentCount++;
-      posted++;
-    }
-    if (posted) this.transport.write(0x050, 4, 1); // QueueNotify 1
-  }
-  sentCount = 0;
-
-  /** The agent's final frame for request 1, after `last` (one more chunk) in the same buffer. */
-  finish(payload: Buffer, last?: Buffer): void {
-    this.taken += this.tx.used().length;
-    const gpa = 0x100000 + (this.sentCount % SIZE) * 32 * KiB;
-    const frames = [last && encodeFrame({ type: FrameType.StreamChunk, id: 1, op: this.op, flags: this.flags, payload: last }), encodeFrame({ type: FrameType.Response, id: 1, op: this.op, payload })];
-    const bytes = Buffer.concat(frames.filter((f): f is Buffer => f !== undefined));
-    this.mem.write(gpa, bytes);
-    this.tx.offerChain([{ gpa, len: bytes.length }]);
-    this.sentCount++;
-    this.transport.write(0x050, 4, 1);
-  }
-
-  close(): void {
-    this.client.close();
-    this.mem.unmap();
-  }
-}
 
 describe("guest output and the host's consumer: backpressure to the guest", () => {
   it('a spawned command whose stdout is not read holds the transmit ring: the host keeps at most 1 MiB and one frame, the guest keeps the rest', async () => {
