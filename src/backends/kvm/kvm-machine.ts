@@ -26,6 +26,7 @@ import { captureVcpu, checkVcpuStateFits, restoreVcpu, vcpuStateFormat, type Vcp
 import { captureVm, checkVmStateFits, restoreVm } from './vm-state';
 import { arrayAt, checkVersion, objectAt } from './state-fields';
 import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type TransportState, type VirtioDevice } from './virtio/mmio-transport';
+import { linuxShutdownCrash, quoteConsole } from './console-claims';
 
 // Resolve the runner's native functions while this module loads, on the main thread.
 loadVcpuRunner();
@@ -752,15 +753,7 @@ export class KvmMachine {
       }
       case C.KVM_EXIT_SHUTDOWN: {
         if (!this.linux) return { kind: 'crash', reason: 'shutdown', message: 'the guest shut down unexpectedly (a triple fault: an exception it could not handle)' };
-        // reboot=t panic=-1: a reboot, a power-off and a panic all end in a triple fault. Why is
-        // only what the guest's console says (anything in the guest can print "Kernel panic"):
-        // the message says so, and quotes at most a line's start.
-        const panic = this.recentConsole.find((l) => l.includes('Kernel panic'));
-        // The agent (PID 1) reboots on a fatal error (e.g. a rootfs it cannot mount) after saying why.
-        const agentFatal = [...this.recentConsole].reverse().find((l) => l.includes('pvisor-agent: fatal'));
-        if (panic) return { kind: 'crash', reason: 'kernel-panic', message: `the guest kernel shut down; its console says it panicked: ${quoteConsole(panic)}` };
-        if (agentFatal) return { kind: 'crash', reason: 'agent-fatal', message: `the guest shut down; its console says the agent ended it: ${quoteConsole(agentFatal)}` };
-        return { kind: 'crash', reason: 'shutdown', message: 'the guest kernel shut down (reboot or power-off)' };
+        return linuxShutdownCrash(this.recentConsole);
       }
       case C.KVM_EXIT_INTERNAL_ERROR:
         return { kind: 'crash', reason: 'internal-error', message: `KVM internal error, suberror ${run.readUInt32LE(C.KVM_RUN_INTERNAL_SUBERROR)} (e.g. an instruction KVM cannot emulate)` };
@@ -777,13 +770,6 @@ function activityOf(v: Vcpu): VcpuActivity {
   if (v.state === 'idle') return { kind: 'idle', seenUsedIndex: v.seenUsedIndex };
   if (v.state === 'parked') return { kind: 'parked' };
   return { kind: 'runnable' };
-}
-
-/** Guest console text in an error: trimmed, control characters shown as `?`, at most 300 characters. */
-function quoteConsole(line: string): string {
-  // eslint-disable-next-line no-control-regex
-  const clean = line.trim().replace(/[\x00-\x1f\x7f]/g, '?');
-  return JSON.stringify(clean.length > 300 ? `${clean.slice(0, 300)}...` : clean);
 }
 
 /** `NOTIFY+INTERRUPT`, e.g. `exit+irq-line`: the format of PVISOR_VIRTIO_SIGNALLING and the bench. */
