@@ -30,6 +30,8 @@ ROOT=$WORK/root
 say() { printf 'install-check: %s\n' "$*" >&2; }
 die() { say "FAILED: $*"; exit 1; }
 
+# WORK is removed at the end: never / or a directory directly under it.
+case $(dirname "$(realpath -m "$WORK")") in /) die "PVISOR_INSTALL_CHECK_DIR=$WORK: choose a directory of its own, e.g. /tmp/pvisor-install-check" ;; esac
 [ "$(id -u)" = 0 ] || die 'needs root (debootstrap, chroot, mounts)'
 CHROOT=$(command -v chroot) || die 'needs chroot'
 command -v debootstrap >/dev/null || die 'needs debootstrap (apt-get install -y debootstrap)'
