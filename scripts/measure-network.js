@@ -16,6 +16,7 @@ const OUTSIDE = '198.18.0.2';
 const MIB = 2 ** 20;
 const sizeMiB = Number(process.argv[2] ?? 64);
 const sh = (cmd) => execFileSync('sh', ['-c', cmd], { encoding: 'utf8' });
+const collect = (stream) => new Promise((resolve) => { let text = ''; stream.on('data', (d) => (text += d)).on('end', () => resolve(text)); });
 const rss = () => Number(/^VmRSS:\s+(\d+) kB/m.exec(readFileSync('/proc/self/status', 'utf8'))[1]) * 1024;
 
 // In the namespace: 9000 counts what it is sent and reports the rate of each connection on
@@ -100,7 +101,8 @@ async function main() {
       }
       out.hostConnectRequestUs = Math.round(((performance.now() - t0) / rounds) * 1000);
 
-      // Through a forwarded port (the agent channel, no network): host -> guest and guest -> host.
+      // Through a forwarded port (the agent channel, no network): host -> guest and guest -> host,
+      // against the same transfers between two host processes (this one and the server) above.
       const fwMiB = Math.max(1, Math.floor(sizeMiB / 2));
       // A guest listener, once busybox netstat shows it listening (a forwarded connection that
       // comes first finds nothing and is reset).
@@ -112,7 +114,14 @@ async function main() {
         }
         throw new Error(`the guest's listener on ${port} did not come up`);
       };
-      const sinkProc = await listen('sleep 1000 | nc -l -p 7000 >/dev/null', 7000); // stdin never ends: no half-close
+      // Host -> guest. The sink is busybox nc, which exits when the connection ends but shuts its
+      // own write side down at EOF of its stdin, and the forwarding nc ends as soon as its server
+      // half-closes: so the sink's stdin must stay open without being a pipeline that outlives
+      // nc (`sleep | nc` waited for the sleep). A fifo that a background sleep holds open does
+      // that; the sink counts what it got (wc -c) and the sleep is killed once nc is gone.
+      const sinkProc = await listen(
+        'rm -f /tmp/fw-in && mkfifo /tmp/fw-in && { sleep 1000 >/tmp/fw-in & s=$!; nc -l -p 7000 </tmp/fw-in | wc -c; kill $s; }', 7000);
+      const sinkOut = collect(sinkProc.stdout);
       const fin = await vm.forward(7000);
       let t1 = performance.now();
       await new Promise((resolve, reject) => {
@@ -126,16 +135,40 @@ async function main() {
         s.resume();
         s.on('close', resolve).on('error', reject);
       });
-      await sinkProc.exited;
+      const sinkExit = await sinkProc.exited;
       out.hostToGuestForwarded = (fwMiB / ((performance.now() - t1) / 1000)).toFixed(1);
-      await listen(`dd if=/dev/zero bs=65536 count=${fwMiB * 16} 2>/dev/null | nc -l -p 7001`, 7001);
+      if (sinkExit.exitCode !== 0 || Number((await sinkOut).trim()) !== fwMiB * MIB) {
+        throw new Error(`forwarded host -> guest: the guest got ${JSON.stringify(await sinkOut)} bytes (${JSON.stringify(sinkExit)}), expected ${fwMiB * MIB}`);
+      }
+      await fin.close();
+      // Guest -> host: nc sends dd's output, then half-closes; the forwarding nc ends with it.
+      const sourceProc = await listen(`dd if=/dev/zero bs=65536 count=${fwMiB * 16} 2>/dev/null | nc -l -p 7001`, 7001);
       const fout = await vm.forward(7001);
       let got = 0;
       t1 = performance.now();
       await new Promise((resolve, reject) => net.connect(fout.port, fout.host).on('data', (d) => (got += d.length)).on('close', resolve).on('error', reject));
-      if (got !== fwMiB * MIB) throw new Error(`forwarded transfer: ${got} bytes, expected ${fwMiB * MIB}`);
       out.guestToHostForwarded = (fwMiB / ((performance.now() - t1) / 1000)).toFixed(1);
+      if (got !== fwMiB * MIB) throw new Error(`forwarded guest -> host: ${got} bytes, expected ${fwMiB * MIB}`);
+      await sourceProc.exited;
+      await fout.close();
       out.forwardedMiB = fwMiB;
+
+      // A small request through a forwarded port: connect, one line, its echo, close, as above
+      // (busybox nc -ll -e cat: a persistent server, one cat per connection). Each connection
+      // also starts the guest's forwarding nc, an exec through the agent.
+      await listen('nc -ll -p 7002 -e cat', 7002);
+      const fecho = await vm.forward(7002);
+      const t2 = performance.now();
+      for (let i = 0; i < rounds; i++) {
+        let echo = '';
+        await new Promise((resolve, reject) => {
+          const s = net.connect(fecho.port, fecho.host, () => s.end('x\n'));
+          s.on('data', (d) => (echo += d)).on('close', resolve).on('error', reject);
+        });
+        if (echo !== 'x\n') throw new Error(`forwarded echo: got ${JSON.stringify(echo)}`);
+      }
+      out.hostForwardedRequestUs = Math.round(((performance.now() - t2) / rounds) * 1000);
+      await fecho.close();
     } finally {
       vm.stop();
     }
@@ -146,6 +179,8 @@ async function main() {
   }
   out.ratioGuestToOutside = (out.guestToOutside / out.hostToOutside).toFixed(3);
   out.ratioOutsideToGuest = (out.outsideToGuest / out.outsideToHost).toFixed(3);
+  out.ratioHostToGuestForwarded = (out.hostToGuestForwarded / out.hostToOutside).toFixed(3);
+  out.ratioGuestToHostForwarded = (out.guestToHostForwarded / out.outsideToHost).toFixed(3);
   console.log(JSON.stringify({ sizeMiB, MiBps: out }, null, 1));
 }
 

@@ -6,12 +6,20 @@
  * loopback. Half-close carries over both ways (busybox nc shuts down its write side on EOF of
  * its stdin; the connection ends when the guest server closes).
  *
- * Host to guest is flow-controlled (the socket is paused until the agent has each piece in nc's
- * stdin); guest to host is what the agent's stream sends, which the agent bounds on its side.
+ * Host to guest is flow-controlled (at most one write in flight and STDIN_BATCH_BYTES waiting;
+ * beyond that the socket is paused); guest to host is what the agent's stream sends, which the
+ * agent bounds on its side.
  */
 import { createServer, type Server, type Socket } from 'node:net';
 import { InvalidOptionError } from '../errors';
 import type { Command, GuestProcess, SpawnOptions } from '../guest/linux-client';
+
+/**
+ * Host to guest, the most that waits for the write in flight to finish before the socket is
+ * paused, and so the largest write (plus one socket read): one agent frame's data
+ * (linux-client's DATA_PER_FRAME), so that a write is one round trip.
+ */
+export const STDIN_BATCH_BYTES = 512 * 1024;
 
 /** Options of {@link Vm.forward}. */
 export interface ForwardOptions {
@@ -41,7 +49,9 @@ export async function forwardPort(spawn: (command: Command, options: SpawnOption
   const hostPort = options.hostPort === undefined ? 0 : checkPort('hostPort', options.hostPort, 1);
   const host = options.host ?? '127.0.0.1';
   const sockets = new Set<Socket>();
-  const server: Server = createServer((socket) => {
+  // allowHalfOpen: a peer that shuts its write side down (sent its request, waits for the answer)
+  // must still get what the guest sends back; by default Node would end our side at its FIN.
+  const server: Server = createServer({ allowHalfOpen: true }, (socket) => {
     sockets.add(socket);
     let p: GuestProcess;
     try {
@@ -53,11 +63,46 @@ export async function forwardPort(spawn: (command: Command, options: SpawnOption
     p.stdout.on('data', (b: Buffer) => socket.write(b));
     p.stdout.on('end', () => socket.end());
     p.exited.then(() => socket.end(), () => socket.destroy());
+    // Host to guest: the agent takes one STDIN_WRITE per process at a time, and each costs a
+    // round trip through it, so what the peer sends meanwhile is gathered (up to
+    // STDIN_BATCH_BYTES, then the socket pauses) and goes in the next write.
+    let queued: Buffer[] = [];
+    let queuedBytes = 0;
+    let writing = false;
+    let peerEnded = false;
+    let stdinClosed = false;
+    const pump = (): void => {
+      if (writing) return;
+      if (queuedBytes === 0) {
+        if (peerEnded && !stdinClosed) {
+          stdinClosed = true;
+          void p.end().catch(() => {});
+        }
+        return;
+      }
+      const data = queued.length === 1 ? queued[0] : Buffer.concat(queued, queuedBytes);
+      queued = [];
+      queuedBytes = 0;
+      writing = true;
+      socket.resume();
+      p.write(data).then(
+        () => {
+          writing = false;
+          pump();
+        },
+        () => socket.destroy(),
+      );
+    };
     socket.on('data', (b: Buffer) => {
-      socket.pause();
-      p.write(b).then(() => socket.resume(), () => socket.destroy());
+      queued.push(b);
+      queuedBytes += b.length;
+      if (queuedBytes >= STDIN_BATCH_BYTES) socket.pause();
+      pump();
     });
-    socket.on('end', () => void p.end().catch(() => {}));
+    socket.on('end', () => {
+      peerEnded = true;
+      pump();
+    });
     socket.on('error', () => {});
     socket.on('close', () => {
       sockets.delete(socket);
