@@ -6,9 +6,9 @@
  * loopback. Half-close carries over both ways (busybox nc shuts down its write side on EOF of
  * its stdin; the connection ends when the guest server closes).
  *
- * Host to guest is flow-controlled (at most one write in flight and STDIN_BATCH_BYTES waiting;
- * beyond that the socket is paused); guest to host is what the agent's stream sends, which the
- * agent bounds on its side.
+ * Both ways are flow-controlled: host to guest, at most one write in flight and STDIN_BATCH_BYTES
+ * waiting, beyond that the socket is paused; guest to host, the guest's stream is paused while
+ * the peer's socket is full, which holds the guest's output in the guest.
  */
 import { createServer, type Server, type Socket } from 'node:net';
 import { InvalidOptionError } from '../errors';
@@ -60,7 +60,14 @@ export async function forwardPort(spawn: (command: Command, options: SpawnOption
       socket.destroy();
       return;
     }
-    p.stdout.on('data', (b: Buffer) => socket.write(b));
+    // Guest to host, with backpressure: while the peer does not read, the relay stops taking
+    // the guest's stream, which (past its 1 MiB) holds the guest's output in the guest like any
+    // spawned stream nobody reads (docs/agent-protocol.md, "Backpressure"). Written on regardless,
+    // a guest sending to a peer that never reads would grow this process without bound.
+    p.stdout.on('data', (b: Buffer) => {
+      if (!socket.write(b)) p.stdout.pause();
+    });
+    socket.on('drain', () => p.stdout.resume());
     p.stdout.on('end', () => socket.end());
     p.exited.then(() => socket.end(), () => socket.destroy());
     // Host to guest: the agent takes one STDIN_WRITE per process at a time, and each costs a
@@ -106,6 +113,8 @@ export async function forwardPort(spawn: (command: Command, options: SpawnOption
     socket.on('error', () => {});
     socket.on('close', () => {
       sockets.delete(socket);
+      // A paused stream would hold the VM's agent channel (every answer waits behind it).
+      p.stdout.destroy();
       // The guest side goes with the connection (it may be waiting on a server that never closes).
       p.kill('SIGKILL').catch(() => {});
     });

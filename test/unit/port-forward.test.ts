@@ -177,4 +177,49 @@ describe('forwardPort', () => {
       await f.close();
     }
   });
+
+  test('guest to host: a peer that does not read pauses the guest stream, which then stops taking output; all of it arrives once the peer reads', async () => {
+    const { spawn, spawned } = spawner(1);
+    const f = await forwardPort(spawn, 8003);
+    const s = connect(f.port, f.host);
+    try {
+      await new Promise<void>((resolve, reject) => s.once('connect', () => resolve()).once('error', reject));
+      s.pause(); // a peer that does not read
+      while (!spawned.length) await new Promise((r) => setTimeout(r, 5));
+      const nc = spawned[0];
+      // The guest pushes as the Linux client's stream does, until the stream says it is full
+      // (push() false: then the VMM would stop taking the guest's transmit queue).
+      const data = randomBytes(64 * MiB);
+      let pushed = 0;
+      for (let idle = 0; pushed < data.length && idle < 20; ) {
+        if (nc.stdout.push(data.subarray(pushed, pushed + 64 * KiB))) {
+          pushed += 64 * KiB;
+          idle = 0;
+        } else {
+          pushed += 64 * KiB;
+          idle++;
+          await new Promise((r) => setTimeout(r, 20)); // the relay gets every chance to drain it
+        }
+        await new Promise((r) => setImmediate(r));
+      }
+      // What left the guest: the peer's socket buffers, the kernel's and the stream's own, not 64 MiB.
+      expect(pushed).toBeLessThan(16 * MiB);
+      const got: Buffer[] = [];
+      const all = new Promise<void>((resolve) => s.on('end', () => resolve()));
+      s.on('data', (d: Buffer) => got.push(d));
+      s.resume();
+      // The peer reads again: the rest goes through as the stream drains.
+      while (pushed < data.length) {
+        const ok = nc.stdout.push(data.subarray(pushed, pushed + 64 * KiB));
+        pushed += 64 * KiB;
+        if (!ok) await new Promise((r) => setTimeout(r, 5));
+      }
+      nc.finish(Buffer.alloc(0));
+      await all;
+      expect(Buffer.concat(got).equals(data)).toBe(true);
+    } finally {
+      s.destroy();
+      await f.close();
+    }
+  });
 });
