@@ -615,6 +615,7 @@ export class GuestFiles {
   readStream(path: string, options: FilesCallOptions = {}): Readable {
     const { timeoutMs, signal } = callLimits(options);
     const payload = pathField(path);
+    if (signal?.aborted) return new Readable({ read() {} }).destroy(aborted(`reading ${path}`, signal)); // nothing sent
     let received = 0;
     let done = false;
     let timer: NodeJS.Timeout | undefined;
@@ -664,11 +665,8 @@ export class GuestFiles {
         this.agent.releaseFlow(s);
       },
     );
-    if (signal?.aborted) onAbort();
-    else {
-      signal?.addEventListener('abort', onAbort, { once: true });
-      arm();
-    }
+    signal?.addEventListener('abort', onAbort, { once: true });
+    arm();
     return s;
   }
 
@@ -715,6 +713,7 @@ export class GuestFiles {
     const { timeoutMs, signal } = callLimits(options);
     const mode = modeField('mode', options.mode, 0o644);
     const payload = Buffer.concat([u32s(WRITE_MKDIRS, mode), pathField(path)]);
+    if (signal?.aborted) return new Writable({ write: (_c, _e, cb) => cb() }).destroy(aborted(`writing ${path}`, signal)); // nothing sent
     let sent = 0;
     let closed = false;
     let opened!: () => void;
@@ -763,8 +762,7 @@ export class GuestFiles {
         cb(error);
       },
     });
-    if (signal?.aborted) onAbort();
-    else signal?.addEventListener('abort', onAbort, { once: true });
+    signal?.addEventListener('abort', onAbort, { once: true });
     return w;
   }
 

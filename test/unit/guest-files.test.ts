@@ -123,6 +123,10 @@ describe('Linux guest files', () => {
     await expect(guest.files.list('/', { signal })).rejects.toThrow(AbortError);
     await expect(guest.files.mkdir('/x', { signal })).rejects.toThrow(AbortError);
     await expect(guest.spawn(['true'], { signal }).exited).rejects.toThrow(AbortError);
+    await expect(guest.files.read('/f', { signal })).rejects.toThrow(AbortError);
+    await expect((async () => { for await (const _ of guest.files.readStream('/f', { signal })) void _; })()).rejects.toThrow(AbortError);
+    await expect(pipeline(Readable.from(['x']), guest.files.writeStream('/f', { signal }))).rejects.toThrow(AbortError);
+    await expect(guest.files.write('/f', 'x', { signal })).rejects.toThrow(AbortError);
     await settle();
     expect(requests).toEqual([]);
   });
