@@ -77,12 +77,13 @@ export class GuestRequestError extends PvisorError {
 }
 
 /**
- * A guest command's output or a guest file was larger than the caller allowed (`maxBuffer`,
- * `maxBytes`): the host stopped collecting it (and killed the command), so a guest that prints
- * without end cannot grow the host process without bound.
+ * A guest command's output, a guest file or a guest directory listing was larger than the caller
+ * allowed (`maxBuffer`, `maxBytes`, `maxEntries`): the host stopped collecting it (and killed the
+ * command, or closed the file or directory in the guest), so a guest that prints without end
+ * cannot grow the host process without bound.
  */
 export class OutputLimitError extends PvisorError {
-  /** The limit that was passed, in bytes. */
+  /** The limit that was passed: bytes (entries for `files.list`'s `maxEntries`). */
   readonly limitBytes: number;
   constructor(limitBytes: number, message: string) {
     super('PVISOR_OUTPUT_LIMIT', message);
@@ -128,6 +129,17 @@ export class RequestTooLargeError extends PvisorError {
 export class TimeoutError extends PvisorError {
   constructor(message: string) {
     super('PVISOR_TIMEOUT', message);
+  }
+}
+
+/**
+ * A call was cancelled through its `signal` (an AbortSignal); what it started in the guest was
+ * stopped where that can be done (a process killed, a file stream closed). Its `name` is
+ * `AbortError`, as Node's own aborted calls say; `cause` is the signal's `reason`.
+ */
+export class AbortError extends PvisorError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super('PVISOR_ABORTED', message, options);
   }
 }
 

@@ -16,7 +16,8 @@ export type { ControlMemory, ControlVmInfo } from './control-socket';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
-export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout } from './guest/linux-client';
+export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout, FilesCallOptions, ReadOptions, WriteOptions, ListOptions, StatOptions, MkdirOptions, RemoveOptions } from './guest/linux-client';
+export type { DirEntry, FileStat, FileType } from './guest/file-wire';
 export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ZeroOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';
 export type { ProbeContent } from './guest/probe-content';
 export type { Size } from './units';
@@ -30,6 +31,7 @@ export {
   GuestRequestError,
   VmStateError,
   TimeoutError,
+  AbortError,
   BackingFileError,
   OutputLimitError,
   RequestTooLargeError,

@@ -626,12 +626,18 @@ export class Vm extends EventEmitter<VmEvents> {
     return this.linuxGuest.exec(command, options);
   }
 
-  /** Starts a command in the Linux guest; its output streams, stdin can be written, it can be killed. */
+  /**
+   * Starts a command in the Linux guest; its output streams, stdin can be written, it can be
+   * killed. `timeoutMs` and `signal` kill it and reject its `exited` ({@link SpawnOptions}).
+   */
   spawn(command: Command, options?: SpawnOptions): GuestProcess {
     return this.linuxGuest.spawn(command, options);
   }
 
-  /** Files of the Linux guest. */
+  /**
+   * Files of the Linux guest: read, write (whole or streamed), list, stat, mkdir, remove, rename;
+   * each call takes `timeoutMs` and an AbortSignal.
+   */
   get files(): GuestFiles {
     return this.linuxGuest.files;
   }

@@ -94,6 +94,34 @@ static inline int pv_take_str(const uint8_t **p, const uint8_t *end, const uint8
   return 1;
 }
 
+/* Longest path a files request carries, its NUL included (Linux's PATH_MAX). */
+#define PV_PATH_MAX 4096
+
+/*
+ * A path of a files request: a string (pv_take_str) that is not empty and shorter than
+ * PV_PATH_MAX, so that a C string of it is a path the kernel takes. Same contract as pv_take_str.
+ */
+static inline int pv_take_path(const uint8_t **p, const uint8_t *end, const uint8_t **s, uint32_t *len) {
+  const uint8_t *at = *p;
+  if (!pv_take_str(&at, end, s, len) || *len == 0 || *len >= PV_PATH_MAX) return 0;
+  *p = at;
+  return 1;
+}
+
+/* A FILE_LIST entry's fixed part: {u16 nameLen, u8 type, u8 0, u32 mode, u64 size, i64 mtimeNs}. */
+#define PV_ENTRY_HDR 24
+
+/* Writes one FILE_LIST entry (PV_ENTRY_HDR + nameLen bytes) at `at`. */
+static inline void pv_entry_put(uint8_t *at, const uint8_t *name, uint16_t nameLen, uint8_t type, uint32_t mode, uint64_t size, int64_t mtimeNs) {
+  pv_wr16(at, nameLen);
+  at[2] = type;
+  at[3] = 0;
+  pv_wr32(at + 4, mode);
+  pv_wr64(at + 8, size);
+  pv_wr64(at + 16, (uint64_t)mtimeNs);
+  memcpy(at + PV_ENTRY_HDR, name, nameLen);
+}
+
 /*
  * EXEC's fixed part {u32 flags, u32 argc, u32 envc, u32 reserved}: 1 if its counts can be right
  * for a payload of `n` bytes (argv[0] is there, and every string costs at least its 4-byte length,

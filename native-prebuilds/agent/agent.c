@@ -26,6 +26,7 @@
  * /dev/vport0p1, which is not a tty).
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -66,12 +67,21 @@ enum {
   OP_KILL = 0x0204,
   OP_FILE_READ = 0x0210,
   OP_FILE_WRITE = 0x0211,
+  OP_FILE_LIST = 0x0212,
+  OP_FILE_STAT = 0x0213,
+  OP_FILE_MKDIR = 0x0214,
+  OP_FILE_REMOVE = 0x0215,
+  OP_FILE_RENAME = 0x0216,
+  OP_FILE_WRITE_OPEN = 0x0217,
+  OP_FILE_WRITE_DATA = 0x0218,
+  OP_FILE_WRITE_CLOSE = 0x0219,
+  OP_FILE_CANCEL = 0x021a,
   OP_MEMINFO = 0x0220,
   OP_DROP_CACHES = 0x0221,
   OP_SHUTDOWN = 0x0230,
   OP_RESTORED = 0x0231,
 };
-enum { E_UNSUPPORTED = 1, E_BADARG = 2, E_BADFRAME = 5, E_OS = 6, E_NOPROC = 7, E_BUSY = 8, E_RESTORED = 9 };
+enum { E_UNSUPPORTED = 1, E_BADARG = 2, E_BADFRAME = 5, E_OS = 6, E_NOPROC = 7, E_BUSY = 8, E_RESTORED = 9, E_CANCELLED = 10 };
 enum { CH_STDOUT = 1, CH_STDERR = 2, CH_STARTED = 4 };
 enum { EXEC_STDIN = 1 };
 enum { FW_APPEND = 1, FW_MKDIRS = 2 };
@@ -541,63 +551,233 @@ static void pump_pipe(struct proc *pr, int *fd, uint16_t stream) {
 }
 
 /* ---- files ---- */
-struct fread_ {
+/*
+ * Open file streams: a FILE_READ (a regular file or a FIFO), a FILE_LIST (a directory) and a
+ * FILE_WRITE_OPEN (a write handle that WRITE_DATA frames feed) each stay open here until their
+ * end, a FILE_CANCEL or RESTORED. Their fds are non-blocking and served from the poll loop: a
+ * FIFO nobody writes (or nobody reads) waits there, never blocks the agent. The request id names
+ * the stream, as EXEC's names its process.
+ */
+enum { FS_READ = 1, FS_LIST, FS_WRITE };
+struct fstream {
   uint32_t id;
-  int fd;
-  uint64_t total;
-  struct fread_ *next;
+  int kind;
+  int fd; /* FS_READ, FS_WRITE */
+  DIR *dir; /* FS_LIST */
+  uint64_t total; /* bytes read or written, entries listed */
+  /* FS_WRITE: one WRITE_DATA at a time, its data (what the fd has not yet taken) and request id */
+  uint8_t *wdata;
+  size_t wlen, woff;
+  uint32_t wreq;
+  int wpending;
+  uint32_t close_req; /* a WRITE_CLOSE waiting for the pending data */
+  int close_pending;
+  struct fstream *next;
 };
-static struct fread_ *reads;
+static struct fstream *fstreams;
+static int nfstreams, nlists;
+#define MAX_FSTREAMS 1024 /* each holds an fd; PID 1's limit is 1024 soft / 4096 hard */
 
-/* FILE_READ {u32 pathLen, path} -> chunks (flags 1) of <= 64 KiB, then {u64 totalBytes}. */
-static void op_file_read(uint32_t id, const uint8_t *p, size_t n) {
-  const uint8_t *end = p + n;
-  char *path = take_str(&p, end);
-  if (!path || !path[0]) {
-    free(path);
-    return send_error(id, OP_FILE_READ, E_BADARG, "FILE_READ path malformed");
+static uint16_t fstream_op(const struct fstream *s) { return s->kind == FS_READ ? OP_FILE_READ : s->kind == FS_LIST ? OP_FILE_LIST : OP_FILE_WRITE_OPEN; }
+
+static struct fstream *find_fstream(uint32_t id) {
+  for (struct fstream *s = fstreams; s; s = s->next)
+    if (s->id == id) return s;
+  return NULL;
+}
+
+/* A new stream for request `id`, or NULL after answering error 2 or 8. */
+static struct fstream *new_fstream(uint32_t id, uint16_t op, int kind) {
+  if (find_fstream(id)) {
+    send_error(id, op, E_BADARG, "request id %u already names an open file stream", id);
+    return NULL;
   }
+  if (nfstreams >= MAX_FSTREAMS) {
+    send_error(id, op, E_BUSY, "%d file streams are open", MAX_FSTREAMS);
+    return NULL;
+  }
+  struct fstream *s = calloc(1, sizeof *s);
+  if (!s) die("calloc");
+  s->id = id;
+  s->kind = kind;
+  s->fd = -1;
+  s->next = fstreams;
+  fstreams = s;
+  nfstreams++;
+  if (kind == FS_LIST) nlists++;
+  return s;
+}
+
+/* Closes and forgets a stream (its final frame is the caller's). */
+static void drop_fstream(struct fstream *s) {
+  for (struct fstream **sp = &fstreams; *sp; sp = &(*sp)->next)
+    if (*sp == s) {
+      *sp = s->next;
+      break;
+    }
+  if (s->dir) closedir(s->dir);
+  close_fd(&s->fd);
+  if (s->kind == FS_LIST) nlists--;
+  free(s->wdata);
+  free(s);
+  nfstreams--;
+}
+
+/* Ends a stream with error `code`: its request, and a pending WRITE_DATA; a pending WRITE_CLOSE
+ * is answered (there is nothing left to close). Returns the requests ended. */
+static uint32_t end_fstream(struct fstream *s, uint32_t code, const char *why) {
+  uint32_t ended = 1;
+  send_error(s->id, fstream_op(s), code, "%s", why);
+  if (s->wpending) send_error(s->wreq, OP_FILE_WRITE_DATA, code, "%s", why), ended++;
+  if (s->close_pending) respond(s->close_req, OP_FILE_WRITE_CLOSE, NULL, 0), ended++;
+  drop_fstream(s);
+  return ended;
+}
+
+/* A request's path (a str, 1 to PATH_MAX - 1 bytes, no NUL), or NULL after answering error 2. */
+static char *take_path(uint32_t id, uint16_t op, const uint8_t **p, const uint8_t *end, const char *what) {
+  const uint8_t *s;
+  uint32_t n;
+  if (!pv_take_path(p, end, &s, &n)) {
+    send_error(id, op, E_BADARG, "%s malformed (a str of 1 to %d bytes without NUL)", what, PV_PATH_MAX - 1);
+    return NULL;
+  }
+  char *r = xmalloc((size_t)n + 1);
+  memcpy(r, s, n);
+  r[n] = 0;
+  return r;
+}
+
+/* FILE_READ {str path} -> chunks (flags 1) of <= 64 KiB, then {u64 totalBytes}. A regular file
+ * or a FIFO (read as its writers write; EOF once none is left). */
+static void op_file_read(uint32_t id, const uint8_t *p, size_t n) {
+  char *path = take_path(id, OP_FILE_READ, &p, p + n, "FILE_READ path");
+  if (!path) return;
   int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   struct stat st;
+  struct fstream *s;
   if (fd < 0 || fstat(fd, &st)) {
     send_os_error(id, OP_FILE_READ, errno, path);
-  } else if (!S_ISREG(st.st_mode)) {
+  } else if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode)) {
     send_os_error(id, OP_FILE_READ, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, path);
-  } else {
-    struct fread_ *r = calloc(1, sizeof *r);
-    if (!r) die("calloc");
-    r->id = id;
-    r->fd = fd;
-    r->next = reads;
-    reads = r;
+  } else if ((s = new_fstream(id, OP_FILE_READ, FS_READ))) {
+    s->fd = fd;
     fd = -1;
   }
   if (fd >= 0) close(fd);
   free(path);
 }
 
-/* Reads one chunk of every open FILE_READ (while the output queue has room). */
-static void pump_reads(void) {
-  for (struct fread_ **rp = &reads; *rp && out.len < OUT_STOP_STREAMS;) {
-    struct fread_ *r = *rp;
-    ssize_t n = read(r->fd, chunk_space(), CHUNK_MAX);
-    if (n > 0) {
-      chunk_commit(r->id, OP_FILE_READ, CH_STDOUT, (size_t)n);
-      r->total += (uint64_t)n;
-      rp = &r->next;
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) send_os_error(r->id, OP_FILE_READ, errno, "read");
-    else {
-      uint8_t t[8];
-      pv_wr64(t, r->total);
-      respond(r->id, OP_FILE_READ, t, 8);
-    }
-    close(r->fd);
-    *rp = r->next;
-    free(r);
+/* Reads one chunk of a FILE_READ whose fd is readable; ends it at EOF or on an error. */
+static void pump_read(struct fstream *s) {
+  ssize_t n = read(s->fd, chunk_space(), CHUNK_MAX);
+  if (n > 0) {
+    chunk_commit(s->id, OP_FILE_READ, CH_STDOUT, (size_t)n);
+    s->total += (uint64_t)n;
+    return;
   }
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n < 0) send_os_error(s->id, OP_FILE_READ, errno, "read");
+  else {
+    uint8_t t[8];
+    pv_wr64(t, s->total);
+    respond(s->id, OP_FILE_READ, t, 8);
+  }
+  drop_fstream(s);
+}
+
+/* The wire's file type of a st_mode (docs/agent-protocol.md, FILE_STAT). */
+static uint8_t file_type(mode_t m) {
+  return S_ISREG(m) ? 1 : S_ISDIR(m) ? 2 : S_ISLNK(m) ? 3 : S_ISFIFO(m) ? 4 : S_ISSOCK(m) ? 5 : S_ISCHR(m) ? 6 : S_ISBLK(m) ? 7 : 0;
+}
+static uint8_t dirent_type(unsigned char t) {
+  return t == DT_REG ? 1 : t == DT_DIR ? 2 : t == DT_LNK ? 3 : t == DT_FIFO ? 4 : t == DT_SOCK ? 5 : t == DT_CHR ? 6 : t == DT_BLK ? 7 : 0;
+}
+static int64_t mtime_ns(const struct stat *st) { return (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec; }
+
+/* FILE_LIST {str path} -> chunks (flags 1) of whole entries, then {u64 entries}; "." and ".."
+ * are left out. An entry (PV_ENTRY_HDR + name): {u16 nameLen, u8 type, u8 0, u32 mode, u64 size,
+ * i64 mtimeNs, name}, from lstat; one that vanished meanwhile is left out, one that cannot be
+ * lstat'ed has its d_type and zeros. */
+static void op_file_list(uint32_t id, const uint8_t *p, size_t n) {
+  char *path = take_path(id, OP_FILE_LIST, &p, p + n, "FILE_LIST path");
+  if (!path) return;
+  int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NONBLOCK);
+  DIR *d = fd < 0 ? NULL : fdopendir(fd);
+  if (!d) {
+    send_os_error(id, OP_FILE_LIST, errno, path);
+    if (fd >= 0) close(fd);
+  } else {
+    struct fstream *s = new_fstream(id, OP_FILE_LIST, FS_LIST);
+    if (s) s->dir = d;
+    else closedir(d);
+  }
+  free(path);
+}
+
+/* Puts one chunk of entries of a FILE_LIST in the output queue; ends it at the directory's end. */
+static void pump_list(struct fstream *s) {
+  uint8_t *c = chunk_space();
+  size_t used = 0;
+  int err = 0, end = 0;
+  while (used + PV_ENTRY_HDR + 255 <= CHUNK_MAX) {
+    errno = 0;
+    struct dirent *e = readdir(s->dir);
+    if (!e) {
+      err = errno;
+      end = 1;
+      break;
+    }
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    size_t nl = strlen(e->d_name);
+    if (nl > 255) continue; /* not Linux's NAME_MAX: not a name this protocol carries */
+    struct stat st;
+    int got = !fstatat(dirfd(s->dir), e->d_name, &st, AT_SYMLINK_NOFOLLOW);
+    if (!got && errno == ENOENT) continue;
+    pv_entry_put(c + used, (const uint8_t *)e->d_name, (uint16_t)nl, got ? file_type(st.st_mode) : dirent_type(e->d_type), got ? (uint32_t)(st.st_mode & 07777) : 0,
+                 got ? (uint64_t)st.st_size : 0, got ? mtime_ns(&st) : 0);
+    used += PV_ENTRY_HDR + nl;
+    s->total++;
+  }
+  if (used) chunk_commit(s->id, OP_FILE_LIST, CH_STDOUT, used);
+  if (!end) return;
+  if (err) send_os_error(s->id, OP_FILE_LIST, err, "readdir");
+  else {
+    uint8_t t[8];
+    pv_wr64(t, s->total);
+    respond(s->id, OP_FILE_LIST, t, 8);
+  }
+  drop_fstream(s);
+}
+
+/* FILE_STAT {u32 flags (1: follow a symlink), str path} -> {u32 type, u32 mode, u32 uid, u32 gid,
+ * u64 size, i64 mtimeNs, str target (a symlink's, else empty)}. */
+static void op_file_stat(uint32_t id, const uint8_t *p, size_t n) {
+  const uint8_t *end = p + n;
+  if (n < 4) return send_error(id, OP_FILE_STAT, E_BADARG, "FILE_STAT payload shorter than 4 bytes");
+  uint32_t flags = pv_rd32(p);
+  p += 4;
+  char *path = take_path(id, OP_FILE_STAT, &p, end, "FILE_STAT path");
+  if (!path) return;
+  struct stat st;
+  if ((flags & 1) ? stat(path, &st) : lstat(path, &st)) {
+    send_os_error(id, OP_FILE_STAT, errno, path);
+    free(path);
+    return;
+  }
+  static char target[PV_PATH_MAX];
+  ssize_t tl = S_ISLNK(st.st_mode) ? readlink(path, target, sizeof target - 1) : 0;
+  if (tl < 0) tl = 0; /* replaced meanwhile: no target to say */
+  uint8_t r[36];
+  pv_wr32(r, file_type(st.st_mode));
+  pv_wr32(r + 4, st.st_mode & 07777);
+  pv_wr32(r + 8, st.st_uid);
+  pv_wr32(r + 12, st.st_gid);
+  pv_wr64(r + 16, (uint64_t)st.st_size);
+  pv_wr64(r + 24, (uint64_t)mtime_ns(&st));
+  pv_wr32(r + 32, (uint32_t)tl);
+  send_frame(T_RESPONSE, id, OP_FILE_STAT, 0, r, sizeof r, target, (size_t)tl);
+  free(path);
 }
 
 static int mkdir_parents(char *path) {
@@ -610,26 +790,120 @@ static int mkdir_parents(char *path) {
   return 0;
 }
 
+/* FILE_MKDIR {u32 flags (1: recursive), u32 mode, str path} -> {}. The mode (0: 0755) is set
+ * exactly, not masked by the umask; recursive creates missing parents (0755) and takes an existing
+ * directory as done. */
+static void op_file_mkdir(uint32_t id, const uint8_t *p, size_t n) {
+  const uint8_t *end = p + n;
+  if (n < 8) return send_error(id, OP_FILE_MKDIR, E_BADARG, "FILE_MKDIR payload shorter than 8 bytes");
+  uint32_t flags = pv_rd32(p), mode = pv_rd32(p + 4) & 07777;
+  p += 8;
+  char *path = take_path(id, OP_FILE_MKDIR, &p, end, "FILE_MKDIR path");
+  if (!path) return;
+  if (!mode) mode = 0755;
+  struct stat st;
+  if ((flags & 1) && mkdir_parents(path)) send_os_error(id, OP_FILE_MKDIR, errno, path);
+  else if (!mkdir(path, mode)) {
+    if (chmod(path, mode)) send_os_error(id, OP_FILE_MKDIR, errno, path);
+    else respond(id, OP_FILE_MKDIR, NULL, 0);
+  } else if ((flags & 1) && errno == EEXIST && !stat(path, &st) && S_ISDIR(st.st_mode)) respond(id, OP_FILE_MKDIR, NULL, 0);
+  else send_os_error(id, OP_FILE_MKDIR, errno, path);
+  free(path);
+}
+
+#define REMOVE_MAX_DEPTH 256
+
+/* Removes the tree at name (relative to dirfd) without following symlinks: a directory's
+ * entries first (at most REMOVE_MAX_DEPTH levels down), then the directory. 0, or -1 with errno
+ * set and `where` naming the entry that failed. */
+static int remove_tree(int dirfd, const char *name, int depth, uint64_t *removed, const char **where) {
+  *where = name;
+  if (!unlinkat(dirfd, name, 0)) return (*removed)++, 0;
+  if (errno != EISDIR && errno != EPERM) return -1; /* unlink(2) of a directory is EISDIR (EPERM by POSIX) */
+  if (depth >= REMOVE_MAX_DEPTH) return errno = ELOOP, -1;
+  int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return -1;
+  DIR *d = fdopendir(fd);
+  if (!d) {
+    close(fd);
+    return -1;
+  }
+  for (;;) {
+    errno = 0;
+    struct dirent *e = readdir(d);
+    if (!e) break;
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    if (remove_tree(fd, e->d_name, depth + 1, removed, where)) {
+      int err = errno;
+      closedir(d);
+      return errno = err, -1;
+    }
+  }
+  int err = errno;
+  closedir(d);
+  *where = name;
+  if (err) return errno = err, -1;
+  if (unlinkat(dirfd, name, AT_REMOVEDIR)) return -1;
+  return (*removed)++, 0;
+}
+
+/* FILE_REMOVE {u32 flags (1: recursive), str path} -> {u64 removed}. Without recursive: a file,
+ * symlink or empty directory. Recursive: the whole tree, symlinks removed, never followed; the
+ * first failure stops it (what was removed stays removed) and names its entry. */
+static void op_file_remove(uint32_t id, const uint8_t *p, size_t n) {
+  const uint8_t *end = p + n;
+  if (n < 4) return send_error(id, OP_FILE_REMOVE, E_BADARG, "FILE_REMOVE payload shorter than 4 bytes");
+  uint32_t flags = pv_rd32(p);
+  p += 4;
+  char *path = take_path(id, OP_FILE_REMOVE, &p, end, "FILE_REMOVE path");
+  if (!path) return;
+  uint64_t removed = 0;
+  const char *where = path;
+  struct stat st;
+  int rc;
+  if (flags & 1) rc = remove_tree(AT_FDCWD, path, 0, &removed, &where);
+  else if ((rc = lstat(path, &st)) == 0 && (rc = S_ISDIR(st.st_mode) ? rmdir(path) : unlink(path)) == 0) removed = 1;
+  if (rc) send_os_error(id, OP_FILE_REMOVE, errno, where);
+  else {
+    uint8_t r[8];
+    pv_wr64(r, removed);
+    respond(id, OP_FILE_REMOVE, r, 8);
+  }
+  free(path);
+}
+
+/* FILE_RENAME {str from, str to} -> {} (rename(2): `to` is replaced if it exists). */
+static void op_file_rename(uint32_t id, const uint8_t *p, size_t n) {
+  const uint8_t *end = p + n;
+  char *from = take_path(id, OP_FILE_RENAME, &p, end, "FILE_RENAME from");
+  if (!from) return;
+  char *to = take_path(id, OP_FILE_RENAME, &p, end, "FILE_RENAME to");
+  if (to) {
+    if (rename(from, to)) send_os_error(id, OP_FILE_RENAME, errno, from);
+    else respond(id, OP_FILE_RENAME, NULL, 0);
+  }
+  free(from);
+  free(to);
+}
+
 /*
- * FILE_WRITE {u32 flags, u32 mode, u32 pathLen, path, data...} -> {u64 bytesWritten}.
+ * FILE_WRITE {u32 flags, u32 mode, str path, data...} -> {u64 bytesWritten}.
  * Without APPEND it creates or truncates the file and sets its mode (0 means 0644); with APPEND
  * it appends. Files larger than one frame are a create frame followed by APPEND frames: each
- * frame is complete on its own, so the agent keeps no state between them.
+ * frame is complete on its own, so the agent keeps no state between them. Non-blocking: a FIFO
+ * without a reader is ENXIO, one that is full EAGAIN (FILE_WRITE_OPEN waits for those).
  */
 static void op_file_write(uint32_t id, const uint8_t *p, size_t n) {
   const uint8_t *end = p + n;
   if (n < 12) return send_error(id, OP_FILE_WRITE, E_BADARG, "FILE_WRITE payload shorter than 12 bytes");
   uint32_t flags = pv_rd32(p), mode = pv_rd32(p + 4) & 07777;
   p += 8;
-  char *path = take_str(&p, end);
-  if (!path || !path[0]) {
-    free(path);
-    return send_error(id, OP_FILE_WRITE, E_BADARG, "FILE_WRITE path malformed");
-  }
+  char *path = take_path(id, OP_FILE_WRITE, &p, end, "FILE_WRITE path");
+  if (!path) return;
   if (!mode) mode = 0644;
   int fd = -1;
   if ((flags & FW_MKDIRS) && mkdir_parents(path)) goto fail;
-  fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY | ((flags & FW_APPEND) ? O_APPEND : O_TRUNC), mode);
+  fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | ((flags & FW_APPEND) ? O_APPEND : O_TRUNC), mode);
   if (fd < 0) goto fail;
   if (!(flags & FW_APPEND) && fchmod(fd, mode)) goto fail; /* exact mode, whatever the umask or an old file said */
   size_t len = (size_t)(end - p);
@@ -653,6 +927,122 @@ fail:;
   if (fd >= 0) close(fd);
   send_os_error(id, OP_FILE_WRITE, e, path);
   free(path);
+}
+
+/*
+ * FILE_WRITE_OPEN {u32 flags, u32 mode, str path} (flags and mode as FILE_WRITE's) -> a chunk with
+ * flags 4 (OPENED) once the file is open; the request stays open as the write handle that
+ * WRITE_DATA and WRITE_CLOSE name, and ends with {u64 bytesWritten} at WRITE_CLOSE.
+ */
+static void op_file_write_open(uint32_t id, const uint8_t *p, size_t n) {
+  const uint8_t *end = p + n;
+  if (n < 8) return send_error(id, OP_FILE_WRITE_OPEN, E_BADARG, "FILE_WRITE_OPEN payload shorter than 8 bytes");
+  uint32_t flags = pv_rd32(p), mode = pv_rd32(p + 4) & 07777;
+  p += 8;
+  char *path = take_path(id, OP_FILE_WRITE_OPEN, &p, end, "FILE_WRITE_OPEN path");
+  if (!path) return;
+  if (!mode) mode = 0644;
+  int fd = -1;
+  struct fstream *s;
+  if (((flags & FW_MKDIRS) && mkdir_parents(path)) ||
+      (fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | ((flags & FW_APPEND) ? O_APPEND : O_TRUNC), mode)) < 0 ||
+      (!(flags & FW_APPEND) && fchmod(fd, mode))) {
+    send_os_error(id, OP_FILE_WRITE_OPEN, errno, path);
+  } else if ((s = new_fstream(id, OP_FILE_WRITE_OPEN, FS_WRITE))) {
+    s->fd = fd;
+    fd = -1;
+    send_frame(T_CHUNK, id, OP_FILE_WRITE_OPEN, CH_STARTED, NULL, 0, NULL, 0);
+  }
+  if (fd >= 0) close(fd);
+  free(path);
+}
+
+/* Writes what the pending WRITE_DATA holds while the fd takes it; answers it once all is in, then
+ * a WRITE_CLOSE waiting behind it (the handle's request ends there). */
+static void write_progress(struct fstream *s) {
+  while (s->wpending && s->woff < s->wlen) {
+    ssize_t w = write(s->fd, s->wdata + s->woff, s->wlen - s->woff);
+    if (w > 0) {
+      s->woff += (size_t)w;
+      s->total += (uint64_t)w;
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && errno == EAGAIN) return; /* the poll loop waits for POLLOUT */
+    send_os_error(s->wreq, OP_FILE_WRITE_DATA, errno, "write");
+    s->wpending = 0;
+    break;
+  }
+  if (s->wpending) {
+    uint8_t r[8];
+    pv_wr64(r, s->wlen);
+    respond(s->wreq, OP_FILE_WRITE_DATA, r, 8);
+    s->wpending = 0;
+  }
+  free(s->wdata);
+  s->wdata = NULL;
+  if (!s->close_pending) return;
+  int fd = s->fd;
+  s->fd = -1;
+  if (close(fd)) {
+    send_os_error(s->close_req, OP_FILE_WRITE_CLOSE, errno, "close");
+    send_os_error(s->id, OP_FILE_WRITE_OPEN, errno, "close");
+  } else {
+    respond(s->close_req, OP_FILE_WRITE_CLOSE, NULL, 0);
+    uint8_t r[8];
+    pv_wr64(r, s->total);
+    respond(s->id, OP_FILE_WRITE_OPEN, r, 8);
+  }
+  s->close_pending = 0;
+  drop_fstream(s);
+}
+
+/* The open write handle a request names, or NULL after answering error 2 or 7. */
+static struct fstream *write_arg(uint32_t id, uint16_t op, const uint8_t *p, size_t n) {
+  if (n < 4) {
+    send_error(id, op, E_BADARG, "payload shorter than 4 bytes");
+    return NULL;
+  }
+  struct fstream *s = find_fstream(pv_rd32(p));
+  if (!s || s->kind != FS_WRITE || s->close_pending) {
+    send_error(id, op, E_NOPROC, "no open write handle %u", pv_rd32(p));
+    return NULL;
+  }
+  return s;
+}
+
+/* FILE_WRITE_DATA {u32 handle, data...} -> {u64 bytesWritten} once the file has taken all of it;
+ * one pending per handle (a second is error 8): the host sends the next after the answer. */
+static void op_file_write_data(uint32_t id, const uint8_t *p, size_t n) {
+  struct fstream *s = write_arg(id, OP_FILE_WRITE_DATA, p, n);
+  if (!s) return;
+  if (s->wpending) return send_error(id, OP_FILE_WRITE_DATA, E_BUSY, "a FILE_WRITE_DATA to handle %u is still pending", s->id);
+  s->wlen = n - 4;
+  s->woff = 0;
+  s->wdata = xmalloc(s->wlen);
+  memcpy(s->wdata, p + 4, s->wlen);
+  s->wreq = id;
+  s->wpending = 1;
+  write_progress(s);
+}
+
+/* FILE_WRITE_CLOSE {u32 handle} -> {} once the pending data went in and the file is closed; the
+ * handle's FILE_WRITE_OPEN then ends with {u64 bytesWritten} (both error 6 if close(2) fails). */
+static void op_file_write_close(uint32_t id, const uint8_t *p, size_t n) {
+  struct fstream *s = write_arg(id, OP_FILE_WRITE_CLOSE, p, n);
+  if (!s) return;
+  s->close_req = id;
+  s->close_pending = 1;
+  if (!s->wpending) write_progress(s);
+}
+
+/* FILE_CANCEL {u32 stream} -> {}: ends an open FILE_READ, FILE_LIST or write handle with error 10
+ * (and its pending WRITE_DATA); what a write handle wrote stays. `{}` too if it has ended already. */
+static void op_file_cancel(uint32_t id, const uint8_t *p, size_t n) {
+  if (n < 4) return send_error(id, OP_FILE_CANCEL, E_BADARG, "FILE_CANCEL payload shorter than 4 bytes");
+  struct fstream *s = find_fstream(pv_rd32(p));
+  if (s) end_fstream(s, E_CANCELLED, "cancelled by the host");
+  respond(id, OP_FILE_CANCEL, NULL, 0);
 }
 
 /* MEMINFO {} -> {u64 memTotalKb, u64 memFreeKb, u64 memAvailableKb, u64 cachedKb} from /proc/meminfo. */
@@ -725,7 +1115,8 @@ static void op_shutdown(uint32_t id) {
  * 2. The wall clock is set to the host's (the guest's clocks went on from the snapshot's instant).
  * 3. What was in flight is the snapshotted VM's: processes keep running, detached (stdin closed,
  *    since nobody will write it; output drained and dropped; the EXEC's final frame still sent);
- *    a pending STDIN_WRITE and every FILE_READ still open end with error 9.
+ *    a pending STDIN_WRITE and every file stream still open (FILE_READ, FILE_LIST, a write handle
+ *    and its pending FILE_WRITE_DATA) end with error 9.
  */
 static void op_restored(uint32_t id, const uint8_t *p, size_t n) {
   if (n < 16 + RESTORED_MIN_ENTROPY || n > 16 + RESTORED_MAX_ENTROPY)
@@ -769,14 +1160,7 @@ static void op_restored(uint32_t id, const uint8_t *p, size_t n) {
     }
     close_fd(&pr->in_fd);
   }
-  while (reads) {
-    struct fread_ *r = reads;
-    send_error(r->id, OP_FILE_READ, E_RESTORED, "this VM was restored from a snapshot; the read was asked for before it");
-    close(r->fd);
-    reads = r->next;
-    free(r);
-    ended++;
-  }
+  while (fstreams) ended += end_fstream(fstreams, E_RESTORED, "this VM was restored from a snapshot; the file stream was opened before it");
   uint8_t r[16];
   pv_wr32(r, 1);
   pv_wr32(r + 4, GUEST_KIND_LINUX);
@@ -796,6 +1180,15 @@ static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n)
   case OP_KILL: return op_kill(id, p, n);
   case OP_FILE_READ: return op_file_read(id, p, n);
   case OP_FILE_WRITE: return op_file_write(id, p, n);
+  case OP_FILE_LIST: return op_file_list(id, p, n);
+  case OP_FILE_STAT: return op_file_stat(id, p, n);
+  case OP_FILE_MKDIR: return op_file_mkdir(id, p, n);
+  case OP_FILE_REMOVE: return op_file_remove(id, p, n);
+  case OP_FILE_RENAME: return op_file_rename(id, p, n);
+  case OP_FILE_WRITE_OPEN: return op_file_write_open(id, p, n);
+  case OP_FILE_WRITE_DATA: return op_file_write_data(id, p, n);
+  case OP_FILE_WRITE_CLOSE: return op_file_write_close(id, p, n);
+  case OP_FILE_CANCEL: return op_file_cancel(id, p, n);
   case OP_MEMINFO: return op_meminfo(id);
   case OP_DROP_CACHES: return op_drop_caches(id, p, n);
   case OP_SHUTDOWN: return op_shutdown(id);
@@ -991,26 +1384,34 @@ int main(int argc, char **argv) {
 
   struct pollfd *pfd = NULL;
   struct proc **pproc = NULL;
+  struct fstream **pfs = NULL;
   size_t pcap = 0;
   for (;;) {
     flush_out();
-    size_t need = 2 + 3 * (size_t)nprocs;
+    size_t need = 2 + 3 * (size_t)nprocs + (size_t)nfstreams;
     if (need > pcap) {
       pcap = need * 2;
       pfd = realloc(pfd, pcap * sizeof *pfd);
       pproc = realloc(pproc, pcap * sizeof *pproc);
-      if (!pfd || !pproc) die("realloc");
+      pfs = realloc(pfs, pcap * sizeof *pfs);
+      if (!pfd || !pproc || !pfs) die("realloc");
     }
     int streams = out.len < OUT_STOP_STREAMS;
     pfd[0] = (struct pollfd){.fd = chan, .events = (short)((out.len ? POLLOUT : 0) | (out.len < OUT_STOP_INPUT ? POLLIN : 0))};
     pfd[1] = (struct pollfd){.fd = sfd, .events = POLLIN};
     size_t np = 2;
     for (struct proc *pr = procs; pr; pr = pr->next) {
-      if (streams && pr->out_fd >= 0) pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->out_fd, .events = POLLIN};
-      if (streams && pr->err_fd >= 0) pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->err_fd, .events = POLLIN};
-      if (pr->in_fd >= 0 && pr->wpending) pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->in_fd, .events = POLLOUT};
+      if (streams && pr->out_fd >= 0) pfs[np] = NULL, pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->out_fd, .events = POLLIN};
+      if (streams && pr->err_fd >= 0) pfs[np] = NULL, pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->err_fd, .events = POLLIN};
+      if (pr->in_fd >= 0 && pr->wpending) pfs[np] = NULL, pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->in_fd, .events = POLLOUT};
     }
-    int rc = poll(pfd, np, reads && streams ? 0 : -1);
+    /* a regular file is always readable and writable; a FIFO waits here for its other end */
+    for (struct fstream *s = fstreams; s; s = s->next) {
+      if (s->kind == FS_READ && streams) pproc[np] = NULL, pfs[np] = s, pfd[np++] = (struct pollfd){.fd = s->fd, .events = POLLIN};
+      if (s->kind == FS_WRITE && s->wpending) pproc[np] = NULL, pfs[np] = s, pfd[np++] = (struct pollfd){.fd = s->fd, .events = POLLOUT};
+    }
+    /* a directory is not pollable: while a FILE_LIST can go on, poll only looks */
+    int rc = poll(pfd, np, nlists && streams ? 0 : -1);
     if (rc < 0 && errno != EINTR) die("poll");
     if (rc < 0) continue;
 
@@ -1022,11 +1423,19 @@ int main(int argc, char **argv) {
     for (size_t i = 2; i < np; i++) {
       if (!pfd[i].revents) continue;
       struct proc *pr = pproc[i];
-      if (pfd[i].fd == pr->out_fd) pump_pipe(pr, &pr->out_fd, CH_STDOUT);
+      if (pfs[i]) {
+        /* each stream has one entry; serving it may end it, which frees it */
+        if (pfs[i]->kind == FS_READ) {
+          if (out.len < OUT_STOP_STREAMS) pump_read(pfs[i]);
+        } else write_progress(pfs[i]);
+      } else if (pfd[i].fd == pr->out_fd) pump_pipe(pr, &pr->out_fd, CH_STDOUT);
       else if (pfd[i].fd == pr->err_fd) pump_pipe(pr, &pr->err_fd, CH_STDERR);
       else if (pfd[i].fd == pr->in_fd) stdin_progress(pr);
     }
-    pump_reads();
+    for (struct fstream *s = fstreams, *next; s && out.len < OUT_STOP_STREAMS; s = next) {
+      next = s->next;
+      if (s->kind == FS_LIST) pump_list(s);
+    }
     if (pfd[0].revents & POLLOUT) flush_out();
     if (pfd[0].revents & POLLIN) {
       for (;;) {

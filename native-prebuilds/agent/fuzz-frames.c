@@ -10,8 +10,10 @@
  * 2. streams of random bytes and of valid frames with random bytes changed, cut at random points:
  *    every frame served lies inside the bytes received and within the payload limit, the bytes
  *    used never exceed those held, and what is held never exceeds one largest frame;
- * 3. request strings (pv_take_str) and EXEC's counts (pv_exec_counts_fit) over random payloads
- *    agree with a plain reference, and a string never reaches past its payload.
+ * 3. request strings (pv_take_str), files paths (pv_take_path) and EXEC's counts
+ *    (pv_exec_counts_fit) over random payloads agree with a plain reference, and a string never
+ *    reaches past its payload;
+ * 4. a FILE_LIST entry (pv_entry_put) writes exactly its bytes and reads back as written.
  *
  * usage: fuzz-frames SEED [ROUNDS]; prints the seed first, so a failure reruns from it.
  */
@@ -226,6 +228,20 @@ static void property_payload_fields(void) {
     CHECK(len == ref_len && str == before + 4 && p == str + len && p <= end, "string of %u bytes, the reference %zu", len, ref_len);
     CHECK(!memchr(str, 0, len), "a NUL inside an accepted string");
   }
+  /* the same payload read as files paths (pv_take_path): a string of 1 to PV_PATH_MAX - 1 bytes */
+  for (p = pl; p <= end;) {
+    size_t ref_len = 0;
+    int ref = ref_take_str(p, (size_t)(end - p), &ref_len) && ref_len >= 1 && ref_len < PV_PATH_MAX;
+    const uint8_t *before = p, *str = NULL;
+    uint32_t len = 0;
+    int got = pv_take_path(&p, end, &str, &len);
+    CHECK(got == ref, "pv_take_path says %d, the reference %d", got, ref);
+    if (!got) {
+      CHECK(p == before, "a refused path moved the cursor");
+      break;
+    }
+    CHECK(len == ref_len && str == before + 4 && p == str + len && p <= end && len < PV_PATH_MAX, "path of %u bytes, the reference %zu", len, ref_len);
+  }
   uint32_t flags, argc, envc;
   int fit = pv_exec_counts_fit(pl, n, &flags, &argc, &envc);
   if (n >= 16) {
@@ -235,6 +251,24 @@ static void property_payload_fields(void) {
     if (fit) CHECK((uint64_t)argc + envc <= n / 4, "counts %u + %u beyond a %zu-byte payload", argc, envc, n);
   } else CHECK(!fit, "EXEC counts fit a %zu-byte payload", n);
   free(pl);
+}
+
+/* A FILE_LIST entry (pv_entry_put) fills exactly PV_ENTRY_HDR + nameLen bytes (the buffer is that
+ * size: a byte more is a sanitizer error) and reads back as written. */
+static void property_list_entry(void) {
+  uint8_t name[255];
+  uint16_t nl = (uint16_t)(1 + below(255));
+  for (uint16_t i = 0; i < nl; i++) name[i] = (uint8_t)(1 + below(255));
+  uint8_t type = (uint8_t)below(8);
+  uint32_t mode = below(07777 + 1);
+  uint64_t size = next64(), mt = next64();
+  uint8_t *e = malloc(PV_ENTRY_HDR + nl);
+  CHECK(e != NULL, "malloc");
+  pv_entry_put(e, name, nl, type, mode, size, (int64_t)mt);
+  uint64_t size_back = 0, mt_back = 0;
+  for (int i = 0; i < 8; i++) size_back |= (uint64_t)e[8 + i] << 8 * i, mt_back |= (uint64_t)e[16 + i] << 8 * i;
+  CHECK(pv_rd16(e) == nl && e[2] == type && e[3] == 0 && pv_rd32(e + 4) == mode && size_back == size && mt_back == mt && !memcmp(e + PV_ENTRY_HDR, name, nl), "entry of a %u-byte name reads back otherwise", nl);
+  free(e);
 }
 
 int main(int argc, char **argv) {
@@ -251,6 +285,7 @@ int main(int argc, char **argv) {
     property_valid_streams();
     property_hostile_streams();
     for (int k = 0; k < 20; k++) property_payload_fields();
+    property_list_entry();
   }
   printf("fuzz-frames: ok, %ld rounds of each property\n", rounds);
   return 0;

@@ -4,19 +4,19 @@
  */
 import { randomBytes } from 'node:crypto';
 import { constants as osConstants } from 'node:os';
-import { Readable } from 'node:stream';
-import { GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
+import { Readable, Writable } from 'node:stream';
+import { pipeline } from 'node:stream/promises';
+import { AbortError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { parseTimeoutMs } from '../units';
+import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
   Exec = 0x0201,
   StdinWrite = 0x0202,
   StdinClose = 0x0203,
   Kill = 0x0204,
-  FileRead = 0x0210,
-  FileWrite = 0x0211,
   MemInfo = 0x0220,
   DropCaches = 0x0221,
   Shutdown = 0x0230,
@@ -56,14 +56,41 @@ const KILL_GRACE_MS = 5_000;
 export interface RequestTimeout {
   /**
    * Reject with a {@link TimeoutError} if the agent has not answered after this long (for a write
-   * of a file or of stdin, per frame of 512 KiB; for a read, the whole file). A whole number of
-   * milliseconds, 1 to 2^31-1. Default 30000.
+   * of a file or of stdin, per frame of 512 KiB; for a read or a listing, the whole of it). A
+   * whole number of milliseconds, 1 to 2^31-1. Default 30000.
    */
   timeoutMs?: number;
 }
 
+/** Options of a files call: its timeout, and a signal that cancels it. */
+export interface FilesCallOptions extends RequestTimeout {
+  /**
+   * Aborting rejects the call with an {@link AbortError} (at once if the signal has already
+   * aborted: nothing is sent) and closes what it opened in the guest (a file being read or
+   * written, a directory being listed). An operation the agent does at once (stat, mkdir, remove,
+   * rename) is not undone if it was already sent.
+   */
+  signal?: AbortSignal;
+}
+
 function requestTimeout(options: RequestTimeout | undefined): number {
   return options?.timeoutMs === undefined ? DEFAULT_REQUEST_TIMEOUT_MS : parseTimeoutMs('timeoutMs', options.timeoutMs);
+}
+
+/** The `signal` option: absent, or an AbortSignal. */
+function abortSignal(value: unknown): AbortSignal | undefined {
+  if (value === undefined || value instanceof AbortSignal) return value;
+  throw new InvalidOptionError('signal', `expected an AbortSignal, got ${value === null ? 'null' : typeof value}`);
+}
+
+/** The error of a call that `signal` aborted. */
+function aborted(what: string, signal: AbortSignal): AbortError {
+  return new AbortError(`${what} was aborted`, { cause: signal.reason });
+}
+
+/** The timeout and signal of a files call, checked. */
+function callLimits(options: FilesCallOptions): { timeoutMs: number; signal: AbortSignal | undefined } {
+  return { timeoutMs: requestTimeout(options), signal: abortSignal(options.signal) };
 }
 
 /** A command: an argv array, or a string that `/bin/sh -c` runs. */
@@ -77,6 +104,17 @@ export interface SpawnOptions {
   cwd?: string;
   /** Keep stdin open for {@link GuestProcess.write}. Default false: stdin is /dev/null. */
   stdin?: boolean;
+  /**
+   * Kill the process (SIGKILL) after this long, and reject {@link GuestProcess.exited} with a
+   * {@link TimeoutError} (a whole number of milliseconds, 1 to 2^31-1); if the guest does not
+   * report the end of the killed process within 5 s more, `exited` rejects anyway. Default: no limit.
+   */
+  timeoutMs?: number;
+  /**
+   * Aborting kills the process (SIGKILL) and rejects {@link GuestProcess.exited} with an
+   * {@link AbortError}; a signal that has already aborted starts nothing.
+   */
+  signal?: AbortSignal;
 }
 
 /** Options of {@link Vm.exec}. */
@@ -91,7 +129,7 @@ export interface ExecOptions {
    * 5 s more, reject anyway. Default: no limit.
    */
   timeoutMs?: number;
-  /** Aborting kills the command (SIGKILL) and rejects with the signal's reason. */
+  /** Aborting kills the command (SIGKILL) and rejects with an {@link AbortError}. */
   signal?: AbortSignal;
   /**
    * The most bytes of stdout, and of stderr, that are collected: beyond it the command is killed
@@ -107,12 +145,12 @@ const DEFAULT_MAX_BUFFER = 1024 * 1024;
 /** Default of the `maxBytes` of {@link GuestFiles.read}. */
 const DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024;
 
-/** A byte limit option: a whole number of bytes from 0, or Infinity. */
-function byteLimit(option: string, value: unknown, fallback: number): number {
+/** A limit option: a whole number (of bytes, or `unit`) from 0, or Infinity. */
+function byteLimit(option: string, value: unknown, fallback: number, unit = 'bytes'): number {
   if (value === undefined) return fallback;
   if (value === Infinity) return Infinity;
   if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < 0) {
-    throw new InvalidOptionError(option, `expected a whole number of bytes or Infinity, got ${typeof value === 'string' ? JSON.stringify(value) : String(value)}`);
+    throw new InvalidOptionError(option, `expected a whole number of ${unit} or Infinity, got ${typeof value === 'string' ? JSON.stringify(value) : String(value)}`);
   }
   return value;
 }
@@ -147,12 +185,6 @@ function str(s: string, what: string): Buffer {
   const len = Buffer.alloc(4);
   len.writeUInt32LE(bytes.length, 0);
   return Buffer.concat([len, bytes]);
-}
-
-function u32s(...values: number[]): Buffer {
-  const b = Buffer.alloc(4 * values.length);
-  values.forEach((v, i) => b.writeUInt32LE(v >>> 0, 4 * i));
-  return b;
 }
 
 /** `bytes` cut into frame-sized chunks; at least one, so that empty data is still sent once. */
@@ -223,11 +255,17 @@ export class GuestProcess {
   private stdinQueue: Promise<unknown> = Promise.resolve();
   /** The EXEC's request id, which names the process in STDIN_WRITE, STDIN_CLOSE and KILL. */
   private readonly handle: number;
+  /** Why the host killed the process (its timeout, its signal, exec's maxBuffer): `exited` rejects with it. */
+  private stoppedFor: Error | undefined;
+  /** Rejects `exited` when the guest does not report the killed process's end in time. */
+  private gaveUp!: (e: Error) => void;
+  private grace: NodeJS.Timeout | undefined;
 
   /** @internal */
   constructor(
     private readonly agent: AgentClient,
     argvPayload: Buffer,
+    limits: { timeoutMs?: number; signal?: AbortSignal } = {},
   ) {
     const stdout = (this.stdout = guestOutput(agent));
     const stderr = (this.stderr = guestOutput(agent));
@@ -239,7 +277,8 @@ export class GuestProcess {
     });
     // A command the guest refused never starts: `pid` rejects with `exited`'s reason.
     this.pid.catch(() => {});
-    const req = agent.start(LinuxOp.Exec, argvPayload, {
+    const { signal, timeoutMs } = limits;
+    const req = signal?.aborted ? { id: 0, done: Promise.reject(aborted('the command', signal)) } : agent.start(LinuxOp.Exec, argvPayload, {
       onChunk: (flags, payload) => {
         // A STARTED chunk too short for a pid is the guest's mistake: ignored, never a throw out
         // of the receive path (which would end the VM as a VMM error).
@@ -250,7 +289,7 @@ export class GuestProcess {
       },
     });
     this.handle = req.id;
-    this.exited = req.done.then(
+    const ended = req.done.then(
       (r) => {
         endOutput(agent, stdout);
         endOutput(agent, stderr);
@@ -272,8 +311,45 @@ export class GuestProcess {
         throw e;
       },
     );
-    // A caller that only awaits `exited` must not see an unhandled rejection from `pid`.
-    this.exited.catch(() => {});
+    // A guest that does not report the killed process's end must not hold the caller forever.
+    const abandoned = new Promise<never>((_, reject) => (this.gaveUp = reject));
+    const timer = timeoutMs === undefined ? undefined : setTimeout(() => this.stop(new TimeoutError(`command did not finish within ${timeoutMs} ms; it was killed`)), timeoutMs);
+    const onAbort = () => this.stop(aborted('the command', signal!));
+    if (req.id) signal?.addEventListener('abort', onAbort, { once: true });
+    this.exited = Promise.race([ended, abandoned]).then(
+      (status) => {
+        if (this.stoppedFor) throw this.stoppedFor;
+        return status;
+      },
+      (e: Error) => {
+        throw this.stoppedFor ?? e;
+      },
+    );
+    this.exited
+      .finally(() => {
+        if (timer) clearTimeout(timer);
+        if (this.grace) clearTimeout(this.grace);
+        signal?.removeEventListener('abort', onAbort);
+      })
+      // A caller that only awaits `exited` must not see an unhandled rejection from `pid`.
+      .catch(() => {});
+  }
+
+  /**
+   * Kills the process (SIGKILL) for `reason`, which `exited` then rejects with (after the guest
+   * reports the end, or 5 s without it). The first reason wins.
+   * @internal
+   */
+  stop(reason: Error): void {
+    if (this.stoppedFor) return;
+    this.stoppedFor = reason;
+    this.kill('SIGKILL').catch(() => {});
+    this.grace = setTimeout(() => this.gaveUp(reason), KILL_GRACE_MS);
+  }
+
+  /** True once the host has killed the process for a reason of its own ({@link stop}). @internal */
+  get stopped(): boolean {
+    return this.stoppedFor !== undefined;
   }
 
   /**
@@ -316,8 +392,14 @@ export class LinuxGuest {
     this.files = new GuestFiles(agent);
   }
 
-  /** Starts a command and returns at once; output streams as it comes. */
+  /**
+   * Starts a command and returns at once; output streams as it comes. With `timeoutMs` or
+   * `signal` the process is killed when either fires, and `exited` rejects with a
+   * {@link TimeoutError} or an {@link AbortError}.
+   */
   spawn(command: Command, options: SpawnOptions = {}): GuestProcess {
+    const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
+    const signal = abortSignal(options.signal);
     const argv = typeof command === 'string' ? ['/bin/sh', '-c', command] : [...command];
     if (!argv.length || !argv[0]) throw new InvalidOptionError('command', 'empty command');
     const env = Object.entries(options.env ?? {}).map(([k, v]) => {
@@ -331,56 +413,33 @@ export class LinuxGuest {
       ...env.map((e) => str(e, 'env')),
     ]);
     if (payload.length > MAX_PAYLOAD_BYTES) throw new InvalidOptionError('command', 'command line and environment exceed 1 MiB');
-    return new GuestProcess(this.agent, payload);
+    return new GuestProcess(this.agent, payload, { timeoutMs, signal });
   }
 
   /** Runs a command to its end and collects its output. */
   async exec(command: Command, options: ExecOptions = {}): Promise<ExecResult> {
-    options.signal?.throwIfAborted();
-    const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const maxBuffer = byteLimit('maxBuffer', options.maxBuffer, DEFAULT_MAX_BUFFER);
-    let stop: Error | undefined;
-    const p = this.spawn(command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined });
+    const p = this.spawn(command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal });
     const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
     const sizes = { stdout: 0, stderr: 0 };
     const collect = (name: 'stdout' | 'stderr') => (b: Buffer) => {
-      if (stop) return; // killed already: nothing more is kept
+      if (p.stopped) return; // killed already: nothing more is kept
       sizes[name] += b.length;
       if (sizes[name] > maxBuffer) {
-        killFor(new OutputLimitError(maxBuffer, `command wrote more than ${maxBuffer} bytes to ${name} (maxBuffer); it was killed`));
+        p.stop(new OutputLimitError(maxBuffer, `command wrote more than ${maxBuffer} bytes to ${name} (maxBuffer); it was killed`));
         return;
       }
       collected[name].push(b);
     };
-    if (options.stdin !== undefined) {
+    if (options.stdin !== undefined && !options.signal?.aborted) {
       p.write(options.stdin).then(() => p.end()).catch(() => {
         // The command may exit without reading its stdin (EPIPE): its exit status says enough.
       });
     }
     p.stdout.on('data', collect('stdout'));
     p.stderr.on('data', collect('stderr'));
-    // A guest that does not report the killed command's end must not hold the caller forever.
-    let gaveUp!: (e: Error) => void;
-    const abandoned = new Promise<never>((_, reject) => (gaveUp = reject));
-    let grace: NodeJS.Timeout | undefined;
-    const killFor = (e: Error) => {
-      if (stop) return;
-      stop = e;
-      p.kill('SIGKILL').catch(() => {});
-      grace = setTimeout(() => gaveUp(stop!), KILL_GRACE_MS);
-    };
-    const timer = timeoutMs === undefined ? undefined : setTimeout(() => killFor(new TimeoutError(`command did not finish within ${timeoutMs} ms; it was killed`)), timeoutMs);
-    const onAbort = () => killFor(options.signal!.reason instanceof Error ? options.signal!.reason : new Error('aborted'));
-    options.signal?.addEventListener('abort', onAbort, { once: true });
-    try {
-      const status = await Promise.race([p.exited, abandoned]);
-      if (stop) throw stop;
-      return { ...status, stdout: Buffer.concat(collected.stdout).toString('utf8'), stderr: Buffer.concat(collected.stderr).toString('utf8') };
-    } finally {
-      if (timer) clearTimeout(timer);
-      if (grace) clearTimeout(grace);
-      options.signal?.removeEventListener('abort', onAbort);
-    }
+    const status = await p.exited;
+    return { ...status, stdout: Buffer.concat(collected.stdout).toString('utf8'), stderr: Buffer.concat(collected.stderr).toString('utf8') };
   }
 
   /** MemTotal, MemFree, MemAvailable and Cached of the guest's /proc/meminfo. */
@@ -440,49 +499,123 @@ export class LinuxGuest {
   }
 }
 
-/** Reading and writing guest files. */
+/** Default of the `maxEntries` of {@link GuestFiles.list}. */
+const DEFAULT_MAX_ENTRIES = 100_000;
+/** How much a {@link GuestFiles.writeStream} buffers before its `write()` returns false. */
+const WRITE_STREAM_HIGH_WATER_BYTES = 1024 * 1024;
+/** The chunk that says a write handle's file is open (FILE_WRITE_OPEN). */
+const CHUNK_OPENED = 4;
+
+/** Options of {@link GuestFiles.read}. */
+export interface ReadOptions extends FilesCallOptions {
+  /** The most bytes kept: a larger file rejects with an {@link OutputLimitError}. A whole number or Infinity; default 256 MiB. */
+  maxBytes?: number;
+}
+
+/** Options of {@link GuestFiles.write} and {@link GuestFiles.writeStream}. */
+export interface WriteOptions extends FilesCallOptions {
+  /** The file's mode, set exactly (not masked by a umask), 0 to 0o7777; default 0o644. */
+  mode?: number;
+}
+
+/** Options of {@link GuestFiles.list}. */
+export interface ListOptions extends FilesCallOptions {
+  /** The most entries kept: a larger directory rejects with an {@link OutputLimitError}. A whole number or Infinity; default 100000. */
+  maxEntries?: number;
+}
+
+/** Options of {@link GuestFiles.stat}. */
+export interface StatOptions extends FilesCallOptions {
+  /** Describe what a symlink points to rather than the symlink itself. Default false (lstat). */
+  followSymlinks?: boolean;
+}
+
+/** Options of {@link GuestFiles.mkdir}. */
+export interface MkdirOptions extends FilesCallOptions {
+  /** Create missing parents too (mode 0o755), and take an existing directory as done. Default false. */
+  recursive?: boolean;
+  /** The directory's mode, set exactly (not masked by a umask), 0 to 0o7777; default 0o755. */
+  mode?: number;
+}
+
+/** Options of {@link GuestFiles.remove}. */
+export interface RemoveOptions extends FilesCallOptions {
+  /**
+   * Remove a directory with everything in it (up to 256 levels deep). Symlinks are removed, never
+   * followed. The first entry that cannot be removed stops it, and the error names that entry;
+   * what was removed before stays removed. Default false: a file, a symlink or an empty directory.
+   */
+  recursive?: boolean;
+}
+
+function flagOption(option: string, value: unknown): boolean {
+  if (value === undefined || typeof value === 'boolean') return value === true;
+  throw new InvalidOptionError(option, `expected true or false, got ${typeof value}`);
+}
+
+/** `promise`, or a {@link TimeoutError} saying `what` after `ms`. */
+function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new TimeoutError(`${what} within ${ms} ms`)), ms)));
+  return Promise.race([promise, late]).finally(() => clearTimeout(timer));
+}
+
+/**
+ * Files in the guest: read, write (whole or streamed), list, stat, mkdir, remove, rename. Every
+ * call takes `timeoutMs` and `signal` ({@link FilesCallOptions}); paths are 1 to 4095 bytes of
+ * UTF-8 without NUL, relative ones relative to `/`.
+ */
 export class GuestFiles {
   /** @internal */
   constructor(private readonly agent: AgentClient) {}
 
+  /** Tells the agent to close what request `id` opened (its answer does not matter). */
+  private cancel(id: number): void {
+    this.agent.request(FileOp.Cancel, u32s(id), { timeoutMs: DEFAULT_REQUEST_TIMEOUT_MS }).catch(() => {});
+  }
+
   /**
-   * The whole content of a regular file. A file larger than `maxBytes` (a whole number of bytes or
-   * Infinity; default 256 MiB) rejects with an {@link OutputLimitError} and what came is dropped.
+   * The whole content of a regular file (or what a FIFO's writers write until they close it). A
+   * file larger than `maxBytes` rejects with an {@link OutputLimitError} and what came is dropped.
+   * `timeoutMs` bounds the whole read; on it, on `signal` and on `maxBytes` the guest closes the file.
    */
-  async read(path: string, options: RequestTimeout & { maxBytes?: number } = {}): Promise<Buffer> {
+  async read(path: string, options: ReadOptions = {}): Promise<Buffer> {
     const maxBytes = byteLimit('maxBytes', options.maxBytes, DEFAULT_MAX_FILE_BYTES);
+    const { timeoutMs, signal } = callLimits(options);
     const parts: Buffer[] = [];
     let size = 0;
-    let tooLarge = false;
-    const r = await this.agent.request(LinuxOp.FileRead, str(path, 'path'), {
+    const req = this.agent.start(FileOp.Read, pathField(path), {
       onChunk: (_f, p) => {
         size += p.length;
-        if (size > maxBytes) tooLarge = true;
-        if (tooLarge) parts.length = 0; // what came is dropped; the rest is counted, not kept
-        else parts.push(Buffer.from(p));
+        if (size > maxBytes) {
+          parts.length = 0;
+          this.agent.giveUp(req.id, new OutputLimitError(maxBytes, `${path} is larger than ${maxBytes} bytes (maxBytes)`));
+        } else parts.push(Buffer.from(p));
       },
-      timeoutMs: requestTimeout(options),
+      onGiveUp: () => this.cancel(req.id),
+      timeoutMs,
+      signal,
     });
-    if (tooLarge) throw new OutputLimitError(maxBytes, `${path} is larger than ${maxBytes} bytes (maxBytes)`);
-    if (r.length < 8) throw new GuestRequestError(0, `the guest answered FILE_READ with ${r.length} bytes, 8 expected`);
+    const total = decodeCount(await req.done, 'FILE_READ');
     const data = Buffer.concat(parts);
-    const total = Number(r.readBigUInt64LE(0));
     if (total !== data.length) throw new GuestRequestError(0, `the guest said ${total} bytes but sent ${data.length} for ${path}`);
     return data;
   }
 
   /**
-   * A regular file's content as a stream, with backpressure to the guest: while the stream's
-   * buffer (1 MiB) is full the host takes nothing more from the guest, so a file of any size costs
-   * the host no more than that (as for {@link GuestProcess.stdout}, every other answer of this VM's
-   * agent waits meanwhile: consume or destroy the stream). It errors with the guest's
+   * A regular file's content (or a FIFO's) as a stream, with backpressure to the guest: while the
+   * stream's buffer (1 MiB) is full the host takes nothing more from the guest, so a file of any
+   * size costs the host no more than that (as for {@link GuestProcess.stdout}, every other answer of
+   * this VM's agent waits meanwhile: consume or destroy the stream). It errors with the guest's
    * {@link GuestRequestError} (no such file, not a regular file), with a {@link TimeoutError} when
-   * the guest sends nothing for `timeoutMs` while the stream wants more, and with a
-   * GuestRequestError if the guest's count of bytes differs from what it sent.
+   * the guest sends nothing for `timeoutMs` while the stream wants more, with an
+   * {@link AbortError} on `signal`, and with a GuestRequestError if the guest's count of bytes
+   * differs from what it sent. Destroying it before its end closes the file in the guest.
    */
-  readStream(path: string, options: RequestTimeout = {}): Readable {
-    const timeoutMs = requestTimeout(options);
-    const payload = str(path, 'path');
+  readStream(path: string, options: FilesCallOptions = {}): Readable {
+    const { timeoutMs, signal } = callLimits(options);
+    const payload = pathField(path);
+    if (signal?.aborted) return new Readable({ read() {} }).destroy(aborted(`reading ${path}`, signal)); // nothing sent
     let received = 0;
     let done = false;
     let timer: NodeJS.Timeout | undefined;
@@ -497,45 +630,64 @@ export class GuestFiles {
       timer = setTimeout(() => s.destroy(new TimeoutError(`the guest sent nothing of ${path} for ${timeoutMs} ms`)), timeoutMs);
     };
     const s = guestOutput(this.agent, arm);
-    s.once('close', disarm);
-    const finish = () => {
-      done = true;
+    const onAbort = () => s.destroy(aborted(`reading ${path}`, signal!));
+    const req = this.agent.start(FileOp.Read, payload, {
+      onChunk: (_f, p) => {
+        received += p.length;
+        if (deliver(this.agent, s, p)) arm();
+        else disarm();
+      },
+      onGiveUp: () => this.cancel(req.id),
+    });
+    s.once('close', () => {
       disarm();
-    };
-    this.agent
-      .request(LinuxOp.FileRead, payload, {
-        onChunk: (_f, p) => {
-          received += p.length;
-          if (deliver(this.agent, s, p)) arm();
-          else disarm();
-        },
-      })
-      .then(
-        (r) => {
-          finish();
-          if (r.length < 8) s.destroy(new GuestRequestError(0, `the guest answered FILE_READ with ${r.length} bytes, 8 expected`));
-          else if (Number(r.readBigUInt64LE(0)) !== received) s.destroy(new GuestRequestError(0, `the guest said ${Number(r.readBigUInt64LE(0))} bytes but sent ${received} for ${path}`));
-          else endOutput(this.agent, s);
-          this.agent.releaseFlow(s);
-        },
-        (e: Error) => {
-          finish();
-          s.destroy(e);
-          this.agent.releaseFlow(s);
-        },
-      );
+      signal?.removeEventListener('abort', onAbort);
+      // Destroyed before its end (by its consumer, a timeout, an abort): the guest closes the file.
+      if (!done) this.agent.giveUp(req.id, new AbortError(`the stream of ${path} was destroyed`));
+    });
+    req.done.then(
+      (r) => {
+        done = true;
+        disarm();
+        try {
+          const total = decodeCount(r, 'FILE_READ');
+          if (total !== received) throw new GuestRequestError(0, `the guest said ${total} bytes but sent ${received} for ${path}`);
+          endOutput(this.agent, s);
+        } catch (e) {
+          s.destroy(e as Error);
+        }
+        this.agent.releaseFlow(s);
+      },
+      (e: Error) => {
+        done = true;
+        disarm();
+        s.destroy(e);
+        this.agent.releaseFlow(s);
+      },
+    );
+    signal?.addEventListener('abort', onAbort, { once: true });
     arm();
     return s;
   }
 
   /**
-   * Creates or replaces a file with `data` (mode default 0644), creating missing parent
-   * directories. Large files go in several frames, one at a time.
+   * Creates or replaces a file (mode default 0o644), creating missing parent directories. Bytes
+   * or a string go in frames of 512 KiB, one at a time (`timeoutMs` per frame); a stream or any
+   * async iterable of chunks goes through {@link writeStream}, so it is never held whole. On
+   * `signal` the write stops and what was written stays.
    */
-  async write(path: string, data: string | Uint8Array, options: { mode?: number } & RequestTimeout = {}): Promise<void> {
-    const timeoutMs = requestTimeout(options);
-    const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
-    const p = str(path, 'path');
+  async write(path: string, data: string | Uint8Array | AsyncIterable<string | Uint8Array>, options: WriteOptions = {}): Promise<void> {
+    if (typeof data !== 'string' && !(data instanceof Uint8Array)) {
+      if (data === null || typeof data !== 'object' || typeof (data as AsyncIterable<unknown>)[Symbol.asyncIterator] !== 'function') {
+        throw new InvalidOptionError('data', 'expected a string, bytes, a Readable or an async iterable of chunks');
+      }
+      await pipeline(data, this.writeStream(path, options));
+      return;
+    }
+    const { timeoutMs, signal } = callLimits(options);
+    const mode = modeField('mode', options.mode, 0o644);
+    const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+    const p = pathField(path);
     // One frame in flight: a frame fits in the receive buffers the guest keeps posted, so the
     // device needs no notification per re-posted 4 KiB buffer. Sent all at once, 10 MiB took
     // 4.5-20 s in the nested harness (a notification and an interrupt per 4 KiB); one at a
@@ -543,7 +695,132 @@ export class GuestFiles {
     let i = 0;
     for (const chunk of frameChunks(bytes)) {
       const flags = WRITE_MKDIRS | (i++ > 0 ? WRITE_APPEND : 0);
-      await this.agent.request(LinuxOp.FileWrite, Buffer.concat([u32s(flags, options.mode ?? 0o644), p, chunk]), { timeoutMs });
+      await this.agent.request(FileOp.Write, Buffer.concat([u32s(flags, mode), p, chunk]), { timeoutMs, signal });
     }
+  }
+
+  /**
+   * A stream that writes a file as data comes (created or truncated, mode default 0o644, missing
+   * parents created): frames of up to 512 KiB, each sent once the guest has taken the one before,
+   * so neither side holds the whole file; `write()` returns false once 1 MiB waits. It finishes
+   * (`'finish'`, or `pipeline` resolving) once the guest has closed the file and confirmed every
+   * byte. Errors: the guest's {@link GuestRequestError} (cannot open, disk full), a
+   * {@link TimeoutError} when the guest does not take a frame (or open or close the file) within
+   * `timeoutMs`, an {@link AbortError} on `signal`. An error or `destroy()` closes the file in the
+   * guest; what was written stays.
+   */
+  writeStream(path: string, options: WriteOptions = {}): Writable {
+    const { timeoutMs, signal } = callLimits(options);
+    const mode = modeField('mode', options.mode, 0o644);
+    const payload = Buffer.concat([u32s(WRITE_MKDIRS, mode), pathField(path)]);
+    if (signal?.aborted) return new Writable({ write: (_c, _e, cb) => cb() }).destroy(aborted(`writing ${path}`, signal)); // nothing sent
+    let sent = 0;
+    let closed = false;
+    let opened!: () => void;
+    const open = new Promise<void>((resolve) => (opened = resolve));
+    const handle = this.agent.start(FileOp.WriteOpen, payload, {
+      onChunk: (flags) => {
+        if (flags === CHUNK_OPENED) opened();
+      },
+      onGiveUp: () => this.cancel(handle.id),
+    });
+    handle.done.catch(() => {}); // its reason reaches the stream through `ready` or `final`
+    // The file is open, or why it is not (the guest refused, or said nothing in time).
+    const ready = within(Promise.race([open, handle.done.then(() => Promise.reject(new GuestRequestError(0, `the guest ended the write of ${path} before opening it`)))]), timeoutMs, `the guest did not open ${path}`);
+    ready.catch(() => {});
+    // A data or close request given up (its timeout) gives the handle up: the guest closes the
+    // file, and ends that request too, quietly.
+    const giveUpHandle = () => this.agent.giveUp(handle.id, new AbortError(`the write of ${path} was given up`));
+    const send = async (bytes: Buffer) => {
+      await ready;
+      for (const part of frameChunks(bytes)) {
+        if (!part.length) continue;
+        await this.agent.request(FileOp.WriteData, Buffer.concat([u32s(handle.id), part]), { timeoutMs, onGiveUp: giveUpHandle });
+        sent += part.length;
+      }
+    };
+    const onAbort = () => w.destroy(aborted(`writing ${path}`, signal!));
+    const w: Writable = new Writable({
+      highWaterMark: WRITE_STREAM_HIGH_WATER_BYTES,
+      decodeStrings: true,
+      writev: (chunks, cb) => {
+        send(Buffer.concat(chunks.map((c) => c.chunk as Buffer))).then(() => cb(), cb);
+      },
+      final: (cb) => {
+        (async () => {
+          await ready;
+          await this.agent.request(FileOp.WriteClose, u32s(handle.id), { timeoutMs, onGiveUp: giveUpHandle });
+          closed = true;
+          const total = decodeCount(await within(handle.done, timeoutMs, `the guest did not end the write of ${path}`), 'FILE_WRITE_OPEN');
+          if (total !== sent) throw new GuestRequestError(0, `the guest said ${total} bytes of ${path} written, ${sent} were sent`);
+        })().then(() => cb(), cb);
+      },
+      destroy: (error, cb) => {
+        signal?.removeEventListener('abort', onAbort);
+        // Before the close went through, the guest closes the file and ends the handle.
+        if (!closed) this.agent.giveUp(handle.id, error ?? new AbortError(`the write stream of ${path} was destroyed`));
+        cb(error);
+      },
+    });
+    signal?.addEventListener('abort', onAbort, { once: true });
+    return w;
+  }
+
+  /**
+   * The entries of a directory (not `.` and `..`), in the guest's order, each as lstat sees it.
+   * The guest sends them in chunks as it reads the directory; more than `maxEntries` rejects with
+   * an {@link OutputLimitError}. `timeoutMs` bounds the whole listing; on it, on `signal` and on
+   * `maxEntries` the guest closes the directory. Not a directory: the guest's
+   * {@link GuestRequestError} (`ENOTDIR`).
+   */
+  async list(path: string, options: ListOptions = {}): Promise<DirEntry[]> {
+    const { timeoutMs, signal } = callLimits(options);
+    const maxEntries = byteLimit('maxEntries', options.maxEntries, DEFAULT_MAX_ENTRIES, 'entries');
+    const entries: DirEntry[] = [];
+    const req = this.agent.start(FileOp.List, pathField(path), {
+      onChunk: (_f, p) => {
+        try {
+          decodeEntries(p, entries);
+          if (entries.length > maxEntries) throw new OutputLimitError(maxEntries, `${path} has more than ${maxEntries} entries (maxEntries)`);
+        } catch (e) {
+          entries.length = 0;
+          this.agent.giveUp(req.id, e as Error);
+        }
+      },
+      onGiveUp: () => this.cancel(req.id),
+      timeoutMs,
+      signal,
+    });
+    const count = decodeCount(await req.done, 'FILE_LIST');
+    if (count !== entries.length) throw new GuestRequestError(0, `the guest said ${count} entries but sent ${entries.length} for ${path}`);
+    return entries;
+  }
+
+  /** A file's type, mode, owner, size and mtime; a symlink's own unless `followSymlinks`, with its target. */
+  async stat(path: string, options: StatOptions = {}): Promise<FileStat> {
+    const { timeoutMs, signal } = callLimits(options);
+    const follow = flagOption('followSymlinks', options.followSymlinks);
+    return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal }));
+  }
+
+  /** Creates a directory (mode default 0o755, set exactly); an existing one is `EEXIST` unless `recursive`. */
+  async mkdir(path: string, options: MkdirOptions = {}): Promise<void> {
+    const { timeoutMs, signal } = callLimits(options);
+    const recursive = flagOption('recursive', options.recursive);
+    const mode = modeField('mode', options.mode, 0o755);
+    await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal });
+  }
+
+  /** Removes a file, a symlink or an empty directory; with `recursive`, a whole tree. */
+  async remove(path: string, options: RemoveOptions = {}): Promise<void> {
+    const { timeoutMs, signal } = callLimits(options);
+    const recursive = flagOption('recursive', options.recursive);
+    decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal }), 'FILE_REMOVE');
+  }
+
+  /** Renames (moves) `from` to `to` within the guest's filesystem, replacing `to` as rename(2) does. */
+  async rename(from: string, to: string, options: FilesCallOptions = {}): Promise<void> {
+    const { timeoutMs, signal } = callLimits(options);
+    await this.agent.request(FileOp.Rename, Buffer.concat([pathField(from, 'from'), pathField(to, 'to')]), { timeoutMs, signal });
   }
 }

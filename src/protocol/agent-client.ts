@@ -2,7 +2,7 @@
  * The host end of the agent protocol: numbered requests with several outstanding at once,
  * responses matched by id, guest events delivered to a callback.
  */
-import { GuestRequestError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
+import { AbortError, GuestRequestError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
 import { arrayAt, base64Of, bytesAt, checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
 import { encodeFrame, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES, type Frame } from './frame';
 
@@ -17,15 +17,26 @@ interface Pending {
   resolve(payload: Buffer): void;
   reject(error: Error): void;
   onChunk?: (flags: number, payload: Buffer) => void;
+  onGiveUp?: () => void;
   timer?: NodeJS.Timeout;
+  /** Removes the abort listener (if any). */
+  unlisten?: () => void;
 }
 
 /** Options of one request. */
 export interface RequestOptions {
   /** Reject with {@link TimeoutError} after this long; default: no timeout. */
   timeoutMs?: number;
+  /** Reject with an {@link AbortError} when this signal aborts (at once if it has already: nothing is sent). */
+  signal?: AbortSignal;
   /** Receives the request's stream chunks (type 3) before its final frame. */
   onChunk?: (flags: number, payload: Buffer) => void;
+  /**
+   * Called once when the host gives the request up (its timeout, its signal, {@link AgentClient.giveUp})
+   * while the guest still serves it: the caller tells the guest to stop (a FILE_CANCEL). The
+   * request's later frames, its final one included, are then dropped without a word.
+   */
+  onGiveUp?: () => void;
 }
 
 /** A request in flight: its id names it in later requests (a process handle, for instance). */
@@ -60,6 +71,8 @@ export class AgentClient {
   private readonly pending = new Map<number, Pending>();
   private nextId = 1;
   private closedWith: Error | undefined;
+  /** Requests given up with an `onGiveUp` (see {@link RequestOptions}), until their final frame. */
+  private readonly abandoned = new Set<number>();
   /** Requests in flight when the snapshot this client was restored from was taken (id to op). */
   private readonly orphans = new Map<number, number>();
   private orphanCount = 0;
@@ -159,6 +172,10 @@ export class AgentClient {
       return;
     }
     const p = this.pending.get(f.id);
+    if (!p && this.abandoned.has(f.id)) {
+      if (f.type !== FrameType.StreamChunk) this.abandoned.delete(f.id);
+      return;
+    }
     const orphanOp = p ? undefined : this.orphans.get(f.id);
     if (orphanOp !== undefined) {
       // Failed, not lost silently: its caller was in the snapshotted VM (see AgentChannelState).
@@ -178,6 +195,7 @@ export class AgentClient {
     // Whatever the final frame is, the request settles here, once.
     this.pending.delete(f.id);
     if (p.timer) clearTimeout(p.timer);
+    p.unlisten?.();
     if (f.type === FrameType.Response) p.resolve(f.payload);
     else if (f.type === FrameType.Error) {
       const code = f.payload.length >= 4 ? f.payload.readUInt32LE(0) : 0;
@@ -201,6 +219,7 @@ export class AgentClient {
    */
   start(op: number, payload: Buffer = Buffer.alloc(0), options: RequestOptions = {}): StartedRequest {
     if (this.closedWith) return { id: this.nextId, done: Promise.reject(this.closedWith) };
+    if (options.signal?.aborted) return { id: this.nextId, done: Promise.reject(abortError(op, options.signal)) };
     if (payload.length > MAX_PAYLOAD_BYTES) {
       const e = new RequestTooLargeError(payload.length, MAX_PAYLOAD_BYTES, `a request of op 0x${op.toString(16)} with ${payload.length} bytes exceeds the ${MAX_PAYLOAD_BYTES} bytes one frame carries; nothing was sent`);
       return { id: this.nextId, done: Promise.reject(e) };
@@ -208,12 +227,15 @@ export class AgentClient {
     const id = this.takeId();
     const frame = encodeFrame({ type: FrameType.Request, id, op, payload });
     const done = new Promise<Buffer>((resolve, reject) => {
-      const p: Pending = { op, resolve, reject, onChunk: options.onChunk };
+      const p: Pending = { op, resolve, reject, onChunk: options.onChunk, onGiveUp: options.onGiveUp };
       if (options.timeoutMs !== undefined) {
-        p.timer = setTimeout(() => {
-          this.pending.delete(id);
-          reject(new TimeoutError(`guest did not answer op 0x${op.toString(16)} within ${options.timeoutMs} ms`));
-        }, options.timeoutMs);
+        p.timer = setTimeout(() => this.giveUp(id, new TimeoutError(`guest did not answer op 0x${op.toString(16)} within ${options.timeoutMs} ms`)), options.timeoutMs);
+      }
+      const signal = options.signal;
+      if (signal) {
+        const onAbort = () => this.giveUp(id, abortError(op, signal));
+        signal.addEventListener('abort', onAbort, { once: true });
+        p.unlisten = () => signal.removeEventListener('abort', onAbort);
       }
       this.pending.set(id, p);
       try {
@@ -222,10 +244,28 @@ export class AgentClient {
         // Never sent: it settles now, and leaves no entry for a later frame, timer or close.
         this.pending.delete(id);
         if (p.timer) clearTimeout(p.timer);
+        p.unlisten?.();
         reject(e instanceof PvisorError ? e : new VmStateError(`op 0x${op.toString(16)} could not be sent to the guest: ${(e as Error).message}`));
       }
     });
     return { id, done };
+  }
+
+  /**
+   * Settles request `id` now with `reason`, if it is still waiting: the host stops waiting for it
+   * (a timeout, an abort, a consumer that has had enough). With an `onGiveUp` the request's later
+   * frames are dropped quietly and `onGiveUp` runs; without, a late final frame is reported as any
+   * answer to nothing is.
+   */
+  giveUp(id: number, reason: Error): void {
+    const p = this.pending.get(id);
+    if (!p) return;
+    this.pending.delete(id);
+    if (p.timer) clearTimeout(p.timer);
+    p.unlisten?.();
+    if (p.onGiveUp) this.abandoned.add(id);
+    p.reject(reason);
+    p.onGiveUp?.();
   }
 
   /**
@@ -237,7 +277,7 @@ export class AgentClient {
     for (;;) {
       const id = this.nextId;
       this.nextId = id >= 0xffffffff ? 1 : id + 1;
-      if (!this.pending.has(id) && !this.orphans.has(id)) return id;
+      if (!this.pending.has(id) && !this.orphans.has(id) && !this.abandoned.has(id)) return id;
     }
   }
 
@@ -245,12 +285,19 @@ export class AgentClient {
   close(error: Error = new VmStateError('the VM has stopped')): void {
     this.closedWith ??= error;
     this.flowHolds.clear();
+    this.abandoned.clear();
     for (const [id, p] of this.pending) {
       if (p.timer) clearTimeout(p.timer);
+      p.unlisten?.();
       p.reject(this.closedWith);
       this.pending.delete(id);
     }
   }
+}
+
+/** The error of a request that `signal` aborted: an {@link AbortError} caused by its reason. */
+function abortError(op: number, signal: AbortSignal): AbortError {
+  return new AbortError(`op 0x${op.toString(16)} was aborted`, { cause: signal.reason });
 }
 
 /** Most characters of an error frame's text that go into a host warning or error. */
