@@ -6,7 +6,7 @@
  * devices or guest.
  */
 import { GuestCrashError, PvisorError, VmStateError, type SystemCallError } from '../errors';
-import { ownPageRuns } from './pages';
+import { ownPageRuns, type PageRun } from './pages';
 import { BACKING_CAPABILITIES, describeBacking, openBacking, type DiscardTo, type RamBacking, type RamBackingKind, type RamBackingRequest } from './ram-backing';
 import { StrategyConflictError, type FileRunOver, type MemoryStrategy, type StrategyContext, type StrategyStats, type SuspendWork } from './strategy';
 import type { FileRange, UffdServer } from './uffd-server';
@@ -20,6 +20,7 @@ export interface GuestRam {
   advise(offset: number, length: number, advice: number, name: string): void;
   discard(gpa: number, length: number, to?: DiscardTo): void;
   discardHost(offset: number, length: number, to?: DiscardTo): void;
+  discardHostRuns(runs: readonly PageRun[], to?: DiscardTo): void;
   hostOffset(gpa: number, length: number): number;
   mapFileRuns(fd: number, runs: readonly FileRunOver[]): { mapped: number; error?: SystemCallError };
 }
@@ -128,6 +129,7 @@ export class MemoryComposition {
         advise: (offset, length, advice, name) => ram.advise(offset, length, advice, name),
         discard: (gpa, length, to) => ram.discard(gpa, length, to),
         discardHost: (offset, length, to) => ram.discardHost(offset, length, to),
+        discardHostRuns: (runs, to) => ram.discardHostRuns(runs, to),
         hostOffset: (gpa, length) => ram.hostOffset(gpa, length),
         mapFileRuns: (fd, runs) => ram.mapFileRuns(fd, runs),
         ownPageRuns: () => ownPageRuns(ram.hostAddr, ram.sizeBytes, backing),

@@ -53,6 +53,8 @@ export interface StrategyRam {
   hostOffset(gpa: number, length: number): number;
   /** {@link discard} by offset into the mapping. */
   discardHost(offset: number, length: number, to?: DiscardTo): void;
+  /** {@link discardHost} of many runs, in one native call where it can (a restored clone's RAM file holes). */
+  discardHostRuns(runs: readonly PageRun[], to?: DiscardTo): void;
   /**
    * Maps each run of the file `fd` privately over guest RAM, [offset, offset+length) from
    * `fileOffset` (all page-aligned), in one native call: the guest then reads the file's pages,

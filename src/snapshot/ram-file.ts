@@ -8,7 +8,8 @@ import { closeSync, fstatSync, fsyncSync, ftruncateSync, openSync, readSync, wri
 import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { SnapshotError } from '../errors';
 import { crc32c, type FileRange } from '../memory/uffd-server';
-import { adviseRandomAccess, fileDataRuns } from '../sys/libc';
+import { adviseRandomAccess } from '../sys/libc';
+import { fileDataRuns } from '../memory/file-runs';
 
 /** Bytes per checksummed chunk: a huge page, and small enough that one bad byte costs little to find. */
 export const RAM_CHUNK_BYTES = 2 * 1024 * 1024;

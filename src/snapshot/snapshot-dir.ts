@@ -12,7 +12,7 @@ import { arrayAt, booleanAt, checkVersion, choiceAt, integerAt, objectAt, string
 import { SnapshotError } from '../errors';
 import { crc32c, type FileRange } from '../memory/uffd-server';
 import type { PageRun } from '../memory/pages';
-import { fileDataRuns } from '../sys/libc';
+import { fileDataRuns } from '../memory/file-runs';
 import { checkRamFile, dataChunkRanges, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
 
 /** The version of the directory's layout and manifest this code writes and reads. */

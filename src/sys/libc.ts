@@ -51,7 +51,6 @@ function defineLibc() {
     eventfd: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
     memfd_create: { library: libc, retType: I32, paramsType: [DataType.String, I32], errno: true },
     flock: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
-    lseek: { library: libc, retType: I64, paramsType: [I32, I64, I32], errno: true },
     fallocate: { library: libc, retType: I32, paramsType: [I32, I32, I64, I64], errno: true },
     // Returns the error number itself (not -1 and errno).
     posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
@@ -123,31 +122,6 @@ export function tryLockFile(fd: number, exclusive: boolean): boolean {
   if (r.value === 0) return true;
   if (r.errnoCode === EWOULDBLOCK) return false;
   return check('flock', r) === 0;
-}
-
-/** lseek(2) whences that find a sparse file's data (<unistd.h>); ENXIO: nothing past the offset. */
-const SEEK_DATA = 3;
-const SEEK_HOLE = 4;
-const ENXIO = 6;
-
-/**
- * The runs of `fd` that hold data, as [start, end) byte offsets in file order, found with
- * lseek(SEEK_DATA/SEEK_HOLE) (Node's fs has no lseek): what a sparse file's holes leave. A file
- * system without hole tracking reports one run over the whole file, which is still right. The
- * fd's offset moves; callers use positioned reads.
- */
-export function fileDataRuns(fd: number, sizeBytes: number): [number, number][] {
-  const runs: [number, number][] = [];
-  for (let at = 0; at < sizeBytes;) {
-    const data = fns.lseek([fd, at, SEEK_DATA]) as ErrnoResult<number>;
-    if (data.value < 0 && data.errnoCode === ENXIO) break;
-    const start = check('lseek(SEEK_DATA)', data);
-    const end = Math.min(sizeBytes, check('lseek(SEEK_HOLE)', fns.lseek([fd, start, SEEK_HOLE]) as ErrnoResult<number>));
-    if (start >= sizeBytes) break;
-    runs.push([start, end]);
-    at = end;
-  }
-  return runs;
 }
 
 /** fallocate(2) modes from <linux/falloc.h>. */

@@ -109,7 +109,8 @@ describe('guest RAM backings', () => {
       const ownBefore = ctx!.ram.ownPageRuns().reduce((n, r) => n + r.length, 0);
       await vm.pause();
       // Two runs in one call; a bad fd maps nothing and says why, leaving the RAM as it was.
-      const bad = ctx!.ram.mapFileRuns(-1, [{ offset: WS_BASE + first * 4096, length: 4096, fileOffset: 0 }]);
+      expect(() => ctx!.ram.mapFileRuns(-1, [{ offset: WS_BASE + first * 4096, length: 4096, fileOffset: 0 }])).toThrow(RangeError);
+      const bad = ctx!.ram.mapFileRuns(1 << 20, [{ offset: WS_BASE + first * 4096, length: 4096, fileOffset: 0 }]);
       expect(bad.mapped).toBe(0);
       expect(bad.error).toMatchObject({ call: 'mmap', errno: 9 });
       const half = (count / 2) * 4096;

@@ -48,7 +48,7 @@ describe('memory strategy composition', () => {
     const heard: string[] = [];
     const listener = (name: string, exclusive: MemoryStrategy['exclusive']): MemoryStrategy => ({ name, needs: [], exclusive, freePagesReported: () => heard.push(name), stats: () => ({ strategy: name, figures: {}, notes: [] }) });
     const composition = new MemoryComposition([listener('listens', []), listener('drives', ['free-page-reporting'])], 'vm', { fail: () => {}, warn: () => {}, withGuestPaused: async (work) => work() });
-    composition.attach({ hostAddr: 0, sizeBytes: 0, backing: { kind: 'anonymous' }, hostView: () => Buffer.alloc(0), advise: () => {}, discard: () => {}, discardHost: () => {}, hostOffset: () => -1, mapFileRuns: () => ({ mapped: 0 }) });
+    composition.attach({ hostAddr: 0, sizeBytes: 0, backing: { kind: 'anonymous' }, hostView: () => Buffer.alloc(0), advise: () => {}, discard: () => {}, discardHost: () => {}, discardHostRuns: () => {}, hostOffset: () => -1, mapFileRuns: () => ({ mapped: 0 }) });
     composition.freePageSink!(0, 4096);
     expect(heard).toEqual(['drives', 'listens']);
     // Without a strategy that drives reporting, the balloon offers none.

@@ -264,6 +264,28 @@ export class GuestMemory {
   }
 
   /**
+   * {@link discardHost} of many runs (offsets into the host mapping): on RAM mapped from a file
+   * and dropped to read zero, one native call maps fresh anonymous memory over all of them (a
+   * restored clone's RAM file holes: one call each cost a millisecond or more in the nested
+   * harness).
+   */
+  discardHostRuns(runs: readonly { offset: number; length: number }[], to: DiscardTo = 'zero'): void {
+    if (this.backing.kind !== 'private-file' || to !== 'zero') {
+      for (const r of runs) this.discardHost(r.offset, r.length, to);
+      return;
+    }
+    this.checkMapped();
+    for (const { offset, length } of runs) {
+      if (offset % C.PAGE_SIZE !== 0 || length % C.PAGE_SIZE !== 0 || offset < 0 || length < 0 || offset + length > this.sizeBytes) {
+        throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)} is not page-aligned inside guest RAM`);
+      }
+    }
+    const nonEmpty = runs.filter((r) => r.length > 0);
+    const { error } = mapFileRuns(-1, nonEmpty.map((r) => ({ address: this.hostAddr + r.offset, length: r.length, fileOffset: 0 })), this.advices.map(([advice]) => advice));
+    if (error) throw error;
+  }
+
+  /**
    * Maps runs of `fd` privately over guest RAM, each [offset, offset+length) from its
    * `fileOffset`, in one native call: reads share the file's page cache pages with every other
    * mapping of them, a write makes a private copy; what a range held before is dropped. What a
@@ -272,6 +294,8 @@ export class GuestMemory {
    */
   mapFileRuns(fd: number, runs: readonly { offset: number; length: number; fileOffset: number }[]): { mapped: number; error?: SystemCallError } {
     this.checkMapped();
+    // -1 would map anonymous memory (what discardHostRuns asks of the same native call), not fail.
+    if (!Number.isInteger(fd) || fd < 0) throw new RangeError(`${fd} is not a file descriptor`);
     for (const { offset, length, fileOffset } of runs) {
       if (offset % C.PAGE_SIZE !== 0 || length % C.PAGE_SIZE !== 0 || fileOffset % C.PAGE_SIZE !== 0 || offset < 0 || length <= 0 || fileOffset < 0 || offset + length > this.sizeBytes) {
         throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)} (file offset 0x${fileOffset.toString(16)}) is not page-aligned inside guest RAM`);

@@ -77,7 +77,7 @@ export class SharedSnapshot implements MemoryStrategy {
    */
   map(ctx: StrategyContext): void {
     const holes = [...this.holes].sort((a, b) => b.length - a.length).slice(0, MAX_HOLE_MAPPINGS);
-    for (const h of holes) ctx.ram.discardHost(h.offset, h.length, 'zero');
+    ctx.ram.discardHostRuns(holes, 'zero');
     this.holesMapped = holes.reduce((n, h) => n + h.length, 0);
     this.holes = [];
   }
