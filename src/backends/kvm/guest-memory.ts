@@ -43,8 +43,8 @@ export class GuestMemory {
   readonly regions: readonly MemoryRegion[];
   private readonly chunks: Buffer[] = [];
   private mapped = true;
-  /** Whole-range advices given so far, in order, with their names. */
-  private readonly advices: [number, string][] = [];
+  /** Whole-range advices given so far, in order. */
+  private readonly advices: number[] = [];
   /**
    * Pages of anonymous RAM that {@link mapFileRuns} covered with a file's pages (one byte per
    * page, made on first use): dropping one of them must map anonymous memory back to read zero.
@@ -220,7 +220,7 @@ export class GuestMemory {
   advise(hostOffset: number, len: number, advice: number, name: string): void {
     this.checkMapped();
     madvise(this.hostAddr + hostOffset, len, advice, name);
-    if (hostOffset === 0 && len === this.sizeBytes && WHOLE_RANGE_ADVICES.has(advice)) this.advices.push([advice, name]);
+    if (hostOffset === 0 && len === this.sizeBytes && WHOLE_RANGE_ADVICES.has(advice)) this.advices.push(advice);
   }
 
   /**
@@ -238,9 +238,7 @@ export class GuestMemory {
    */
   discardHost(offset: number, len: number, to: DiscardTo = 'zero'): void {
     this.checkMapped();
-    if (offset % C.PAGE_SIZE !== 0 || len % C.PAGE_SIZE !== 0 || offset < 0 || offset + len > this.sizeBytes) {
-      throw new RangeError(`host range +0x${offset.toString(16)}+0x${len.toString(16)} is not page-aligned inside guest RAM`);
-    }
+    this.checkHostRange(offset, len);
     if (len === 0) return;
     switch (this.backing.kind) {
       case 'anonymous':
@@ -253,12 +251,7 @@ export class GuestMemory {
         break;
       case 'private-file':
         if (to === 'backing') madvise(this.hostAddr + offset, len, C.MADV_DONTNEED, 'MADV_DONTNEED');
-        else {
-          // Fresh anonymous memory over the range: reads zero, costs nothing until written. KVM
-          // follows the change through its MMU notifier; the slot still covers the same addresses.
-          mmap(this.hostAddr + offset, len, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE | C.MAP_FIXED, -1, 0, 'zeroed guest RAM over a file mapping');
-          this.adviseAgain(offset, len);
-        }
+        else this.zeroOver([{ offset, length: len }]);
         break;
     }
   }
@@ -275,14 +268,8 @@ export class GuestMemory {
       return;
     }
     this.checkMapped();
-    for (const { offset, length } of runs) {
-      if (offset % C.PAGE_SIZE !== 0 || length % C.PAGE_SIZE !== 0 || offset < 0 || length < 0 || offset + length > this.sizeBytes) {
-        throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)} is not page-aligned inside guest RAM`);
-      }
-    }
-    const nonEmpty = runs.filter((r) => r.length > 0);
-    const { error } = mapFileRuns(-1, nonEmpty.map((r) => ({ address: this.hostAddr + r.offset, length: r.length, fileOffset: 0 })), this.advices.map(([advice]) => advice));
-    if (error) throw error;
+    for (const r of runs) this.checkHostRange(r.offset, r.length);
+    this.zeroOver(runs.filter((r) => r.length > 0));
   }
 
   /**
@@ -297,11 +284,10 @@ export class GuestMemory {
     // -1 would map anonymous memory (what discardHostRuns asks of the same native call), not fail.
     if (!Number.isInteger(fd) || fd < 0) throw new RangeError(`${fd} is not a file descriptor`);
     for (const { offset, length, fileOffset } of runs) {
-      if (offset % C.PAGE_SIZE !== 0 || length % C.PAGE_SIZE !== 0 || fileOffset % C.PAGE_SIZE !== 0 || offset < 0 || length <= 0 || fileOffset < 0 || offset + length > this.sizeBytes) {
-        throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)} (file offset 0x${fileOffset.toString(16)}) is not page-aligned inside guest RAM`);
-      }
+      if (length === 0) throw new RangeError(`an empty run at host offset 0x${offset.toString(16)}`);
+      this.checkHostRange(offset, length, fileOffset);
     }
-    const result = mapFileRuns(fd, runs.map((r) => ({ address: this.hostAddr + r.offset, length: r.length, fileOffset: r.fileOffset })), this.advices.map(([advice]) => advice));
+    const result = mapFileRuns(fd, runs.map((r) => ({ address: this.hostAddr + r.offset, length: r.length, fileOffset: r.fileOffset })), this.advices);
     if (this.backing.kind === 'anonymous') {
       const over = (this.fileOver ??= new Uint8Array(this.sizeBytes / C.PAGE_SIZE));
       // A run that failed in madvise is mapped too.
@@ -319,6 +305,7 @@ export class GuestMemory {
     const over = this.fileOver;
     if (!over) return;
     const end = (offset + len) / C.PAGE_SIZE;
+    const runs: { offset: number; length: number }[] = [];
     for (let p = offset / C.PAGE_SIZE; p < end;) {
       if (!over[p]) {
         p++;
@@ -326,16 +313,28 @@ export class GuestMemory {
       }
       let q = p;
       while (q < end && over[q]) q++;
-      mmap(this.hostAddr + p * C.PAGE_SIZE, (q - p) * C.PAGE_SIZE, C.PROT_READ | C.PROT_WRITE, C.MAP_PRIVATE | C.MAP_ANONYMOUS | C.MAP_NORESERVE | C.MAP_FIXED, -1, 0, 'zeroed guest RAM over a file mapped over it');
-      this.adviseAgain(p * C.PAGE_SIZE, (q - p) * C.PAGE_SIZE);
-      over.fill(0, p, q);
+      runs.push({ offset: p * C.PAGE_SIZE, length: (q - p) * C.PAGE_SIZE });
       p = q;
     }
+    this.zeroOver(runs);
+    for (const r of runs) over.fill(0, r.offset / C.PAGE_SIZE, (r.offset + r.length) / C.PAGE_SIZE);
   }
 
-  /** Applies the whole-range advice given so far to memory newly mapped over part of the range. */
-  private adviseAgain(offset: number, length: number): void {
-    for (const [advice, name] of this.advices) madvise(this.hostAddr + offset, length, advice, name);
+  /**
+   * Maps fresh anonymous memory over runs of the host mapping (checked, non-empty) in one native
+   * call, with the whole-range advice again: they read zero and cost nothing until written. KVM
+   * follows the change through its MMU notifier; the slot still covers the same addresses.
+   */
+  private zeroOver(runs: readonly { offset: number; length: number }[]): void {
+    const { error } = mapFileRuns(-1, runs.map((r) => ({ address: this.hostAddr + r.offset, length: r.length, fileOffset: 0 })), this.advices);
+    if (error) throw error;
+  }
+
+  /** Throws unless [offset, offset+length) is whole pages inside guest RAM, and `fileOffset` whole pages. */
+  private checkHostRange(offset: number, length: number, fileOffset = 0): void {
+    if (offset % C.PAGE_SIZE !== 0 || length % C.PAGE_SIZE !== 0 || fileOffset % C.PAGE_SIZE !== 0 || offset < 0 || length < 0 || fileOffset < 0 || offset + length > this.sizeBytes) {
+      throw new RangeError(`host range +0x${offset.toString(16)}+0x${length.toString(16)}${fileOffset ? ` (file offset 0x${fileOffset.toString(16)})` : ''} is not page-aligned inside guest RAM`);
+    }
   }
 
   private checkMapped(): void {
