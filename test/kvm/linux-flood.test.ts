@@ -86,10 +86,14 @@ describe('Linux guest floods', () => {
     const host = watchHost();
     const flood = vm.spawn(['sh', '-c', 'while :; do echo "flood 0123456789abcdefghijklmnopqrstuvwxyz 0123456789abcdefghijklmnopqrstuvwxyz"; done > /dev/console']);
     expect(await flood.pid).toBeGreaterThan(1);
+    // At least 3 s of flood, and on until 10 lines have come through: under the nested harness
+    // an exit per byte makes the rate anything from 1 to 30 lines in 30 s.
+    const began = performance.now();
     await sleep(3000 * SLOW);
+    while (lines < 10 && performance.now() - began < 9000 * SLOW) await sleep(1000);
     const h = host.stop();
-    console.log(`console flood: ${lines} lines in ${3 * SLOW} s, timer at worst ${h.maxLateMs.toFixed(0)} ms late, RSS +${h.peakGrowthMiB.toFixed(1)} MiB`);
-    expect(lines).toBeGreaterThan(10);
+    console.log(`console flood: ${lines} lines in ${((performance.now() - began) / 1000).toFixed(0)} s, timer at worst ${h.maxLateMs.toFixed(0)} ms late, RSS +${h.peakGrowthMiB.toFixed(1)} MiB`);
+    expect(lines).toBeGreaterThanOrEqual(10);
     expect(h.maxLateMs).toBeLessThan(1000 * SLOW);
     expect(h.peakGrowthMiB).toBeLessThan(GROWTH_BOUND / MiB);
     // Stopped mid-flood: no console line, no warning, nothing from the guest after the exit.

@@ -89,10 +89,11 @@ describe('Linux guest snapshots (initramfs: the guest\'s files are in RAM)', () 
     await cat.write('still the original\'s');
     await cat.end();
     expect(await cat.exited).toEqual({ exitCode: 0, signal: null });
-    const out: Buffer[] = [];
-    talker.stdout.on('data', (b: Buffer) => out.push(b));
+    // Read to its end, not to `exited`: on a slow host the talker has ended before this line, and
+    // a 'data' listener added then delivers its buffered output only after the await below.
+    const out = (async () => Buffer.concat(await talker.stdout.toArray()).toString())();
     expect(await talker.exited).toEqual({ exitCode: 0, signal: null });
-    expect(Buffer.concat(out).toString()).toBe('late\n');
+    expect(await out).toBe('late\n');
   }, 60_000 * SLOW);
 
   it('a clone is ready when Vm.restore resolves: exec works at once, and sees the file written before the snapshot', async () => {
