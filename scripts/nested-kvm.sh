@@ -21,6 +21,7 @@
 # Environment:
 #   PVISOR_NESTED_CACHE      cache dir (default REPO/.cache/nested-kvm), one subdir per kernel version
 #   PVISOR_NESTED_SILENCE_S  silence watchdog in seconds (default 120)
+#   PVISOR_NESTED_TIMEOUT_S  the timeout when --timeout is not given (default 1800)
 #   CI, PVISOR_*, JEST_*, NODE_OPTIONS, FORCE_COLOR are passed through to CMD when set.
 # Needs qemu-system-x86, busybox-static, cpio, kmod, e2fsprogs (installed with apt-get when running
 # as root).
@@ -37,7 +38,7 @@ note() { echo "nested-kvm: $*" >&2; }
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 CACHE=${PVISOR_NESTED_CACHE:-$REPO/.cache/nested-kvm}
 SILENCE_S=${PVISOR_NESTED_SILENCE_S:-120}
-TIMEOUT_S=1800
+TIMEOUT_S=${PVISOR_NESTED_TIMEOUT_S:-1800}
 MEMORY=4G
 
 while (($#)); do
@@ -235,7 +236,9 @@ while read -r m; do
   insmod "/lib/modules/$m" || fail "insmod $m failed"
 done </modules.list
 [ -c /dev/kvm ] || fail "no /dev/kvm after loading kvm-amd"
-printf '%s:ready:%s@@\n' "$M" "$(cut -d' ' -f1 /proc/uptime)"
+# The TSC rate the L1 timed itself by: the host compares the L1's clock with its own at the end.
+tsc=$(dmesg | sed -n 's/.*tsc: \(Detected\|Refined TSC clocksource calibration:\) \([0-9.]*\) MHz.*/\2/p' | tail -n 1)
+printf '%s:ready:%s %s@@\n' "$M" "$(cut -d' ' -f1 /proc/uptime)" "${tsc:-?}"
 
 P9=trans=virtio,version=9p2000.L,msize=512000
 mkdir -p /share
@@ -305,6 +308,7 @@ n=0
 while kill -0 $catpid 2>/dev/null && [ $n -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
 kill -9 -1 2>/dev/null  # leftovers of CMD (PID 1 itself is spared)
 wait $catpid 2>/dev/null
+printf '%s:clock:%s@@\n' "$M" "$(cut -d' ' -f1 /proc/uptime)"
 finish "exit:$rc"
 INIT
   chmod 755 "$1"
@@ -483,6 +487,11 @@ fi
 } >"$SHARE/cmd.sh"
 
 KERNEL_KIND=$(cat "$L1DIR/kernel.kind")
+# Under TCG the L1 reads the host's own TSC. Left to calibrate it, the L1 does so in its first
+# milliseconds, against emulated timers; on a host loaded at that moment a wrong result would
+# stick (a later refinement is dropped when it differs by over 1%), and with it every clock and
+# deadline in the L1. The host's kernel measured the rate once: hand it over when it says.
+HOST_TSC_KHZ=$( (dmesg 2>/dev/null || true) | sed -n 's/.*tsc: \(Detected\|Refined TSC clocksource calibration:\) \([0-9]*\)\.\([0-9]\{3\}\) MHz.*/\2\3/p' | tail -n 1)
 # shellcheck disable=SC2054 # the commas belong to QEMU's option syntax
 qemu_args=(
   -nodefaults -no-user-config -accel tcg -cpu max -M pc
@@ -500,7 +509,7 @@ qemu_args=(
   # seen halted with interrupts on and nothing pending, i.e. a one-shot timer interrupt had been
   # lost (the emulated SVM, around exits from L2). A periodic timer re-arms itself, so a lost
   # interrupt costs one tick, not the whole run.
-  -append "console=ttyS0 quiet loglevel=1 panic=-1 lapic=notscdeadline highres=off nohz=off nkvm_token=$TOKEN"
+  -append "console=ttyS0 quiet loglevel=1 panic=-1 lapic=notscdeadline highres=off nohz=off ${HOST_TSC_KHZ:+tsc_early_khz=$HOST_TSC_KHZ }nkvm_token=$TOKEN"
   -virtfs local,path=/usr,mount_tag=usr,security_model=none,readonly=on,multidevs=remap
   -virtfs local,path=/etc,mount_tag=etc,security_model=none,readonly=on,multidevs=remap
   -virtfs "local,path=$(qe "$REPO"),mount_tag=repo,security_model=none,multidevs=remap"
@@ -547,6 +556,7 @@ QEMU_PID=$!
 FILTER_PID=$!
 
 LAST=$T0 SIZE=0 NSTATUS=0 T_READY="" T_START="" T_END="" RC="" L1_ERROR="" WHY="" FAILED=""
+T_CLOCK="" L1_UP_READY="" L1_UP_END="" L1_TSC=""
 read_status() {  # handle marker lines the filter has added since the last call
   local lines what
   mapfile -t -s "$NSTATUS" lines <"$RUN/status"
@@ -555,8 +565,10 @@ read_status() {  # handle marker lines the filter has added since the last call
     case $what in
       ready:*)
         T_READY=$NOW
-        note "L1 kernel $KVER (QEMU TCG, SVM, $KERNEL_KIND), /dev/kvm ready after $(secs $((NOW - T0))) s (L1 uptime ${what#ready:} s)"
+        read -r L1_UP_READY L1_TSC <<<"${what#ready:}"
+        note "L1 kernel $KVER (QEMU TCG, SVM, $KERNEL_KIND), /dev/kvm ready after $(secs $((NOW - T0))) s (L1 uptime $L1_UP_READY s, its TSC ${L1_TSC:-?} MHz${HOST_TSC_KHZ:+, given $HOST_TSC_KHZ kHz})"
         ;;
+      clock:*) T_CLOCK=$NOW L1_UP_END=${what#clock:} ;;
       start) T_START=$NOW ;;
       exit:*) T_END=$NOW; RC=${what#exit:} ;;
       error:*) T_END=$NOW; L1_ERROR=${what#error:} ;;
@@ -621,6 +633,11 @@ summary() {
   s="wall $(secs $((NOW - T0))) s"
   [[ -n $T_READY ]] && s+=", /dev/kvm ready at $(secs $((T_READY - T0))) s"
   [[ -n $T_START && -n $T_END ]] && s+=", command $(secs $((T_END - T_START))) s"
+  # The L1's own clock against the host's over the same stretch: a TSC calibrated wrong while the
+  # L1 booted on a loaded host makes every deadline inside it (and the tests' figures) run off.
+  if [[ -n $T_CLOCK && -n $L1_UP_END && -n $L1_UP_READY ]]; then
+    s+=", L1 clock $(awk -v l1="$L1_UP_END" -v r="$L1_UP_READY" -v h=$((T_CLOCK - T_READY)) 'BEGIN { printf "%.2f", (h > 0 ? (l1 - r) * 1000 / h : 0) }')x the host's"
+  fi
   note "$1 ($s)"
 }
 

@@ -55,7 +55,9 @@ for (const [n, group] of groups.entries()) {
     const status = run(
       ...onKvm(['npx', ...jest(remaining, `kvm-${n}-${attempt}.json`)], { linux: nested }),
       `KVM tests, ${remaining.length} file(s) on ${where}${attempt > 1 ? `, attempt ${attempt}` : ''}`,
-      { PVISOR_NESTED_SILENCE_S: process.env.PVISOR_NESTED_SILENCE_S || '240', PVISOR_TEST_PROGRESS_FILE: progressFile },
+      // 3000 s: the Linux files take about 900 s in an L1 that boots in 10 s, and CI once saw an
+      // L1 take 917 s to boot; the silence watchdog still catches a wedged one early.
+      { PVISOR_NESTED_SILENCE_S: process.env.PVISOR_NESTED_SILENCE_S || '240', PVISOR_NESTED_TIMEOUT_S: process.env.PVISOR_NESTED_TIMEOUT_S || '3000', PVISOR_TEST_PROGRESS_FILE: progressFile },
     );
     if (!nested || status !== 124) break;
     const finished = new Set(progressLines().map((l) => l.file));
