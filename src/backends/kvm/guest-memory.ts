@@ -18,10 +18,15 @@ export const MMIO_HOLE_START = 3 * 1024 ** 3;
 /** Where RAM continues above the hole. */
 export const HIGH_RAM_START = 4 * 1024 ** 3;
 
-// A view is a Node Buffer, whose length is limited (4 GiB on Node 20); 1 GiB chunks keep every
-// view well inside that and make chunk lookups a shift.
-const CHUNK_SHIFT = 30;
-const CHUNK_BYTES = 2 ** CHUNK_SHIFT;
+// Guest RAM is seen through Node Buffers over windows of the mapping, each made when first used.
+// V8 counts a Buffer's whole length as external memory and collects garbage when that count
+// jumps: one view of all of a 512 MiB VM's RAM cost a full GC at every start and restore (about
+// half of a probe clone's restore, measured with a CPU profile). A device model touches a few
+// windows (its rings and buffers), so they stay few.
+const WINDOW_BYTES = 2 * 1024 * 1024;
+
+/** The longest {@link GuestMemory.hostView} (a Node Buffer's length is limited: 4 GiB on Node 20). */
+export const MAX_VIEW_BYTES = 1024 ** 3;
 
 /** One guest-physical range backed by part of the host mapping. */
 export interface MemoryRegion {
@@ -41,7 +46,8 @@ const WHOLE_RANGE_ADVICES = new Set([C.MADV_DONTFORK, C.MADV_NOHUGEPAGE, C.MADV_
 /** Guest RAM of one VM. */
 export class GuestMemory {
   readonly regions: readonly MemoryRegion[];
-  private readonly chunks: Buffer[] = [];
+  /** The views made so far, by window index. */
+  private windows: (Buffer | undefined)[] = [];
   private mapped = true;
   /** Whole-range advices given so far, in order. */
   private readonly advices: number[] = [];
@@ -57,9 +63,11 @@ export class GuestMemory {
       regions.push({ slot: 1, guestPhysAddr: HIGH_RAM_START, sizeBytes: sizeBytes - MMIO_HOLE_START, hostOffset: MMIO_HOLE_START });
     }
     this.regions = regions;
-    for (let off = 0; off < sizeBytes; off += CHUNK_BYTES) {
-      this.chunks.push(viewAt(hostAddr + off, Math.min(CHUNK_BYTES, sizeBytes - off)));
-    }
+  }
+
+  /** The view of window `i`, made on first use. */
+  private window(i: number): Buffer {
+    return (this.windows[i] ??= viewAt(this.hostAddr + i * WINDOW_BYTES, Math.min(WINDOW_BYTES, this.sizeBytes - i * WINDOW_BYTES)));
   }
 
   /**
@@ -132,14 +140,14 @@ export class GuestMemory {
   }
 
   /**
-   * A zero-copy view of [gpa, gpa+len) when it lies in one chunk, else a copy. Use for reads;
+   * A zero-copy view of [gpa, gpa+len) when it lies in one window, else a copy. Use for reads;
    * writes go through {@link write}.
    */
   read(gpa: number, len: number): Buffer {
     const off = this.offsetOrThrow(gpa, len);
-    const chunk = Math.floor(off / CHUNK_BYTES);
-    const inChunk = off - chunk * CHUNK_BYTES;
-    if (inChunk + len <= CHUNK_BYTES) return this.chunks[chunk].subarray(inChunk, inChunk + len);
+    const w = Math.floor(off / WINDOW_BYTES);
+    const inWindow = off - w * WINDOW_BYTES;
+    if (inWindow + len <= WINDOW_BYTES) return this.window(w).subarray(inWindow, inWindow + len);
     const out = Buffer.allocUnsafe(len);
     this.copyOut(off, out);
     return out;
@@ -150,10 +158,10 @@ export class GuestMemory {
     let off = this.offsetOrThrow(gpa, data.length);
     let done = 0;
     while (done < data.length) {
-      const chunk = Math.floor(off / CHUNK_BYTES);
-      const inChunk = off - chunk * CHUNK_BYTES;
-      const n = Math.min(data.length - done, CHUNK_BYTES - inChunk);
-      this.chunks[chunk].set(data.subarray(done, done + n), inChunk);
+      const w = Math.floor(off / WINDOW_BYTES);
+      const inWindow = off - w * WINDOW_BYTES;
+      const n = Math.min(data.length - done, WINDOW_BYTES - inWindow);
+      this.window(w).set(data.subarray(done, done + n), inWindow);
       done += n;
       off += n;
     }
@@ -162,10 +170,10 @@ export class GuestMemory {
   private copyOut(off: number, out: Buffer): void {
     let done = 0;
     while (done < out.length) {
-      const chunk = Math.floor(off / CHUNK_BYTES);
-      const inChunk = off - chunk * CHUNK_BYTES;
-      const n = Math.min(out.length - done, CHUNK_BYTES - inChunk);
-      this.chunks[chunk].copy(out, done, inChunk, inChunk + n);
+      const w = Math.floor(off / WINDOW_BYTES);
+      const inWindow = off - w * WINDOW_BYTES;
+      const n = Math.min(out.length - done, WINDOW_BYTES - inWindow);
+      this.window(w).copy(out, done, inWindow, inWindow + n);
       done += n;
       off += n;
     }
@@ -197,15 +205,15 @@ export class GuestMemory {
 
   /**
    * A little-endian field written in place, or through {@link write} when it straddles the seam
-   * between two 1 GiB views: a guest may place any field there, and Buffer's own bounds check
+   * between two windows: a guest may place any field there, and Buffer's own bounds check
    * would otherwise end the device's work with a RangeError instead of a write.
    */
   private writeScalar(gpa: number, len: number, put: (b: Buffer, at: number) => void): void {
     const off = this.offsetOrThrow(gpa, len);
-    const chunk = Math.floor(off / CHUNK_BYTES);
-    const inChunk = off - chunk * CHUNK_BYTES;
-    if (inChunk + len <= CHUNK_BYTES) {
-      put(this.chunks[chunk], inChunk);
+    const w = Math.floor(off / WINDOW_BYTES);
+    const inWindow = off - w * WINDOW_BYTES;
+    if (inWindow + len <= WINDOW_BYTES) {
+      put(this.window(w), inWindow);
       return;
     }
     const b = Buffer.allocUnsafe(len);
@@ -341,22 +349,26 @@ export class GuestMemory {
     if (!this.mapped) throw new GuestCrashError('memory-unmapped', 'guest RAM is no longer mapped');
   }
 
-  /** A zero-copy view of [offset, offset+len) of the host mapping; it must not cross a 1 GiB chunk. */
+  /**
+   * A zero-copy view of [offset, offset+len) of the host mapping, at most {@link MAX_VIEW_BYTES}:
+   * of its window's view, or one of its own for a range across windows.
+   */
   hostView(offset: number, len: number): Buffer {
     if (!this.mapped) throw new GuestCrashError('memory-unmapped', 'guest RAM is no longer mapped');
-    const chunk = Math.floor(offset / CHUNK_BYTES);
-    const inChunk = offset - chunk * CHUNK_BYTES;
-    if (offset < 0 || len < 0 || offset + len > this.sizeBytes || inChunk + len > CHUNK_BYTES) {
-      throw new RangeError(`host range +0x${offset.toString(16)}+0x${len.toString(16)} is not inside one view chunk`);
+    if (offset < 0 || len < 0 || offset + len > this.sizeBytes || len > MAX_VIEW_BYTES) {
+      throw new RangeError(`host range +0x${offset.toString(16)}+0x${len.toString(16)} is not inside guest RAM, or longer than a view may be`);
     }
-    return this.chunks[chunk].subarray(inChunk, inChunk + len);
+    const w = Math.floor(offset / WINDOW_BYTES);
+    const inWindow = offset - w * WINDOW_BYTES;
+    if (inWindow + len <= WINDOW_BYTES) return this.window(w).subarray(inWindow, inWindow + len);
+    return viewAt(this.hostAddr + offset, len);
   }
 
   /** Unmaps guest RAM and closes its backing's fd. Views become invalid: the VM must be stopped first. */
   unmap(): void {
     if (!this.mapped) return;
     this.mapped = false;
-    this.chunks.length = 0;
+    this.windows = [];
     munmap(this.hostAddr, this.sizeBytes + C.PAGE_SIZE);
     if (this.backing.kind !== 'anonymous') closeFd(this.backing.fd);
   }
