@@ -14,6 +14,12 @@ import { SnapshotError, Vm, type GuestProcess } from '../../src';
 /** Deadlines stretch under the nested harness, where every exit costs about 15 times more. */
 const SLOW = process.env.PVISOR_NESTED === '1' ? 10 : 1;
 const BOOT_TIMEOUT_MS = 180_000;
+/**
+ * A clone's wait for its agent. In the nested harness a lazy restore's answer takes 1-4 s, but a
+ * whole bench run's clones once took 5-32 s, and CI once ran past 300 s: generous, since a clone
+ * that never answers still fails.
+ */
+const READY_TIMEOUT_MS = 60_000 * SLOW;
 const base = mkdtempSync(join(tmpdir(), 'pvisor-linux-snapshot-'));
 const figures: string[] = [];
 afterAll(() => {
@@ -52,7 +58,7 @@ describe('Linux guest snapshots (initramfs: the guest\'s files are in RAM)', () 
 
   async function restore(name: string): Promise<Vm> {
     const began = Date.now();
-    const vm = await Vm.restore(dir, { name, readyTimeoutMs: 30_000 * SLOW });
+    const vm = await Vm.restore(dir, { name, readyTimeoutMs: READY_TIMEOUT_MS });
     clones.push(vm);
     restoreBegan.set(vm, began);
     const list: string[] = [];
@@ -164,7 +170,7 @@ describe('Linux guest snapshots (initramfs: the guest\'s files are in RAM)', () 
     const [, b] = clones;
     const again = join(base, 'snap-of-b');
     await b.snapshot(again);
-    const c = await Vm.restore(again, { name: 'lsnap-c', readyTimeoutMs: 30_000 * SLOW });
+    const c = await Vm.restore(again, { name: 'lsnap-c', readyTimeoutMs: READY_TIMEOUT_MS });
     clones.push(c);
     // The first request after a restore waits while the nested harness's L1 maps the clone's
     // pages anew (35 s seen under load): its deadline stretches with the others.
@@ -209,7 +215,7 @@ describe('Linux guest snapshots with a rootfs', () => {
     try {
       await original.files.write('/tmp/prepared.txt', 'in RAM\n');
       await original.snapshot(dir);
-      clone = await Vm.restore(dir, { name: 'lsnap-ro-clone', readyTimeoutMs: 30_000 * SLOW });
+      clone = await Vm.restore(dir, { name: 'lsnap-ro-clone', readyTimeoutMs: READY_TIMEOUT_MS });
       expect(await stdoutOf(clone, 'cat /marker /tmp/prepared.txt')).toBe(`${marker}in RAM\n`);
       expect(await stdoutOf(clone, 'grep " / " /proc/mounts')).toMatch(/^\/dev\/vda \/ ext4 ro/);
       expect(await stdoutOf(clone, 'touch /new-file 2>/dev/null && echo writable || echo read-only')).toBe('read-only\n');
@@ -232,7 +238,7 @@ describe('Linux guest snapshots with a rootfs', () => {
     rmSync(image);
     await expect(Vm.restore(dir)).rejects.toThrow(/the snapshot's rootfs cannot be attached again: rootfs: cannot open .*rootfs\.img/);
     ({ image, marker } = makeImage(mkdtempSync(join(base, "rootfs-"))));
-  }, 3 * BOOT_TIMEOUT_MS);
+  }, BOOT_TIMEOUT_MS + READY_TIMEOUT_MS + 120_000);
 
   it('a VM with a writable rootfs is refused with SnapshotError before it is paused, and runs on', async () => {
     const vm = await Vm.start({ memory: '256MiB', vcpus: 1, name: 'lsnap-rw', rootfs: image, bootTimeoutMs: BOOT_TIMEOUT_MS });
