@@ -15,7 +15,7 @@ export interface PageRun {
 }
 
 /** Gathers pages that pass a test, visited once each in address order, into runs. */
-class RunCollector {
+export class RunCollector {
   readonly runs: PageRun[] = [];
   private start = -1;
 

@@ -8,7 +8,9 @@
  */
 import { GuestCrashError, type SystemCallError } from '../../errors';
 import { mapFileRuns } from '../../memory/file-runs';
+import { RunCollector, type PageRun } from '../../memory/pages';
 import type { DiscardTo, RamBacking } from '../../memory/ram-backing';
+import type { FileRunOver } from '../../memory/strategy';
 import * as C from '../../sys/constants';
 import { closeFd, madvise, mmap, mprotect, munmap, viewAt } from '../../sys/libc';
 import type { VmFd } from './ioctls';
@@ -270,7 +272,7 @@ export class GuestMemory {
    * restored clone's RAM file holes: one call each cost a millisecond or more in the nested
    * harness).
    */
-  discardHostRuns(runs: readonly { offset: number; length: number }[], to: DiscardTo = 'zero'): void {
+  discardHostRuns(runs: readonly PageRun[], to: DiscardTo = 'zero'): void {
     if (this.backing.kind !== 'private-file' || to !== 'zero') {
       for (const r of runs) this.discardHost(r.offset, r.length, to);
       return;
@@ -287,7 +289,7 @@ export class GuestMemory {
    * page pool hands a VM. Whole-range advice is applied again; KVM follows through its MMU
    * notifier. Returns how many runs were mapped, and the error that stopped it, if one did.
    */
-  mapFileRuns(fd: number, runs: readonly { offset: number; length: number; fileOffset: number }[]): { mapped: number; error?: SystemCallError } {
+  mapFileRuns(fd: number, runs: readonly FileRunOver[]): { mapped: number; error?: SystemCallError } {
     this.checkMapped();
     // -1 would map anonymous memory (what discardHostRuns asks of the same native call), not fail.
     if (!Number.isInteger(fd) || fd < 0) throw new RangeError(`${fd} is not a file descriptor`);
@@ -312,18 +314,11 @@ export class GuestMemory {
   private unmapFileOver(offset: number, len: number): void {
     const over = this.fileOver;
     if (!over) return;
-    const end = (offset + len) / C.PAGE_SIZE;
-    const runs: { offset: number; length: number }[] = [];
-    for (let p = offset / C.PAGE_SIZE; p < end;) {
-      if (!over[p]) {
-        p++;
-        continue;
-      }
-      let q = p;
-      while (q < end && over[q]) q++;
-      runs.push({ offset: p * C.PAGE_SIZE, length: (q - p) * C.PAGE_SIZE });
-      p = q;
-    }
+    const first = offset / C.PAGE_SIZE;
+    const pages = len / C.PAGE_SIZE;
+    const collect = new RunCollector(offset);
+    for (let p = 0; p < pages; p++) collect.page(p, over[first + p] === 1);
+    const runs = collect.end(pages);
     this.zeroOver(runs);
     for (const r of runs) over.fill(0, r.offset / C.PAGE_SIZE, (r.offset + r.length) / C.PAGE_SIZE);
   }
@@ -333,7 +328,7 @@ export class GuestMemory {
    * call, with the whole-range advice again: they read zero and cost nothing until written. KVM
    * follows the change through its MMU notifier; the slot still covers the same addresses.
    */
-  private zeroOver(runs: readonly { offset: number; length: number }[]): void {
+  private zeroOver(runs: readonly PageRun[]): void {
     const { error } = mapFileRuns(-1, runs.map((r) => ({ address: this.hostAddr + r.offset, length: r.length, fileOffset: 0 })), this.advices);
     if (error) throw error;
   }
