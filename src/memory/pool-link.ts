@@ -7,7 +7,7 @@
 import { writeSync } from 'node:fs';
 import { connect, Socket } from 'node:net';
 import { PoolUnavailableError } from '../errors';
-import { encodeFrame, FRAME_HEADER_BYTES, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES, writeFrameHeader, type Frame } from '../protocol/frame';
+import { encodeFrame, FRAME_HEADER_BYTES, FrameDecoder, FrameType, writeFrameHeader, type Frame } from '../protocol/frame';
 import { closeFd } from '../sys/libc';
 import { connectUnixSocket, receiveWithFd } from '../sys/unix-socket';
 import { decodeJson, POOL_PROTOCOL_VERSION, PoolOp, type PoolStatus } from '../daemon/pool-protocol';
@@ -18,7 +18,6 @@ export class PoolLink {
   private nextId = 1;
   private readonly waiting = new Map<number, { resolve: (p: Buffer) => void; reject: (e: Error) => void; timer: NodeJS.Timeout }>();
   private closedWith: Error | undefined;
-  private frame: Buffer | undefined;
   private readonly closeListeners: ((e: Error) => void)[] = [];
 
   private constructor(private readonly socket: Socket, readonly poolFd: number, readonly poolBytes: number, readonly clientId: number) {
@@ -77,21 +76,15 @@ export class PoolLink {
   }
 
   /**
-   * The payload area of the link's one reusable request frame, `bytes` long: build a request in
-   * it and send it with {@link requestBuilt}. One request at a time: the frame is free again once
-   * its answer has come. A merge pass sends hundreds of near-1 MiB requests; allocated anew, they
-   * grew a VM process by tens of MiB that malloc kept after they were freed.
+   * Sends a request built in place: `frame`'s payload (after its {@link FRAME_HEADER_BYTES}
+   * header, which this writes) holds `bytes` bytes. A merge pass sends hundreds of near-1 MiB
+   * requests and builds them all in one frame of its own (see ./pass-scratch.ts): allocated anew,
+   * they grew a VM process by tens of MiB that malloc kept after they were freed. One request at a
+   * time: the frame is free again once its answer has come.
    */
-  payload(bytes: number): Buffer {
-    this.frame ??= Buffer.allocUnsafe(FRAME_HEADER_BYTES + MAX_PAYLOAD_BYTES);
-    if (this.waiting.size) throw new Error('the request frame is still in use');
-    return this.frame.subarray(FRAME_HEADER_BYTES, FRAME_HEADER_BYTES + bytes);
-  }
-
-  /** Sends the request whose first `bytes` of payload were built in {@link payload}. */
-  requestBuilt(op: PoolOp, bytes: number, timeoutMs: number): Promise<Buffer> {
+  requestBuilt(op: PoolOp, frame: Buffer, bytes: number, timeoutMs: number): Promise<Buffer> {
     if (this.closedWith) return Promise.reject(this.closedWith);
-    const frame = this.frame!;
+    if (this.waiting.size) return Promise.reject(new Error('a built request is sent while another is waiting'));
     const id = this.nextId++;
     writeFrameHeader(frame, { type: FrameType.Request, id, op, length: bytes });
     return this.send(id, op, frame.subarray(0, FRAME_HEADER_BYTES + bytes), timeoutMs);

@@ -41,6 +41,8 @@ import {
   writeSettle,
 } from '../../daemon/pool-protocol';
 import type { PoolLink } from '../pool-link';
+import { PassScratch } from '../pass-scratch';
+import { FRAME_HEADER_BYTES } from '../../protocol/frame';
 import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, type StrategyRam, type StrategyStats } from '../strategy';
 
 /** Options of {@link PoolClient}. */
@@ -86,6 +88,9 @@ function mappingBudget(): number {
   return Math.max(0, max - used - MAP_COUNT_RESERVE);
 }
 
+/** A guest page mapped from a pool whose daemon is gone: it holds no reference to give back. */
+const FROM_GONE_POOL = -1;
+
 /** One daemon's pool as this client maps it. */
 interface PoolGeneration {
   id: number;
@@ -115,11 +120,15 @@ export class PoolClient implements MemoryStrategy {
   private reconnectMs = RECONNECT_FIRST_MS;
   private closed = false;
   private lastError: string | undefined;
-  /** Guest page -> [generation, pool page] of every page mapped from a pool. */
-  private readonly mapped = new Map<number, [number, number]>();
+  /**
+   * Guest page -> the page of the current pool it is mapped from, or {@link FROM_GONE_POOL}, for
+   * every page mapped from a pool. One number per entry: tens of thousands of entries, kept for
+   * the VM's life, would otherwise each be an array on the JS heap.
+   */
+  private readonly mapped = new Map<number, number>();
   private zeroKey: bigint | undefined;
-  private own: Uint8Array | undefined;
-  private keys: BigUint64Array | undefined;
+  /** A pass's arrays and request frame, resident only while a pass runs. */
+  private scratch: PassScratch | undefined;
   /** References of pages the guest freed, given back at the next pass. */
   private freedPoolPages: number[] = [];
   private passing: Promise<void> | undefined;
@@ -181,6 +190,8 @@ export class PoolClient implements MemoryStrategy {
     for (let off = 0; off < link.poolBytes; off += VIEW_CHUNK_BYTES) views.push(viewAt(addr + off, Math.min(VIEW_CHUNK_BYTES, link.poolBytes - off)));
     const gen = ++this.generations;
     this.freedPoolPages = [];
+    // References into the pool before this one went with its daemon.
+    for (const page of this.mapped.keys()) this.mapped.set(page, FROM_GONE_POOL);
     this.pool = { id: gen, link, fd: link.poolFd, bytes: link.poolBytes, addr, views };
     if (gen > 1) this.figures.reconnects++;
     this.reconnectMs = RECONNECT_FIRST_MS;
@@ -223,9 +234,9 @@ export class PoolClient implements MemoryStrategy {
     let dropped = false;
     for (let page = offset / PAGE_SIZE; page < (offset + length) / PAGE_SIZE; page++) {
       const m = this.mapped.get(page);
-      if (!m) continue;
+      if (m === undefined) continue;
       this.mapped.delete(page);
-      if (m[0] === this.pool?.id) this.freedPoolPages.push(m[1]);
+      if (m !== FROM_GONE_POOL) this.freedPoolPages.push(m);
       dropped = true;
     }
     if (dropped) ctx.ram.discardHost(offset, length, 'zero');
@@ -252,21 +263,23 @@ export class PoolClient implements MemoryStrategy {
     const ram = ctx.ram;
     const pages = ram.sizeBytes / PAGE_SIZE;
     // Pages that are the VM's own now: a page mapped from a pool and anonymous again was written.
-    // The arrays live with the client: a pass allocates as little as it can (see PoolLink.payload).
-    const own = (this.own ??= new Uint8Array(pages)).fill(0);
+    // The arrays live with the client: a pass allocates as little as it can.
+    const scratch = (this.scratch ??= new PassScratch(pages));
+    const own = scratch.own.fill(0);
+    const payload = (bytes: number) => scratch.frame.subarray(FRAME_HEADER_BYTES, FRAME_HEADER_BYTES + bytes);
     const runs = ram.ownPageRuns();
     for (const r of runs) own.fill(1, r.offset / PAGE_SIZE, (r.offset + r.length) / PAGE_SIZE);
     const drop = this.freedPoolPages;
     this.freedPoolPages = [];
-    for (const [page, [gen, poolPage]] of this.mapped) {
+    for (const [page, m] of this.mapped) {
       if (!own[page]) continue;
       this.mapped.delete(page);
       this.figures.pagesUnshared++;
-      if (gen === pool.id) drop.push(poolPage);
+      if (m !== FROM_GONE_POOL) drop.push(m);
     }
     // Key every own page not yet shared, except zero pages (the guest's free memory: IdleRelease's).
     const { pageHashes, pageHashesOf } = await import('../uffd-server');
-    const keys = (this.keys ??= new BigUint64Array(pages));
+    const keys = scratch.keys;
     if (this.zeroKey === undefined) {
       const one = new BigUint64Array(1);
       pageHashesOf(Buffer.alloc(PAGE_SIZE), one);
@@ -278,10 +291,10 @@ export class PoolClient implements MemoryStrategy {
     const send: number[] = [];
     try {
       // Offers, built straight into the link's request frame.
-      let batch = pool.link.payload(MAX_OFFER_ENTRIES * OFFER_ENTRY_BYTES);
+      const batch = payload(MAX_OFFER_ENTRIES * OFFER_ENTRY_BYTES);
       let n = 0;
       const flushOffer = async () => {
-        const answers = await pool.link.requestBuilt(PoolOp.Offer, n * OFFER_ENTRY_BYTES, this.requestTimeoutMs);
+        const answers = await pool.link.requestBuilt(PoolOp.Offer, scratch.frame, n * OFFER_ENTRY_BYTES, this.requestTimeoutMs);
         this.checkAnswers(answers, n, pool);
         for (let i = 0; i < n; i++) {
           const answer = answerOf(answers, i);
@@ -289,7 +302,6 @@ export class PoolClient implements MemoryStrategy {
           else if (answer !== ANSWER_NONE) candidates.push(answerPage(answers, i), answer);
         }
         n = 0;
-        batch = pool.link.payload(MAX_OFFER_ENTRIES * OFFER_ENTRY_BYTES);
       };
       for (const r of runs) {
         for (let p = r.offset / PAGE_SIZE; p < (r.offset + r.length) / PAGE_SIZE; p++) {
@@ -324,10 +336,10 @@ export class PoolClient implements MemoryStrategy {
         const pooled: number[] = [];
         for (let j = i; j < sliceEnd && !full; j += MAX_PUT_PAGES) {
           const count = Math.min(MAX_PUT_PAGES, sliceEnd - j);
-          const payload = pool.link.payload(putBytes(count));
-          const slot = writePutCount(payload, count);
+          const put = payload(putBytes(count));
+          const slot = writePutCount(put, count);
           for (let k = 0; k < count; k++) ram.view(send[j + k] * PAGE_SIZE, PAGE_SIZE).copy(slot(k, send[j + k]));
-          const answers = await pool.link.requestBuilt(PoolOp.Put, payload.length, this.requestTimeoutMs);
+          const answers = await pool.link.requestBuilt(PoolOp.Put, scratch.frame, put.length, this.requestTimeoutMs);
           this.checkAnswers(answers, count, pool);
           this.figures.pagesSent += count;
           for (let k = 0; k < count; k++) {
@@ -341,13 +353,16 @@ export class PoolClient implements MemoryStrategy {
       }
       for (let i = 0; i < drop.length; i += MAX_SETTLE_PAGES) {
         const part = drop.slice(i, i + MAX_SETTLE_PAGES);
-        const payload = pool.link.payload(settleBytes(part.length));
-        writeSettle(payload, [], part); // nothing kept: every page named is dropped
-        await pool.link.requestBuilt(PoolOp.Settle, payload.length, this.requestTimeoutMs);
+        const settle = payload(settleBytes(part.length));
+        writeSettle(settle, [], part); // nothing kept: every page named is dropped
+        await pool.link.requestBuilt(PoolOp.Settle, scratch.frame, settle.length, this.requestTimeoutMs);
       }
     } catch (e) {
       // The link ended (its close listener reconnects); the daemon keeps this process's references.
       if (!pool.link.closed) throw e;
+    } finally {
+      // Every request sent has been answered (or its link is gone): nothing reads the frame now.
+      scratch.release();
     }
     // The comparisons mapped pool pages into the read-only view too: unmap them there, so that
     // each page's PSS is split among the VMs that map it, not among them and their views.
@@ -375,6 +390,8 @@ export class PoolClient implements MemoryStrategy {
    * are equal, consecutive pages as one mapping. Returns the pool pages not mapped.
    */
   private mapSlice(ram: StrategyRam, pool: PoolGeneration, slice: [number, number][]): number[] {
+    // A newer daemon's pool was adopted since the pass began: this one's view and fd are gone.
+    if (this.pool !== pool) return slice.map(([, poolPage]) => poolPage);
     const refused: number[] = [];
     const runs: { guest: number; pool: number; pages: number }[] = [];
     let run: { guest: number; pool: number; pages: number } | undefined;
@@ -411,7 +428,7 @@ export class PoolClient implements MemoryStrategy {
     // repetitive working set) grew this process by tens of MiB (see ../file-runs.ts).
     const { mapped, error } = ram.mapFileRuns(pool.fd, runs.map((r) => ({ offset: r.guest * PAGE_SIZE, length: r.pages * PAGE_SIZE, fileOffset: r.pool * PAGE_SIZE })));
     for (const r of runs.slice(0, mapped)) {
-      for (let k = 0; k < r.pages; k++) this.mapped.set(r.guest + k, [pool.id, r.pool + k]);
+      for (let k = 0; k < r.pages; k++) this.mapped.set(r.guest + k, r.pool + k);
       this.figures.pagesMapped += r.pages;
     }
     if (error) throw error;
@@ -433,5 +450,10 @@ export class PoolClient implements MemoryStrategy {
     this.closed = true;
     clearTimeout(this.reconnectTimer);
     this.dropGeneration();
+    // A pass still running writes into the arrays until it sees its link closed.
+    const scratch = this.scratch;
+    this.scratch = undefined;
+    if (this.passing) void this.passing.finally(() => scratch?.free()).catch(() => {});
+    else scratch?.free();
   }
 }
