@@ -23,7 +23,7 @@ import { parseSize } from '../units';
 import { Vm } from '../vm';
 import { printTable, progress } from './bench';
 import { parseUsage } from './usage';
-import { PVISOR_NODE_FLAGS } from './node-flags';
+import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from './node-flags';
 
 const MiB = 2 ** 20;
 /** Guest RAM of each VM: room for the largest working set the bench takes, and the probe's own. */
@@ -186,7 +186,7 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
 
 /** Runs one strategy's soak in a fresh process; its progress lines go to our stderr. */
 function runSoak(config: SoakConfig): SoakRun {
-  const r = spawnSync(process.execPath, [...PVISOR_NODE_FLAGS, '--expose-gc', join(__dirname, 'main.js'), 'bench', 'soak-run', JSON.stringify(config)], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'inherit'], maxBuffer: 16 * MiB });
+  const r = spawnSync(process.execPath, [...PVISOR_NODE_FLAGS, '--expose-gc', join(__dirname, 'main.js'), 'bench', 'soak-run', JSON.stringify(config)], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'inherit'], maxBuffer: 16 * MiB, env: pvisorNodeEnv() });
   if (r.status !== 0) throw new Error(`the soak of ${config.strategy} failed (exit ${r.status ?? r.signal})`);
   return JSON.parse(r.stdout) as SoakRun;
 }

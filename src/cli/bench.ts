@@ -12,7 +12,7 @@ import { processResident, rangeResident } from '../memory-usage';
 import { InvalidOptionError } from '../errors';
 import { Vm } from '../vm';
 import { BENCH_USAGE, parseUsage, printUsage, PVISOR_USAGE, UsageError, wantsHelp, type BenchName } from './usage';
-import { PVISOR_NODE_FLAGS } from './node-flags';
+import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from './node-flags';
 
 const MiB = 2 ** 20;
 /** A progress line on stderr (stdout carries the tables and JSON). */
@@ -117,7 +117,7 @@ async function memoryCaseChild(vms: number): Promise<MemoryCase> {
 }
 
 function memoryCase(vms: number): MemoryCase {
-  const r = spawnSync(process.execPath, [...PVISOR_NODE_FLAGS, join(__dirname, 'main.js'), 'bench', 'vmm-memory-case', String(vms)], { encoding: 'utf8' });
+  const r = spawnSync(process.execPath, [...PVISOR_NODE_FLAGS, join(__dirname, 'main.js'), 'bench', 'vmm-memory-case', String(vms)], { encoding: 'utf8', env: pvisorNodeEnv() });
   if (r.status !== 0) throw new Error(`memory case with ${vms} VMs failed: ${r.stderr}`);
   return JSON.parse(r.stdout) as MemoryCase;
 }

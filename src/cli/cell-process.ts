@@ -7,7 +7,7 @@
 import { spawn, type ChildProcessWithoutNullStreams } from 'node:child_process';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { PVISOR_NODE_FLAGS } from './node-flags';
+import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from './node-flags';
 import type { CellCgroup } from './cell-cgroup';
 
 /** One message: a JSON object per line. */
@@ -38,7 +38,7 @@ export class CellProcess {
     const node = process.execPath;
     const argv = [...PVISOR_NODE_FLAGS, join(__dirname, 'main.js'), 'bench', ...args];
     const [cmd, full] = typeof cgroup === 'string' ? [node, argv] : cgroup.wrap(node, argv);
-    return new CellProcess(spawn(cmd, full, { stdio: ['pipe', 'pipe', 'pipe'] }), label);
+    return new CellProcess(spawn(cmd, full, { stdio: ['pipe', 'pipe', 'pipe'], env: pvisorNodeEnv() }), label);
   }
 
   /** The process's pid (of the node process itself: the cgroup wrapper execs it). */

@@ -1,4 +1,4 @@
-#!/usr/bin/env -S node --max-semi-space-size=1
+#!/usr/bin/env -S MALLOC_ARENA_MAX=1 node --max-semi-space-size=1
 /**
  * The `pvisor` command.
  */

@@ -14,6 +14,25 @@
 export const PVISOR_NODE_FLAGS: readonly string[] = ['--max-semi-space-size=1'];
 
 /**
+ * Environment for the same processes, set by the `pvisor` bin's `#!` line (through `env -S`) and by
+ * the benches for the processes they start.
+ *
+ * `MALLOC_ARENA_MAX=1`: glibc gives each thread that allocates an arena of its own (up to eight
+ * per core), and each arena keeps what its thread freed. A VM process's V8 helper threads
+ * (collection, compilation) grew arenas of a few MiB each during a page pool's merge passes. One
+ * VM in this process and one in another, 64 MiB of the same random pages, three passes each
+ * (kvm_pvm, probe guest, `.cache/prof/pool-vm-mem.js`, three runs each way): the other process's
+ * memory besides guest RAM grew 6.8-9.8 MiB with it against 9.0-13.6 without, and this one's
+ * anonymous memory ended 1.4-5.8 MiB lower.
+ */
+export const PVISOR_NODE_ENV: Readonly<Record<string, string>> = { MALLOC_ARENA_MAX: '1' };
+
+/** This process's environment with {@link PVISOR_NODE_ENV}: for a pvisor process it starts. */
+export function pvisorNodeEnv(): NodeJS.ProcessEnv {
+  return { ...process.env, ...PVISOR_NODE_ENV };
+}
+
+/**
  * `pvisor-daemon`'s: the same, and `--optimize-for-size`, which makes V8 collect sooner and grow
  * its heap less. The daemon's live objects after four VMs merged 64 MiB of the same random pages
  * were about 10 MiB, its V8 heap 24-30 MiB; with the flag 16 MiB, and its anonymous memory
