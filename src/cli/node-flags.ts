@@ -22,7 +22,7 @@ export const PVISOR_NODE_FLAGS: readonly string[] = ['--max-semi-space-size=1'];
  * (collection, compilation) grew arenas of a few MiB each during a page pool's merge passes. One
  * VM in this process and one in another, 64 MiB of the same random pages, three passes each
  * (kvm_pvm, probe guest, `.cache/prof/pool-vm-mem.js`, three runs each way): the other process's
- * memory besides guest RAM grew 6.8-9.8 MiB with it against 9.0-13.6 without, and this one's
+ * memory besides guest RAM grew 6.8-9.8 MiB with it against 9.0-13.5 without, and this one's
  * anonymous memory ended 1.4-5.8 MiB lower.
  */
 export const PVISOR_NODE_ENV: Readonly<Record<string, string>> = { MALLOC_ARENA_MAX: '1' };
