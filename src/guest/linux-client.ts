@@ -9,7 +9,7 @@ import { pipeline } from 'node:stream/promises';
 import { AbortError, abortError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
-import { parseTimeoutMs } from '../units';
+import { booleanOption, parseTimeoutMs } from '../units';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
@@ -544,11 +544,6 @@ export interface RemoveOptions extends FilesCallOptions {
   recursive?: boolean;
 }
 
-function flagOption(option: string, value: unknown): boolean {
-  if (value === undefined || typeof value === 'boolean') return value === true;
-  throw new InvalidOptionError(option, `expected true or false, got ${typeof value}`);
-}
-
 /** `promise`, or a {@link TimeoutError} saying `what` after `ms`. */
 function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
   let timer: NodeJS.Timeout | undefined;
@@ -795,14 +790,14 @@ export class GuestFiles {
   /** A file's type, mode, owner, size and mtime; a symlink's own unless `followSymlinks`, with its target. */
   async stat(path: string, options: StatOptions = {}): Promise<FileStat> {
     const { timeoutMs, signal } = callLimits(options);
-    const follow = flagOption('followSymlinks', options.followSymlinks);
+    const follow = booleanOption('followSymlinks', options.followSymlinks, false);
     return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal }));
   }
 
   /** Creates a directory (mode default 0o755, set exactly); an existing one is `EEXIST` unless `recursive`. */
   async mkdir(path: string, options: MkdirOptions = {}): Promise<void> {
     const { timeoutMs, signal } = callLimits(options);
-    const recursive = flagOption('recursive', options.recursive);
+    const recursive = booleanOption('recursive', options.recursive, false);
     const mode = modeField('mode', options.mode, 0o755);
     await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal });
   }
@@ -810,7 +805,7 @@ export class GuestFiles {
   /** Removes a file, a symlink or an empty directory; with `recursive`, a whole tree. */
   async remove(path: string, options: RemoveOptions = {}): Promise<void> {
     const { timeoutMs, signal } = callLimits(options);
-    const recursive = flagOption('recursive', options.recursive);
+    const recursive = booleanOption('recursive', options.recursive, false);
     decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal }), 'FILE_REMOVE');
   }
 
