@@ -197,12 +197,21 @@ extract_vmlinux() {
   return 1
 }
 
+# The TSC rate in MHz (e.g. 2994.372) a kernel measured, from its log; empty if the log has none
+# or cannot be read. Both sides use it: the host (bash) and the L1's init (busybox sh), which gets
+# this very text from write_init.
+tsc_mhz() {
+  { dmesg 2>/dev/null || true; } | sed -n 's/.*tsc: \(Detected\|Refined TSC clocksource calibration:\) \([0-9.]*\) MHz.*/\2/p' | tail -n 1
+}
+
 # PID 1 of the L1 (busybox sh). Per-run settings come from the "run" 9p share; the per-run marker
 # token comes from the kernel command line (the kernel hands unknown name=value words to init as
 # environment variables). Every line the host must parse is "@@nested-kvm:TOKEN:WHAT@@".
 write_init() {
-  cat >"$1" <<'INIT'
-#!/bin/busybox sh
+  {
+  echo '#!/bin/busybox sh'
+  declare -f tsc_mhz
+  cat <<'INIT'
 /bin/busybox --install -s /bin
 export PATH=/bin
 mkdir -p /proc /sys /dev
@@ -237,7 +246,7 @@ while read -r m; do
 done </modules.list
 [ -c /dev/kvm ] || fail "no /dev/kvm after loading kvm-amd"
 # The TSC rate the L1 timed itself by: the host compares the L1's clock with its own at the end.
-tsc=$(dmesg | sed -n 's/.*tsc: \(Detected\|Refined TSC clocksource calibration:\) \([0-9.]*\) MHz.*/\2/p' | tail -n 1)
+tsc=$(tsc_mhz)
 printf '%s:ready:%s %s@@\n' "$M" "$(cut -d' ' -f1 /proc/uptime)" "${tsc:-?}"
 
 P9=trans=virtio,version=9p2000.L,msize=512000
@@ -311,6 +320,7 @@ wait $catpid 2>/dev/null
 printf '%s:clock:%s@@\n' "$M" "$(cut -d' ' -f1 /proc/uptime)"
 finish "exit:$rc"
 INIT
+  } >"$1"
   chmod 755 "$1"
 }
 
@@ -491,7 +501,8 @@ KERNEL_KIND=$(cat "$L1DIR/kernel.kind")
 # milliseconds, against emulated timers; on a host loaded at that moment a wrong result would
 # stick (a later refinement is dropped when it differs by over 1%), and with it every clock and
 # deadline in the L1. The host's kernel measured the rate once: hand it over when it says.
-HOST_TSC_KHZ=$( (dmesg 2>/dev/null || true) | sed -n 's/.*tsc: \(Detected\|Refined TSC clocksource calibration:\) \([0-9]*\)\.\([0-9]\{3\}\) MHz.*/\2\3/p' | tail -n 1)
+HOST_TSC_KHZ=""
+if [[ $(tsc_mhz) =~ ^([0-9]+)\.([0-9]{3})$ ]]; then HOST_TSC_KHZ=${BASH_REMATCH[1]}${BASH_REMATCH[2]}; fi
 # shellcheck disable=SC2054 # the commas belong to QEMU's option syntax
 qemu_args=(
   -nodefaults -no-user-config -accel tcg -cpu max -M pc

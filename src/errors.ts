@@ -143,6 +143,11 @@ export class AbortError extends PvisorError {
   }
 }
 
+/** The {@link AbortError} of `what` (e.g. `the command`), which `signal` aborted: caused by the signal's reason. */
+export function abortError(what: string, signal: AbortSignal): AbortError {
+  return new AbortError(`${what} was aborted`, { cause: signal.reason });
+}
+
 /** No running VM of that id (for the CLI, or the SDK reaching a VM of another process): no control socket, or one whose process has gone. */
 export class VmNotFoundError extends PvisorError {
   /** The VM id asked for. */

@@ -46,6 +46,20 @@ export function parseTimeoutMs(option: string, value: unknown): number {
 }
 
 /**
+ * A boolean option: `fallback` when absent, else true or false; anything else (`'yes'`, 1, null)
+ * is an {@link InvalidOptionError} naming `option`, not a truthy or falsy guess.
+ */
+export function booleanOption(option: string, value: unknown, fallback: boolean): boolean {
+  if (value === undefined) return fallback;
+  if (typeof value === 'boolean') return value;
+  const got = typeof value === 'string' ? JSON.stringify(value)
+    : typeof value === 'object' && value !== null ? 'an object'
+    : typeof value === 'function' ? 'a function'
+    : String(value);
+  throw new InvalidOptionError(option, `expected true or false, got ${got}`);
+}
+
+/**
  * A numeric option of a strategy: `fallback` when absent, else a finite number that `ok` accepts;
  * anything else is an {@link InvalidOptionError} naming `option` and saying `what` it must be.
  */

@@ -18,7 +18,7 @@ import type { Frame } from './protocol/frame';
 import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
-import { parseTimeoutMs, type Size } from './units';
+import { booleanOption, parseTimeoutMs, type Size } from './units';
 import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
@@ -432,7 +432,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
     const readyTimeoutMs = options.readyTimeoutMs === undefined ? 60000 : parseTimeoutMs('readyTimeoutMs', options.readyTimeoutMs);
     const warningLimit = parseWarningLimit(options.warningLimit);
-    if (options.verify !== undefined && typeof options.verify !== 'boolean') throw new InvalidOptionError('verify', `expected a boolean, got ${JSON.stringify(options.verify)}`);
+    const verify = booleanOption('verify', options.verify, false);
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
     const { state } = snapshot;
@@ -457,7 +457,7 @@ export class Vm extends EventEmitter<VmEvents> {
     try {
       const tRam = performance.now();
       const ram = vm.machine.memory;
-      const lazy = !shared && !options.verify && vm.memory.canLoadLazily ? snapshot.openRamForLazyLoad() : undefined;
+      const lazy = !shared && !verify && vm.memory.canLoadLazily ? snapshot.openRamForLazyLoad() : undefined;
       ramLoad = shared ? 'mapped' : lazy ? 'lazy' : 'read';
       try {
         if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(snapshot.checkMappedRam(ram.backing.fd, shared.verifyAgain));
@@ -926,9 +926,9 @@ const LINUX_CMDLINE = 'console=ttyS0 reboot=t panic=-1 quiet';
  */
 function rootfsDisk(rootfs: VmOptions['rootfs'], guest: GuestKind): DiskConfig | undefined {
   if (rootfs === undefined) return undefined;
-  const { path, readOnly = false } = typeof rootfs === 'string' ? { path: rootfs } : (rootfs ?? {}) as RootfsOptions;
+  const { path, readOnly: readOnlyOption } = typeof rootfs === 'string' ? { path: rootfs } : (rootfs ?? {}) as RootfsOptions;
   if (typeof path !== 'string' || !path) throw new InvalidOptionError('rootfs', 'expected a path or { path, readOnly }');
-  if (typeof readOnly !== 'boolean') throw new InvalidOptionError('rootfs', `readOnly must be true or false, got ${JSON.stringify(readOnly)}`);
+  const readOnly = booleanOption('rootfs.readOnly', readOnlyOption, false);
   if (guest !== 'linux') throw new InvalidOptionError('rootfs', `only the Linux guest has a root filesystem (this VM runs the ${guest} guest)`);
   let sizeBytes: number;
   try {

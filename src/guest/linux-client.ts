@@ -6,10 +6,10 @@ import { randomBytes } from 'node:crypto';
 import { constants as osConstants } from 'node:os';
 import { Readable, Writable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
-import { AbortError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
+import { AbortError, abortError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
-import { parseTimeoutMs } from '../units';
+import { booleanOption, parseTimeoutMs } from '../units';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
@@ -83,10 +83,6 @@ function abortSignal(value: unknown): AbortSignal | undefined {
   throw new InvalidOptionError('signal', `expected an AbortSignal, got ${value === null ? 'null' : typeof value}`);
 }
 
-/** The error of a call that `signal` aborted. */
-function aborted(what: string, signal: AbortSignal): AbortError {
-  return new AbortError(`${what} was aborted`, { cause: signal.reason });
-}
 
 /** The timeout and signal of a files call, checked. */
 function callLimits(options: FilesCallOptions): { timeoutMs: number; signal: AbortSignal | undefined } {
@@ -278,7 +274,7 @@ export class GuestProcess {
     // A command the guest refused never starts: `pid` rejects with `exited`'s reason.
     this.pid.catch(() => {});
     const { signal, timeoutMs } = limits;
-    const req = signal?.aborted ? { id: 0, done: Promise.reject(aborted('the command', signal)) } : agent.start(LinuxOp.Exec, argvPayload, {
+    const req = signal?.aborted ? { id: 0, done: Promise.reject(abortError('the command', signal)) } : agent.start(LinuxOp.Exec, argvPayload, {
       onChunk: (flags, payload) => {
         // A STARTED chunk too short for a pid is the guest's mistake: ignored, never a throw out
         // of the receive path (which would end the VM as a VMM error).
@@ -314,7 +310,7 @@ export class GuestProcess {
     // A guest that does not report the killed process's end must not hold the caller forever.
     const abandoned = new Promise<never>((_, reject) => (this.gaveUp = reject));
     const timer = timeoutMs === undefined ? undefined : setTimeout(() => this.stop(new TimeoutError(`command did not finish within ${timeoutMs} ms; it was killed`)), timeoutMs);
-    const onAbort = () => this.stop(aborted('the command', signal!));
+    const onAbort = () => this.stop(abortError('the command', signal!));
     if (req.id) signal?.addEventListener('abort', onAbort, { once: true });
     this.exited = Promise.race([ended, abandoned]).then(
       (status) => {
@@ -548,11 +544,6 @@ export interface RemoveOptions extends FilesCallOptions {
   recursive?: boolean;
 }
 
-function flagOption(option: string, value: unknown): boolean {
-  if (value === undefined || typeof value === 'boolean') return value === true;
-  throw new InvalidOptionError(option, `expected true or false, got ${typeof value}`);
-}
-
 /** `promise`, or a {@link TimeoutError} saying `what` after `ms`. */
 function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
   let timer: NodeJS.Timeout | undefined;
@@ -615,7 +606,7 @@ export class GuestFiles {
   readStream(path: string, options: FilesCallOptions = {}): Readable {
     const { timeoutMs, signal } = callLimits(options);
     const payload = pathField(path);
-    if (signal?.aborted) return new Readable({ read() {} }).destroy(aborted(`reading ${path}`, signal)); // nothing sent
+    if (signal?.aborted) return new Readable({ read() {} }).destroy(abortError(`reading ${path}`, signal)); // nothing sent
     let received = 0;
     let done = false;
     let timer: NodeJS.Timeout | undefined;
@@ -630,7 +621,7 @@ export class GuestFiles {
       timer = setTimeout(() => s.destroy(new TimeoutError(`the guest sent nothing of ${path} for ${timeoutMs} ms`)), timeoutMs);
     };
     const s = guestOutput(this.agent, arm);
-    const onAbort = () => s.destroy(aborted(`reading ${path}`, signal!));
+    const onAbort = () => s.destroy(abortError(`reading ${path}`, signal!));
     const req = this.agent.start(FileOp.Read, payload, {
       onChunk: (_f, p) => {
         received += p.length;
@@ -713,7 +704,7 @@ export class GuestFiles {
     const { timeoutMs, signal } = callLimits(options);
     const mode = modeField('mode', options.mode, 0o644);
     const payload = Buffer.concat([u32s(WRITE_MKDIRS, mode), pathField(path)]);
-    if (signal?.aborted) return new Writable({ write: (_c, _e, cb) => cb() }).destroy(aborted(`writing ${path}`, signal)); // nothing sent
+    if (signal?.aborted) return new Writable({ write: (_c, _e, cb) => cb() }).destroy(abortError(`writing ${path}`, signal)); // nothing sent
     let sent = 0;
     let closed = false;
     let opened!: () => void;
@@ -739,7 +730,7 @@ export class GuestFiles {
         sent += part.length;
       }
     };
-    const onAbort = () => w.destroy(aborted(`writing ${path}`, signal!));
+    const onAbort = () => w.destroy(abortError(`writing ${path}`, signal!));
     const w: Writable = new Writable({
       highWaterMark: WRITE_STREAM_HIGH_WATER_BYTES,
       decodeStrings: true,
@@ -799,14 +790,14 @@ export class GuestFiles {
   /** A file's type, mode, owner, size and mtime; a symlink's own unless `followSymlinks`, with its target. */
   async stat(path: string, options: StatOptions = {}): Promise<FileStat> {
     const { timeoutMs, signal } = callLimits(options);
-    const follow = flagOption('followSymlinks', options.followSymlinks);
+    const follow = booleanOption('followSymlinks', options.followSymlinks, false);
     return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal }));
   }
 
   /** Creates a directory (mode default 0o755, set exactly); an existing one is `EEXIST` unless `recursive`. */
   async mkdir(path: string, options: MkdirOptions = {}): Promise<void> {
     const { timeoutMs, signal } = callLimits(options);
-    const recursive = flagOption('recursive', options.recursive);
+    const recursive = booleanOption('recursive', options.recursive, false);
     const mode = modeField('mode', options.mode, 0o755);
     await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal });
   }
@@ -814,7 +805,7 @@ export class GuestFiles {
   /** Removes a file, a symlink or an empty directory; with `recursive`, a whole tree. */
   async remove(path: string, options: RemoveOptions = {}): Promise<void> {
     const { timeoutMs, signal } = callLimits(options);
-    const recursive = flagOption('recursive', options.recursive);
+    const recursive = booleanOption('recursive', options.recursive, false);
     decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal }), 'FILE_REMOVE');
   }
 

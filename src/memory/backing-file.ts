@@ -10,6 +10,7 @@ import { basename, dirname, extname, join } from 'node:path';
 import { BackingFileError, InvalidOptionError } from '../errors';
 import { RAMFS_MAGIC, TMPFS_MAGIC } from '../sys/constants';
 import { processGone } from '../sys/processes';
+import { booleanOption } from '../units';
 
 /**
  * Where backing files go unless a strategy is told otherwise. Not the temp directory: /tmp is
@@ -40,8 +41,7 @@ export interface BackingDirOptions {
 export function backingDirOptions(options: BackingDirOptions): Required<BackingDirOptions> {
   const dir = options.dir ?? DEFAULT_BACKING_DIR;
   if (typeof dir !== 'string' || !dir) throw new InvalidOptionError('dir', `expected a directory path, got ${JSON.stringify(dir)}`);
-  const allowMemoryBackedDir = options.allowMemoryBackedDir ?? false;
-  if (typeof allowMemoryBackedDir !== 'boolean') throw new InvalidOptionError('allowMemoryBackedDir', `expected true or false, got ${JSON.stringify(allowMemoryBackedDir)}`);
+  const allowMemoryBackedDir = booleanOption('allowMemoryBackedDir', options.allowMemoryBackedDir, false);
   return { dir, allowMemoryBackedDir };
 }
 

@@ -2,7 +2,7 @@
  * The host end of the agent protocol: numbered requests with several outstanding at once,
  * responses matched by id, guest events delivered to a callback.
  */
-import { AbortError, GuestRequestError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
+import { abortError, GuestRequestError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
 import { arrayAt, base64Of, bytesAt, checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
 import { encodeFrame, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES, type Frame } from './frame';
 
@@ -219,7 +219,7 @@ export class AgentClient {
    */
   start(op: number, payload: Buffer = Buffer.alloc(0), options: RequestOptions = {}): StartedRequest {
     if (this.closedWith) return { id: this.nextId, done: Promise.reject(this.closedWith) };
-    if (options.signal?.aborted) return { id: this.nextId, done: Promise.reject(abortError(op, options.signal)) };
+    if (options.signal?.aborted) return { id: this.nextId, done: Promise.reject(abortError(`op 0x${op.toString(16)}`, options.signal)) };
     if (payload.length > MAX_PAYLOAD_BYTES) {
       const e = new RequestTooLargeError(payload.length, MAX_PAYLOAD_BYTES, `a request of op 0x${op.toString(16)} with ${payload.length} bytes exceeds the ${MAX_PAYLOAD_BYTES} bytes one frame carries; nothing was sent`);
       return { id: this.nextId, done: Promise.reject(e) };
@@ -233,7 +233,7 @@ export class AgentClient {
       }
       const signal = options.signal;
       if (signal) {
-        const onAbort = () => this.giveUp(id, abortError(op, signal));
+        const onAbort = () => this.giveUp(id, abortError(`op 0x${op.toString(16)}`, signal));
         signal.addEventListener('abort', onAbort, { once: true });
         p.unlisten = () => signal.removeEventListener('abort', onAbort);
       }
@@ -293,11 +293,6 @@ export class AgentClient {
       this.pending.delete(id);
     }
   }
-}
-
-/** The error of a request that `signal` aborted: an {@link AbortError} caused by its reason. */
-function abortError(op: number, signal: AbortSignal): AbortError {
-  return new AbortError(`op 0x${op.toString(16)} was aborted`, { cause: signal.reason });
 }
 
 /** Most characters of an error frame's text that go into a host warning or error. */

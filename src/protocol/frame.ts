@@ -94,7 +94,7 @@ export class FrameDecoder {
   push(bytes: Buffer): Frame[] {
     if (this.options.reusePayloads) throw new Error('a decoder that reuses its payload buffer hands frames out through pushEach');
     const frames: Frame[] = [];
-    this.feed(bytes, (f) => frames.push(f));
+    this.pushEach(bytes, (f) => frames.push(f));
     return frames;
   }
 
@@ -104,10 +104,6 @@ export class FrameDecoder {
    * {@link FrameError} on garbage, and what `handle` throws (the rest of `bytes` is then dropped).
    */
   pushEach(bytes: Buffer, handle: (f: Frame) => void): void {
-    this.feed(bytes, handle);
-  }
-
-  private feed(bytes: Buffer, handle: (f: Frame) => void): void {
     let at = 0;
     while (at < bytes.length || (this.frame && this.payloadFill === this.frame.payload.length)) {
       if (!this.frame) {

@@ -1,5 +1,5 @@
 // The agent client's bookkeeping of requests, over frames a test writes: pure logic, no VM.
-import { GuestRequestError, RequestTooLargeError, TimeoutError, VmStateError } from '../../src';
+import { AbortError, GuestRequestError, RequestTooLargeError, TimeoutError, VmStateError } from '../../src';
 import { AgentClient } from '../../src/protocol/agent-client';
 import { encodeFrame, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES } from '../../src/protocol/frame';
 
@@ -41,6 +41,28 @@ describe('agent client', () => {
       expect(m).not.toMatch(/[\x00-\x1f\x7f]/);
       expect(m).toMatch(/\?\[2J\?\]0;pvisor\?\?host: all VMs healthy\?AAAA.*\.\.\. \(\d+ bytes\)$/);
     }
+  });
+
+  it("a request its signal aborts rejects with an AbortError caused by the signal's reason; one aborted already sends nothing", async () => {
+    const sent: Buffer[] = [];
+    const c = new AgentClient((b) => sent.push(b), () => {}, () => {});
+    const early = new AbortController();
+    early.abort(new Error('not wanted'));
+    const before = c.request(0x105, Buffer.alloc(0), { signal: early.signal }).catch((e: Error) => e);
+    expect(sent).toHaveLength(0);
+    const e1 = await before;
+    expect(e1).toBeInstanceOf(AbortError);
+    expect(e1).toMatchObject({ name: 'AbortError', message: 'op 0x105 was aborted', cause: early.signal.reason });
+
+    const late = new AbortController();
+    const p = c.request(0x106, Buffer.alloc(0), { signal: late.signal }).catch((e: Error) => e);
+    expect(sent).toHaveLength(1);
+    const id = new FrameDecoder().push(sent[0])[0].id;
+    late.abort('changed my mind');
+    const e2 = await p;
+    expect(e2).toBeInstanceOf(AbortError);
+    expect(e2).toMatchObject({ message: 'op 0x106 was aborted', cause: 'changed my mind' });
+    c.receive(encodeFrame({ type: FrameType.Response, id, op: 0x106, payload: Buffer.alloc(0) }));
   });
 
   it('a request that times out rejects once; its late answer is dropped', async () => {

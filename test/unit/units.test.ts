@@ -1,6 +1,6 @@
 import { InvalidOptionError } from '../../src/errors';
-import { numberOption, parseSize } from '../../src/units';
-import { ColdCompression, PoolClient } from '../../src';
+import { booleanOption, numberOption, parseSize } from '../../src/units';
+import { ColdCompression, CompressedOffload, Offload, PoolClient, SharedSnapshot, Vm } from '../../src';
 
 describe('parseSize', () => {
   it.each([
@@ -40,5 +40,25 @@ describe('numberOption (the strategies\' numeric options)', () => {
   it('is what ColdCompression and PoolClient check their options with', () => {
     expect(() => new ColdCompression({ minSavingPercent: 0 })).toThrow(/minSavingPercent.*must be from 1 to 99, got 0/);
     expect(() => new PoolClient({ socket: '/nowhere', intervalMs: 5 })).toThrow(/intervalMs.*must be from 100 to 3600000, got 5/);
+  });
+});
+
+describe('booleanOption (every boolean option)', () => {
+  it('gives the fallback when absent and the value when it is true or false', () => {
+    expect(booleanOption('x', undefined, true)).toBe(true);
+    expect(booleanOption('x', undefined, false)).toBe(false);
+    expect(booleanOption('x', false, true)).toBe(false);
+    expect(booleanOption('x', true, false)).toBe(true);
+  });
+  it.each([
+    ['yes', '"yes"'], [1, '1'], [0, '0'], [null, 'null'], [{}, 'an object'], [[true], 'an object'], [() => true, 'a function'],
+  ])('refuses %p rather than guess from truthiness, naming the option and what came', (v, got) => {
+    expect(() => booleanOption('recursive', v, false)).toThrow(new InvalidOptionError('recursive', `expected true or false, got ${got}`));
+  });
+  it('is what the strategies and Vm.restore check their boolean options with', async () => {
+    expect(() => new Offload({ prefetch: 'no' as never })).toThrow(/^prefetch: expected true or false, got "no"$/);
+    expect(() => new CompressedOffload({ keepWorkers: 1 as never })).toThrow(/^keepWorkers: expected true or false, got 1$/);
+    expect(() => new SharedSnapshot({ verify: 'yes' as never })).toThrow(/^verify: expected true or false, got "yes"$/);
+    await expect(Vm.restore('/nonexistent-snapshot', { verify: null as never })).rejects.toThrow(/^verify: expected true or false, got null$/);
   });
 });

@@ -57,6 +57,11 @@ describe('a bad rootfs is rejected before anything boots, naming the file', () =
     await expect(Vm.start({ rootfs: join(dir, name) })).rejects.toThrow(message);
   });
 
+  it('readOnly is true or false, not a truthy value', async () => {
+    const start = Vm.start({ rootfs: { path: join(dir, 'good.img'), readOnly: 'yes' as never } });
+    await expect(start).rejects.toThrow(new InvalidOptionError('rootfs.readOnly', 'expected true or false, got "yes"'));
+  });
+
   it('the probe guest has no root filesystem', async () => {
     await expect(Vm.start({ guest: 'probe', rootfs: join(dir, 'good.img') })).rejects.toThrow(/rootfs: only the Linux guest has a root filesystem/);
   });

@@ -13,6 +13,7 @@
  */
 import { InvalidOptionError, type BackingFileError, type OptionalDependencyError } from '../../errors';
 import { MADV_POPULATE_WRITE } from '../../sys/constants';
+import { booleanOption } from '../../units';
 import { backingDirOptions, backingFilePath, checkBackingDir, removeBackingFile, type BackingDirOptions } from '../backing-file';
 import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from '../frame-file';
 import type { FramePool } from '../frame-pool';
@@ -127,10 +128,8 @@ export class CompressedOffload implements MemoryStrategy {
     if (!Number.isInteger(f) || f < 64 * 1024 || f > 16 * 1024 * 1024 || (f & (f - 1)) !== 0) {
       throw new InvalidOptionError('frameSizeBytes', `must be a power of two from 64 KiB to 16 MiB, got ${options.frameSizeBytes}`);
     }
-    const keep = options.keepWorkers ?? false;
-    if (typeof keep !== 'boolean') throw new InvalidOptionError('keepWorkers', `expected true or false, got ${JSON.stringify(keep)}`);
-    this.keepWorkers = keep;
-    this.figures.workersKept = keep ? 1 : 0;
+    this.keepWorkers = booleanOption('keepWorkers', options.keepWorkers, false);
+    this.figures.workersKept = this.keepWorkers ? 1 : 0;
   }
 
   /** Path of the backing file while the VM is suspended. */

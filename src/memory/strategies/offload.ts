@@ -17,6 +17,7 @@
 import { closeSync, constants, fstatSync, openSync, readSync, statSync } from 'node:fs';
 import { BackingFileError, InvalidOptionError } from '../../errors';
 import { PAGE_SIZE } from '../../sys/constants';
+import { booleanOption } from '../../units';
 import { backingDirOptions, backingFilePath, checkBackingDir, createBackingFile, createDirectBackingFile, removeBackingFile, type BackingDirOptions } from '../backing-file';
 import { releaseFileCache } from '../page-cache';
 import { cutRuns } from '../pages';
@@ -127,9 +128,7 @@ export class Offload implements MemoryStrategy {
     const pageCache = options.pageCache ?? 'bypass';
     if (pageCache !== 'bypass' && pageCache !== 'keep') throw new InvalidOptionError('pageCache', `expected "bypass" or "keep", got ${JSON.stringify(pageCache)}`);
     this.pageCache = pageCache;
-    const prefetch = options.prefetch ?? true;
-    if (typeof prefetch !== 'boolean') throw new InvalidOptionError('prefetch', `expected true or false, got ${JSON.stringify(prefetch)}`);
-    this.prefetch = prefetch;
+    this.prefetch = booleanOption('prefetch', options.prefetch, true);
     this.needs = reload === 'lazy' ? ['zero-on-discard', 'userfaultfd-missing'] : ['zero-on-discard'];
   }
 

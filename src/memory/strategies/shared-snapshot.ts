@@ -9,6 +9,7 @@
  * writes only a clone's own pages (a private file mapping's unwritten pages are the file's).
  */
 import { InvalidOptionError } from '../../errors';
+import { booleanOption } from '../../units';
 import { roundMs, type MemoryStrategy, type PageRun, type RamBackingRequest, type StrategyContext, type StrategyStats } from '../strategy';
 
 /** Holes of the RAM file mapped anonymous at most: each mapping may split guest RAM's VMA in three. */
@@ -45,8 +46,7 @@ export class SharedSnapshot implements MemoryStrategy {
   private holesMapped = 0;
 
   constructor(options: SharedSnapshotOptions = {}) {
-    if (options.verify !== undefined && typeof options.verify !== 'boolean') throw new InvalidOptionError('verify', `expected a boolean, got ${JSON.stringify(options.verify)}`);
-    this.verifyAgain = options.verify ?? false;
+    this.verifyAgain = booleanOption('verify', options.verify, false);
   }
 
   /** The snapshot's RAM file mapped privately, once {@link Vm.restore} has given it one. */
