@@ -100,7 +100,8 @@ async function cloneRuns(vm: Vm, restores: number): Promise<CloneTimes> {
       } finally {
         clone.stop();
       }
-      progress(`SharedSnapshot clone ${i + 1}/${restores}: agent ready in ${clone.restoreInfo!.readyMs.toFixed(0)} ms${i === 0 ? ' (RAM file checked)' : ''}`);
+      const r = clone.restoreInfo!;
+      progress(`SharedSnapshot clone ${i + 1}/${restores}: agent ready in ${r.readyMs.toFixed(0)} ms (mapping RAM ${r.ramMs.toFixed(0)} ms${i === 0 ? ', the file checked' : ''}, resume to the agent's answer ${r.agentMs.toFixed(0)} ms)`);
     }
   } finally {
     rmSync(dir, { recursive: true, force: true });
