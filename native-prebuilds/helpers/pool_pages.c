@@ -72,7 +72,8 @@ static struct {
   struct pool_scope *scopes[POOL_MAX_SCOPES];
   uint32_t scope_count;
   struct candidate *cands;
-  uint32_t cand_cap, cand_count, cand_free, oldest, newest;
+  /* Entries: `cand_fresh` of the `cand_cap` allocated were ever used; those freed since are a list. */
+  uint32_t cand_cap, cand_fresh, cand_count, cand_free, oldest, newest;
   uint32_t *cand_buckets;
   uint32_t cand_bucket_bits;
 } pool;
@@ -251,14 +252,10 @@ static void cand_remove(uint32_t c) {
 
 static void cand_add(uint32_t scope, uint64_t key, uint32_t client) {
   if (pool.cand_count >= POOL_MAX_CANDIDATES) cand_remove(pool.oldest);
-  if (pool.cand_free == NIL) {
-    uint32_t cap = pool.cand_cap ? pool.cand_cap * 2 : 1024;
-    pool.cands = grow(pool.cands, cap, sizeof *pool.cands);
-    for (uint32_t c = cap; c-- > pool.cand_cap;) {
-      pool.cands[c].hash_next = pool.cand_free;
-      pool.cand_free = c;
-    }
-    pool.cand_cap = cap;
+  if (pool.cand_free == NIL && pool.cand_fresh == pool.cand_cap) {
+    /* Grown, not touched: a page of entries costs memory once entries are written in it. */
+    pool.cand_cap = pool.cand_cap ? pool.cand_cap * 2 : 1024;
+    pool.cands = grow(pool.cands, pool.cand_cap, sizeof *pool.cands);
   }
   if (pool.cand_count >= (1u << pool.cand_bucket_bits)) {
     uint32_t bits = pool.cand_bucket_bits + 1;
@@ -278,9 +275,14 @@ static void cand_add(uint32_t scope, uint64_t key, uint32_t client) {
     }
     free(old);
   }
-  uint32_t c = pool.cand_free;
+  uint32_t c;
+  if (pool.cand_free != NIL) {
+    c = pool.cand_free;
+    pool.cand_free = pool.cands[c].hash_next;
+  } else {
+    c = pool.cand_fresh++;
+  }
   struct candidate *e = &pool.cands[c];
-  pool.cand_free = e->hash_next;
   e->key = key;
   e->scope = scope;
   e->client = client;
