@@ -1,12 +1,17 @@
 #!/usr/bin/env -S node --max-semi-space-size=1 --optimize-for-size
 /**
  * The `pvisor-daemon` command: `serve --memory-pool` runs the page pool that PoolClient VMs share
- * (src/daemon/), `status` asks a running one for its figures.
+ * (it checks its options, then becomes the native daemon, native-prebuilds/helpers/pool_daemon.c),
+ * `status` asks a running one for its figures.
  */
 import { execFileSync } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import { accessSync, constants, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
-import { InvalidOptionError } from '../errors';
+import { HostUnsupportedError, InvalidOptionError } from '../errors';
+import { nativePrebuild } from '../native';
+import { execProgram } from '../sys/exec';
 import { parseSize } from '../units';
 import { ensureRuntimeDir, runtimeDir } from '../control-socket';
 import { DAEMON_HELP, DAEMON_USAGE, packageVersion, parseUsage, printUsage, runProgram, UsageError, wantsHelp } from './usage';
@@ -16,8 +21,8 @@ export function defaultPoolSocket(): string {
   return join(runtimeDir(), 'pool.sock');
 }
 
-async function serve(argv: string[]): Promise<number> {
-  const { values, poolBytes } = parseUsage(
+function serve(argv: string[]): never {
+  const { values, poolBytes, gid } = parseUsage(
     'serve',
     () => {
       const { values } = parseArgs({
@@ -28,31 +33,54 @@ async function serve(argv: string[]): Promise<number> {
       if (!values['memory-pool']) throw new InvalidOptionError('--memory-pool', 'serve needs --memory-pool (the pool is off unless asked for)');
       const poolBytes = parseSize('--max-pool', values['max-pool']);
       if (poolBytes < 4096 || poolBytes > 2 ** 44) throw new InvalidOptionError('--max-pool', `must be from 4 KiB to 16 TiB, got ${poolBytes} bytes`);
-      return { values, poolBytes };
+      if (values.socket !== undefined) checkSocketPath(values.socket);
+      return { values, poolBytes, gid: values.group === undefined ? undefined : groupId(values.group) };
     },
     'pvisor-daemon',
   );
-  const socketPath = values.socket ?? (ensureRuntimeDir(runtimeDir()), defaultPoolSocket());
-  const gid = values.group === undefined ? undefined : groupId(values.group);
-  const { PoolServer } = await import('../daemon/pool-server');
-  const server = await PoolServer.listen({ socketPath, poolBytes, gid });
-  process.stderr.write(`pvisor-daemon: page pool of up to ${poolBytes} bytes on ${socketPath} (pid ${process.pid})\n`);
-  await new Promise<void>((resolve) => {
-    const end = () => resolve();
-    process.once('SIGTERM', end);
-    process.once('SIGINT', end);
-  });
-  await server.close();
-  return 0;
+  const socketPath = values.socket ?? (ensureRuntimeDir(runtimeDir()), checkSocketPath(defaultPoolSocket()));
+  // The pool itself is native (native-prebuilds/helpers/pool_daemon.c): this process becomes it,
+  // keeping its pid, so that no Node process (15 MiB and more of PSS) stays behind the pool. It
+  // prints the startup line once it listens, and exits 0 on SIGTERM or SIGINT.
+  const program = poolDaemonProgram();
+  execProgram(program, ['pvisor-pool-daemon', socketPath, String(poolBytes), ...(gid === undefined ? [] : [String(gid)])]);
+}
+
+/** The shipped native daemon, checked against its checksum file before this process becomes it. */
+function poolDaemonProgram(): string {
+  const path = nativePrebuild('pvisor-pool-daemon');
+  let expected: string;
+  let actual: string;
+  try {
+    accessSync(path, constants.X_OK);
+    expected = readFileSync(`${path}.sha256`, 'utf8').split(/\s+/)[0];
+    actual = createHash('sha256').update(readFileSync(path)).digest('hex');
+  } catch (e) {
+    throw new HostUnsupportedError(`the page pool's daemon ${path} is missing or not executable (${(e as Error).message}); reinstall pvisor, or rebuild it with native-prebuilds/helpers/build.sh`, { cause: e });
+  }
+  if (actual !== expected) throw new HostUnsupportedError(`${path} does not match its checksum (${actual} != ${expected}); reinstall pvisor, or rebuild it with native-prebuilds/helpers/build.sh`);
+  return path;
+}
+
+/** A path a Unix socket can be bound to (sun_path holds 107 bytes and a NUL). */
+function checkSocketPath(path: string): string {
+  if (path.length === 0 || path.includes('\0') || Buffer.byteLength(path) > 107) throw new InvalidOptionError('--socket', `a socket path is 1 to 107 bytes without NUL, got ${JSON.stringify(path)}`);
+  return path;
 }
 
 function groupId(group: string): number {
-  if (/^\d+$/.test(group)) return Number(group);
-  try {
-    return Number(execFileSync('getent', ['group', group], { encoding: 'utf8' }).split(':')[2]);
-  } catch {
-    throw new InvalidOptionError('--group', `no group ${group}`);
+  let gid: number;
+  if (/^\d+$/.test(group)) gid = Number(group);
+  else {
+    try {
+      gid = Number(execFileSync('getent', ['group', group], { encoding: 'utf8' }).split(':')[2]);
+    } catch {
+      throw new InvalidOptionError('--group', `no group ${group}`);
+    }
   }
+  // (gid_t)-1 means "no change" to chown: not a group.
+  if (!Number.isSafeInteger(gid) || gid < 0 || gid >= 0xffffffff) throw new InvalidOptionError('--group', `no group ${group}`);
+  return gid;
 }
 
 async function status(argv: string[]): Promise<number> {

@@ -34,9 +34,10 @@ export function pvisorNodeEnv(): NodeJS.ProcessEnv {
 
 /**
  * `pvisor-daemon`'s: the same, and `--optimize-for-size`, which makes V8 collect sooner and grow
- * its heap less. The daemon's live objects after four VMs merged 64 MiB of the same random pages
- * were about 10 MiB, its V8 heap 24-30 MiB; with the flag 16 MiB, and its anonymous memory
- * 38 -> 30 MiB (.cache/prof/daemon-mem.js). Not for `pvisor`: a VM's device models are its hot
- * path, and the daemon's is one message per batch of pages.
+ * its heap less. They were chosen for the Node page pool daemon (its V8 heap after four VMs merged
+ * 64 MiB was 24-30 MiB, with the flag 16 MiB); the pool is now native
+ * (native-prebuilds/helpers/pool_daemon.c, which `serve` execs once its options are checked), so
+ * they only apply to that check and to `status`, both brief. Kept so that the bin's `#!` line and
+ * the benches that start the daemon stay one list.
  */
 export const DAEMON_NODE_FLAGS: readonly string[] = [...PVISOR_NODE_FLAGS, '--optimize-for-size'];

@@ -1,8 +1,8 @@
 /**
- * What Node's `net` cannot do on a Unix socket: pass a file descriptor (SCM_RIGHTS) and tell who
- * the peer is (SO_PEERCRED). The page pool hands its memfd to each VM process this way; pidfd_getfd
- * would need ptrace rights over the daemon (root, or yama's ptrace_scope 0), SCM_RIGHTS needs only
- * the socket. Structs are built in the scratch buffer (x86-64 layouts, <sys/socket.h>, <sys/un.h>).
+ * What Node's `net` cannot do on a Unix socket: receive a file descriptor (SCM_RIGHTS). The page
+ * pool's daemon (native-prebuilds/helpers/pool_daemon.c) hands its memfd to each VM process this
+ * way; pidfd_getfd would need ptrace rights over the daemon (root, or yama's ptrace_scope 0),
+ * SCM_RIGHTS needs only the socket. Structs are built in the scratch buffer (x86-64 layouts, <sys/socket.h>, <sys/un.h>).
  */
 import { SystemCallError } from '../errors';
 import { scratchStruct } from './scratch';
@@ -19,9 +19,7 @@ const libc = 'libc';
 const fns = define({
   socket: { library: libc, retType: I32, paramsType: [I32, I32, I32], errno: true },
   connect: { library: libc, retType: I32, paramsType: [I32, U64, I32], errno: true },
-  sendmsg: { library: libc, retType: I64, paramsType: [I32, U64, I32], errno: true },
   recvmsg: { library: libc, retType: I64, paramsType: [I32, U64, I32], errno: true },
-  getsockopt: { library: libc, retType: I32, paramsType: [I32, I32, I32, U64, U64], errno: true },
 });
 
 type ErrnoResult = { value: number; errnoCode: number };
@@ -32,9 +30,7 @@ const SOCK_NONBLOCK = 0o4000;
 const SOCK_CLOEXEC = 0o2000000;
 const SOL_SOCKET = 1;
 const SCM_RIGHTS = 1;
-const SO_PEERCRED = 17;
 const MSG_DONTWAIT = 0x40;
-const MSG_NOSIGNAL = 0x4000;
 const MSG_CMSG_CLOEXEC = 0x40000000;
 const MSG_CTRUNC = 0x8;
 /** EAGAIN: nothing to read yet on a non-blocking socket. */
@@ -48,7 +44,7 @@ const CMSG = 96;
 const CMSG_SPACE_ONE_FD = 24; // CMSG_SPACE(sizeof(int))
 const CMSG_LEN_ONE_FD = 20; // CMSG_LEN(sizeof(int))
 const DATA = 128;
-/** The most bytes one {@link sendWithFd} or {@link receiveWithFd} carries. */
+/** The most bytes one {@link receiveWithFd} carries. */
 export const MAX_FD_MESSAGE_BYTES = 8192;
 
 function check(call: string, r: ErrnoResult, detail?: string): number {
@@ -73,21 +69,6 @@ export function connectUnixSocket(path: string): number {
     throw new SystemCallError('connect', r.errnoCode, path);
   }
   return fd;
-}
-
-/** Sends `data` and, with it, a duplicate of `passFd` to the peer of socket `fd`, without blocking. */
-export function sendWithFd(fd: number, data: Buffer, passFd: number): void {
-  if (data.length === 0 || data.length > MAX_FD_MESSAGE_BYTES) throw new RangeError(`a message with a descriptor carries 1 to ${MAX_FD_MESSAGE_BYTES} bytes`);
-  const { addr, view } = scratchStruct(DATA + data.length);
-  data.copy(view, DATA);
-  writeMsghdr(view, addr, data.length);
-  view.writeBigUInt64LE(BigInt(CMSG_LEN_ONE_FD), CMSG);
-  view.writeInt32LE(SOL_SOCKET, CMSG + 8);
-  view.writeInt32LE(SCM_RIGHTS, CMSG + 12);
-  view.writeInt32LE(passFd, CMSG + 16);
-  const sent = check('sendmsg', fns.sendmsg([fd, addr + MSGHDR, MSG_DONTWAIT | MSG_NOSIGNAL]) as ErrnoResult);
-  // A stream socket takes a short message whole or not at all when its buffer is empty, as here.
-  if (sent !== data.length) throw new SystemCallError('sendmsg', 5 /* EIO */, `sent ${sent} of ${data.length} bytes`);
 }
 
 /**
@@ -122,12 +103,4 @@ function writeMsghdr(view: Buffer, addr: number, dataBytes: number): void {
   view.writeInt32LE(0, MSGHDR + 48);
   view.writeBigUInt64LE(BigInt(addr + DATA), IOVEC);
   view.writeBigUInt64LE(BigInt(dataBytes), IOVEC + 8);
-}
-
-/** The process, user and group on the other end of Unix socket `fd` when it connected (SO_PEERCRED). */
-export function peerCredentials(fd: number): { pid: number; uid: number; gid: number } {
-  const { addr, view } = scratchStruct(16);
-  view.writeUInt32LE(12, 12); // socklen_t, after the 12-byte struct ucred
-  check('getsockopt(SO_PEERCRED)', fns.getsockopt([fd, SOL_SOCKET, SO_PEERCRED, addr, addr + 12]) as ErrnoResult);
-  return { pid: view.readInt32LE(0), uid: view.readUInt32LE(4), gid: view.readUInt32LE(8) };
 }

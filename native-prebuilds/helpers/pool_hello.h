@@ -1,0 +1,21 @@
+/* The page pool's Hello payload (pool_hello.c). */
+#ifndef PV_POOL_HELLO_H
+#define PV_POOL_HELLO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The longest Hello payload, and the longest scope or VM name (MAX_NAME_BYTES of pool-protocol.ts). */
+#define HELLO_MAX_BYTES 4096u
+#define HELLO_MAX_NAME_BYTES 256u
+
+/*
+ * Reads a Hello: a JSON object whose "version" is the number 1, and whose "scope" and "name" are
+ * strings of 1 to 256 bytes of UTF-8 without control characters (the last of a repeated member
+ * counts, as with JSON.parse; other members are checked as JSON and ignored). Fills scope and
+ * name (NUL-terminated) and returns 0; or returns -1 with why (NUL-terminated, at most why_bytes)
+ * saying what is wrong. Reads nothing past p + len, whatever the bytes.
+ */
+int hello_parse(const uint8_t *p, size_t len, char scope[HELLO_MAX_NAME_BYTES + 1], char name[HELLO_MAX_NAME_BYTES + 1], char *why, size_t why_bytes);
+
+#endif
