@@ -38,7 +38,6 @@ import { beside, filesystemOf, printTable, progress, sleep, stats } from './benc
 import { CellCgroup } from './cell-cgroup';
 import { CellProcess, parentLink } from './cell-process';
 import { KsmHost, ksmCounters, processKsmPages, type KsmCounters } from './ksm-host';
-import { DAEMON_NODE_FLAGS } from './node-flags';
 import { STUDY_TABLE3, TABLE3_GOALS, savingPercent, type Table3Scheme, type Table3WorkingSet } from './study-figures';
 
 const MiB = 2 ** 20;
@@ -480,7 +479,7 @@ class PoolDaemon {
   static async start(cgroup: CellCgroup | string, label: string): Promise<PoolDaemon> {
     const dir = mkdtempSync(join(tmpdir(), 'pvisor-bench-pool-'));
     const socket = join(dir, 'pool.sock');
-    const argv = [...DAEMON_NODE_FLAGS, join(__dirname, 'daemon-main.js'), 'serve', '--memory-pool', '--socket', socket, '--max-pool', '1GiB'];
+    const argv = [join(__dirname, 'daemon-main.js'), 'serve', '--memory-pool', '--socket', socket, '--max-pool', '1GiB'];
     const [cmd, full] = typeof cgroup === 'string' ? [process.execPath, argv] : cgroup.wrap(process.execPath, argv);
     const child = spawn(cmd, full, { stdio: ['ignore', 'ignore', 'pipe'] });
     let err = '';

@@ -1,4 +1,4 @@
-#!/usr/bin/env -S node --max-semi-space-size=1 --optimize-for-size
+#!/usr/bin/env -S node
 /**
  * The `pvisor-daemon` command: `serve --memory-pool` runs the page pool that PoolClient VMs share
  * (it checks its options, then becomes the native daemon, native-prebuilds/helpers/pool_daemon.c),

@@ -1,8 +1,9 @@
 /**
- * V8 flags for pvisor's own long-running processes: `pvisor` (a `pvisor run` holds a VM for its
- * whole life) and `pvisor-daemon`. Their bins pass them in their `#!/usr/bin/env -S node ...`
- * line (test/unit/cli-usage.test.ts keeps the two in step), and pvisor's benches pass them to
- * the processes they start, so a bench cell measures what a user runs.
+ * V8 flags for pvisor's long-running Node processes: `pvisor` (a `pvisor run` holds a VM for its
+ * whole life; `pvisor-daemon serve` becomes a native program once its options are checked). The
+ * bin passes them in its `#!/usr/bin/env -S node ...` line (test/unit/cli-usage.test.ts keeps the
+ * two in step), and pvisor's benches pass them to the processes they start, so a bench cell
+ * measures what a user runs.
  *
  * `--max-semi-space-size=1` (MiB): V8's young generation otherwise grows to 16 MiB semispaces
  * (32 MiB and more resident) in a process that allocates quickly, as a page pool's merge pass
@@ -31,13 +32,3 @@ export const PVISOR_NODE_ENV: Readonly<Record<string, string>> = { MALLOC_ARENA_
 export function pvisorNodeEnv(): NodeJS.ProcessEnv {
   return { ...process.env, ...PVISOR_NODE_ENV };
 }
-
-/**
- * `pvisor-daemon`'s: the same, and `--optimize-for-size`, which makes V8 collect sooner and grow
- * its heap less. They were chosen for the Node page pool daemon (its V8 heap after four VMs merged
- * 64 MiB was 24-30 MiB, with the flag 16 MiB); the pool is now native
- * (native-prebuilds/helpers/pool_daemon.c, which `serve` execs once its options are checked), so
- * they only apply to that check and to `status`, both brief. Kept so that the bin's `#!` line and
- * the benches that start the daemon stay one list.
- */
-export const DAEMON_NODE_FLAGS: readonly string[] = [...PVISOR_NODE_FLAGS, '--optimize-for-size'];

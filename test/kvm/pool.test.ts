@@ -7,7 +7,6 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
 import { IdleRelease, KsmAdvice, Offload, PoolClient, SharedSnapshot, Vm } from '../../src';
-import { DAEMON_NODE_FLAGS } from '../../src/cli/node-flags';
 import { encodeFrame, FrameType } from '../../src/protocol/frame';
 import { poolStatus } from '../../src/memory/pool-link';
 import { hexOf } from '../probe-digest';
@@ -24,7 +23,7 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 /** Starts pvisor-daemon and resolves once it listens. */
 async function startDaemon(): Promise<ChildProcess> {
   // With the flags its bin runs node with, as a user's `pvisor-daemon serve` would run.
-  const d = spawn(process.execPath, [...DAEMON_NODE_FLAGS, daemonMain, 'serve', '--memory-pool', '--socket', socket, '--max-pool', '512MiB'], { stdio: ['ignore', 'ignore', 'pipe'] });
+  const d = spawn(process.execPath, [daemonMain, 'serve', '--memory-pool', '--socket', socket, '--max-pool', '512MiB'], { stdio: ['ignore', 'ignore', 'pipe'] });
   await new Promise<void>((resolve, reject) => {
     let err = '';
     d.stderr!.on('data', (b: Buffer) => {
