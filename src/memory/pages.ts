@@ -60,11 +60,17 @@ export function ownPageRuns(hostAddr: number, sizeBytes: number, backing: RamBac
 /** Pages present in the page table and anonymous, from /proc/self/pagemap. */
 function presentAnonymousRuns(hostAddr: number, sizeBytes: number): PageRun[] {
   const pages = sizeBytes / PAGE_SIZE;
-  const buf = Buffer.allocUnsafe(Math.min(pages, PAGEMAP_ENTRIES_PER_READ) * 8);
+  // The entries are read into a mapping of their own, unmapped after: a 512 KiB Buffer per walk
+  // (every merge pass, every offload) left malloc's heap a few MiB larger each time, since once
+  // a large block is freed glibc serves the next from its heap and keeps it.
+  const bufBytes = Math.min(pages, PAGEMAP_ENTRIES_PER_READ) * 8;
+  const bufAddr = mmap(0, bufBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0, 'pagemap entries');
+  const buf = viewAt(bufAddr, bufBytes);
   const words = new Uint32Array(buf.buffer, buf.byteOffset, buf.length / 4);
   const runs = new RunCollector();
-  const fd = openSync('/proc/self/pagemap', 'r');
+  let fd: number | undefined;
   try {
+    fd = openSync('/proc/self/pagemap', 'r');
     for (let first = 0; first < pages; first += PAGEMAP_ENTRIES_PER_READ) {
       const count = Math.min(PAGEMAP_ENTRIES_PER_READ, pages - first);
       const want = count * 8;
@@ -80,7 +86,8 @@ function presentAnonymousRuns(hostAddr: number, sizeBytes: number): PageRun[] {
       }
     }
   } finally {
-    closeSync(fd);
+    if (fd !== undefined) closeSync(fd);
+    munmap(bufAddr, bufBytes);
   }
   return runs.end(pages);
 }

@@ -1,9 +1,9 @@
 /**
  * A PoolClient merge pass's working memory, in one anonymous mapping whose pages go back to the
- * kernel when the pass ends: the keys of the VM's pages, which pages are the VM's own, and the one
- * request frame the pass builds its Offers, Puts and Settles in.
+ * kernel when the pass ends: the keys of the VM's pages, and the one request frame the pass builds
+ * its Offers, Puts and Settles in.
  *
- * Held in ordinary buffers they stayed resident between passes (about 1.3 MiB per 512 MiB VM
+ * Held in ordinary buffers they stayed resident between passes (about 1.2 MiB per 512 MiB VM
  * touched, all of it charged to a VM that may share nothing at all), and malloc would have kept
  * them even if they were dropped: once a large block is freed, glibc serves the next ones from
  * its heap and keeps them.
@@ -16,8 +16,6 @@ import { madvise, mmap, munmap, viewAt } from '../sys/libc';
 export class PassScratch {
   /** The content key of each guest page (only the VM's own pages' are written in a pass). */
   readonly keys: BigUint64Array;
-  /** 1 for each guest page that is the VM's own (not mapped from a pool). */
-  readonly own: Uint8Array;
   /** The request frame: header, then up to {@link MAX_PAYLOAD_BYTES} of payload. */
   readonly frame: Buffer;
   private readonly bytes: number;
@@ -25,13 +23,12 @@ export class PassScratch {
 
   /** Maps the arrays for a VM of `pages` guest pages; nothing is resident until written. */
   constructor(pages: number) {
-    const frameAt = roundUp(pages * 9, PAGE_SIZE);
+    const frameAt = roundUp(pages * 8, PAGE_SIZE);
     this.bytes = roundUp(frameAt + FRAME_HEADER_BYTES + MAX_PAYLOAD_BYTES, PAGE_SIZE);
     const addr = (this.addr = mmap(0, this.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0, 'a merge pass\'s arrays'));
     const view = viewAt(addr, this.bytes);
     // The mapping is page-aligned, so the keys at its start are 8-byte aligned.
     this.keys = new BigUint64Array(view.buffer, view.byteOffset, pages);
-    this.own = new Uint8Array(view.buffer, view.byteOffset + pages * 8, pages);
     this.frame = view.subarray(frameAt, frameAt + FRAME_HEADER_BYTES + MAX_PAYLOAD_BYTES);
   }
 
