@@ -226,7 +226,12 @@ interface KsmCellFigures {
 interface PoolCellFigures {
   /** Two merge passes of the four VMs, all at once each (the first offers, the second maps what others sent), ms. */
   mergeMs: number[];
-  /** The group's charged memory: its highest while merging (sampled every 20 ms), and settled after. */
+  /**
+   * The group's charged memory: just before the merges, its highest while merging (sampled every
+   * 20 ms, from that first reading on), and settled after. The peak is never below the first: it
+   * is the four VMs' private memory, plus whatever the merges hold on top of it.
+   */
+  groupBeforeMergeBytes: number | null;
   groupPeakDuringMergeBytes: number | null;
   groupSettledBytes: number | null;
   /** Per VM after the merges: pages shared, and guest RAM mappings (VMAs). */
@@ -451,8 +456,9 @@ async function runCell(ws: Table3WorkingSet, scheme: MeasuredScheme, opts: Table
  * Two merge passes of every VM, all at once each, while the group's charged memory is sampled
  * every 20 ms: the pool's peak is when the VMs' private copies and the pool's copy coexist.
  */
-async function mergeWatched(cgroup: CellCgroup | string, all: <T>(f: (v: VmProcess, i: number) => Promise<T>) => Promise<T[]>, label: string): Promise<Pick<PoolCellFigures, 'mergeMs' | 'groupPeakDuringMergeBytes' | 'pagesShared' | 'guestRamMappings'>> {
-  let peak: number | null = typeof cgroup === 'string' ? null : cgroup.memoryBytes();
+async function mergeWatched(cgroup: CellCgroup | string, all: <T>(f: (v: VmProcess, i: number) => Promise<T>) => Promise<T[]>, label: string): Promise<Pick<PoolCellFigures, 'mergeMs' | 'groupBeforeMergeBytes' | 'groupPeakDuringMergeBytes' | 'pagesShared' | 'guestRamMappings'>> {
+  const before = typeof cgroup === 'string' ? null : cgroup.memoryBytes();
+  let peak = before;
   const sampler = setInterval(() => {
     if (typeof cgroup !== 'string') peak = Math.max(peak!, cgroup.memoryBytes());
   }, 20);
@@ -469,7 +475,7 @@ async function mergeWatched(cgroup: CellCgroup | string, all: <T>(f: (v: VmProce
   }
   if (typeof cgroup !== 'string') peak = Math.max(peak!, cgroup.memoryBytes());
   progress(`${label}: merge passes ${mergeMs.map((m) => m.toFixed(0)).join(' + ')} ms; ${figures.map((f) => f.pagesShared).join(', ')} pages shared`);
-  return { mergeMs, groupPeakDuringMergeBytes: peak, pagesShared: figures.map((f) => f.pagesShared), guestRamMappings: figures.map((f) => f.guestRamMappings) };
+  return { mergeMs, groupBeforeMergeBytes: before, groupPeakDuringMergeBytes: peak, pagesShared: figures.map((f) => f.pagesShared), guestRamMappings: figures.map((f) => f.guestRamMappings) };
 }
 
 /** pvisor-daemon serve --memory-pool in the cell's cgroup, on a socket of its own. */
@@ -659,7 +665,10 @@ function printTable3(cells: Table3Cell[], opts: Table3Options): object {
   }
   for (const c of cells.filter((x) => x.pool)) {
     const p = c.pool!;
-    const peak = p.groupPeakDuringMergeBytes === null || p.groupSettledBytes === null ? 'n/a' : `${(p.groupPeakDuringMergeBytes / MiB).toFixed(1)} MiB, ${((p.groupPeakDuringMergeBytes - p.groupSettledBytes) / MiB).toFixed(1)} above the settled ${(p.groupSettledBytes / MiB).toFixed(1)}`;
+    const peak =
+      p.groupPeakDuringMergeBytes === null || p.groupSettledBytes === null || p.groupBeforeMergeBytes === null
+        ? 'n/a'
+        : `${(p.groupPeakDuringMergeBytes / MiB).toFixed(1)} MiB, ${((p.groupPeakDuringMergeBytes - p.groupSettledBytes) / MiB).toFixed(1)} above the settled ${(p.groupSettledBytes / MiB).toFixed(1)} and ${((p.groupPeakDuringMergeBytes - p.groupBeforeMergeBytes) / MiB).toFixed(1)} above the group before the merge`;
     notes.push(
       `daemon pool, ${c.workingSet}: merge of four VMs ${p.mergeMs.map((m) => m.toFixed(0)).join(' + ')} ms (two passes), ${p.mergeAfterRewriteMs.toFixed(0)} ms after the rewrite; group peak during the merge ${peak}; pages shared per VM ${Math.min(...p.pagesShared)}-${Math.max(...p.pagesShared)}, guest RAM mappings per VM ${Math.min(...p.guestRamMappings)}-${Math.max(...p.guestRamMappings)}; the daemon's PSS ${(p.daemonPssBytes / MiB).toFixed(1)} MiB (in the group); daemon SIGKILLed at the end: ${p.vmsKeptAfterDaemonKill} of ${VMS} VMs kept their digests`,
     );
