@@ -62,9 +62,10 @@ export interface PoolStatus {
 /** A payload that breaks the protocol: the connection ends. */
 export class PoolProtocolError extends Error {}
 
-// Each layout below is written in one place: the writers fill a buffer in place (the client
-// builds its requests straight into its link's one reusable frame), and the encoders the daemon
-// and the tests use allocate and call them.
+// Each layout below is written in one place, as the writers and readers the client uses: it builds
+// its requests straight into one reusable frame (../memory/pass-scratch.ts). The daemon's side is
+// native (native-prebuilds/helpers/pool_daemon.c); test/pool-wire.ts encodes requests for tests
+// with these same writers.
 
 /** Bytes of one Offer entry: u32 guest page, u32 key.lo, u32 key.hi. */
 export const OFFER_ENTRY_BYTES = 12;
@@ -78,30 +79,6 @@ export function writeOfferEntry(b: Buffer, i: number, page: number, key: PageKey
   b.writeUInt32LE(key.hi >>> 0, i * OFFER_ENTRY_BYTES + 8);
 }
 
-/** Offer entries: guest page, key. */
-export function encodeOffer(entries: { page: number; key: PageKey }[]): Buffer {
-  const b = Buffer.allocUnsafe(entries.length * OFFER_ENTRY_BYTES);
-  entries.forEach((e, i) => writeOfferEntry(b, i, e.page, e.key));
-  return b;
-}
-
-export function decodeOffer(p: Buffer): { page: number; key: PageKey }[] {
-  if (p.length % OFFER_ENTRY_BYTES !== 0 || p.length / OFFER_ENTRY_BYTES > MAX_OFFER_ENTRIES) throw new PoolProtocolError(`an Offer of ${p.length} bytes`);
-  const out: { page: number; key: PageKey }[] = [];
-  for (let at = 0; at < p.length; at += OFFER_ENTRY_BYTES) out.push({ page: p.readUInt32LE(at), key: { lo: p.readUInt32LE(at + 4), hi: p.readUInt32LE(at + 8) } });
-  return out;
-}
-
-/** Answer entries: guest page, answer. */
-export function encodeAnswers(entries: { page: number; answer: number }[]): Buffer {
-  const b = Buffer.allocUnsafe(entries.length * ANSWER_ENTRY_BYTES);
-  entries.forEach((e, i) => {
-    b.writeUInt32LE(e.page, i * ANSWER_ENTRY_BYTES);
-    b.writeUInt32LE(e.answer >>> 0, i * ANSWER_ENTRY_BYTES + 4);
-  });
-  return b;
-}
-
 /** The guest page of Answer entry `i`. */
 export function answerPage(p: Buffer, i: number): number {
   return p.readUInt32LE(i * ANSWER_ENTRY_BYTES);
@@ -110,13 +87,6 @@ export function answerPage(p: Buffer, i: number): number {
 /** The answer of Answer entry `i`: a pool page, {@link ANSWER_SEND}, {@link ANSWER_NONE} or {@link ANSWER_FULL}. */
 export function answerOf(p: Buffer, i: number): number {
   return p.readUInt32LE(i * ANSWER_ENTRY_BYTES + 4);
-}
-
-export function decodeAnswers(p: Buffer, max: number): { page: number; answer: number }[] {
-  if (p.length % ANSWER_ENTRY_BYTES !== 0 || p.length / ANSWER_ENTRY_BYTES > max) throw new PoolProtocolError(`an answer of ${p.length} bytes`);
-  const out: { page: number; answer: number }[] = [];
-  for (let i = 0; i < p.length / ANSWER_ENTRY_BYTES; i++) out.push({ page: answerPage(p, i), answer: answerOf(p, i) });
-  return out;
 }
 
 /** Bytes of a Put of `count` pages: u32 count, the guest pages, then their bytes, page after page (so they can be keyed in one call). */
@@ -134,21 +104,6 @@ export function writePutCount(b: Buffer, count: number): (k: number, page: numbe
   };
 }
 
-export function encodePut(pages: { page: number; bytes: Buffer }[]): Buffer {
-  const b = Buffer.allocUnsafe(putBytes(pages.length));
-  const slot = writePutCount(b, pages.length);
-  pages.forEach((e, k) => e.bytes.copy(slot(k, e.page), 0, 0, PAGE_BYTES));
-  return b;
-}
-
-export function decodePut(p: Buffer): { pages: number[]; data: Buffer } {
-  const count = p.length >= 4 ? p.readUInt32LE(0) : -1;
-  if (count < 1 || count > MAX_PUT_PAGES || p.length !== putBytes(count)) throw new PoolProtocolError(`a Put of ${p.length} bytes`);
-  const pages: number[] = [];
-  for (let i = 0; i < count; i++) pages.push(p.readUInt32LE(4 + 4 * i));
-  return { pages, data: p.subarray(4 + 4 * count) };
-}
-
 /** Bytes of a Settle naming `pages` pool pages. */
 export function settleBytes(pages: number): number {
   return 4 + 4 * pages;
@@ -159,22 +114,6 @@ export function writeSettle(b: Buffer, keep: readonly number[], drop: readonly n
   b.writeUInt32LE(keep.length, 0);
   keep.forEach((page, i) => b.writeUInt32LE(page, 4 + 4 * i));
   drop.forEach((page, i) => b.writeUInt32LE(page, 4 + 4 * (keep.length + i)));
-}
-
-export function encodeSettle(keep: readonly number[], drop: readonly number[]): Buffer {
-  const b = Buffer.allocUnsafe(settleBytes(keep.length + drop.length));
-  writeSettle(b, keep, drop);
-  return b;
-}
-
-export function decodeSettle(p: Buffer): { keep: number[]; drop: number[] } {
-  if (p.length < 4 || p.length % 4 !== 0 || (p.length - 4) / 4 > MAX_SETTLE_PAGES) throw new PoolProtocolError(`a Settle of ${p.length} bytes`);
-  const keepCount = p.readUInt32LE(0);
-  const total = (p.length - 4) / 4;
-  if (keepCount > total) throw new PoolProtocolError(`a Settle keeping ${keepCount} of ${total} pages`);
-  const pages: number[] = [];
-  for (let at = 4; at < p.length; at += 4) pages.push(p.readUInt32LE(at));
-  return { keep: pages.slice(0, keepCount), drop: pages.slice(keepCount) };
 }
 
 /** A JSON payload of at most `maxBytes`, as an object. */

@@ -6,7 +6,8 @@ import { chmodSync, closeSync, lstatSync, mkdtempSync, readSync, rmSync, statSyn
 import { connect } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { ANSWER_FULL, ANSWER_NONE, ANSWER_SEND, decodeAnswers, encodeOffer, encodePut, encodeSettle, MAX_OFFER_ENTRIES, PoolOp, type PageKey } from '../../src/daemon/pool-protocol';
+import { ANSWER_FULL, ANSWER_NONE, ANSWER_SEND, MAX_OFFER_ENTRIES, PoolOp, type PageKey } from '../../src/daemon/pool-protocol';
+import { decodeAnswers, encodeOffer, encodePut, encodeSettle } from '../pool-wire';
 import { PoolUnavailableError } from '../../src/errors';
 import { pageHashesOf } from '../../src/memory/uffd-server';
 import { PoolLink, poolStatus } from '../../src/memory/pool-link';

@@ -294,7 +294,7 @@ export class PoolClient implements MemoryStrategy {
     const candidates: number[] = []; // guest page, pool page, ...: each a reference held
     const send: number[] = [];
     try {
-      // Offers, built straight into the link's request frame.
+      // Offers, built straight into the pass's request frame.
       const batch = payload(MAX_OFFER_ENTRIES * OFFER_ENTRY_BYTES);
       let n = 0;
       const flushOffer = async () => {
