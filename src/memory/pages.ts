@@ -60,9 +60,9 @@ export function ownPageRuns(hostAddr: number, sizeBytes: number, backing: RamBac
 /** Pages present in the page table and anonymous, from /proc/self/pagemap. */
 function presentAnonymousRuns(hostAddr: number, sizeBytes: number): PageRun[] {
   const pages = sizeBytes / PAGE_SIZE;
-  // The entries are read into a mapping of their own, unmapped after: a 512 KiB Buffer per walk
-  // (every merge pass, every offload) left malloc's heap a few MiB larger each time, since once
-  // a large block is freed glibc serves the next from its heap and keeps it.
+  // The entries are read into a mapping of their own, unmapped after, not into a 512 KiB Buffer
+  // per walk (every merge pass, every offload): once glibc has freed a block that large, it serves
+  // the next ones from its heap, where freed memory stays resident.
   const bufBytes = Math.min(pages, PAGEMAP_ENTRIES_PER_READ) * 8;
   const bufAddr = mmap(0, bufBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0, 'pagemap entries');
   const buf = viewAt(bufAddr, bufBytes);
