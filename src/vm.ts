@@ -1,7 +1,6 @@
 /**
  * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
  */
-import { createHash } from 'node:crypto';
 import { accessSync, closeSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
@@ -12,7 +11,7 @@ import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, Timeou
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
-import { nativePrebuild } from './native';
+import { nativePrebuild, prebuildMismatch } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
 import { processResident, rangeResident } from './memory-usage';
@@ -908,9 +907,8 @@ function loadProbeImage(): Buffer {
 function loadShipped(name: string): Buffer {
   const path = nativePrebuild(name);
   const image = readFileSync(path);
-  const expected = readFileSync(`${path}.sha256`, 'utf8').split(/\s+/)[0];
-  const actual = createHash('sha256').update(image).digest('hex');
-  if (actual !== expected) throw new GuestCrashError('corrupt-image', `${path} does not match its checksum (${actual} != ${expected}); reinstall pvisor`);
+  const mismatch = prebuildMismatch(path, image);
+  if (mismatch) throw new GuestCrashError('corrupt-image', `${mismatch}; reinstall pvisor`);
   return image;
 }
 

@@ -5,12 +5,11 @@
  * `status` asks a running one for its figures.
  */
 import { execFileSync } from 'node:child_process';
-import { createHash } from 'node:crypto';
 import { accessSync, constants, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { HostUnsupportedError, InvalidOptionError } from '../errors';
-import { nativePrebuild } from '../native';
+import { nativePrebuild, prebuildMismatch } from '../native';
 import { execProgram } from '../sys/exec';
 import { parseSize } from '../units';
 import { ensureRuntimeDir, runtimeDir } from '../control-socket';
@@ -49,16 +48,14 @@ function serve(argv: string[]): never {
 /** The shipped native daemon, checked against its checksum file before this process becomes it. */
 function poolDaemonProgram(): string {
   const path = nativePrebuild('pvisor-pool-daemon');
-  let expected: string;
-  let actual: string;
+  let mismatch: string | undefined;
   try {
     accessSync(path, constants.X_OK);
-    expected = readFileSync(`${path}.sha256`, 'utf8').split(/\s+/)[0];
-    actual = createHash('sha256').update(readFileSync(path)).digest('hex');
+    mismatch = prebuildMismatch(path, readFileSync(path));
   } catch (e) {
     throw new HostUnsupportedError(`the page pool's daemon ${path} is missing or not executable (${(e as Error).message}); reinstall pvisor, or rebuild it with native-prebuilds/helpers/build.sh`, { cause: e });
   }
-  if (actual !== expected) throw new HostUnsupportedError(`${path} does not match its checksum (${actual} != ${expected}); reinstall pvisor, or rebuild it with native-prebuilds/helpers/build.sh`);
+  if (mismatch) throw new HostUnsupportedError(`${mismatch}; reinstall pvisor, or rebuild it with native-prebuilds/helpers/build.sh`);
   return path;
 }
 
