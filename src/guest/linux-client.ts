@@ -83,7 +83,6 @@ function abortSignal(value: unknown): AbortSignal | undefined {
   throw new InvalidOptionError('signal', `expected an AbortSignal, got ${value === null ? 'null' : typeof value}`);
 }
 
-
 /** The timeout and signal of a files call, checked. */
 function callLimits(options: FilesCallOptions): { timeoutMs: number; signal: AbortSignal | undefined } {
   return { timeoutMs: requestTimeout(options), signal: abortSignal(options.signal) };
