@@ -15,26 +15,24 @@ out="$here/../linux-x64"
 mkdir -p "$out"
 cd "$here"
 
-build() { # build LIBRARY SOURCE...
-  local lib=$1
+# build NAME SOURCE...: a shared library if NAME ends in .so, else an executable; stripped, with
+# its checksum beside it.
+build() {
+  local name=$1 kind strip_mode
   shift
-  gcc -O2 -g0 -Wall -Wextra -Werror -fPIC -shared -pthread \
-    -ffile-prefix-map="$here"=. -Wl,--build-id=none -Wl,-soname,"$lib" \
-    -o "$out/$lib" "$@"
-  strip --strip-unneeded "$out/$lib"
-  (cd "$out" && sha256sum "$lib" > "$lib.sha256")
-  echo "built $out/$lib ($(stat -c %s "$out/$lib") bytes)"
-}
-
-build_program() { # build_program PROGRAM SOURCE...
-  local program=$1
-  shift
-  gcc -O2 -g0 -Wall -Wextra -Werror -pthread \
+  if [[ $name == *.so ]]; then
+    kind=(-fPIC -shared -Wl,-soname,"$name")
+    strip_mode=--strip-unneeded
+  else
+    kind=()
+    strip_mode=--strip-all
+  fi
+  gcc -O2 -g0 -Wall -Wextra -Werror "${kind[@]}" -pthread \
     -ffile-prefix-map="$here"=. -Wl,--build-id=none \
-    -o "$out/$program" "$@"
-  strip --strip-all "$out/$program"
-  (cd "$out" && sha256sum "$program" > "$program.sha256")
-  echo "built $out/$program ($(stat -c %s "$out/$program") bytes)"
+    -o "$out/$name" "$@"
+  strip "$strip_mode" "$out/$name"
+  (cd "$out" && sha256sum "$name" > "$name.sha256")
+  echo "built $out/$name ($(stat -c %s "$out/$name") bytes)"
 }
 
 LZ4_VERSION=1.9.4
@@ -63,4 +61,4 @@ build libpvisor-vcpu.so vcpu_runner.c
 gcc -O2 -g0 -fPIC -fvisibility=hidden -DLZ4LIB_VISIBILITY= -c -ffile-prefix-map="$lz4"=lz4 -o "$lz4/lz4.o" "$lz4/lz4.c"
 build libpvisor-memory.so -I"$lz4" uffd_server.c cold_store.c crc32c.c map_runs.c "$lz4/lz4.o"
 # Its keys are crc32c.c's pv_page_hashes, the function VM processes key their offers with.
-build_program pvisor-pool-daemon pool_daemon.c pool_pages.c pool_hello.c crc32c.c
+build pvisor-pool-daemon pool_daemon.c pool_pages.c pool_hello.c crc32c.c
