@@ -187,8 +187,10 @@ const BENCH_MEMORY = `  pvisor bench memory [--table 1,2,3] [--modes LIST] [--co
       userfaultfd loop; --contents compressible is the study's distinct compressible pages.
       --table 3 (or 1,2,3; the default is 1,2): the study's Table 3, four 512 MiB VMs, one process
         each, in one cgroup per cell: schemes private, shared snapshot + COW (four clones of one
-        snapshot in --snapshot-dir, on a disk) and KSM (turned on for the cell, read after
-        --ksm-read-after, default 60s; settings put back after); working sets same repetitive,
+        snapshot in --snapshot-dir, on a disk), KSM (turned on for the cell, read after
+        --ksm-read-after, default 60s; settings put back after), daemon-pool (a pvisor-daemon in
+        the cell; two merge passes after all four fill) and daemon-pool-arriving (each VM fills
+        after the passes that followed the one before); working sets same repetitive,
         same random, unique random (--working-sets, --schemes); per VM = group PSS / 4, before
         and after a 100% rewrite; then each VM exits alone and the others' digests are checked.
 `;

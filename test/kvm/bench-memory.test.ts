@@ -72,7 +72,7 @@ describe('pvisor bench memory', () => {
     const root = process.getuid?.() === 0 && existsSync(ksmDir);
     const before = root ? ksmSettings() : [];
     const json = join(dir, 'table3.json');
-    const schemes = root ? 'private,shared-snapshot,ksm,daemon-pool' : 'private,shared-snapshot,daemon-pool';
+    const schemes = `private,shared-snapshot,${root ? 'ksm,' : ''}daemon-pool,daemon-pool-arriving`;
     const r = spawnSync(
       process.execPath,
       [main, 'bench', 'memory', '--table', '3', '--working-sets', 'same-random', '--schemes', schemes, '--working-set', '8MiB', '--ksm-read-after', '4s', '--snapshot-dir', join(dir, 'snapshots'), '--json', json],
@@ -81,10 +81,11 @@ describe('pvisor bench memory', () => {
     expect(r.stderr).toMatch(/\[2\/\d\] same-random shared-snapshot: each VM exited alone; the others' digests stayed right/);
     expect(r.status).toBe(0);
     expect(r.stdout).toMatch(/^same random \| private \(baseline\)\s+\| [\d.]+ \(132\.3\)/m);
-    expect(r.stdout).toMatch(/^same random \| shared snapshot \+ COW \| [\d.]+ \(42\.4\)\s+\| -?[\d.]+ \(67\.9\)/m);
+    expect(r.stdout).toMatch(/^same random \| shared snapshot \+ COW\s+\| [\d.]+ \(42\.4\)\s+\| -?[\d.]+ \(67\.9\)/m);
     expect(r.stdout).toMatch(/^same random \| daemon pool\s+\| [\d.]+ \(80\.0\)/m);
     expect(r.stdout).toMatch(/^daemon pool, same-random: merge of four VMs \d+ \+ \d+ ms/m);
-    const out = JSON.parse(readFileSync(json, 'utf8')) as { rows: { scheme: string; vms?: number; after?: { guestRamPssBytes: number; guestRamAnonymousBytes: number; groupPssBytes: number }; exits?: unknown[]; ksm?: { guestRamMappings: number; advisedMappings: number }; pool?: { pagesShared: number[]; vmsKeptAfterDaemonKill: number; daemonPssBytes: number } }[] };
+    expect(r.stdout).toMatch(/^same random \| daemon pool, VMs arriving one by one \| [\d.]+ \(80\.0\)/m);
+    const out = JSON.parse(readFileSync(json, 'utf8')) as { rows: { scheme: string; vms?: number; after?: { guestRamPssBytes: number; guestRamAnonymousBytes: number; groupPssBytes: number }; exits?: unknown[]; ksm?: { guestRamMappings: number; advisedMappings: number }; pool?: { pagesShared: number[]; mergeMs: number[]; vmsKeptAfterDaemonKill: number; daemonPssBytes: number } }[] };
     const row = (scheme: string) => out.rows.find((x) => x.scheme === scheme)!;
     const priv = row('private');
     const shared = row('shared-snapshot');
@@ -103,6 +104,13 @@ describe('pvisor bench memory', () => {
     expect(pool.pool!.daemonPssBytes).toBeGreaterThan(0);
     expect(pool.pool!.vmsKeptAfterDaemonKill).toBe(4);
     expect(pool.exits).toHaveLength(4);
+    // Arriving one by one: a pass after each of the four fills, and one of all four at the end.
+    const arriving = row('daemon-pool-arriving');
+    expect(arriving.pool!.mergeMs).toHaveLength(5);
+    expect(arriving.pool!.pagesShared).toHaveLength(4);
+    expect(Math.min(...arriving.pool!.pagesShared)).toBeGreaterThanOrEqual((8 * MiB) / 4096);
+    expect(arriving.after!.guestRamPssBytes).toBeLessThan(2 * 8 * MiB);
+    expect(arriving.pool!.vmsKeptAfterDaemonKill).toBe(4);
     if (root) {
       const ksm = row('ksm');
       expect(ksm.ksm!.guestRamMappings).toBeGreaterThanOrEqual(4);
