@@ -11,7 +11,10 @@ import {
   writePutCount,
   writeSettle,
   type PageKey,
+  type PoolOp,
 } from '../src/daemon/pool-protocol';
+import type { PoolLink } from '../src/memory/pool-link';
+import { FRAME_HEADER_BYTES } from '../src/protocol/frame';
 
 /** Offer entries: guest page, key. */
 export function encodeOffer(entries: { page: number; key: PageKey }[]): Buffer {
@@ -38,4 +41,11 @@ export function encodeSettle(keep: readonly number[], drop: readonly number[]): 
 export function decodeAnswers(p: Buffer, max: number): { page: number; answer: number }[] {
   if (p.length % ANSWER_ENTRY_BYTES !== 0 || p.length / ANSWER_ENTRY_BYTES > max) throw new Error(`an answer of ${p.length} bytes`);
   return Array.from({ length: p.length / ANSWER_ENTRY_BYTES }, (_, i) => ({ page: answerPage(p, i), answer: answerOf(p, i) }));
+}
+
+/** Sends `payload` as one request on a client's link, as a merge pass does; resolves with the answer's payload. */
+export function poolRequest(link: PoolLink, op: PoolOp, payload: Buffer, timeoutMs: number): Promise<Buffer> {
+  const frame = Buffer.allocUnsafe(FRAME_HEADER_BYTES + payload.length);
+  payload.copy(frame, FRAME_HEADER_BYTES);
+  return link.requestBuilt(op, frame, payload.length, timeoutMs);
 }

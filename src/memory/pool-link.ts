@@ -90,13 +90,6 @@ export class PoolLink {
     return this.send(id, op, frame.subarray(0, FRAME_HEADER_BYTES + bytes), timeoutMs);
   }
 
-  /** Sends a request; resolves with the answer's payload, or rejects (the link then ends). */
-  request(op: PoolOp, payload: Buffer, timeoutMs: number): Promise<Buffer> {
-    if (this.closedWith) return Promise.reject(this.closedWith);
-    const id = this.nextId++;
-    return this.send(id, op, encodeFrame({ type: FrameType.Request, id, op, payload }), timeoutMs);
-  }
-
   private send(id: number, op: PoolOp, frame: Buffer, timeoutMs: number): Promise<Buffer> {
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => this.end(new PoolUnavailableError(`the pool did not answer op ${op} within ${timeoutMs} ms`)), timeoutMs);

@@ -7,7 +7,7 @@ import { connect } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { ANSWER_FULL, ANSWER_NONE, ANSWER_SEND, MAX_OFFER_ENTRIES, PoolOp, type PageKey } from '../../src/daemon/pool-protocol';
-import { decodeAnswers, encodeOffer, encodePut, encodeSettle } from '../pool-wire';
+import { decodeAnswers, encodeOffer, encodePut, encodeSettle, poolRequest } from '../pool-wire';
 import { PoolUnavailableError } from '../../src/errors';
 import { pageHashesOf } from '../../src/memory/uffd-server';
 import { PoolLink, poolStatus } from '../../src/memory/pool-link';
@@ -53,9 +53,9 @@ function keyOf(bytes: Buffer): PageKey {
 }
 const hello = (link: string, scope: string, name = scope) => PoolLink.connect(link, { scope, name }, 5000);
 const answers = (p: Buffer, max: number) => decodeAnswers(p, max).map((a) => a.answer);
-const offer = async (l: PoolLink, keys: PageKey[]) => answers(await l.request(PoolOp.Offer, encodeOffer(keys.map((key, i) => ({ page: i, key }))), 5000), keys.length);
-const put = async (l: PoolLink, pages: Buffer[]) => answers(await l.request(PoolOp.Put, encodePut(pages.map((bytes, i) => ({ page: i, bytes }))), 5000), pages.length);
-const settle = (l: PoolLink, drop: number[]) => l.request(PoolOp.Settle, encodeSettle([], drop), 5000);
+const offer = async (l: PoolLink, keys: PageKey[]) => answers(await poolRequest(l, PoolOp.Offer, encodeOffer(keys.map((key, i) => ({ page: i, key }))), 5000), keys.length);
+const put = async (l: PoolLink, pages: Buffer[]) => answers(await poolRequest(l, PoolOp.Put, encodePut(pages.map((bytes, i) => ({ page: i, bytes }))), 5000), pages.length);
+const settle = (l: PoolLink, drop: number[]) => poolRequest(l, PoolOp.Settle, encodeSettle([], drop), 5000);
 function readPoolPage(fd: number, p: number): Buffer {
   const b = Buffer.alloc(4096);
   readSync(fd, b, 0, 4096, p * 4096);
