@@ -287,7 +287,7 @@ interface Table3Cell {
   workingSet: Table3WorkingSet;
   scheme: MeasuredScheme;
   vms: number;
-  /** The operation in all four VMs at once (fill; restore, and fill for unique random), ms. */
+  /** The operation in all four VMs at once (fill; restore, and fill for unique random; arriving: the fills one by one and the passes after each), ms. */
   operationMs: number;
   after: GroupReading;
   /** The 100% rewrite in all four VMs at once, ms. */
