@@ -376,7 +376,7 @@ async function runCell(ws: Table3WorkingSet, scheme: MeasuredScheme, opts: Table
   if (snapshot) progress(`${label}: snapshot of ${snapshot.ramDataPageCount} pages in ${snapshot.snapshotMs.toFixed(0)} ms, page cache dropped`);
   const cgroup = CellCgroup.create(`pvisor-bench-${process.pid}-t3-${ws}-${scheme}`);
   // The pool's daemon is part of the product group: in the cell's cgroup, its PSS in the reading.
-  const daemon = scheme === 'daemon-pool' || scheme === 'daemon-pool-arriving' ? await PoolDaemon.start(cgroup, label) : undefined;
+  const daemon = studyScheme(scheme) === 'daemon-pool' ? await PoolDaemon.start(cgroup, label) : undefined;
   const vms = Array.from({ length: VMS }, (_, i) => VmProcess.spawn(cgroup, `${label} VM ${i}`));
   let ksm: KsmHost | undefined;
   try {
