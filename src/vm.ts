@@ -85,7 +85,8 @@ export interface VmOptions {
    * Linux guest: the guest's network, off by default. `'none'`: no network device (the agent
    * channel still works). `'nat'`: a virtio-net device (eth0) on a TAP that pvisor creates, with a
    * /30 of its own and NAT to the host's uplinks, every destination allowed but the host itself;
-   * `{ mode: 'nat', allow: ['CIDR[:PORT]', ...] }`: only those. Needs CAP_NET_ADMIN, /dev/net/tun,
+   * `{ mode: 'nat', allow: ['CIDR[:PORT]', ...] }`: only those. IPv4 only: the host drops the
+   * guest's IPv6, and whatever it sends from an address or MAC other than its own. Needs CAP_NET_ADMIN, /dev/net/tun,
    * /dev/vhost-net, nft and ip; otherwise the start fails with a {@link NetworkSetupError} and
    * nothing is left on the host. `{ tap: NAME }`: the user's own TAP, nothing configured on the host.
    * Everything pvisor made is removed when the VM ends (by a later start after a crash of this

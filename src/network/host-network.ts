@@ -1,10 +1,11 @@
 /**
  * The host side of one VM's network: for `'nat'`, a /30 chosen from the range, a TAP pvisor
- * creates with the host's end of it, IPv4 forwarding, and the VM's nftables table (./nft-rules.ts);
- * for `{ tap }`, the user's TAP opened as it is. {@link HostNetwork.close} removes what setup made.
+ * creates with the host's end of it and its own kernel settings (./tap-sysctls.ts), IPv4
+ * forwarding, and the VM's nftables tables (./nft-rules.ts); for `{ tap }`, the user's TAP opened
+ * as it is. {@link HostNetwork.close} removes what setup made.
  *
  * All or nothing: a step that fails undoes the ones before it and throws
- * {@link NetworkSetupError}. A process that dies (SIGKILL included) leaves only its table behind:
+ * {@link NetworkSetupError}. A process that dies (SIGKILL included) leaves only its tables behind:
  * its TAPs are not persistent and go with their fds, their addresses with them; the next
  * process that sets up a network removes the tables whose owner is gone ({@link removeStaleNetworks}).
  *
@@ -17,9 +18,10 @@ import { randomBytes } from 'node:crypto';
 import { NetworkSetupError, SystemCallError } from '../errors';
 import { tryLockFile } from '../sys/libc';
 import { allocateSubnet, formatCidr, formatIpv4, formatMac, macFor, parseIpAddrShow, parseIpv4 } from './addresses';
-import { natRuleset, parseTableList, tableName, tableOwner } from './nft-rules';
+import { deleteTablesScript, natRuleset, parseTableList, TABLE_FAMILIES, tableName, tableOwner } from './nft-rules';
 import { formatAllowRule, type NetworkPlan } from './options';
 import { Tap, TUN_PATH } from './tap';
+import { restrictTap } from './tap-sysctls';
 import { processGone } from '../sys/processes';
 
 /** What {@link Vm.network} says of a VM's network. */
@@ -38,7 +40,7 @@ export interface VmNetworkInfo {
   dns?: string;
   /** `nat`: the destinations the guest may reach (`all`, or the CIDR[:PORT] list). */
   allow?: 'all' | string[];
-  /** `nat`: the VM's nftables table (family ip). */
+  /** `nat`: the name of the VM's nftables tables (families inet and netdev). */
   nftTable?: string;
 }
 
@@ -81,17 +83,17 @@ function run(tool: 'nft' | 'ip', args: string[], input?: string): string {
 }
 
 /**
- * Removes what processes that are gone left behind: their nftables tables and any TAP still named
- * after them. Returns the names removed. Needs CAP_NET_ADMIN; without nft it removes nothing.
+ * Removes what processes that are gone left behind: their nftables tables (`FAMILY NAME` in the
+ * result) and any TAP still named after them. Returns what it removed. Needs CAP_NET_ADMIN.
  */
 export function removeStaleNetworks(): string[] {
   const removed: string[] = [];
   for (const table of parseTableList(run('nft', ['list', 'tables']))) {
-    const owner = tableOwner(table);
+    const owner = tableOwner(table.name);
     if (!owner || owner.pid === process.pid || !processGone(owner.pid)) continue;
     try {
-      run('nft', ['delete', 'table', 'ip', table]);
-      removed.push(table);
+      run('nft', ['delete', 'table', table.family, table.name]);
+      removed.push(`${table.family} ${table.name}`);
     } catch {
       // Another process removed it first.
     }
@@ -168,12 +170,24 @@ export class HostNetwork {
     private readonly table: string | undefined,
   ) {}
 
-  /** Sets up what `plan` asks (not `none`). Throws {@link NetworkSetupError}; nothing is left then. */
+  /**
+   * Sets up what `plan` asks (not `none`) for a VM, whose vhost-net will serve the TAP. Throws
+   * {@link NetworkSetupError}; nothing is left then.
+   */
   static setup(plan: Exclude<NetworkPlan, { kind: 'none' }>): HostNetwork {
     if (plan.kind === 'nat' && !hasNetAdmin()) {
       throw new NetworkSetupError('permission', "network 'nat' needs CAP_NET_ADMIN (run as root, or give node the capability) to create a TAP device and nftables rules; use network 'none', or { tap: NAME } with a TAP made for you");
     }
     checkDevice(VHOST_NET_PATH, 'vhost-net (CONFIG_VHOST_NET, module vhost_net)');
+    return HostNetwork.create(plan);
+  }
+
+  /**
+   * What {@link setup} does once /dev/vhost-net is known to be there: the same host side, for a
+   * reader of the TAP's fd other than vhost (test/hostile-tap-guest.ts plays a hostile guest on
+   * it, on hosts with no vhost-net too).
+   */
+  static create(plan: Exclude<NetworkPlan, { kind: 'none' }>): HostNetwork {
     const mac = macFor(randomBytes(4));
     if (plan.kind === 'tap') {
       if (!existsSync(`/sys/class/net/${plan.name}`)) throw new NetworkSetupError('failed', `there is no network interface named ${plan.name} (create it with: ip tuntap add ${plan.name} mode tap user $USER)`);
@@ -207,11 +221,13 @@ export class HostNetwork {
         const subnet = allocateSubnet(plan.range, parseIpAddrShow(run('ip', ['-4', '-o', 'addr', 'show'])));
         if (!subnet) throw new NetworkSetupError('failed', `no free /30 left in ${formatCidr(plan.range)}`);
         tap = Tap.open(name);
-        run('ip', ['addr', 'add', `${formatIpv4(subnet.hostAddress)}/30`, 'dev', name]);
-        run('ip', ['link', 'set', 'dev', name, 'up']);
-        enableForwarding();
-        run('nft', ['-f', '-'], natRuleset({ table, tap: name, guestAddress: subnet.guestAddress, allow: plan.allow }));
+        // All of the TAP's restrictions are in place before it comes up: until then it takes nothing.
+        restrictTap(name);
+        run('nft', ['-f', '-'], natRuleset({ table, tap: name, guestAddress: subnet.guestAddress, guestMac: mac, allow: plan.allow }));
         tableMade = true;
+        run('ip', ['addr', 'add', `${formatIpv4(subnet.hostAddress)}/30`, 'dev', name]);
+        enableForwarding();
+        run('ip', ['link', 'set', 'dev', name, 'up']);
         const guest = formatIpv4(subnet.guestAddress);
         const host = formatIpv4(subnet.hostAddress);
         return new HostNetwork(
@@ -220,7 +236,7 @@ export class HostNetwork {
         );
       });
     } catch (e) {
-      if (tableMade) deleteTable(table);
+      if (tableMade) deleteTables(table);
       tap?.close(); // the TAP and its address go with the fd
       throw asSetupError(e, `setting up network 'nat' (TAP ${name})`);
     }
@@ -231,7 +247,7 @@ export class HostNetwork {
     if (this.closed) return undefined;
     this.closed = true;
     let problem: string | undefined;
-    if (this.table) problem = deleteTable(this.table);
+    if (this.table) problem = deleteTables(this.table);
     try {
       this.tap.close();
     } catch (e) {
@@ -241,12 +257,13 @@ export class HostNetwork {
   }
 }
 
-function deleteTable(table: string): string | undefined {
+/** Deletes the VM's tables, both in one transaction; a table already gone is no error. */
+function deleteTables(table: string): string | undefined {
   try {
-    run('nft', ['delete', 'table', 'ip', table]);
+    run('nft', ['-f', '-'], deleteTablesScript(TABLE_FAMILIES.map((family) => ({ family, name: table }))));
     return undefined;
   } catch (e) {
-    return `removing nftables table ${table}: ${(e as Error).message}`;
+    return `removing nftables tables ${table}: ${(e as Error).message}`;
   }
 }
 

@@ -1,9 +1,10 @@
 // The host side's pure parts: the network option, each VM's /30, the nftables ruleset and the
-// names that tell a dead owner's leftovers apart. No root, no nft.
+// names that tell a dead owner's leftovers apart. No root, no nft (network-hostile-guest.test.ts
+// runs the rules).
 import { InvalidOptionError } from '../../src/errors';
 import { allocateSubnet, formatCidr, formatIpv4, parseCidr, parseIpAddrShow, parseIpv4 } from '../../src/network/addresses';
 import { tapName, tapOwner } from '../../src/network/host-network';
-import { natRuleset, parseTableList, tableName, tableOwner } from '../../src/network/nft-rules';
+import { deleteTablesScript, natRuleset, parseTableList, tableName, tableOwner } from '../../src/network/nft-rules';
 import { parseAllowRule, parseNetworkOption } from '../../src/network/options';
 
 describe('network option', () => {
@@ -56,35 +57,61 @@ describe('address allocation', () => {
 
 describe('nftables rules of one VM', () => {
   const guest = parseIpv4('10.200.0.6')!;
-  it('allow all: forwards what the guest sends but never to the host, and lets only replies in', () => {
-    const text = natRuleset({ table: 'pvisor_42_0', tap: 'pv42n0', guestAddress: guest, allow: 'all' });
-    const forward = text.slice(text.indexOf('chain forward'), text.indexOf('chain input'));
-    expect(forward.split('\n').map((l) => l.trim()).filter((l) => l.includes('pv42n0'))).toEqual([
-      'iifname "pv42n0" ct state established,related accept',
-      'iifname "pv42n0" ip saddr 10.200.0.6 accept',
-      'iifname "pv42n0" drop',
-      'oifname "pv42n0" ct state established,related accept',
-      'oifname "pv42n0" drop',
+  const guestMac = Buffer.from([0x02, 0x70, 1, 2, 3, 4]);
+  const chain = (text: string, name: string) => {
+    const body = text.slice(text.indexOf(`chain ${name} {`));
+    return body.slice(0, body.indexOf('\n  }')).split('\n').map((l) => l.trim()).filter((l) => l && !l.startsWith('chain') && !l.startsWith('type'));
+  };
+
+  it("the TAP's ingress (netdev) takes only IPv4 from the guest's address and ARP about it, both from its MAC", () => {
+    const text = natRuleset({ table: 'pvisor_42_0', tap: 'pv42n0', guestAddress: guest, guestMac, allow: 'all' });
+    expect(text).toMatch(/table netdev pvisor_42_0 \{\s+chain ingress \{\s+type filter hook ingress device "pv42n0" priority filter - 5; policy drop;/);
+    expect(chain(text, 'ingress')).toEqual([
+      'ether saddr 02:70:01:02:03:04 ether type ip ip saddr 10.200.0.6 accept',
+      'ether saddr 02:70:01:02:03:04 ether type arp arp htype 1 arp ptype ip arp hlen 6 arp plen 4 arp operation { request, reply } arp saddr ether 02:70:01:02:03:04 arp saddr ip 10.200.0.6 accept',
     ]);
-    expect(text).toMatch(/chain input \{[^}]*iifname "pv42n0" ct state established,related accept\s+iifname "pv42n0" drop\s+\}/);
-    expect(text).toMatch(/type nat hook postrouting priority srcnat;[^}]*ip saddr 10.200.0.6 oifname != "pv42n0" masquerade/);
-    expect(text.startsWith('table ip pvisor_42_0 {')).toBe(true);
   });
 
-  it('an allow list: each CIDR, with a port for TCP and UDP, and a drop after them; an empty list drops all', () => {
+  it("allow all: forwards the guest's new connections anywhere but to the host, IPv6 never; replies only on the guest's own connections", () => {
+    const text = natRuleset({ table: 'pvisor_42_0', tap: 'pv42n0', guestAddress: guest, guestMac, allow: 'all' });
+    expect(text).toContain('table inet pvisor_42_0 {');
+    expect(text).not.toMatch(/^table ip /m);
+    expect(chain(text, 'forward')).toEqual([
+      'iifname "pv42n0" meta nfproto ipv6 drop',
+      'oifname "pv42n0" meta nfproto ipv6 drop',
+      'iifname "pv42n0" ip saddr != 10.200.0.6 drop',
+      'iifname "pv42n0" ct state established,related ct original ip saddr 10.200.0.6 accept',
+      'iifname "pv42n0" ct state != new drop',
+      'iifname "pv42n0" ip saddr 10.200.0.6 accept',
+      'iifname "pv42n0" drop',
+      'oifname "pv42n0" ct state established,related ct original ip saddr 10.200.0.6 accept',
+      'oifname "pv42n0" drop',
+    ]);
+    expect(chain(text, 'input')).toEqual([
+      'iifname "pv42n0" meta nfproto ipv6 drop',
+      'iifname "pv42n0" ip saddr != 10.200.0.6 drop',
+      'iifname "pv42n0" ct state established,related ct original ip daddr 10.200.0.6 accept',
+      'iifname "pv42n0" drop',
+    ]);
+    expect(text).toMatch(/type nat hook postrouting priority srcnat;[^}]*ip saddr 10.200.0.6 oifname != "pv42n0" masquerade/);
+    // Tables a dead process of the same pid left are replaced, in the same transaction.
+    expect(text.startsWith('add table inet pvisor_42_0\ndelete table inet pvisor_42_0\nadd table netdev pvisor_42_0\ndelete table netdev pvisor_42_0\n')).toBe(true);
+  });
+
+  it('an allow list: each CIDR, with a port for TCP and UDP, for new connections only; an empty list drops all', () => {
     const allow = [parseAllowRule('192.0.2.0/24'), parseAllowRule('198.51.100.7/32:443')];
-    const lines = natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, allow }).split('\n').map((l) => l.trim());
-    const at = lines.indexOf('iifname "pv1n0" ct state established,related accept');
+    const lines = chain(natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, guestMac, allow }), 'forward');
+    const at = lines.indexOf('iifname "pv1n0" ct state != new drop');
     expect(lines.slice(at + 1, at + 5)).toEqual([
       'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 192.0.2.0/24 accept',
       'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 198.51.100.7/32 tcp dport 443 accept',
       'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 198.51.100.7/32 udp dport 443 accept',
       'iifname "pv1n0" drop',
     ]);
-    const none = natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, allow: [] }).split('\n').map((l) => l.trim());
-    expect(none.filter((l) => l.startsWith('iifname "pv1n0"') && l.endsWith('accept'))).toEqual([
-      'iifname "pv1n0" ct state established,related accept', // forward: replies
-      'iifname "pv1n0" ct state established,related accept', // input: replies
+    const none = natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, guestMac, allow: [] });
+    expect([...chain(none, 'forward'), ...chain(none, 'input')].filter((l) => l.startsWith('iifname "pv1n0"') && l.endsWith('accept'))).toEqual([
+      'iifname "pv1n0" ct state established,related ct original ip saddr 10.200.0.6 accept', // forward: the guest's own connections
+      'iifname "pv1n0" ct state established,related ct original ip daddr 10.200.0.6 accept', // input: the host's connections to the guest
     ]);
   });
 
@@ -94,6 +121,9 @@ describe('nftables rules of one VM', () => {
     expect(tapOwner(tapName(4194304, 12))).toEqual({ pid: 4194304, index: 12 });
     for (const other of ['filter', 'pvisor_', 'pvisor_0_1', 'pvisor_12', 'pvisor_12_x', 'pvisor_12_1_2']) expect(tableOwner(other)).toBeUndefined();
     for (const other of ['eth0', 'pv', 'pvn1', 'pv0n1', 'pv12n', 'tap0']) expect(tapOwner(other)).toBeUndefined();
-    expect(parseTableList('table inet filter\ntable ip pvisor_9_0\ntable ip nat\ntable ip6 pvisor_9_1\n')).toEqual(['pvisor_9_0', 'nat']);
+    expect(parseTableList('table inet filter\ntable ip pvisor_9_0\ntable netdev pvisor_9_1\n')).toEqual([
+      { family: 'inet', name: 'filter' }, { family: 'ip', name: 'pvisor_9_0' }, { family: 'netdev', name: 'pvisor_9_1' },
+    ]);
+    expect(deleteTablesScript([{ family: 'inet', name: 'pvisor_9_0' }])).toBe('add table inet pvisor_9_0\ndelete table inet pvisor_9_0\n');
   });
 });
