@@ -2,9 +2,10 @@
 // native daemon (native-prebuilds/helpers/pool_daemon.c), on a fresh socket, with clients that
 // speak its protocol over real sockets.
 import { spawn, type ChildProcess } from 'node:child_process';
-import { readSync } from 'node:fs';
-import { connect } from 'node:net';
+import { readFileSync, readSync } from 'node:fs';
+import { connect, type Socket } from 'node:net';
 import { join } from 'node:path';
+import { createInterface } from 'node:readline';
 import { PoolOp, type PageKey } from '../src/daemon/pool-protocol';
 import { pageHashesOf } from '../src/memory/uffd-server';
 import { PoolLink } from '../src/memory/pool-link';
@@ -40,7 +41,20 @@ export async function stopDaemon(d: Daemon): Promise<number | null> {
   return d.exited;
 }
 
+/** A process's resident memory from /proc/PID/smaps_rollup, in bytes. */
+export function residentOf(pid: number): { rssBytes: number; pssBytes: number } {
+  const text = readFileSync(`/proc/${pid}/smaps_rollup`, 'utf8');
+  const kb = (field: string) => Number(new RegExp(`^${field}:\\s+(\\d+) kB`, 'm').exec(text)![1]) * 1024;
+  return { rssBytes: kb('Rss'), pssBytes: kb('Pss') };
+}
+
 export const page = (fill: number) => Buffer.alloc(4096, fill);
+/** A page that starts with `text`, zeros after. */
+export const textPage = (text: string) => {
+  const b = Buffer.alloc(4096);
+  b.write(text);
+  return b;
+};
 export function keyOf(bytes: Buffer): PageKey {
   const k = new BigUint64Array(1);
   pageHashesOf(bytes, k);
@@ -86,10 +100,60 @@ export function exchange(socket: string, bytes: Buffer[], timeoutMs = 10_000): P
   });
 }
 
+/** A connection that is open once the daemon has accepted it (or refused it: then `refused` says why). */
+export async function openConnection(socket: string): Promise<{ socket: Socket; refused: Promise<string | undefined> }> {
+  const s = connect(socket);
+  s.on('error', () => {});
+  const decoder = new FrameDecoder();
+  const refused = new Promise<string | undefined>((resolve) => {
+    s.on('data', (b: Buffer) => {
+      for (const f of decoder.push(b)) if (f.type === FrameType.Error) resolve(f.payload.toString());
+    });
+    s.on('close', () => resolve(undefined));
+  });
+  await new Promise((r) => s.once('connect', r));
+  return { socket: s, refused };
+}
+
 export async function until(what: string, ok: () => Promise<boolean> | boolean, ms = 20_000): Promise<void> {
   const deadline = Date.now() + ms;
   while (!(await ok())) {
     if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
     await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+/** Credentials a {@link PeerAs} connects with: its effective uid and gid, and its supplementary groups. */
+export interface Credentials {
+  uid: number;
+  gid: number;
+  groups: number[];
+}
+
+/**
+ * A second process (test/pool-peer-as.ts, run as root) that connects to the daemon with whatever
+ * credentials it is told, one connection at a time: the kernel records them at connect.
+ */
+export class PeerAs {
+  private readonly child = spawn(process.execPath, [join(__dirname, 'pool-peer-as.js')], { stdio: ['pipe', 'pipe', 'inherit'] });
+  private readonly lines = createInterface({ input: this.child.stdout! })[Symbol.asyncIterator]();
+  readonly pid = this.child.pid!;
+  readonly exited = new Promise<void>((resolve) => this.child.once('exit', () => resolve()));
+
+  async ask<T = Record<string, unknown>>(m: object): Promise<T & { ok: boolean; error?: string }> {
+    this.child.stdin!.write(`${JSON.stringify(m)}\n`);
+    const next = await this.lines.next();
+    if (next.done) throw new Error('the peer process ended');
+    return JSON.parse(next.value as string) as T & { ok: boolean; error?: string };
+  }
+
+  /** Says Hello as `as` in `scope`; resolves with its handle, or the daemon's refusal. */
+  hello(socket: string, as: Credentials, scope: string, name = scope): Promise<{ ok: boolean; error?: string; client?: number; clientId?: number }> {
+    return this.ask({ op: 'hello', socket, as, scope, name });
+  }
+
+  end(): Promise<void> {
+    this.child.stdin!.end();
+    return this.exited;
   }
 }
