@@ -3,8 +3,9 @@
 #   libpvisor-vcpu.so    vcpu_runner.c  (a thread per vCPU running KVM_RUN)
 #   libpvisor-memory.so  uffd_server.c cold_store.c crc32c.c map_runs.c + lz4's lz4.c  (the userfaultfd
 #                        server of memory strategies, with ColdCompression's block store)
-#   pvisor-pool-daemon   pool_daemon.c pool_pages.c pool_hello.c crc32c.c  (the page pool's daemon,
-#                        an executable: what `pvisor-daemon serve --memory-pool` execs)
+#   pvisor-pool-daemon   pool_daemon.c pool_pages.c pool_hello.c pool_grants.c pool_peers.c
+#                        pool_orphans.c crc32c.c  (the page pool's daemon, an executable: what
+#                        `pvisor-daemon serve --memory-pool` execs)
 # lz4 is built from its release source (1.9.4, the tarball Debian ships as lz4_1.9.4.orig.tar.gz,
 # checked against its SHA-256), not from a system package: the library must not depend on a
 # liblz4 at run time, and only its block decompressor is used (the format lz4-napi writes).
@@ -61,4 +62,4 @@ build libpvisor-vcpu.so vcpu_runner.c
 gcc -O2 -g0 -fPIC -fvisibility=hidden -DLZ4LIB_VISIBILITY= -c -ffile-prefix-map="$lz4"=lz4 -o "$lz4/lz4.o" "$lz4/lz4.c"
 build libpvisor-memory.so -I"$lz4" uffd_server.c cold_store.c crc32c.c map_runs.c "$lz4/lz4.o"
 # Its keys are crc32c.c's pv_page_hashes, the function VM processes key their offers with.
-build pvisor-pool-daemon pool_daemon.c pool_pages.c pool_hello.c crc32c.c
+build pvisor-pool-daemon pool_daemon.c pool_pages.c pool_hello.c pool_grants.c pool_peers.c pool_orphans.c crc32c.c

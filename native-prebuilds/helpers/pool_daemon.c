@@ -4,28 +4,36 @@
  * a Node process because the pool's cell charges the daemon to the VMs it serves: Node idle was
  * 15-16 MiB of PSS, and 21-43 MiB after a merge (docs/memory-table3.md, "The daemon pool").
  *
- *   pvisor-pool-daemon SOCKET POOL_BYTES [GID]
+ *   pvisor-pool-daemon SOCKET POOL_BYTES MAX_CLIENTS MAX_CLIENTS_PER_UID [GID]
  *
  * Listens on SOCKET (0600, or 0660 and of group GID), accepts VM processes (PoolClient) and
- * `pvisor-daemon status`, checks each peer's credentials (SO_PEERCRED: root, the daemon's uid, or
- * group GID), hands the scope's memfd over with the answer to Hello (SCM_RIGHTS), and answers
- * Offer, Put, Settle and Status from the pool (pool_pages.c). The protocol is
- * src/daemon/pool-protocol.ts in the frames of src/protocol/frame.ts. A client that breaks the
- * protocol, sends more than it may, or stops reading is sent an Error frame and disconnected;
- * other clients go on.
+ * `pvisor-daemon status`, checks each peer's credentials (SO_PEERCRED and SO_PEERGROUPS: root,
+ * the daemon's uid, or a member of group GID), hands the scope's memfd over with the answer to
+ * Hello (SCM_RIGHTS), and answers Offer, Put, Settle and Status from the pool (pool_pages.c). The
+ * protocol is src/daemon/pool-protocol.ts in the frames of src/protocol/frame.ts. A client that
+ * breaks the protocol is sent an Error frame and disconnected; other clients go on.
  *
- * A client's references outlive its connection for as long as its process does: a VM maps the
- * pool pages it was granted until it says otherwise or ends, whether or not it is still
- * connected, and a slot given to new content while a VM still maps it would change that VM's
- * memory under it. So the references of a client that disconnects are kept until its process is
- * gone (checked every 2 s by pid and start time, against pid reuse).
+ * Scopes belong to the peer's credentials, not to what it says: a scope NAME is the peer uid's own
+ * (uid and name make the scope), and "gid:GID:NAME" is group GID's, open only to its members.
+ * Status shows a client only its uid's and its groups' scopes and clients (root sees all).
  *
- * One thread, epoll, non-blocking sockets. Per client it holds at most one frame being assembled
- * (1 MiB, mapped while the client sends large frames and given back when it has been idle) and
- * its unread answers (16 MiB at most, beyond which the client is disconnected).
+ * What a client may make the daemon hold is bounded, whatever it sends or leaves unread:
+ * - MAX_CLIENTS connections in all, MAX_CLIENTS_PER_UID per uid; one over is refused with an
+ *   Error frame at accept, holding nothing;
+ * - per connection, the frame coming in is taken apart as it arrives (an Offer's entries one by
+ *   one, a Put's pages one at a time), so no more than a page of it is held; and the daemon reads
+ *   the next bytes only once the answers to the last have gone into the socket, so what a client
+ *   leaves unread stays in its socket's buffer (the kernel's bound) and the daemon keeps at most
+ *   the answers to one read (OUT_CHUNK_BYTES) of it;
+ * - Status answers, the one large answer to a small request, at most STATUS_UNREAD_PER_UID bytes
+ *   unread per uid and STATUS_UNREAD_BYTES in all; a Status beyond them is refused.
  *
- * Exits 0 after SIGTERM or SIGINT (the VMs keep every page they map), 2 on bad arguments, 125 if
- * it cannot start.
+ * A client's references outlive its connection for as long as its process does (pool_orphans.c),
+ * at most MAX_CLIENTS_PER_UID such processes and scopes per uid: a uid at that bound gets no new
+ * Hello until some of them end.
+ *
+ * One thread, epoll, non-blocking sockets. Exits 0 after SIGTERM or SIGINT (the VMs keep every
+ * page they map), 2 on bad arguments, 125 if it cannot start.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -38,7 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
-#include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -47,8 +55,11 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "pool_grants.h"
 #include "pool_hello.h"
+#include "pool_orphans.h"
 #include "pool_pages.h"
+#include "pool_peers.h"
 
 /* Frames (src/protocol/frame.ts). */
 #define HEADER_BYTES 16u
@@ -58,80 +69,113 @@ enum { FRAME_REQUEST = 1, FRAME_RESPONSE = 2, FRAME_ERROR = 4 };
 /* The pool's protocol (src/daemon/pool-protocol.ts). */
 enum { OP_HELLO = 1, OP_OFFER = 2, OP_PUT = 3, OP_SETTLE = 4, OP_STATUS = 5 };
 #define PROTOCOL_VERSION 1
+#define OFFER_ENTRY_BYTES 12u
 #define MAX_OFFER_ENTRIES 65536u
 #define MAX_PUT_PAGES 240u
 #define MAX_SETTLE_PAGES 131072u
+#define ANSWER_BYTES 8u
 #define ANSWER_SEND 0xffffffffu
 #define ANSWER_NONE 0xfffffffeu
 #define ANSWER_FULL 0xfffffffdu
 
-/* A client stops reading: beyond this many unread answer bytes it is disconnected. */
-#define MAX_UNREAD_BYTES (16u * 1024u * 1024u)
-/* How often the references of disconnected clients are checked against their processes. */
-#define ORPHAN_CHECK_MS 2000
+/*
+ * What one recv takes at most, and so what the answers to it come to: an Offer's 12-byte entries
+ * are answered in 8, so 16 KiB read makes at most 11 KiB of answers, one chunk.
+ */
+#define RECV_BYTES (16u * 1024u)
+#define OUT_CHUNK_BYTES (16u * 1024u)
+/* Reads of one client per epoll event: a client sending without pause waits for the others' turn. */
+#define READS_PER_EVENT 4
+/* Unread Status answers: per uid, and in all. */
+#define STATUS_UNREAD_PER_UID (4u * 1024u * 1024u)
+#define STATUS_UNREAD_BYTES (16u * 1024u * 1024u)
+/* Refused connections whose Error frame lingers, at most (beyond, they are closed at once). */
+#define MAX_REFUSED_LINGERING 64u
 /* How long a failed client's last bytes (its Error frame) may take to go before it is cut off. */
 #define CLOSE_GRACE_MS 1000
-/* Payloads up to this size are assembled in the client's own small buffer. */
-#define SMALL_PAYLOAD_BYTES 8192u
-/*
- * A client's large frame buffer goes this long after its last large frame. A merge pass sends
- * them back to back (kept, no page faults per frame); between passes the daemon holds none: four
- * VMs' buffers were 3 MiB of its PSS when it kept them until the next 2 s check.
- */
-#define LARGE_IDLE_MS 250
+/* How often malloc's free memory goes back to the kernel. */
+#define TRIM_MS 2000
+/* Where a Put's page is assembled in a client's `part`, after its count and page numbers. */
+#define PUT_PAGE_AT (4u + 4u * MAX_PUT_PAGES)
+/* A client's part buffer: a whole Hello, or a Put's numbers and one page. */
+#define PART_BYTES (PUT_PAGE_AT + POOL_PAGE_BYTES)
+_Static_assert(PART_BYTES >= HELLO_MAX_BYTES, "a Hello fits in a client's part buffer");
+_Static_assert(RECV_BYTES / OFFER_ENTRY_BYTES * ANSWER_BYTES + HEADER_BYTES <= OUT_CHUNK_BYTES, "one read's answers fit in one chunk");
 
-/* An answer queued for a client that has not read what came before. */
+/* What epoll's data points at: each struct it can be starts with its tag. */
+enum { TAG_LISTEN = 1, TAG_SIGNAL, TAG_CLIENT, TAG_CLOSING, TAG_ORPHAN, TAG_DEAD };
+
+/* Answers queued for a connection: bytes the socket has not taken yet. */
 struct chunk {
   struct chunk *next;
-  size_t len, sent;
+  size_t len, cap, sent;
   /* A descriptor to send with the chunk's first byte (Hello's memfd), or -1. */
   int pass_fd;
+  /* A Status answer: counted in its uid's and the daemon's unread Status bytes. */
+  int status;
   uint8_t bytes[];
 };
 
-/* Pool pages a client holds references to, with how many: open addressing, page + 1 as the key. */
-struct grants {
-  uint32_t *pages, *counts;
-  uint32_t cap, size;
-  uint64_t total;
+/* A connection's socket and what waits to go out on it. */
+struct link {
+  int fd;
+  struct chunk *head, *tail;
+  size_t bytes;
+  /* What epoll watches for now. */
+  uint32_t events;
+  /* Its uid's usage (NULL for a connection refused at accept). */
+  struct uid_usage *usage;
 };
 
 struct client {
+  int tag;
   struct client *prev, *next;
-  int fd;
+  struct link link;
   uint32_t id;
   pid_t pid;
-  /* The process's start time (/proc/PID/stat), telling it from a later process of the same pid; 0 if unknown. */
-  uint64_t start;
+  uid_t uid;
+  gid_t gid;
+  /* The peer's process, watched once the connection ends (pool_orphans.c); -1 if unknown. */
+  int pidfd;
   struct pool_scope *scope;
   char name[HELLO_MAX_NAME_BYTES + 1];
   struct grants grants;
-  /* The frame being assembled: its header, then its payload. */
+  /* The frame coming in: its header, then its payload, taken apart as it comes. */
   uint8_t header[HEADER_BYTES];
-  uint32_t header_fill, payload_len, payload_fill;
+  uint32_t header_fill;
   int in_payload;
-  uint8_t small[SMALL_PAYLOAD_BYTES];
-  /* MAX_PAYLOAD_BYTES mapped for larger frames, unmapped LARGE_IDLE_MS after the last one. */
-  uint8_t *large;
-  int64_t large_last;
-  /* Answers not yet taken by the client. */
-  struct chunk *out_head, *out_tail;
-  size_t out_bytes;
-  int want_out;
-  /*
-   * Failed: what it sends is read and dropped, its Error frame goes, then its end of the socket is
-   * shut for writing; it is closed when the peer closes too, or its grace is over.
-   */
-  int closing, shut;
-  int64_t close_at;
+  uint16_t op;
+  uint32_t request_id, payload_len, payload_done;
+  /* Where the op is: its phase (count, numbers, pages...), a Put's count, a Settle's kept count, entries done. */
+  uint32_t phase, count, keep, index;
+  /* The element being assembled in `part`: filled up to part_fill, complete at part_want. */
+  uint32_t part_fill, part_want;
+  uint8_t part[PART_BYTES];
+  int closing;
 };
 
 /*
- * Connected clients in the order they came; disconnected ones whose processes may still map what
- * they were granted; the sockets of failed ones on their way out; and those done with, freed once
- * the events at hand are handled (a client that fails while its frames are read is still read).
+ * A connection on its way out: a failed client's (its Error frame goes, then its end of the socket
+ * is shut for writing; it is closed when the peer closes too, or its grace is over), or one refused
+ * at accept. Not closed at once: a peer that reads with Node's net would lose the frame (libuv takes
+ * a hangup after a short read as the end, and a read stops short after a message that carried a
+ * descriptor, as the answer to Hello did), and one still writing its Hello would get EPIPE first.
  */
-static struct client *clients, *clients_tail, *orphans, *closing_clients, *retired;
+struct closing {
+  int tag;
+  struct closing *prev, *next;
+  struct link link;
+  int shut, refused;
+  int64_t close_at;
+};
+
+/* Connected clients in the order they came; connections on their way out, oldest first. */
+static struct client *clients, *clients_tail;
+static struct closing *closings, *closings_tail;
+/* Connections counted against MAX_CLIENTS (connected and failed ones), and refused ones lingering. */
+static uint32_t connections, refused_lingering;
+static uint32_t max_clients, max_clients_per_uid;
+static uint64_t status_unread;
 static uint32_t next_client_id = 1;
 static int epfd, listen_fd, signal_fd, spare_fd = -1;
 static int has_group;
@@ -140,11 +184,12 @@ static uid_t own_uid;
 static const char *socket_path;
 static dev_t socket_dev;
 static ino_t socket_ino;
-/* What one recv takes. Each byte of it, once touched, stays in the PSS; more per call saves little. */
-static uint8_t receive_buffer[64 * 1024];
+static uint8_t receive_buffer[RECV_BYTES];
+static int listen_tag = TAG_LISTEN, signal_tag = TAG_SIGNAL;
 
-/* Epoll's data of the listening socket and the signalfd; clients are their struct. */
-static int listen_tag, signal_tag;
+/* Structs done with, freed once the events at hand are handled (a later event may still name them). */
+static void **retired;
+static size_t retired_count, retired_cap;
 
 static _Noreturn void die(int status, const char *fmt, ...) {
   va_list ap;
@@ -173,101 +218,32 @@ static uint32_t get_u32(const uint8_t *b) {
   return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
 }
 
-/* --- Grants. --- */
-
-static uint32_t grant_slot(const struct grants *g, uint32_t page) {
-  uint32_t mask = g->cap - 1, i = (uint32_t)(((uint64_t)page * 0x9e3779b97f4a7c15ull) >> 32) & mask;
-  while (g->pages[i] && g->pages[i] != page + 1) i = (i + 1) & mask;
-  return i;
+static void write_header(uint8_t *h, uint8_t type, uint32_t id, uint16_t op, uint32_t payload) {
+  h[0] = 'P';
+  h[1] = 'V';
+  h[2] = PROTOCOL_VERSION;
+  h[3] = type;
+  put_u32(h + 4, id);
+  h[8] = (uint8_t)op;
+  h[9] = (uint8_t)(op >> 8);
+  h[10] = h[11] = 0;
+  put_u32(h + 12, payload);
 }
 
-static uint32_t grant_count(const struct grants *g, uint32_t page) {
-  if (!g->cap) return 0;
-  uint32_t i = grant_slot(g, page);
-  return g->pages[i] ? g->counts[i] : 0;
-}
-
-static void grant_add(struct grants *g, uint32_t page) {
-  if ((uint64_t)(g->size + 1) * 4 > (uint64_t)g->cap * 3) {
-    struct grants bigger = { 0 };
-    bigger.cap = g->cap ? g->cap * 2 : 64;
-    bigger.pages = calloc(bigger.cap, sizeof(uint32_t));
-    bigger.counts = calloc(bigger.cap, sizeof(uint32_t));
-    if (!bigger.pages || !bigger.counts) pool_out_of_memory();
-    for (uint32_t i = 0; i < g->cap; i++) {
-      if (!g->pages[i]) continue;
-      uint32_t j = grant_slot(&bigger, g->pages[i] - 1);
-      bigger.pages[j] = g->pages[i];
-      bigger.counts[j] = g->counts[i];
-    }
-    bigger.size = g->size;
-    bigger.total = g->total;
-    free(g->pages);
-    free(g->counts);
-    *g = bigger;
+static void retire(void *p, int *tag) {
+  *tag = TAG_DEAD;
+  if (retired_count == retired_cap) {
+    retired_cap = retired_cap ? retired_cap * 2 : 64;
+    retired = realloc(retired, retired_cap * sizeof *retired);
+    if (!retired) pool_out_of_memory();
   }
-  uint32_t i = grant_slot(g, page);
-  if (!g->pages[i]) {
-    g->pages[i] = page + 1;
-    g->counts[i] = 0;
-    g->size++;
-  }
-  g->counts[i]++;
-  g->total++;
+  retired[retired_count++] = p;
 }
 
-/* Takes one grant of `page` away; the caller checked there is one. */
-static void grant_drop(struct grants *g, uint32_t page) {
-  uint32_t mask = g->cap - 1, i = grant_slot(g, page);
-  g->total--;
-  if (--g->counts[i]) return;
-  /* Backward-shift deletion keeps every probe sequence whole. */
-  g->pages[i] = 0;
-  g->size--;
-  for (uint32_t j = (i + 1) & mask; g->pages[j]; j = (j + 1) & mask) {
-    uint32_t home = (uint32_t)(((uint64_t)(g->pages[j] - 1) * 0x9e3779b97f4a7c15ull) >> 32) & mask;
-    /* Entry j may move to the hole at i if its home is not in (i, j]. */
-    if (((j - home) & mask) >= ((j - i) & mask)) {
-      g->pages[i] = g->pages[j];
-      g->counts[i] = g->counts[j];
-      g->pages[j] = 0;
-      i = j;
-    }
-  }
-}
-
-/* Gives every reference of `c` back to the pool. */
-static void release_all(struct client *c) {
-  for (uint32_t i = 0; i < c->grants.cap; i++)
-    for (uint32_t n = c->grants.counts[i]; c->grants.pages[i] && n > 0; n--) pool_release(c->scope, c->grants.pages[i] - 1);
-  free(c->grants.pages);
-  free(c->grants.counts);
-  c->grants = (struct grants){ 0 };
-}
-
-/* --- Processes. --- */
-
-/* The start time of process `pid` (field 22 of /proc/PID/stat), or 0 if it is gone. */
-static uint64_t process_start(pid_t pid) {
-  if (pid <= 0) return 0;
-  char path[32], stat[1024];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
-  ssize_t n = read(fd, stat, sizeof stat - 1);
-  close(fd);
-  if (n <= 0) return 0;
-  stat[n] = 0;
-  char *p = strrchr(stat, ')');
-  if (!p) return 0;
-  /* Fields from 3 (the state) on, one space apart; 22 is the 20th of them. */
-  p += 2;
-  for (int field = 3; field < 22; field++) {
-    p = strchr(p, ' ');
-    if (!p) return 0;
-    p++;
-  }
-  return strtoull(p, NULL, 10) + 1;
+static void free_retired(void) {
+  for (size_t i = 0; i < retired_count; i++) free(retired[i]);
+  retired_count = 0;
+  orphans_collect();
 }
 
 /* The daemon's PSS, from /proc/self/smaps_rollup. */
@@ -284,17 +260,60 @@ static uint64_t own_pss_bytes(void) {
 
 /* --- Sending. --- */
 
-static void want_output(struct client *c, int want) {
-  if (c->want_out == want) return;
-  c->want_out = want;
-  struct epoll_event ev = { .events = EPOLLIN | (want ? EPOLLOUT : 0), .data.ptr = c };
-  epoll_ctl(epfd, EPOLL_CTL_MOD, c->fd, &ev);
+static struct chunk *new_chunk(size_t cap) {
+  struct chunk *k = malloc(sizeof *k + cap);
+  if (!k) pool_out_of_memory();
+  k->next = NULL;
+  k->len = k->sent = 0;
+  k->cap = cap;
+  k->pass_fd = -1;
+  k->status = 0;
+  return k;
+}
+
+static void append_chunk(struct link *l, struct chunk *k) {
+  if (l->tail) l->tail->next = k;
+  else l->head = k;
+  l->tail = k;
+  l->bytes += k->len - k->sent;
+}
+
+static void free_chunk(struct link *l, struct chunk *k) {
+  if (k->status) {
+    l->usage->status_bytes -= k->len;
+    status_unread -= k->len;
+  }
+  free(k);
+}
+
+/* Room for `n` more bytes at the end of the queue, to be written at once. */
+static uint8_t *reserve(struct link *l, size_t n) {
+  struct chunk *k = l->tail;
+  if (!k || k->pass_fd >= 0 || k->status || k->cap - k->len < n) {
+    k = new_chunk(n > OUT_CHUNK_BYTES ? n : OUT_CHUNK_BYTES);
+    append_chunk(l, k);
+  }
+  uint8_t *p = k->bytes + k->len;
+  k->len += n;
+  l->bytes += n;
+  return p;
+}
+
+static void queue_frame(struct link *l, uint8_t type, uint32_t id, uint16_t op, const void *payload, uint32_t len) {
+  uint8_t *p = reserve(l, HEADER_BYTES + len);
+  write_header(p, type, id, op, len);
+  if (len) memcpy(p + HEADER_BYTES, payload, len);
+}
+
+/* A response's header alone: its `len` bytes of answers follow as they are made. */
+static void queue_header(struct link *l, uint32_t id, uint16_t op, uint32_t len) {
+  write_header(reserve(l, HEADER_BYTES), FRAME_RESPONSE, id, op, len);
 }
 
 /* Sends what can go of the queue now. -1 if the connection is broken. */
-static int flush(struct client *c) {
-  while (c->out_head) {
-    struct chunk *k = c->out_head;
+static int flush(struct link *l) {
+  while (l->head) {
+    struct chunk *k = l->head;
     ssize_t n;
     if (k->pass_fd >= 0 && k->sent == 0) {
       union {
@@ -309,195 +328,183 @@ static int flush(struct client *c) {
       cm->cmsg_type = SCM_RIGHTS;
       cm->cmsg_len = CMSG_LEN(sizeof(int));
       memcpy(CMSG_DATA(cm), &k->pass_fd, sizeof(int));
-      n = sendmsg(c->fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+      n = sendmsg(l->fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
     } else {
-      n = send(c->fd, k->bytes + k->sent, k->len - k->sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+      n = send(l->fd, k->bytes + k->sent, k->len - k->sent, MSG_DONTWAIT | MSG_NOSIGNAL);
     }
     if (n < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
       return -1;
     }
     k->sent += (size_t)n;
-    c->out_bytes -= (size_t)n;
-    if (k->sent < k->len) break;
-    c->out_head = k->next;
-    if (!c->out_head) c->out_tail = NULL;
-    free(k);
+    l->bytes -= (size_t)n;
+    if (k->sent < k->len) return 0;
+    l->head = k->next;
+    if (!l->head) l->tail = NULL;
+    free_chunk(l, k);
   }
-  want_output(c, c->out_head != NULL);
   return 0;
 }
 
-/* A frame of `payload` bytes to fill in (after its header), or NULL if out of memory. */
-static struct chunk *new_frame(uint8_t type, uint32_t id, uint16_t op, uint32_t payload) {
-  struct chunk *k = malloc(sizeof *k + HEADER_BYTES + payload);
-  if (!k) return NULL;
-  k->next = NULL;
-  k->len = HEADER_BYTES + payload;
-  k->sent = 0;
-  k->pass_fd = -1;
-  uint8_t *h = k->bytes;
-  h[0] = 'P';
-  h[1] = 'V';
-  h[2] = PROTOCOL_VERSION;
-  h[3] = type;
-  put_u32(h + 4, id);
-  h[8] = (uint8_t)op;
-  h[9] = (uint8_t)(op >> 8);
-  h[10] = h[11] = 0;
-  put_u32(h + 12, payload);
-  return k;
-}
-
-static void queue(struct client *c, struct chunk *k) {
-  if (c->out_tail) c->out_tail->next = k;
-  else c->out_head = k;
-  c->out_tail = k;
-  c->out_bytes += k->len;
-}
-
-static void fail(struct client *c, uint32_t id, const char *why);
-
-/* Queues an answer and sends what can go; a client past MAX_UNREAD_BYTES is failed. */
-static void answer(struct client *c, struct chunk *k) {
-  queue(c, k);
-  if (flush(c)) {
-    /* The peer is gone: its hangup comes through epoll. */
-    return;
+static void drop_queue(struct link *l) {
+  while (l->head) {
+    struct chunk *k = l->head;
+    l->head = k->next;
+    free_chunk(l, k);
   }
-  if (c->out_bytes > MAX_UNREAD_BYTES) fail(c, get_u32(k->bytes + 4), "the client does not read its answers");
+  l->tail = NULL;
+  l->bytes = 0;
 }
 
-/* --- Clients coming and going. --- */
+/* Watches for input if `read`, for output while anything waits to go. */
+static void watch(struct link *l, void *tag, int read) {
+  uint32_t events = (read ? EPOLLIN : 0) | (l->head ? EPOLLOUT : 0);
+  if (events == l->events) return;
+  struct epoll_event ev = { .events = events, .data.ptr = tag };
+  if (epoll_ctl(epfd, EPOLL_CTL_MOD, l->fd, &ev) == 0) l->events = events;
+}
 
-static void unlink_client(struct client **head, struct client *c) {
+/* --- Connections ending. --- */
+
+static void count_connection_end(struct uid_usage *u) {
+  connections--;
+  u->connections--;
+  usage_settle(u);
+}
+
+/* The client's state goes; its references become an orphan's while its process runs. */
+static void end_client(struct client *c) {
   if (c->prev) c->prev->next = c->next;
-  else *head = c->next;
+  else clients = c->next;
   if (c->next) c->next->prev = c->prev;
-  if (head == &clients && clients_tail == c) clients_tail = c->prev;
-  c->prev = c->next = NULL;
+  else clients_tail = c->prev;
+  orphan_adopt(c->link.usage, c->pid, c->pidfd, c->scope, &c->grants);
+  c->pidfd = -1;
+  retire(c, &c->tag);
 }
 
-static void push_client(struct client **head, struct client *c) {
-  c->prev = NULL;
-  c->next = *head;
-  if (*head) (*head)->prev = c;
-  *head = c;
+/* The peer closed, or the socket broke. */
+static void disconnect(struct client *c) {
+  epoll_ctl(epfd, EPOLL_CTL_DEL, c->link.fd, NULL);
+  close(c->link.fd);
+  drop_queue(&c->link);
+  struct uid_usage *u = c->link.usage;
+  end_client(c);
+  count_connection_end(u);
 }
 
-/* Frees `c` once the events at hand are handled. */
-static void retire(struct client *c) {
-  push_client(&retired, c);
+static void push_closing(struct closing *g) {
+  g->prev = closings_tail;
+  if (closings_tail) closings_tail->next = g;
+  else closings = g;
+  closings_tail = g;
 }
 
-static void free_retired(void) {
-  while (retired) {
-    struct client *c = retired;
-    retired = c->next;
-    free(c);
-  }
+static void finish(struct closing *g) {
+  epoll_ctl(epfd, EPOLL_CTL_DEL, g->link.fd, NULL);
+  close(g->link.fd);
+  drop_queue(&g->link);
+  if (g->refused) refused_lingering--;
+  else count_connection_end(g->link.usage);
+  if (g->prev) g->prev->next = g->next;
+  else closings = g->next;
+  if (g->next) g->next->prev = g->prev;
+  else closings_tail = g->prev;
+  retire(g, &g->tag);
 }
 
-static void free_buffers(struct client *c) {
-  if (c->large) munmap(c->large, MAX_PAYLOAD_BYTES);
-  c->large = NULL;
-  while (c->out_head) {
-    struct chunk *k = c->out_head;
-    c->out_head = k->next;
-    free(k);
-  }
-  c->out_tail = NULL;
-  c->out_bytes = 0;
-}
-
-/* Gives back the references of disconnected clients whose processes have ended. */
-static void reap_orphans(void) {
-  for (struct client *c = orphans, *next; c; c = next) {
-    next = c->next;
-    if (c->start && process_start(c->pid) == c->start) continue;
-    unlink_client(&orphans, c);
-    release_all(c);
-    retire(c);
-  }
-}
-
-/* The connection has ended (or is ending): the client's references stay while its process lives. */
-static void drop(struct client *c) {
-  unlink_client(&clients, c);
-  free_buffers(c);
-  if (c->grants.size) push_client(&orphans, c);
-  else retire(c);
-  reap_orphans();
-}
-
-static void close_connection(struct client *c) {
-  epoll_ctl(epfd, EPOLL_CTL_DEL, c->fd, NULL);
-  close(c->fd);
-  c->fd = -1;
-}
-
-/* A failed connection's end. */
-static void finish(struct client *gone) {
-  unlink_client(&closing_clients, gone);
-  close_connection(gone);
-  free_buffers(gone);
-  retire(gone);
-}
-
-/* Once a failed connection's last bytes are sent: the peer reads them, then the end of the stream. */
-static void shut_when_sent(struct client *gone) {
-  if (gone->out_head || gone->shut) return;
-  shutdown(gone->fd, SHUT_WR);
-  gone->shut = 1;
+/* Once a closing connection's last bytes are sent: the peer reads them, then the end of the stream. */
+static void shut_when_sent(struct closing *g) {
+  if (g->link.head || g->shut) return;
+  shutdown(g->link.fd, SHUT_WR);
+  g->shut = 1;
 }
 
 /*
- * Sends an Error frame and disconnects: the client's state goes at once (its references as for
- * any disconnect), its socket once the peer has read the frame and closed, or after
- * CLOSE_GRACE_MS. Not closed at once: a peer that reads with Node's net would lose the frame (libuv
- * takes a hangup after a short read as the end, and a read stops short after a message that
- * carried a descriptor, as the answer to Hello did).
+ * Sends an Error frame and disconnects: the client's state goes at once (its references as for any
+ * disconnect), its socket once the peer has read the frame and closed, or after CLOSE_GRACE_MS.
+ * The connection counts against the caps until then.
  */
-static void fail(struct client *c, uint32_t id, const char *why) {
+static void fail(struct client *c, const char *why) {
   if (c->closing) return;
-  size_t len = strlen(why);
-  if (len > 512) len = 512;
-  /* What is left of the client on its way out: its socket and its unsent bytes. */
-  struct client *gone = calloc(1, sizeof *gone);
-  if (!gone) pool_out_of_memory();
-  gone->fd = c->fd;
-  gone->id = c->id;
-  gone->out_head = c->out_head;
-  gone->out_tail = c->out_tail;
-  gone->out_bytes = c->out_bytes;
-  gone->closing = 1;
-  gone->want_out = -1;
-  gone->close_at = now_ms() + CLOSE_GRACE_MS;
-  c->out_head = c->out_tail = NULL;
-  c->out_bytes = 0;
   c->closing = 1;
-  c->fd = -1;
-  struct chunk *k = new_frame(FRAME_ERROR, id, 0, (uint32_t)len);
-  if (k) {
-    memcpy(k->bytes + HEADER_BYTES, why, len);
-    queue(gone, k);
-  }
-  push_client(&closing_clients, gone);
-  drop(c);
-  /* Epoll now reports `gone`; the rest goes as the socket takes it. */
-  if (flush(gone)) finish(gone);
-  else shut_when_sent(gone);
+  struct closing *g = calloc(1, sizeof *g);
+  if (!g) pool_out_of_memory();
+  g->tag = TAG_CLOSING;
+  g->link = c->link;
+  g->close_at = now_ms() + CLOSE_GRACE_MS;
+  c->link.head = c->link.tail = NULL;
+  c->link.bytes = 0;
+  c->link.fd = -1;
+  size_t len = strlen(why);
+  queue_frame(&g->link, FRAME_ERROR, 0, 0, why, (uint32_t)(len > 512 ? 512 : len));
+  push_closing(g);
+  end_client(c);
+  /* Epoll now reports `g`; the rest goes as the socket takes it. */
+  if (flush(&g->link)) return finish(g);
+  shut_when_sent(g);
+  g->link.events = 0;
+  watch(&g->link, g, 1);
 }
 
-/* Closes failed connections whose Error frame is sent or whose grace is over. */
-static void close_failed(int64_t now) {
-  for (struct client *c = closing_clients, *next; c; c = next) {
-    next = c->next;
-    if (now < c->close_at) continue;
-    finish(c);
-  }
+static void failf(struct client *c, const char *fmt, ...) {
+  char why[600];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, sizeof why, fmt, ap);
+  va_end(ap);
+  fail(c, why);
 }
+
+/* A connection refused at accept: its Error frame goes into the empty socket at once. */
+static void refuse(int fd, const char *fmt, ...) {
+  char why[256];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(why, sizeof why, fmt, ap);
+  va_end(ap);
+  if (n < 0) n = 0;
+  if ((size_t)n >= sizeof why) n = sizeof why - 1;
+  uint8_t frame[HEADER_BYTES + sizeof why];
+  write_header(frame, FRAME_ERROR, 0, 0, (uint32_t)n);
+  memcpy(frame + HEADER_BYTES, why, (size_t)n);
+  if (send(fd, frame, HEADER_BYTES + (size_t)n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+    /* The peer is gone already. */
+  }
+  shutdown(fd, SHUT_WR);
+  struct closing *g = refused_lingering < MAX_REFUSED_LINGERING ? calloc(1, sizeof *g) : NULL;
+  struct epoll_event ev = { .events = EPOLLIN, .data.ptr = g };
+  if (!g || epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev)) {
+    close(fd);
+    free(g);
+    return;
+  }
+  g->tag = TAG_CLOSING;
+  g->link.fd = fd;
+  g->link.events = EPOLLIN;
+  g->shut = g->refused = 1;
+  g->close_at = now_ms() + CLOSE_GRACE_MS;
+  push_closing(g);
+  refused_lingering++;
+}
+
+/* Closes connections whose grace is over: the oldest are first. */
+static void close_failed(int64_t now) {
+  while (closings && closings->close_at <= now) finish(closings);
+}
+
+static void closing_event(struct closing *g, uint32_t events) {
+  if ((events & EPOLLOUT) && flush(&g->link)) return finish(g);
+  shut_when_sent(g);
+  if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
+    ssize_t n = recv(g->link.fd, receive_buffer, sizeof receive_buffer, MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return finish(g);
+  }
+  watch(&g->link, g, 1);
+}
+
+/* --- Accepting. --- */
 
 static void accept_clients(void) {
   for (;;) {
@@ -521,33 +528,57 @@ static void accept_clients(void) {
       close(fd);
       continue;
     }
+    int allowed = cred.uid == 0 || cred.uid == own_uid;
+    if (!allowed && has_group) {
+      uint32_t count;
+      gid_t *groups = peer_groups(fd, &count);
+      allowed = peer_in_group(groups, count, cred.gid, group);
+      free(groups);
+    }
+    if (!allowed) {
+      refuse(fd, "uid %u may not use this pool", (unsigned)cred.uid);
+      continue;
+    }
+    if (connections >= max_clients) {
+      refuse(fd, "the pool serves %u connections, its most (--max-clients)", max_clients);
+      continue;
+    }
+    struct uid_usage *u = usage_of(cred.uid);
+    if (u->connections >= max_clients_per_uid) {
+      refuse(fd, "uid %u has %u connections to the pool, its most (--max-clients-per-uid)", (unsigned)cred.uid, u->connections);
+      usage_settle(u);
+      continue;
+    }
     struct client *c = calloc(1, sizeof *c);
     if (!c) pool_out_of_memory();
-    c->fd = fd;
-    c->id = next_client_id++;
-    c->pid = cred.pid;
-    c->start = process_start(cred.pid);
+    c->tag = TAG_CLIENT;
+    c->link.fd = fd;
+    c->link.events = EPOLLIN;
+    c->link.usage = u;
     struct epoll_event ev = { .events = EPOLLIN, .data.ptr = c };
     if (epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev)) {
       close(fd);
       free(c);
+      usage_settle(u);
       continue;
     }
+    c->id = next_client_id++;
+    c->pid = cred.pid;
+    c->uid = cred.uid;
+    c->gid = cred.gid;
+    c->pidfd = peer_pidfd(fd, cred.pid);
+    connections++;
+    u->connections++;
     c->prev = clients_tail;
     if (clients_tail) clients_tail->next = c;
     else clients = c;
     clients_tail = c;
-    if (!(cred.uid == 0 || cred.uid == own_uid || (has_group && cred.gid == group))) {
-      char why[64];
-      snprintf(why, sizeof why, "uid %u may not use this pool", (unsigned)cred.uid);
-      fail(c, 0, why);
-    }
   }
 }
 
 /* --- Requests. --- */
 
-/* A JSON string's text, escaped, appended. */
+/* Text appended to a growing buffer. */
 struct text_out {
   char *p;
   size_t len, cap;
@@ -592,163 +623,257 @@ static void out_json_string(struct text_out *t, const char *s) {
   out_printf(t, "\"");
 }
 
-/* JSON in the shape of PoolStatus (src/daemon/pool-protocol.ts). */
-static void status(struct client *c, uint32_t id) {
-  reap_orphans();
-  struct pool_figures f = pool_figures();
+/* Whether the peer of `c` is in group `g` (its primary group, or one of its supplementary ones). */
+static int client_in_group(const struct client *c, gid_t g) {
+  if (c->gid == g) return 1;
+  uint32_t count;
+  gid_t *groups = peer_groups(c->link.fd, &count);
+  int in = peer_in_group(groups, count, c->gid, g);
+  free(groups);
+  return in;
+}
+
+/* Who asks for the status, and what it may see: root all, others their uid's and groups' scopes. */
+struct viewer {
+  uid_t uid;
+  gid_t gid;
+  gid_t *groups;
+  uint32_t count;
+};
+
+static int sees(const struct viewer *v, const struct pool_scope *s) {
+  if (v->uid == 0) return 1;
+  uint32_t owner;
+  if (pool_scope_owner(s, &owner)) return peer_in_group(v->groups, v->count, v->gid, owner);
+  return owner == v->uid;
+}
+
+/* A scope as its clients name it. */
+static void out_scope(struct text_out *t, const struct pool_scope *s) {
+  uint32_t owner;
+  if (!pool_scope_owner(s, &owner)) return out_json_string(t, pool_scope_name(s));
+  char text[HELLO_MAX_NAME_BYTES + 32];
+  snprintf(text, sizeof text, "gid:%u:%s", owner, pool_scope_name(s));
+  out_json_string(t, text);
+}
+
+/* JSON in the shape of PoolStatus (src/daemon/pool-protocol.ts), of what the asker may see. */
+static void status(struct client *c) {
+  struct viewer v = { .uid = c->uid, .gid = c->gid };
+  if (v.uid != 0) v.groups = peer_groups(c->link.fd, &v.count);
+  struct pool_figures f = { 0 };
+  if (v.uid == 0) {
+    f = pool_figures();
+  } else {
+    for (uint32_t i = 0; i < pool_scope_count(); i++) {
+      const struct pool_scope *s = pool_scope_at(i);
+      if (!sees(&v, s)) continue;
+      struct pool_figures g = pool_scope_figures(s);
+      f.pages_used += g.pages_used;
+      f.references += g.references;
+      f.candidates += g.candidates;
+      f.scopes++;
+    }
+  }
   uint32_t orphaned = 0;
-  for (struct client *o = orphans; o; o = o->next) orphaned++;
+  for (struct orphan *o = orphans_first(); o; o = o->next)
+    if (sees(&v, o->scope)) orphaned++;
   struct text_out t = { 0 };
   out_printf(&t, "{\"pid\":%d,\"poolBytes\":%" PRIu64 ",\"pagesUsed\":%" PRIu64 ",\"orphanedClients\":%u,\"references\":%" PRIu64 ",\"clients\":[", (int)getpid(), pool_page_count() * POOL_PAGE_BYTES, f.pages_used, orphaned, f.references);
   int first = 1;
   for (struct client *k = clients; k; k = k->next) {
-    if (!k->scope) continue;
+    if (!k->scope || !sees(&v, k->scope)) continue;
     out_printf(&t, "%s{\"id\":%u,\"scope\":", first ? "" : ",", k->id);
-    out_json_string(&t, pool_scope_name(k->scope));
+    out_scope(&t, k->scope);
     out_printf(&t, ",\"name\":");
     out_json_string(&t, k->name);
-    out_printf(&t, ",\"pid\":%d,\"references\":%" PRIu64 "}", (int)k->pid, k->grants.total);
+    out_printf(&t, ",\"pid\":%d,\"uid\":%u,\"references\":%" PRIu64 "}", (int)k->pid, (unsigned)k->uid, k->grants.total);
     first = 0;
   }
   out_printf(&t, "],\"scopes\":%" PRIu64 ",\"candidates\":%" PRIu64 ",\"pssBytes\":%" PRIu64 "}", f.scopes, f.candidates, own_pss_bytes());
+  free(v.groups);
   if (t.failed || t.len > MAX_PAYLOAD_BYTES) {
     free(t.p);
-    fail(c, 0, t.failed ? "out of memory for the status" : "the status does not fit in a frame");
-    return;
+    return fail(c, t.failed ? "out of memory for the status" : "the status does not fit in a frame");
   }
-  struct chunk *k = new_frame(FRAME_RESPONSE, id, OP_STATUS, (uint32_t)t.len);
-  if (!k) {
+  size_t len = HEADER_BYTES + t.len;
+  struct uid_usage *u = c->link.usage;
+  if (u->status_bytes + len > STATUS_UNREAD_PER_UID || status_unread + len > STATUS_UNREAD_BYTES) {
     free(t.p);
-    fail(c, 0, "out of memory for the status");
-    return;
+    return failf(c, "uid %u leaves %" PRIu64 " bytes of Status answers unread (the daemon %" PRIu64 "): no more", (unsigned)c->uid, u->status_bytes, status_unread);
   }
+  struct chunk *k = new_chunk(len);
+  write_header(k->bytes, FRAME_RESPONSE, c->request_id, OP_STATUS, (uint32_t)t.len);
   memcpy(k->bytes + HEADER_BYTES, t.p, t.len);
   free(t.p);
-  answer(c, k);
+  k->len = len;
+  k->status = 1;
+  u->status_bytes += len;
+  status_unread += len;
+  append_chunk(&c->link, k);
 }
 
-static void hello(struct client *c, uint32_t id, const uint8_t *p, uint32_t len) {
-  char why[600], scope_name[HELLO_MAX_NAME_BYTES + 1];
-  if (c->scope) return fail(c, 0, "a second Hello");
-  if (hello_parse(p, len, scope_name, c->name, why, sizeof why)) return fail(c, 0, why);
+static void hello(struct client *c) {
+  char why[600], scope[HELLO_MAX_NAME_BYTES + 1];
+  if (hello_parse(c->part, c->payload_len, scope, c->name, why, sizeof why)) return fail(c, why);
+  int is_group;
+  uint32_t gid;
+  const char *name;
+  if (hello_scope(scope, &is_group, &gid, &name, why, sizeof why)) return fail(c, why);
+  if (is_group && c->uid != 0 && !client_in_group(c, gid)) return failf(c, "scope %s: uid %u is not in group %u", scope, (unsigned)c->uid, gid);
+  if (c->link.usage->orphans >= max_clients_per_uid)
+    return failf(c, "uid %u keeps the references of %u disconnected clients whose processes run on, its most (--max-clients-per-uid)", (unsigned)c->uid, c->link.usage->orphans);
   const char *no_scope = NULL;
-  struct pool_scope *s = pool_scope(scope_name, &no_scope);
-  if (!s) return fail(c, 0, no_scope);
+  struct pool_scope *s = pool_scope(is_group, is_group ? gid : (uint32_t)c->uid, name, &no_scope);
+  if (!s) return fail(c, no_scope);
   c->scope = s;
   char welcome[128];
   int n = snprintf(welcome, sizeof welcome, "{\"version\":%d,\"poolBytes\":%" PRIu64 ",\"clientId\":%u}", PROTOCOL_VERSION, pool_page_count() * POOL_PAGE_BYTES, c->id);
-  struct chunk *k = new_frame(FRAME_RESPONSE, id, OP_HELLO, (uint32_t)n);
-  if (!k) return fail(c, 0, "out of memory");
+  struct chunk *k = new_chunk(HEADER_BYTES + (size_t)n);
+  write_header(k->bytes, FRAME_RESPONSE, c->request_id, OP_HELLO, (uint32_t)n);
   memcpy(k->bytes + HEADER_BYTES, welcome, (size_t)n);
-  /* The descriptor goes with the answer's first byte, whatever was queued before it. */
+  k->len = HEADER_BYTES + (size_t)n;
+  /* The descriptor goes with the answer's first byte. */
   k->pass_fd = pool_scope_client_fd(s);
-  answer(c, k);
+  append_chunk(&c->link, k);
 }
 
-static void offer(struct client *c, uint32_t id, const uint8_t *p, uint32_t len) {
-  if (len % 12 || len / 12 > MAX_OFFER_ENTRIES) {
-    char why[64];
-    snprintf(why, sizeof why, "an Offer of %u bytes", len);
-    return fail(c, 0, why);
+static void offer_entry(struct client *c, const uint8_t *p) {
+  uint32_t page = get_u32(p);
+  uint64_t key = (uint64_t)get_u32(p + 4) | (uint64_t)get_u32(p + 8) << 32;
+  int64_t pooled = pool_lookup(c->scope, key);
+  uint32_t a;
+  if (pooled >= 0 && pool_hold(c->scope, (uint32_t)pooled) == 0) {
+    grant_add(&c->grants, (uint32_t)pooled, 1);
+    a = (uint32_t)pooled;
+  } else {
+    a = pool_offered(c->scope, key, c->id) ? ANSWER_SEND : ANSWER_NONE;
   }
-  uint32_t count = len / 12;
-  struct chunk *k = new_frame(FRAME_RESPONSE, id, OP_OFFER, count * 8);
-  if (!k) return fail(c, 0, "out of memory");
-  uint8_t *out = k->bytes + HEADER_BYTES;
-  for (uint32_t i = 0; i < count; i++, p += 12, out += 8) {
-    uint32_t page = get_u32(p);
-    uint64_t key = (uint64_t)get_u32(p + 4) | (uint64_t)get_u32(p + 8) << 32;
-    int64_t pooled = pool_lookup(c->scope, key);
-    uint32_t a;
-    if (pooled >= 0 && pool_hold(c->scope, (uint32_t)pooled) == 0) {
-      grant_add(&c->grants, (uint32_t)pooled);
-      a = (uint32_t)pooled;
-    } else {
-      a = pool_offered(c->scope, key, c->id) ? ANSWER_SEND : ANSWER_NONE;
-    }
-    put_u32(out, page);
-    put_u32(out + 4, a);
-  }
-  answer(c, k);
+  uint8_t *out = reserve(&c->link, ANSWER_BYTES);
+  put_u32(out, page);
+  put_u32(out + 4, a);
 }
 
-static void put(struct client *c, uint32_t id, const uint8_t *p, uint32_t len) {
-  uint32_t count = len >= 4 ? get_u32(p) : 0;
-  if (count < 1 || count > MAX_PUT_PAGES || len != 4 + count * (4 + POOL_PAGE_BYTES)) {
-    char why[64];
-    snprintf(why, sizeof why, "a Put of %u bytes", len);
-    return fail(c, 0, why);
-  }
-  const uint8_t *data = p + 4 + 4 * count;
-  uint64_t keys[MAX_PUT_PAGES];
-  /* The keys are the daemon's own: a client cannot file a page under another content's key. */
-  pv_page_hashes(data, count, keys);
-  struct chunk *k = new_frame(FRAME_RESPONSE, id, OP_PUT, count * 8);
-  if (!k) return fail(c, 0, "out of memory");
-  uint8_t *out = k->bytes + HEADER_BYTES;
-  for (uint32_t i = 0; i < count; i++, out += 8) {
-    int64_t pooled = pool_put(c->scope, keys[i], data + (size_t)i * POOL_PAGE_BYTES);
-    if (pooled >= 0) grant_add(&c->grants, (uint32_t)pooled);
-    put_u32(out, get_u32(p + 4 + 4 * i));
-    put_u32(out + 4, pooled >= 0 ? (uint32_t)pooled : ANSWER_FULL);
-  }
-  answer(c, k);
+static void put_page(struct client *c, const uint8_t *data) {
+  uint64_t key;
+  /* The key is the daemon's own: a client cannot file a page under another content's key. */
+  pv_page_hashes(data, 1, &key);
+  int64_t pooled = pool_put(c->scope, key, data);
+  if (pooled >= 0) grant_add(&c->grants, (uint32_t)pooled, 1);
+  uint8_t *out = reserve(&c->link, ANSWER_BYTES);
+  put_u32(out, get_u32(c->part + 4 + 4 * c->index));
+  put_u32(out + 4, pooled >= 0 ? (uint32_t)pooled : ANSWER_FULL);
+  c->index++;
 }
 
-static void settle(struct client *c, uint32_t id, const uint8_t *p, uint32_t len) {
-  char why[96];
-  if (len < 4 || len % 4 || (len - 4) / 4 > MAX_SETTLE_PAGES) {
-    snprintf(why, sizeof why, "a Settle of %u bytes", len);
-    return fail(c, 0, why);
-  }
-  uint32_t keep = get_u32(p), total = (len - 4) / 4;
-  if (keep > total) {
-    snprintf(why, sizeof why, "a Settle keeping %u of %u pages", keep, total);
-    return fail(c, 0, why);
-  }
-  /* The kept pages need nothing: the client holds them already. */
-  for (uint32_t i = keep; i < total; i++) {
-    uint32_t page = get_u32(p + 4 + 4 * i);
-    if (!grant_count(&c->grants, page)) {
-      snprintf(why, sizeof why, "Settle drops pool page %u, which the client does not hold", page);
-      return fail(c, 0, why);
-    }
-    grant_drop(&c->grants, page);
-    pool_release(c->scope, page);
-  }
-  struct chunk *k = new_frame(FRAME_RESPONSE, id, OP_SETTLE, 0);
-  if (!k) return fail(c, 0, "out of memory");
-  answer(c, k);
+static void settle_drop(struct client *c, uint32_t page) {
+  if (!grant_count(&c->grants, page)) return failf(c, "Settle drops pool page %u, which the client does not hold", page);
+  grant_drop(&c->grants, page);
+  pool_release(c->scope, page, 1);
 }
 
-static void handle(struct client *c, const uint8_t *payload) {
+/* A frame's header is in: checks it, and readies the op for its payload. */
+static void start_frame(struct client *c) {
   const uint8_t *h = c->header;
-  uint32_t id = get_u32(h + 4), len = c->payload_len;
-  uint16_t op = (uint16_t)(h[8] | h[9] << 8);
-  char why[64];
-  if (h[3] != FRAME_REQUEST) {
-    snprintf(why, sizeof why, "a frame of type %u, not a request", h[3]);
-    return fail(c, 0, why);
-  }
-  if (op == OP_STATUS) return status(c, id);
-  if (op == OP_HELLO) return hello(c, id, payload, len);
-  if (!c->scope) {
-    snprintf(why, sizeof why, "op %u before Hello", op);
-    return fail(c, 0, why);
-  }
-  switch (op) {
-    case OP_OFFER: return offer(c, id, payload, len);
-    case OP_PUT: return put(c, id, payload, len);
-    case OP_SETTLE: return settle(c, id, payload, len);
+  if (h[0] != 'P' || h[1] != 'V') return fail(c, "bad frame magic");
+  if (h[2] != PROTOCOL_VERSION) return failf(c, "unsupported protocol version %u", h[2]);
+  uint32_t len = get_u32(h + 12);
+  if (len > MAX_PAYLOAD_BYTES) return failf(c, "payload length %u exceeds %u", len, MAX_PAYLOAD_BYTES);
+  if (h[3] != FRAME_REQUEST) return failf(c, "a frame of type %u, not a request", h[3]);
+  c->op = (uint16_t)(h[8] | h[9] << 8);
+  c->request_id = get_u32(h + 4);
+  c->payload_len = len;
+  c->payload_done = c->part_fill = c->phase = c->index = 0;
+  switch (c->op) {
+    case OP_STATUS:
+      c->part_want = 0;
+      break;
+    case OP_HELLO:
+      if (c->scope) return fail(c, "a second Hello");
+      if (len > HELLO_MAX_BYTES) return failf(c, "Hello: %u bytes, at most %u", len, HELLO_MAX_BYTES);
+      c->part_want = len;
+      break;
     default:
-      snprintf(why, sizeof why, "unknown op %u", op);
-      return fail(c, 0, why);
+      if (!c->scope) return failf(c, "op %u before Hello", c->op);
+      switch (c->op) {
+        case OP_OFFER:
+          if (len % OFFER_ENTRY_BYTES || len / OFFER_ENTRY_BYTES > MAX_OFFER_ENTRIES) return failf(c, "an Offer of %u bytes", len);
+          queue_header(&c->link, c->request_id, OP_OFFER, len / OFFER_ENTRY_BYTES * ANSWER_BYTES);
+          c->part_want = OFFER_ENTRY_BYTES;
+          break;
+        case OP_PUT:
+          if (len < 4) return failf(c, "a Put of %u bytes", len);
+          c->part_want = 4;
+          break;
+        case OP_SETTLE:
+          if (len < 4 || len % 4 || (len - 4) / 4 > MAX_SETTLE_PAGES) return failf(c, "a Settle of %u bytes", len);
+          c->part_want = 4;
+          break;
+        default:
+          return failf(c, "unknown op %u", c->op);
+      }
+  }
+  c->in_payload = 1;
+}
+
+/* An element of the payload is whole in `part`. */
+static void element(struct client *c) {
+  switch (c->op) {
+    case OP_OFFER:
+      offer_entry(c, c->part);
+      c->part_fill = 0;
+      return;
+    case OP_PUT:
+      if (c->phase == 0) {
+        c->count = get_u32(c->part);
+        if (c->count < 1 || c->count > MAX_PUT_PAGES || c->payload_len != 4 + c->count * (4 + POOL_PAGE_BYTES)) return failf(c, "a Put of %u bytes", c->payload_len);
+        queue_header(&c->link, c->request_id, OP_PUT, c->count * ANSWER_BYTES);
+        c->phase = 1;
+        c->part_want = 4 + 4 * c->count;
+      } else {
+        if (c->phase == 2) put_page(c, c->part + PUT_PAGE_AT);
+        c->phase = 2;
+        c->part_fill = PUT_PAGE_AT;
+        c->part_want = PUT_PAGE_AT + POOL_PAGE_BYTES;
+      }
+      return;
+    case OP_SETTLE:
+      if (c->phase == 0) {
+        c->keep = get_u32(c->part);
+        uint32_t total = (c->payload_len - 4) / 4;
+        if (c->keep > total) return failf(c, "a Settle keeping %u of %u pages", c->keep, total);
+        c->phase = 1;
+      } else {
+        /* The kept pages need nothing: the client holds them already. */
+        if (c->index >= c->keep) settle_drop(c, get_u32(c->part));
+        c->index++;
+      }
+      c->part_fill = 0;
+      return;
+    default:
+      return;
   }
 }
 
-/* Assembles frames from what came, handling each as it completes; stops at a failure. */
+static void end_frame(struct client *c) {
+  c->in_payload = 0;
+  c->header_fill = 0;
+  switch (c->op) {
+    case OP_HELLO:
+      return hello(c);
+    case OP_STATUS:
+      return status(c);
+    case OP_SETTLE:
+      return queue_header(&c->link, c->request_id, OP_SETTLE, 0);
+    default:
+      /* Offer and Put answered entry by entry. */
+      return;
+  }
+}
+
+/* Takes what came of the frame; handles each element as it completes. Stops at a failure. */
 static void feed(struct client *c, const uint8_t *b, size_t n) {
-  while (!c->closing && (n > 0 || (c->in_payload && c->payload_fill == c->payload_len))) {
+  while (n > 0 && !c->closing) {
     if (!c->in_payload) {
       size_t take = HEADER_BYTES - c->header_fill;
       if (take > n) take = n;
@@ -757,87 +882,62 @@ static void feed(struct client *c, const uint8_t *b, size_t n) {
       b += take;
       n -= take;
       if (c->header_fill < HEADER_BYTES) return;
-      c->header_fill = 0;
-      const uint8_t *h = c->header;
-      char why[64];
-      if (h[0] != 'P' || h[1] != 'V') return fail(c, 0, "bad frame magic");
-      if (h[2] != PROTOCOL_VERSION) {
-        snprintf(why, sizeof why, "unsupported protocol version %u", h[2]);
-        return fail(c, 0, why);
-      }
-      c->payload_len = get_u32(h + 12);
-      if (c->payload_len > MAX_PAYLOAD_BYTES) {
-        snprintf(why, sizeof why, "payload length %u exceeds %u", c->payload_len, MAX_PAYLOAD_BYTES);
-        return fail(c, 0, why);
-      }
-      if (c->payload_len > SMALL_PAYLOAD_BYTES && !c->large) {
-        void *m = mmap(NULL, MAX_PAYLOAD_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (m == MAP_FAILED) return fail(c, 0, "out of memory for the frame");
-        c->large = m;
-      }
-      c->in_payload = 1;
-      c->payload_fill = 0;
+      start_frame(c);
+      if (!c->closing && c->payload_len == 0) end_frame(c);
+      continue;
     }
-    uint8_t *payload = c->payload_len > SMALL_PAYLOAD_BYTES ? c->large : c->small;
-    size_t take = c->payload_len - c->payload_fill;
+    size_t take = c->payload_len - c->payload_done;
     if (take > n) take = n;
-    memcpy(payload + c->payload_fill, b, take);
-    c->payload_fill += (uint32_t)take;
+    if (c->op == OP_STATUS) {
+      /* A Status's payload means nothing. */
+    } else if (c->op == OP_PUT && c->phase == 2 && c->part_fill == PUT_PAGE_AT && take >= POOL_PAGE_BYTES) {
+      /* A whole page came: straight from the receive buffer. */
+      take = POOL_PAGE_BYTES;
+      put_page(c, b);
+    } else {
+      if (take > c->part_want - c->part_fill) take = c->part_want - c->part_fill;
+      memcpy(c->part + c->part_fill, b, take);
+      c->part_fill += (uint32_t)take;
+      if (c->part_fill == c->part_want) element(c);
+    }
     b += take;
     n -= take;
-    if (c->payload_fill < c->payload_len) return;
-    c->in_payload = 0;
-    if (payload == c->large) c->large_last = now_ms();
-    handle(c, payload);
-  }
-}
-
-static void client_event(struct client *c, uint32_t events) {
-  if (c->closing) {
-    /* A failed connection: its last bytes go, what it sends is dropped, its close ends it. */
-    if ((events & EPOLLOUT) && flush(c)) return finish(c);
-    shut_when_sent(c);
-    if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
-      ssize_t n = recv(c->fd, receive_buffer, sizeof receive_buffer, MSG_DONTWAIT);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) finish(c);
-    }
-    return;
-  }
-  if (events & EPOLLOUT) {
-    if (flush(c)) {
-      close_connection(c);
-      drop(c);
-      return;
-    }
-  }
-  if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
-    ssize_t n = recv(c->fd, receive_buffer, sizeof receive_buffer, MSG_DONTWAIT);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
-    if (n <= 0) {
-      close_connection(c);
-      drop(c);
-      return;
-    }
-    feed(c, receive_buffer, (size_t)n);
+    c->payload_done += (uint32_t)take;
+    if (!c->closing && c->payload_done == c->payload_len) end_frame(c);
   }
 }
 
 /*
- * Gives back the frame buffers of clients that sent no large frame for LARGE_IDLE_MS (and are not
- * in the middle of one); returns when the next one is due, or `never`.
+ * Reads what the client sent, a frame's header or at most RECV_BYTES of its payload at a time,
+ * while every answer so far has gone into the socket: a client that does not read its answers is
+ * not read either. At most READS_PER_EVENT reads, then the other clients' turn. 0, or -1 if the
+ * client is gone (disconnected or failed).
  */
-static int64_t trim_buffers(int64_t now, int64_t never) {
-  int64_t next = never;
-  for (struct client *c = clients; c; c = c->next) {
-    if (!c->large || (c->in_payload && c->payload_len > SMALL_PAYLOAD_BYTES)) continue;
-    if (now >= c->large_last + LARGE_IDLE_MS) {
-      munmap(c->large, MAX_PAYLOAD_BYTES);
-      c->large = NULL;
-    } else if (c->large_last + LARGE_IDLE_MS < next) {
-      next = c->large_last + LARGE_IDLE_MS;
+static int read_requests(struct client *c) {
+  for (int reads = 0; reads < READS_PER_EVENT; reads++) {
+    size_t want = c->in_payload ? c->payload_len - c->payload_done : HEADER_BYTES - c->header_fill;
+    if (want > RECV_BYTES) want = RECV_BYTES;
+    ssize_t n = recv(c->link.fd, receive_buffer, want, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+    if (n <= 0) {
+      disconnect(c);
+      return -1;
     }
+    feed(c, receive_buffer, (size_t)n);
+    if (c->closing) return -1;
+    if (flush(&c->link)) {
+      disconnect(c);
+      return -1;
+    }
+    if (c->link.head || (size_t)n < want) return 0;
   }
-  return next;
+  return 0;
+}
+
+static void client_event(struct client *c, uint32_t events) {
+  if ((events & (EPOLLOUT | EPOLLHUP | EPOLLERR)) && c->link.head && flush(&c->link)) return disconnect(c);
+  if (!c->link.head && read_requests(c)) return;
+  watch(&c->link, c, !c->link.head);
 }
 
 /* --- Starting and ending. --- */
@@ -901,6 +1001,18 @@ static void take_signals(void) {
   if (signal_fd < 0) die(125, "signalfd: %s", strerror(errno));
 }
 
+/*
+ * Descriptors: two per connection (its socket and its process's pidfd), one per orphan, two per
+ * scope. The soft limit is often 1024; the hard one is the administrator's bound.
+ */
+static void raise_descriptor_limit(void) {
+  struct rlimit r;
+  if (getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur < r.rlim_max) {
+    r.rlim_cur = r.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &r);
+  }
+}
+
 static int parse_u64(const char *s, uint64_t *out) {
   if (!*s || *s < '0' || *s > '9') return -1;
   char *end;
@@ -912,22 +1024,30 @@ static int parse_u64(const char *s, uint64_t *out) {
 }
 
 int main(int argc, char **argv) {
-  uint64_t pool_bytes, gid = 0;
-  if (argc < 3 || argc > 4 || parse_u64(argv[2], &pool_bytes) || pool_bytes < POOL_PAGE_BYTES || pool_bytes > (1ull << 44) || (argc == 4 && (parse_u64(argv[3], &gid) || gid >= 0xffffffffull))) {
-    fprintf(stderr, "usage: pvisor-pool-daemon SOCKET POOL_BYTES [GID]\n  POOL_BYTES from 4096 to 2^44; run by pvisor-daemon serve --memory-pool\n");
+  uint64_t pool_bytes, gid = 0, clients_max, per_uid_max;
+  if (argc < 5 || argc > 6 || parse_u64(argv[2], &pool_bytes) || pool_bytes < POOL_PAGE_BYTES || pool_bytes > (1ull << 44) || parse_u64(argv[3], &clients_max) || clients_max < 1 ||
+      clients_max > 65536 || parse_u64(argv[4], &per_uid_max) || per_uid_max < 1 || per_uid_max > clients_max || (argc == 6 && (parse_u64(argv[5], &gid) || gid >= 0xffffffffull))) {
+    fprintf(stderr,
+            "usage: pvisor-pool-daemon SOCKET POOL_BYTES MAX_CLIENTS MAX_CLIENTS_PER_UID [GID]\n"
+            "  POOL_BYTES from 4096 to 2^44, MAX_CLIENTS from 1 to 65536, MAX_CLIENTS_PER_UID from 1 to MAX_CLIENTS;\n"
+            "  run by pvisor-daemon serve --memory-pool\n");
     return 2;
   }
   socket_path = argv[1];
-  has_group = argc == 4;
+  max_clients = (uint32_t)clients_max;
+  max_clients_per_uid = (uint32_t)per_uid_max;
+  has_group = argc == 6;
   group = (gid_t)gid;
   own_uid = getuid();
   take_signals();
-  /* Fixed thresholds: frames and answers of hundreds of KiB are mapped and unmapped, not kept in a heap that grew. */
+  raise_descriptor_limit();
+  /* Fixed thresholds: answers of hundreds of KiB are mapped and unmapped, not kept in a heap that grew. */
   mallopt(M_MMAP_THRESHOLD, 64 * 1024);
   mallopt(M_TRIM_THRESHOLD, 128 * 1024);
   pool_init(pool_bytes);
   epfd = epoll_create1(EPOLL_CLOEXEC);
   if (epfd < 0) die(125, "epoll_create1: %s", strerror(errno));
+  orphans_init(epfd, TAG_ORPHAN, TAG_DEAD);
   listen_on(socket_path);
   spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   struct epoll_event ev = { .events = EPOLLIN, .data.ptr = &listen_tag };
@@ -936,29 +1056,31 @@ int main(int argc, char **argv) {
   if (epoll_ctl(epfd, EPOLL_CTL_ADD, signal_fd, &ev)) die(125, "epoll_ctl: %s", strerror(errno));
   fprintf(stderr, "pvisor-daemon: page pool of up to %" PRIu64 " bytes on %s (pid %d)\n", pool_bytes, socket_path, (int)getpid());
 
-  int64_t next_check = now_ms() + ORPHAN_CHECK_MS, next_trim = next_check;
+  int64_t next_trim = now_ms() + TRIM_MS;
   for (int running = 1; running;) {
-    int64_t now = now_ms(), wake = next_check < next_trim ? next_check : next_trim;
-    for (struct client *c = closing_clients; c; c = c->next)
-      if (c->close_at < wake) wake = c->close_at;
+    int64_t now = now_ms(), wake = next_trim;
+    if (closings && closings->close_at < wake) wake = closings->close_at;
     struct epoll_event events[64];
     int n = epoll_wait(epfd, events, 64, wake > now ? (int)(wake - now) : 0);
     if (n < 0 && errno != EINTR) die(125, "epoll_wait: %s", strerror(errno));
     for (int i = 0; i < n; i++) {
       void *tag = events[i].data.ptr;
-      if (tag == &listen_tag) accept_clients();
-      else if (tag == &signal_tag) running = 0;
-      else client_event(tag, events[i].events);
+      switch (*(int *)tag) {
+        case TAG_LISTEN: accept_clients(); break;
+        case TAG_SIGNAL: running = 0; break;
+        case TAG_CLIENT: client_event(tag, events[i].events); break;
+        case TAG_CLOSING: closing_event(tag, events[i].events); break;
+        case TAG_ORPHAN: orphan_ended(tag); break;
+        default: break;
+      }
     }
     free_retired();
     now = now_ms();
     close_failed(now);
-    next_trim = trim_buffers(now, next_check);
-    if (now >= next_check) {
-      reap_orphans();
+    if (now >= next_trim) {
       /* What the bookkeeping freed goes back too. */
       malloc_trim(0);
-      next_check = now + ORPHAN_CHECK_MS;
+      next_trim = now + TRIM_MS;
     }
     free_retired();
   }
@@ -967,8 +1089,8 @@ int main(int argc, char **argv) {
   struct stat st;
   if (stat(socket_path, &st) == 0 && st.st_dev == socket_dev && st.st_ino == socket_ino) unlink(socket_path);
   close(listen_fd);
-  for (struct client *c = clients; c; c = c->next) close(c->fd);
-  for (struct client *c = closing_clients; c; c = c->next) close(c->fd);
+  for (struct client *c = clients; c; c = c->next) close(c->link.fd);
+  for (struct closing *g = closings; g; g = g->next) close(g->link.fd);
   pool_close();
   return 0;
 }

@@ -298,3 +298,22 @@ out:
   free(m);
   return rc;
 }
+
+int hello_scope(const char *scope, int *group, uint32_t *gid, const char **name, char *why, size_t why_bytes) {
+  *group = 0;
+  *gid = 0;
+  *name = scope;
+  if (strncmp(scope, "gid:", 4) != 0) return 0;
+  const char *p = scope + 4;
+  uint64_t v = 0;
+  int digits = 0;
+  for (; *p >= '0' && *p <= '9' && digits <= 10; p++, digits++) v = v * 10 + (uint64_t)(*p - '0');
+  if (digits == 0 || digits > 10 || (digits > 1 && scope[4] == '0') || v >= 0xffffffffull || *p != ':' || p[1] == 0) {
+    snprintf(why, why_bytes, "Hello.scope: a group's scope is gid:GID:NAME (GID a number below 4294967295, NAME not empty)");
+    return -1;
+  }
+  *group = 1;
+  *gid = (uint32_t)v;
+  *name = p + 1;
+  return 0;
+}

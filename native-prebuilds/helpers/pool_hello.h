@@ -18,4 +18,13 @@
  */
 int hello_parse(const uint8_t *p, size_t len, char scope[HELLO_MAX_NAME_BYTES + 1], char name[HELLO_MAX_NAME_BYTES + 1], char *why, size_t why_bytes);
 
+/*
+ * What a Hello's scope (as hello_parse read it) names. "gid:GID:NAME" is scope NAME of group GID
+ * (decimal, no leading zero, below 4294967295; NAME at least one byte): *group = 1, *gid = GID.
+ * Anything else is a scope of the peer's own uid: *group = 0, *name = scope. Returns 0 with *name
+ * pointing into scope, or -1 with why (NUL-terminated, at most why_bytes) for a "gid:" scope of
+ * another form.
+ */
+int hello_scope(const char *scope, int *group, uint32_t *gid, const char **name, char *why, size_t why_bytes);
+
 #endif

@@ -3,6 +3,9 @@
  * share, an index from content key to pool page, a reference count per pool page, and the keys
  * offered but not yet pooled (so that the second VM to offer a page is asked for it).
  *
+ * A scope is an owner (a uid, or a gid) and a name: the daemon names the owner from the peer's
+ * credentials, so two uids that say the same name have two scopes.
+ *
  * One memfd per scope: a client gets only its own scope's, so it can read no other scope's pages.
  * It gets a read-only descriptor of it (reopened through /proc/self/fd), and the memfd's mode is
  * 0400: a client of another uid can neither write through what it got nor reopen it read-write
@@ -36,8 +39,13 @@
 #define NIL 0xffffffffu
 
 struct pool_scope {
+  /* The name within its owner, and the owner: a uid, or a gid for a group scope. */
   char name[257];
+  int group;
+  uint32_t owner;
   uint32_t id;
+  /* References to its pages, and keys of it remembered as offered. */
+  uint64_t references, candidates;
   /* The daemon's read-write descriptor, and the read-only one clients get. */
   int fd, client_fd;
   /* Per slot: references, content key, next slot of the same index bucket. */
@@ -123,22 +131,28 @@ void pool_close(void) {
   }
 }
 
-struct pool_scope *pool_scope(const char *name, const char **why) {
-  for (uint32_t i = 0; i < pool.scope_count; i++)
-    if (strcmp(pool.scopes[i]->name, name) == 0) return pool.scopes[i];
+struct pool_scope *pool_scope(int group, uint32_t owner, const char *name, const char **why) {
+  for (uint32_t i = 0; i < pool.scope_count; i++) {
+    struct pool_scope *s = pool.scopes[i];
+    if (s->group == !!group && s->owner == owner && strcmp(s->name, name) == 0) return s;
+  }
   if (pool.scope_count >= POOL_MAX_SCOPES) {
     *why = "the pool serves at most 4096 scopes";
     return NULL;
   }
-  /* The memfd's name shows in /proc/PID/maps: the scope, cut to 200 bytes on a character boundary. */
-  char memfd_name[256] = "pvisor-page-pool:";
+  /*
+   * The memfd's name shows in /proc/PID/maps of the VMs that map it (all of the scope): the scope
+   * as its clients name it, cut to 200 bytes on a character boundary.
+   */
+  char memfd_name[256];
+  int prefix = group ? snprintf(memfd_name, sizeof memfd_name, "pvisor-page-pool:gid:%u:", owner) : snprintf(memfd_name, sizeof memfd_name, "pvisor-page-pool:");
   size_t n = strlen(name);
   if (n > 200) {
     n = 200;
     while (n > 0 && ((unsigned char)name[n] & 0xc0) == 0x80) n--;
   }
-  memcpy(memfd_name + 17, name, n);
-  memfd_name[17 + n] = 0;
+  memcpy(memfd_name + prefix, name, n);
+  memfd_name[prefix + n] = 0;
   int fd = memfd_create(memfd_name, MFD_CLOEXEC);
   if (fd < 0) {
     *why = "cannot create the scope's memfd";
@@ -156,14 +170,34 @@ struct pool_scope *pool_scope(const char *name, const char **why) {
   struct pool_scope *s = calloc(1, sizeof *s);
   if (!s) pool_out_of_memory();
   strcpy(s->name, name);
+  s->group = !!group;
+  s->owner = owner;
   s->id = pool.scope_count;
   s->fd = fd;
   s->client_fd = client_fd;
-  s->bucket_bits = 10;
+  /* Small to start: any client may make scopes (4096 at most), and most hold few pages. */
+  s->bucket_bits = 6;
   s->buckets = grow(NULL, 1u << s->bucket_bits, sizeof(uint32_t));
   memset(s->buckets, 0xff, (sizeof(uint32_t)) << s->bucket_bits);
   pool.scopes[pool.scope_count++] = s;
   return s;
+}
+
+uint32_t pool_scope_count(void) {
+  return pool.scope_count;
+}
+
+struct pool_scope *pool_scope_at(uint32_t i) {
+  return i < pool.scope_count ? pool.scopes[i] : NULL;
+}
+
+int pool_scope_owner(const struct pool_scope *s, uint32_t *owner) {
+  *owner = s->owner;
+  return s->group;
+}
+
+struct pool_figures pool_scope_figures(const struct pool_scope *s) {
+  return (struct pool_figures){ .pages_used = s->used, .references = s->references, .scopes = 1, .candidates = s->candidates };
 }
 
 int pool_scope_client_fd(const struct pool_scope *s) {
@@ -181,7 +215,7 @@ static int in_use(const struct pool_scope *s, uint32_t page) {
 /* Room for slot `page` in the per-slot arrays. */
 static void reserve_slot(struct pool_scope *s, uint32_t page) {
   if (page < s->cap) return;
-  uint32_t cap = s->cap ? s->cap : 1024;
+  uint32_t cap = s->cap ? s->cap : 64;
   while (cap <= page) cap = cap > 0x7fffffffu ? 0xffffffffu : cap * 2;
   s->refs = grow(s->refs, cap, sizeof *s->refs);
   s->keys = grow(s->keys, cap, sizeof *s->keys);
@@ -248,6 +282,7 @@ static void cand_remove(uint32_t c) {
   e->hash_next = pool.cand_free;
   pool.cand_free = c;
   pool.cand_count--;
+  pool.scopes[e->scope]->candidates--;
 }
 
 static void cand_add(uint32_t scope, uint64_t key, uint32_t client) {
@@ -295,6 +330,7 @@ static void cand_add(uint32_t scope, uint64_t key, uint32_t client) {
   else pool.oldest = c;
   pool.newest = c;
   pool.cand_count++;
+  pool.scopes[scope]->candidates++;
 }
 
 int pool_offered(struct pool_scope *s, uint64_t key, uint32_t client) {
@@ -318,6 +354,7 @@ int64_t pool_put(struct pool_scope *s, uint64_t key, const uint8_t *bytes) {
   for (uint32_t p = s->buckets[hash_bits(key, s->bucket_bits)]; p != NIL; p = s->chain[p]) {
     if (s->keys[p] == key && s->refs[p] < 0xffffffffu && page_equals(s, p, bytes)) {
       s->refs[p]++;
+      s->references++;
       pool.references++;
       return p;
     }
@@ -341,6 +378,7 @@ int64_t pool_put(struct pool_scope *s, uint64_t key, const uint8_t *bytes) {
   s->keys[page] = key;
   s->refs[page] = 1;
   s->used++;
+  s->references++;
   pool.used++;
   pool.references++;
   index_insert(s, page);
@@ -352,14 +390,16 @@ int64_t pool_put(struct pool_scope *s, uint64_t key, const uint8_t *bytes) {
 int pool_hold(struct pool_scope *s, uint32_t page) {
   if (!in_use(s, page) || s->refs[page] == 0xffffffffu) return -1;
   s->refs[page]++;
+  s->references++;
   pool.references++;
   return 0;
 }
 
-int pool_release(struct pool_scope *s, uint32_t page) {
-  if (!in_use(s, page)) return -1;
-  pool.references--;
-  if (--s->refs[page] > 0) return 0;
+int pool_release(struct pool_scope *s, uint32_t page, uint32_t count) {
+  if (!in_use(s, page) || count > s->refs[page]) return -1;
+  pool.references -= count;
+  s->references -= count;
+  if ((s->refs[page] -= count) > 0) return 0;
   index_remove(s, page);
   fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)page * POOL_PAGE_BYTES, POOL_PAGE_BYTES);
   if (s->free_count == s->free_cap) {

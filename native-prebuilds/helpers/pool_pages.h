@@ -27,14 +27,21 @@ void pool_close(void);
 uint64_t pool_page_count(void);
 
 /*
- * The scope named `name` (NUL-terminated, at most 256 bytes), created with its memfd on first
- * use. NULL with *why set (a static message) if it cannot be: too many scopes, or the memfd
- * could not be made.
+ * The scope named `name` (NUL-terminated, at most 256 bytes) of its owner: uid `owner`, or gid
+ * `owner` if `group`. Scopes of different owners never share pages, whatever their names.
+ * Created with its memfd on first use. NULL with *why set (a static message) if it cannot be:
+ * too many scopes, or the memfd could not be made.
  */
-struct pool_scope *pool_scope(const char *name, const char **why);
+struct pool_scope *pool_scope(int group, uint32_t owner, const char *name, const char **why);
 /* A read-only descriptor of the scope's memfd: what its clients get. */
 int pool_scope_client_fd(const struct pool_scope *s);
+/* The scope's name within its owner. */
 const char *pool_scope_name(const struct pool_scope *s);
+/* The scope's owner in *owner; 1 if it is a gid (a group scope), 0 if a uid. */
+int pool_scope_owner(const struct pool_scope *s, uint32_t *owner);
+/* Scopes so far (they are kept), and the i-th of them. */
+uint32_t pool_scope_count(void);
+struct pool_scope *pool_scope_at(uint32_t i);
 
 /* A pool page of `s` in use whose key is `key` (its content to be compared by whoever maps it), or -1. */
 int64_t pool_lookup(struct pool_scope *s, uint64_t key);
@@ -56,15 +63,17 @@ int64_t pool_put(struct pool_scope *s, uint64_t key, const uint8_t *bytes);
 int pool_hold(struct pool_scope *s, uint32_t page);
 
 /*
- * Gives back one reference. After the last, the page is punched out and forgotten, and its slot
- * serves a later page. 0, or -1 if the page is not in use.
+ * Gives back `count` references. After the last, the page is punched out and forgotten, and its
+ * slot serves a later page. 0, or -1 if the page is not in use or holds fewer.
  */
-int pool_release(struct pool_scope *s, uint32_t page);
+int pool_release(struct pool_scope *s, uint32_t page, uint32_t count);
 
 struct pool_figures {
   uint64_t pages_used, references, scopes, candidates;
 };
 struct pool_figures pool_figures(void);
+/* The same of one scope (`scopes` is 1). */
+struct pool_figures pool_scope_figures(const struct pool_scope *s);
 
 /* Dies with a message: the daemon's bookkeeping could not grow. */
 _Noreturn void pool_out_of_memory(void);

@@ -20,20 +20,36 @@ export function defaultPoolSocket(): string {
   return join(runtimeDir(), 'pool.sock');
 }
 
+/** Connections the daemon serves at once, in all and per uid, unless told otherwise. */
+export const DEFAULT_MAX_CLIENTS = 1024;
+export const DEFAULT_MAX_CLIENTS_PER_UID = 256;
+/** The most connections a daemon may be told to serve (two descriptors each). */
+const MAX_CLIENTS_LIMIT = 65536;
+
 function serve(argv: string[]): never {
-  const { values, poolBytes, gid } = parseUsage(
+  const { values, poolBytes, gid, maxClients, maxPerUid } = parseUsage(
     'serve',
     () => {
       const { values } = parseArgs({
         args: argv,
-        options: { 'memory-pool': { type: 'boolean', default: false }, socket: { type: 'string' }, 'max-pool': { type: 'string', default: '1GiB' }, group: { type: 'string' } },
+        options: {
+          'memory-pool': { type: 'boolean', default: false },
+          socket: { type: 'string' },
+          'max-pool': { type: 'string', default: '1GiB' },
+          group: { type: 'string' },
+          'max-clients': { type: 'string', default: String(DEFAULT_MAX_CLIENTS) },
+          'max-clients-per-uid': { type: 'string' },
+        },
         strict: true,
       });
       if (!values['memory-pool']) throw new InvalidOptionError('--memory-pool', 'serve needs --memory-pool (the pool is off unless asked for)');
       const poolBytes = parseSize('--max-pool', values['max-pool']);
       if (poolBytes < 4096 || poolBytes > 2 ** 44) throw new InvalidOptionError('--max-pool', `must be from 4 KiB to 16 TiB, got ${poolBytes} bytes`);
       if (values.socket !== undefined) checkSocketPath(values.socket);
-      return { values, poolBytes, gid: values.group === undefined ? undefined : groupId(values.group) };
+      const maxClients = count('--max-clients', values['max-clients'], MAX_CLIENTS_LIMIT);
+      const perUid = values['max-clients-per-uid'];
+      const maxPerUid = perUid === undefined ? Math.min(DEFAULT_MAX_CLIENTS_PER_UID, maxClients) : count('--max-clients-per-uid', perUid, maxClients);
+      return { values, poolBytes, gid: values.group === undefined ? undefined : groupId(values.group), maxClients, maxPerUid };
     },
     'pvisor-daemon',
   );
@@ -42,7 +58,13 @@ function serve(argv: string[]): never {
   // keeping its pid, so that no Node process (15 MiB and more of PSS) stays behind the pool. It
   // prints the startup line once it listens, and exits 0 on SIGTERM or SIGINT.
   const program = poolDaemonProgram();
-  execProgram(program, ['pvisor-pool-daemon', socketPath, String(poolBytes), ...(gid === undefined ? [] : [String(gid)])]);
+  execProgram(program, ['pvisor-pool-daemon', socketPath, String(poolBytes), String(maxClients), String(maxPerUid), ...(gid === undefined ? [] : [String(gid)])]);
+}
+
+/** A whole number from 1 to `max`, given as an option's text. */
+function count(option: string, text: string, max: number): number {
+  if (!/^[1-9][0-9]*$/.test(text) || Number(text) > max) throw new InvalidOptionError(option, `must be a whole number from 1 to ${max}, got ${JSON.stringify(text)}`);
+  return Number(text);
 }
 
 /** The shipped native daemon, checked against its checksum file before this process becomes it. */
@@ -90,7 +112,7 @@ async function status(argv: string[]): Promise<number> {
   }
   const mib = (b: number) => `${(b / 2 ** 20).toFixed(1)} MiB`;
   process.stdout.write(`pool (pid ${s.pid}): ${s.pagesUsed} pages in use (${mib(s.pagesUsed * 4096)} of ${mib(s.poolBytes)}), ${s.references} references, ${s.clients.length} clients, ${s.scopes} scopes, daemon PSS ${mib(s.pssBytes)}\n`);
-  for (const c of s.clients) process.stdout.write(`  client ${c.id}: ${c.name} (pid ${c.pid}, scope ${c.scope}), ${c.references} references\n`);
+  for (const c of s.clients) process.stdout.write(`  client ${c.id}: ${c.name} (pid ${c.pid}, uid ${c.uid}, scope ${c.scope}), ${c.references} references\n`);
   return 0;
 }
 

@@ -117,6 +117,7 @@ const RUN = `  pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest lin
       --vm-pool SOCKET: pages this VM has in common with other VMs of its scope (--vm-pool-scope,
         default "default"; one per tenant) are kept once, in the pool of the pvisor-daemon
         listening on SOCKET (pvisor-daemon serve --memory-pool), and mapped copy-on-write.
+        A scope is its uid's; gid:GID:NAME is shared by the members of group GID.
       --vm-cold-ram-compression: while the VM runs, blocks unchanged for a while are compressed
         (lz4) into host memory and dropped; the guest's first touch brings them back.
         --vm-cold-after DURATION: how long unchanged (default 10s; 500ms, 30s, 2m).
@@ -249,13 +250,16 @@ Exit status: 2 for a usage error, 125 if pvisor itself failed, otherwise the com
 `;
 
 const DAEMON_SERVE = `  pvisor-daemon serve --memory-pool [--socket PATH] [--max-pool 1GiB] [--group GROUP]
+                      [--max-clients 1024] [--max-clients-per-uid 256]
       Holds one copy of each page that VMs started with --vm-pool (SDK: new PoolClient()) have in
       common, in a memfd they map copy-on-write. The socket is 0600 (0660 and of GROUP with
-      --group); every peer's credentials are checked. SIGTERM or SIGINT ends it; VMs keep the
-      pages they map and carry on without the pool.
+      --group); every peer's credentials are checked. A scope is its uid's; gid:GID:NAME is
+      group GID's. It serves at most --max-clients connections, --max-clients-per-uid of one
+      uid. SIGTERM or SIGINT ends it; VMs keep the pages they map and carry on without the pool.
 `;
 const DAEMON_STATUS = `  pvisor-daemon status [--socket PATH] [--json]
-      Prints the pool's size, pages, references and clients.
+      Prints the pool's size, and the pages, references and clients of the scopes this uid may
+      see (its own and its groups'; root sees all).
 `;
 
 /** Usage of each `pvisor-daemon` command. */

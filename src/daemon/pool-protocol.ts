@@ -10,7 +10,10 @@
 
 /** Operations. */
 export const enum PoolOp {
-  /** JSON {version, scope, name} -> JSON {version, poolBytes, clientId}, with the memfd. */
+  /**
+   * JSON {version, scope, name} -> JSON {version, poolBytes, clientId}, with the memfd. The scope
+   * is the peer's: see {@link checkScope}.
+   */
   Hello = 1,
   /** Offer entries -> Answer entries: for each page, a pool page, Send, or None. */
   Offer = 2,
@@ -44,16 +47,20 @@ export interface PageKey {
   hi: number;
 }
 
-/** What `pvisor-daemon status` prints. */
+/**
+ * What `pvisor-daemon status` prints: of the scopes the asker may see (its uid's and its groups';
+ * root sees all), and of those scopes' clients. `poolBytes`, `pid` and `pssBytes` are the daemon's.
+ */
 export interface PoolStatus {
   pid: number;
   poolBytes: number;
   /** Pool pages holding a page some client references. */
   pagesUsed: number;
-  /** Disconnected clients whose processes still run: their references are kept. */
+  /** Processes whose clients disconnected while they run on, per scope: their references are kept. */
   orphanedClients: number;
   references: number;
-  clients: { id: number; scope: string; name: string; pid: number; references: number }[];
+  /** Each client as it named its scope, with the uid the kernel gave for it. */
+  clients: { id: number; scope: string; name: string; pid: number; uid: number; references: number }[];
   scopes: number;
   candidates: number;
   pssBytes: number;
@@ -127,6 +134,21 @@ export function decodeJson(p: Buffer, maxBytes: number, what: string): Record<st
   }
   if (typeof v !== 'object' || v === null || Array.isArray(v)) throw new PoolProtocolError(`${what}: not an object`);
   return v as Record<string, unknown>;
+}
+
+/**
+ * A scope, as {@link checkName}; one that starts with `gid:` must be `gid:GID:NAME`, a scope of
+ * group GID. The daemon keys every other scope by the uid of the process that names it, so a
+ * scope `NAME` is the uid's own and no other uid's client can reach it; `gid:GID:NAME` is shared
+ * by the members of group GID (primary or supplementary), and refused to anyone else.
+ */
+export function checkScope(v: unknown, what: string): string {
+  const scope = checkName(v, what);
+  if (scope.startsWith('gid:')) {
+    const m = /^gid:(0|[1-9][0-9]{0,9}):(.+)$/s.exec(scope);
+    if (!m || Number(m[1]) >= 0xffffffff) throw new PoolProtocolError(`${what}: a group's scope is gid:GID:NAME (GID a number below 4294967295, NAME not empty), got ${JSON.stringify(scope)}`);
+  }
+  return scope;
 }
 
 /** A scope or name: 1 to {@link MAX_NAME_BYTES} bytes of printable text. */

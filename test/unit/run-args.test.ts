@@ -32,6 +32,11 @@ describe('pvisor run: argument parsing', () => {
     expect(a.strategies.map((s) => s.name)).toEqual(['pool-client', 'offload']);
     expect(() => parseRunArgs(['--guest', 'probe', '--vm-pool-scope', 'x', '--', 'digest'], cwd)).toThrow(/^--vm-pool-scope: only goes with --vm-pool/);
     expect(() => parseRunArgs(['--guest', 'probe', '--vm-pool', '/s', '--vm-pool-scope', 'bad\nscope', '--', 'digest'], cwd)).toThrow(InvalidOptionError);
+    // A group's scope: gid:GID:NAME, nothing else that starts with gid:.
+    expect(parseRunArgs(['--guest', 'probe', '--vm-pool', '/s', '--vm-pool-scope', 'gid:4242:web', '--', 'digest'], cwd).strategies[0].name).toBe('pool-client');
+    for (const bad of ['gid:web:x', 'gid:4242', 'gid:4242:', 'gid:01:x', 'gid:4294967295:x']) {
+      expect(() => parseRunArgs(['--guest', 'probe', '--vm-pool', '/s', '--vm-pool-scope', bad, '--', 'digest'], cwd)).toThrow(/^scope: scope: a group's scope is gid:GID:NAME/);
+    }
   });
 
   it.each([

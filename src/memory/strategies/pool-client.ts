@@ -26,7 +26,7 @@ import {
   ANSWER_SEND,
   answerOf,
   answerPage,
-  checkName,
+  checkScope,
   MAX_OFFER_ENTRIES,
   MAX_PUT_PAGES,
   MAX_SETTLE_PAGES,
@@ -53,7 +53,9 @@ export interface PoolClientOptions {
   /**
    * Pages are shared only among VMs of one scope. Sharing a page across tenants lets one learn,
    * by timing its writes, whether another holds the same content (as with KSM): give each tenant
-   * its own scope. Default `default`.
+   * its own scope. A scope is its uid's: VMs of other uids that name the same scope get their
+   * own. `gid:GID:NAME` is a scope of group GID, shared by the VMs of every uid in that group
+   * (primary or supplementary) and refused to others. Default `default`.
    */
   scope?: string;
   /** Time between merge passes, ms. Default 10000. */
@@ -151,7 +153,7 @@ export class PoolClient implements MemoryStrategy {
     if (typeof options?.socket !== 'string' || options.socket.length === 0) throw new InvalidOptionError('socket', 'the pool daemon\'s socket path is required');
     this.socketPath = options.socket;
     try {
-      this.scope = checkName(options.scope ?? 'default', 'scope');
+      this.scope = checkScope(options.scope ?? 'default', 'scope');
     } catch (e) {
       throw new InvalidOptionError('scope', (e as Error).message);
     }
