@@ -253,6 +253,13 @@ export class ControlServer {
  * requests cannot grow the VM's process (294k queued requests grew it by 681 MiB).
  */
 const MAX_QUEUED_REQUESTS = 16;
+/**
+ * Answers a connection may hold unsent (what the kernel's socket buffer did not take): beyond it
+ * the connection is not read until the socket drains, so a client that pipelines requests and
+ * never reads the answers cannot grow the VM's process either. At most this and the answers to
+ * the queued requests wait in it.
+ */
+const MAX_UNSENT_ANSWER_BYTES = 64 * 1024;
 
 function serve(conn: Socket, handler: ControlHandler): void {
   let buffered = '';
@@ -260,10 +267,12 @@ function serve(conn: Socket, handler: ControlHandler): void {
   let queued = 0;
   conn.setEncoding('utf8');
   conn.on('error', () => {}); // a client that goes away mid-answer is not the VM's problem
-  // Takes complete lines off the buffer while fewer than the bound wait; reads on only below it.
+  // Takes complete lines off the buffer while fewer than the bound wait and the client takes its
+  // answers; reads on only then. Over the bound, a write returned false: 'drain' follows.
+  const full = () => queued >= MAX_QUEUED_REQUESTS || conn.writableLength > MAX_UNSENT_ANSWER_BYTES;
   const pump = () => {
     let nl: number;
-    while (queued < MAX_QUEUED_REQUESTS && (nl = buffered.indexOf('\n')) >= 0) {
+    while (!full() && (nl = buffered.indexOf('\n')) >= 0) {
       const line = buffered.slice(0, nl).trim();
       buffered = buffered.slice(nl + 1);
       if (!line) continue;
@@ -282,9 +291,10 @@ function serve(conn: Socket, handler: ControlHandler): void {
         pump();
       });
     }
-    if (queued >= MAX_QUEUED_REQUESTS) conn.pause();
+    if (full()) conn.pause();
     else if (!conn.destroyed) conn.resume();
   };
+  conn.on('drain', pump);
   conn.on('data', (chunk: string) => {
     buffered += chunk;
     if (buffered.length > MAX_LINE_BYTES && !buffered.slice(0, MAX_LINE_BYTES + 1).includes('\n')) {

@@ -6,8 +6,8 @@ import { join } from 'node:path';
 import { InvalidOptionError, SnapshotError } from '../../src/errors';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import {
-  VirtioBlk, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
-  VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+  BYTES_PER_TURN, MAX_REQUEST_BYTES, VirtioBlk, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
+  VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 } from '../../src/backends/kvm/devices/virtio-blk';
 import { SplitQueue } from '../../src/backends/kvm/virtio/queue';
 
@@ -45,6 +45,7 @@ describe('virtio-blk device', () => {
     interrupts = 0;
   });
   afterEach(() => {
+    q.onBudgetRenewed = undefined; // a test that failed may leave the device work for a later turn
     blk?.close();
     blk = undefined;
     mem.unmap();
@@ -206,6 +207,102 @@ describe('virtio-blk device', () => {
     mem.write(seam, payload);
     expect(submit([header(VIRTIO_BLK_T_OUT, 20), data(4096, false, seam), status]).status).toBe(VIRTIO_BLK_S_OK);
     expect(readFileSync(image).subarray(20 * 512, 28 * 512).equals(payload)).toBe(true);
+  });
+
+  describe('bounds on what the event loop waits for (issue 23, item 6)', () => {
+    const MiB = 1024 * 1024;
+    /** The image grown (sparse) past what the bounds cover, the original bytes first. */
+    const grow = (bytes: number) => truncateSync(image, bytes);
+    /** Each request here spends a turn's bytes: the next one waits for the next turn. */
+    const nextTurn = () => new Promise((resolve) => setImmediate(resolve));
+
+    it('offers seg_max and size_max, and fails a request of more data than they allow with IOERR, moving nothing', async () => {
+      grow(8 * MiB);
+      const d = device();
+      expect(d.features & (VIRTIO_BLK_F_SEG_MAX | VIRTIO_BLK_F_SIZE_MAX)).toBe(VIRTIO_BLK_F_SEG_MAX | VIRTIO_BLK_F_SIZE_MAX);
+      const sizeMax = d.readConfig(8, 4);
+      const segMax = d.readConfig(12, 4);
+      // Linux refuses a size_max below a page; its block layer never sends more than seg_max x size_max.
+      expect(sizeMax).toBeGreaterThanOrEqual(4096);
+      expect(segMax * sizeMax).toBe(MAX_REQUEST_BYTES);
+      // Aliased buffers, as a hostile driver builds them: the data may be far more than guest RAM.
+      const piece = MAX_REQUEST_BYTES / 4;
+      const aliased = (pieces: number, writable: boolean): Buf[] => Array.from({ length: pieces }, () => data(piece, writable));
+      mem.write(DATA, Buffer.alloc(piece, 0xee));
+      // At the bound: served.
+      const ok = submit([header(VIRTIO_BLK_T_IN, 0), ...aliased(4, true), status]);
+      expect(ok).toEqual({ status: VIRTIO_BLK_S_OK, usedLen: MAX_REQUEST_BYTES + 1 });
+      expect(errors).toEqual([]);
+      // One sector more, read or written: IOERR, guest RAM and the image untouched.
+      await nextTurn();
+      mem.write(DATA, Buffer.alloc(piece + 512, 0xee));
+      const over = submit([header(VIRTIO_BLK_T_IN, 0), ...aliased(4, true), data(512, true, DATA + piece), status]);
+      expect(over).toEqual({ status: VIRTIO_BLK_S_IOERR, usedLen: 1 });
+      expect(mem.read(DATA, piece + 512).every((b) => b === 0xee)).toBe(true);
+      const before = sha(readFileSync(image));
+      await nextTurn();
+      const write = submit([header(VIRTIO_BLK_T_OUT, 0), ...aliased(4, false), data(512, false, DATA + piece), status]);
+      expect(write).toEqual({ status: VIRTIO_BLK_S_IOERR, usedLen: 1 });
+      expect(sha(readFileSync(image))).toBe(before);
+      expect(errors).toHaveLength(2);
+      expect(errors[0]).toMatch(new RegExp(`${MAX_REQUEST_BYTES + 512} bytes of data, more than the ${MAX_REQUEST_BYTES} a request may carry`));
+      // The device goes on.
+      await nextTurn();
+      expect(read(1, 512).bytes.equals(original.subarray(512, 1024))).toBe(true);
+    });
+
+    it('one notification of aliased reads, each at the bound: at most a turn\'s bytes a turn, the rest in later turns, every one served', async () => {
+      // A ring of 256 in 4 MiB of guest RAM: 64 chains of 3 descriptors each leave the queue's
+      // own budget (a ring of descriptors) unspent, so only the device's bytes can stop it.
+      mem.unmap();
+      mem = GuestMemory.map(4 * MiB);
+      const size = 256;
+      q = new SplitQueue(mem, { size, descGpa: DESC, availGpa: AVAIL, usedGpa: USED });
+      grow(4 * MiB);
+      const d = device();
+      // The transport's part: a queue the budget stopped goes on in a later turn, as if notified.
+      q.onBudgetRenewed = () => {
+        q.renewBudget();
+        d.notify(0);
+      };
+      const chains = 64;
+      const desc = (i: number, b: Buf, next: boolean) => {
+        mem.writeU64(DESC + 16 * i, b.gpa);
+        mem.writeU32(DESC + 16 * i + 8, b.len);
+        mem.writeU16(DESC + 16 * i + 12, (next ? 1 : 0) | (b.writable ? 2 : 0));
+        mem.writeU16(DESC + 16 * i + 14, i + 1);
+      };
+      desc(0, header(VIRTIO_BLK_T_IN, 0), true);
+      desc(1, data(MAX_REQUEST_BYTES, true), true);
+      desc(2, status, false);
+      for (let i = 0; i < chains; i++) mem.writeU16(AVAIL + 4 + 2 * i, 0); // every entry names the same chain
+      mem.writeU16(AVAIL + 2, chains);
+      const used = () => mem.readU16(USED + 2);
+      const requestsPerTurn = Math.ceil(BYTES_PER_TURN / MAX_REQUEST_BYTES);
+
+      q.renewBudget();
+      d.notify(0);
+      const first = used();
+      expect(first).toBeGreaterThan(0);
+      expect(first).toBeLessThanOrEqual(requestsPerTurn);
+      // The driver notifies again within the turn: the turn's bytes are spent all the same.
+      q.renewBudget();
+      d.notify(0);
+      expect(used()).toBe(first);
+      // The rest come by themselves, a turn's bytes each turn (the device's turn and ours follow
+      // each other in one order: the queue's renewal was scheduled first).
+      const perTurn: number[] = [];
+      for (let turn = 0, before = first; turn < 4 * chains && used() < chains; turn++, before = used()) {
+        await nextTurn();
+        perTurn.push(used() - before);
+      }
+      expect(used()).toBe(chains);
+      expect(Math.max(...perTurn)).toBeLessThanOrEqual(requestsPerTurn);
+      for (let i = 0; i < chains; i++) expect(mem.readU32(USED + 4 + 8 * i + 4)).toBe(MAX_REQUEST_BYTES + 1);
+      expect(mem.read(STATUS, 1)[0]).toBe(VIRTIO_BLK_S_OK);
+      expect(mem.read(DATA, original.length).equals(original)).toBe(true);
+      expect(errors).toEqual([]);
+    });
   });
 
   it('closes the image on reset and reopens it when the driver comes back', () => {

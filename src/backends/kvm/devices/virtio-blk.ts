@@ -19,6 +19,13 @@
  * at most 1 MiB. Writes go to the host's page cache; FLUSH is offered, so the guest's fsync/sync
  * reach the disk as fdatasync.
  *
+ * Since the event loop waits on each request, what a request and a turn may move is bounded, or
+ * one notification of requests over aliased buffers would hold it for seconds: a request carries
+ * at most seg_max x size_max bytes of data (the most the config space lets a driver send, see
+ * {@link MAX_REQUEST_BYTES}; a larger one fails with IOERR, nothing moved), and the queue gives
+ * the device chains naming at most {@link BYTES_PER_TURN} bytes a turn of the event loop (the rest
+ * in later turns, as the queue's descriptor budget does).
+ *
  * Snapshots: only a read-only disk can be saved (see {@link BlkState}); the same synchronous
  * handling means a saved queue never holds a request half done.
  */
@@ -32,6 +39,8 @@ import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport'
 import type { Descriptor, SplitQueue } from '../virtio/queue';
 
 // Feature bits and request layout from <linux/virtio_blk.h>.
+/** VIRTIO_BLK_F_SIZE_MAX: config `size_max` bounds the bytes of one data buffer. */
+export const VIRTIO_BLK_F_SIZE_MAX = 1n << 1n;
 /** VIRTIO_BLK_F_SEG_MAX: config `seg_max` bounds the data buffers per request. */
 export const VIRTIO_BLK_F_SEG_MAX = 1n << 2n;
 /** VIRTIO_BLK_F_RO: the disk is read-only. */
@@ -59,6 +68,30 @@ const ID_BYTES = 20;
  * ring entries (header, data, status), so this keeps several requests in a 256-entry queue.
  */
 const SEG_MAX = 126;
+/**
+ * size_max: bytes per data buffer, offered so that a request has a bound a driver knows: Linux's
+ * virtio-blk hands seg_max and size_max to its block layer (blk_queue_max_segments,
+ * blk_queue_max_segment_size in virtblk_probe), which splits every request to fit both, so no
+ * request of a conforming driver carries more than {@link MAX_REQUEST_BYTES}. Linux sends at most
+ * 1280 KiB a request by default (max_sectors_kb, BLK_DEF_MAX_SECTORS in 6.1) and, from a page
+ * cache of 4 KiB pages that are seldom contiguous, mostly 4 KiB buffers (504 KiB with 126 of
+ * them), so the bound costs it nothing; one who raises max_sectors_kb gets requests split at
+ * about 2 MiB. Linux wants size_max at least a page.
+ */
+const SIZE_MAX = 16 * 1024;
+/**
+ * The most data one request may carry (seg_max x size_max, 2016 KiB). A request is served whole
+ * at the notify, never across turns (see the file's comment), so this bounds what one request
+ * holds the event loop for; a larger one breaks the limits the device offered and fails with
+ * VIRTIO_BLK_S_IOERR before any byte moves.
+ */
+export const MAX_REQUEST_BYTES = SEG_MAX * SIZE_MAX;
+/**
+ * Bytes of chains (every buffer each names, an upper bound on what serving it moves) the device
+ * takes in one turn of the event loop; the rest waits for later turns. With a request's bound, a
+ * turn moves less than BYTES_PER_TURN + MAX_REQUEST_BYTES.
+ */
+export const BYTES_PER_TURN = 2 * 1024 * 1024;
 /** Largest piece moved by one read or write call (a guest buffer may be much larger). */
 const PIECE_BYTES = 1024 * 1024;
 
@@ -154,9 +187,10 @@ export class VirtioBlk implements VirtioDevice {
       this.close();
       throw e;
     }
-    this.features = VIRTIO_F_VERSION_1 | VIRTIO_BLK_F_SEG_MAX | VIRTIO_BLK_F_FLUSH | (disk.readOnly ? VIRTIO_BLK_F_RO : 0n);
+    this.features = VIRTIO_F_VERSION_1 | VIRTIO_BLK_F_SIZE_MAX | VIRTIO_BLK_F_SEG_MAX | VIRTIO_BLK_F_FLUSH | (disk.readOnly ? VIRTIO_BLK_F_RO : 0n);
     // struct virtio_blk_config: u64 capacity @0, u32 size_max @8, u32 seg_max @12.
     this.config.writeBigUInt64LE(BigInt(this.capacitySectors), 0);
+    this.config.writeUInt32LE(SIZE_MAX, 8);
     this.config.writeUInt32LE(SEG_MAX, 12);
     this.serial = Buffer.from(disk.serial ?? 'pvisor-rootfs', 'utf8').subarray(0, ID_BYTES);
   }
@@ -265,6 +299,7 @@ export class VirtioBlk implements VirtioDevice {
     let chain;
     while ((chain = q.popValid((message) => this.onError(`virtio-blk: ${message}`)))) {
       q.push(chain.head, this.serve(chain.head, chain.descriptors));
+      q.spendBytes(total(chain.descriptors), BYTES_PER_TURN);
     }
     if (q.shouldInterrupt(usedBefore)) this.onUsed();
   }
@@ -340,6 +375,7 @@ export class VirtioBlk implements VirtioDevice {
 
   /** The byte offset of [sector, sector + len/512) after checking it lies inside the disk. */
   private checkRange(sector: bigint, len: number): number {
+    if (len > MAX_REQUEST_BYTES) throw new RequestFailure(VIRTIO_BLK_S_IOERR, `${len} bytes of data, more than the ${MAX_REQUEST_BYTES} a request may carry (seg_max x size_max)`);
     if (len % SECTOR_BYTES !== 0) throw new RequestFailure(VIRTIO_BLK_S_IOERR, `data length ${len} is not a multiple of ${SECTOR_BYTES}`);
     if (sector + BigInt(len / SECTOR_BYTES) > BigInt(this.capacitySectors)) {
       throw new RequestFailure(VIRTIO_BLK_S_IOERR, `sectors ${sector}+${len / SECTOR_BYTES} lie beyond the disk's ${this.capacitySectors}`);

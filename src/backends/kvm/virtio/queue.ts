@@ -107,7 +107,16 @@ export class SplitQueue {
    * ring of chains, while a driver that does not alias has at most a ring's worth in flight.
    */
   private takenThisTurn = 0;
+  /**
+   * Bytes the device counted this turn for chains of this queue, and whether they reached its own
+   * budget (see {@link spendBytes}). Unlike the descriptor budget, a notification does not renew
+   * it: a driver notifies as often as it likes, only the turn of the event loop ends it.
+   */
+  private bytesThisTurn = 0;
+  private bytesSpent = false;
   private stoppedByBudget = false;
+  /** A renewal of the budgets is scheduled for the next turn of the event loop. */
+  private renewalPending = false;
   /** Why the queue is broken, once it is (see {@link QueueBrokenError}). */
   private brokenBy: string | undefined;
   /**
@@ -197,7 +206,7 @@ export class SplitQueue {
   hasAvailable(): boolean {
     if (this.brokenBy !== undefined) return false;
     const available = this.mem.readU16(this.config.availGpa + 2) !== this.nextAvail;
-    if (available && this.takenThisTurn >= this.config.size) {
+    if (available && this.budgetSpent) {
       this.stoppedByBudget = true;
       return false;
     }
@@ -210,11 +219,11 @@ export class SplitQueue {
   }
 
   /**
-   * Takes the next available chain, or null (none, the queue is broken, or this turn's budget of
-   * one ring's worth of descriptors is spent: {@link onBudgetRenewed} then says when to go on). A
-   * malformed chain throws {@link QueueError} after consuming it, so the caller can return it
-   * used with length 0 and go on; an available index further ahead than the ring holds throws
-   * {@link QueueBrokenError}, once.
+   * Takes the next available chain, or null (none, the queue is broken, or this turn's budget is
+   * spent: one ring's worth of descriptors, or the device's bytes, see {@link spendBytes};
+   * {@link onBudgetRenewed} then says when to go on). A malformed chain throws {@link QueueError}
+   * after consuming it, so the caller can return it used with length 0 and go on; an available
+   * index further ahead than the ring holds throws {@link QueueBrokenError}, once.
    */
   pop(): DescriptorChain | null {
     if (this.brokenBy !== undefined) return null;
@@ -277,24 +286,50 @@ export class SplitQueue {
   }
 
   /**
+   * Counts `bytes` for a chain the device took from this queue (what serving it moves, or a bound
+   * of that) against a budget of its own, `bytesPerTurn` a turn of the event loop. Once they reach
+   * it, the queue gives no chain ({@link pop} null, {@link hasAvailable} false) until a later turn,
+   * whatever notifications come in between; then {@link onBudgetRenewed}, as for the descriptor
+   * budget. A chain the device has taken it serves whole, so a turn moves at most the budget and
+   * one chain's bytes.
+   */
+  spendBytes(bytes: number, bytesPerTurn: number): void {
+    this.scheduleRenewal();
+    this.bytesThisTurn += bytes;
+    if (this.bytesThisTurn >= bytesPerTurn) this.bytesSpent = true;
+  }
+
+  private get budgetSpent(): boolean {
+    return this.bytesSpent || this.takenThisTurn >= this.config.size;
+  }
+
+  /**
    * Counts a chain's head against this turn's budget (pop counts the rest of its descriptors);
-   * false (and a renewal later) once it is spent.
+   * false (and a renewal later) once it, or the device's byte budget, is spent.
    */
   private spend(): boolean {
-    if (this.takenThisTurn === 0) {
-      setImmediate(() => {
-        const stopped = this.stoppedByBudget;
-        this.takenThisTurn = 0;
-        this.stoppedByBudget = false;
-        if (stopped && this.brokenBy === undefined) this.onBudgetRenewed?.();
-      });
-    }
-    if (this.takenThisTurn >= this.config.size) {
+    this.scheduleRenewal();
+    if (this.budgetSpent) {
       this.stoppedByBudget = true;
       return false;
     }
     this.takenThisTurn++;
     return true;
+  }
+
+  /** Renews both budgets in the next turn of the event loop, and lets a stopped taker go on. */
+  private scheduleRenewal(): void {
+    if (this.renewalPending) return;
+    this.renewalPending = true;
+    setImmediate(() => {
+      const stopped = this.stoppedByBudget;
+      this.renewalPending = false;
+      this.takenThisTurn = 0;
+      this.bytesThisTurn = 0;
+      this.bytesSpent = false;
+      this.stoppedByBudget = false;
+      if (stopped && this.brokenBy === undefined) this.onBudgetRenewed?.();
+    });
   }
 
   /** Returns chain `head` to the driver with `writtenBytes` written into its writable buffers. */
