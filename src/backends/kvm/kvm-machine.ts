@@ -429,8 +429,9 @@ export class KvmMachine {
    * Puts a state from {@link captureState} (of this machine, or of one built the same way) back
    * into the paused machine; it continues from there at {@link resume}. `value` is checked whole
    * first: a malformed description, another version, or one this machine cannot take (another
-   * vCPU count, irqchip or state format) is a {@link SnapshotError} before any ioctl. Device state
-   * and guest RAM are not part of it.
+   * vCPU count, irqchip or state format) is a {@link SnapshotError} before any ioctl. A value KVM
+   * then refuses is a {@link SnapshotError} naming its field (e.g. `machine.vcpus[0].kvm.mpState`);
+   * the machine is half restored and must be stopped. Device state and guest RAM are not part of it.
    */
   async restoreState(value: unknown): Promise<void> {
     this.requirePausedFor('restore');
@@ -442,9 +443,9 @@ export class KvmMachine {
     // A vCPU with an exit half-done would finish it on the restored registers at its next KVM_RUN.
     await this.settleVcpus();
     this.requirePausedFor('restore');
-    restoreVm(this.vm, state.vm);
+    restoreVm(this.vm, state.vm, 'machine.vm');
     state.vcpus.forEach((v, i) => {
-      restoreVcpu(this.vcpus[i].fd, v.kvm);
+      restoreVcpu(this.vcpus[i].fd, v.kvm, `machine.vcpus[${i}].kvm`);
       this.setActivity(i, v.activity);
     });
   }
