@@ -41,6 +41,8 @@ export class SharedSnapshot implements MemoryStrategy {
   /** Whether to check the RAM file even when this process has checked it before. */
   readonly verifyAgain: boolean;
   private ramPath: string | undefined;
+  /** The reader's descriptor of the RAM file, which the memory layer duplicates to map it. */
+  private ramFd: number | undefined;
   private check: { checkedBefore: boolean; chunksRead: number; ms: number } | undefined;
   private holes: PageRun[] = [];
   private holesMapped = 0;
@@ -51,16 +53,17 @@ export class SharedSnapshot implements MemoryStrategy {
 
   /** The snapshot's RAM file mapped privately, once {@link Vm.restore} has given it one. */
   get ramBacking(): RamBackingRequest | undefined {
-    return this.ramPath === undefined ? undefined : { kind: 'private-file', path: this.ramPath };
+    return this.ramPath === undefined ? undefined : { kind: 'private-file', path: this.ramPath, fd: this.ramFd };
   }
 
   /**
-   * @internal Binds this strategy to the RAM file of the snapshot being restored (by
-   * {@link Vm.restore}, before the composition is planned). One strategy serves one VM.
+   * @internal Binds this strategy to the RAM file of the snapshot being restored, open as `fd`
+   * (by {@link Vm.restore}, before the composition is planned). One strategy serves one VM.
    */
-  useRamFile(path: string): void {
+  useRamFile(path: string, fd: number): void {
     if (this.ramPath !== undefined) throw new InvalidOptionError('strategies', 'this SharedSnapshot already serves a VM: give each Vm.restore a new one');
     this.ramPath = path;
+    this.ramFd = fd;
   }
 
   /** @internal What the check of the RAM file found: for {@link stats}, and its holes for {@link map}. */
@@ -92,3 +95,4 @@ export class SharedSnapshot implements MemoryStrategy {
     };
   }
 }
+
