@@ -4,11 +4,11 @@
 // rewritten with its manifest checksum fixed, so that each malformed value reaches the parser (a
 // changed checksum alone is refused before it). No KVM.
 import { spawnSync } from 'node:child_process';
-import { chmodSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, truncateSync, writeFileSync } from 'node:fs';
+import { chmodSync, chownSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, truncateSync, writeFileSync } from 'node:fs';
 import { createServer, type Server } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { SnapshotError } from '../../src';
+import { SharedSnapshot, SnapshotError, Vm } from '../../src';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { hostMemTotalBytes } from '../../src/memory-usage';
 import { crc32c } from '../../src/memory/uffd-server';
@@ -274,5 +274,17 @@ describe('snapshot files as hostile input: type, size and shape', () => {
     }, { ...probe, memoryBytes: four, ...state }, four);
     refused(shaped({ vcpus: 9 }), /snapshot\.vcpus: must be a whole number from 1 to 8, got 9/);
     refused(shaped({ vcpus: 0 }), /snapshot\.vcpus: expected an integer in \[1, /);
+  });
+
+  it('SharedSnapshot refuses a RAM file that another user owns, or that its group or others may write', async () => {
+    const owned = fresh();
+    chmodSync(join(owned, 'ram'), 0o444);
+    chownSync(join(owned, 'ram'), 65534, 65534);
+    const writable = fresh();
+    chmodSync(join(writable, 'ram'), 0o664);
+    // Refused before anything is built: no KVM is needed to see it.
+    await expect(Vm.restore(owned, { strategies: [new SharedSnapshot()] })).rejects.toThrow(new RegExp(`ram: owned by uid 65534, not by this process's user \\(${process.geteuid!()}\\) or root`));
+    await expect(Vm.restore(writable, { strategies: [new SharedSnapshot()] })).rejects.toThrow(/ram: mode 664, writable by its group/);
+    await expect(Vm.restore(writable, { strategies: [new SharedSnapshot()] })).rejects.toThrow(SnapshotError);
   });
 });
