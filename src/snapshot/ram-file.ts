@@ -49,6 +49,10 @@ export function writeRamFile(mem: GuestMemory, path: string): RamFileInfo {
         }
       }
     }
+    // A page of a clone's own RAM file that was gone read zero (see GuestMemory.lostBacking):
+    // what was written is not the guest's RAM.
+    const lost = mem.lostBacking();
+    if (lost) throw new SnapshotError(`guest RAM cannot be saved: ${lost}`);
     ftruncateSync(fd, mem.sizeBytes);
     fsyncSync(fd);
     return { chunkCrc32c, dataPageCount };

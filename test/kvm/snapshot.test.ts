@@ -310,6 +310,41 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
     }
   });
 
+  // Without the guard, the host's read of a truncated page (a device model reading its ring on
+  // Node's main thread) is a SIGBUS that ends the whole process, the bystander with it.
+  it('a RAM file truncated under running clones ends each of them with SnapshotError; the process and a bystander VM run on', async () => {
+    const bystander = await Vm.restore(dir, { name: 'bystander', strategies: [new SharedSnapshot()] });
+    // One file truncated to nothing: the host finds the clone's rings gone when it next sends.
+    const toNothing = copyOf(dir, 'shared-truncated-host');
+    // One truncated past the probe's own pages: the guest finds its working set gone (KVM_RUN).
+    const toHalf = copyOf(dir, 'shared-truncated-vcpu');
+    const host = await Vm.restore(toNothing, { name: 'truncated-host', strategies: [new SharedSnapshot()] });
+    const vcpu = await Vm.restore(toHalf, { name: 'truncated-vcpu', strategies: [new SharedSnapshot()] });
+    const ended = (vm: Vm) => new Promise<unknown>((resolve) => (vm.state === 'crashed' ? resolve(vm.error) : vm.once('exit', (info) => resolve(info.error))));
+    try {
+      expect((await host.probe.digest()).hex).toBe(filled);
+      const hostEnded = ended(host);
+      const vcpuEnded = ended(vcpu);
+      truncateSync(join(toNothing, 'ram'), 0);
+      truncateSync(join(toHalf, 'ram'), 16 * MiB);
+      await expect(host.probe.digest()).rejects.toThrow();
+      await expect(vcpu.probe.digest()).rejects.toThrow();
+      const [hostError, vcpuError] = await Promise.all([hostEnded, vcpuEnded]);
+      expect(hostError).toBeInstanceOf(SnapshotError);
+      expect((hostError as Error).message).toMatch(/guest RAM lost its page at offset 0x[0-9a-f]+ when the host read it: .*shared-truncated-host\/ram is now 0 bytes, guest RAM 268435456: the file was truncated under the VM/);
+      expect(vcpuError).toBeInstanceOf(SnapshotError);
+      expect((vcpuError as Error).message).toMatch(/shared-truncated-vcpu\/ram is now 16777216 bytes, guest RAM 268435456: the file was truncated under the VM, and a vCPU found a page of it gone/);
+      expect([host.state, vcpu.state]).toEqual(['crashed', 'crashed']);
+      // The bystander, another clone in the same process, answers right.
+      expect((await bystander.probe.digest()).hex).toBe(filled);
+      expect(bystander.state).toBe('running');
+    } finally {
+      host.stop();
+      vcpu.stop();
+      bystander.stop();
+    }
+  });
+
   it('Offload of a clone writes only the pages it wrote, and resume puts them back over the shared base', async () => {
     const offload = new Offload();
     const clone = await Vm.restore(dir, { strategies: [new SharedSnapshot(), offload] });

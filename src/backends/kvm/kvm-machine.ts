@@ -196,7 +196,7 @@ export class KvmMachine {
     private readonly hooks: MachineHooks,
   ) {
     const deviceError = (m: string) => this.hooks.onDeviceError(m);
-    this.memory = GuestMemory.map(config.memoryBytes, config.openRamBacking?.());
+    this.memory = GuestMemory.map(config.memoryBytes, config.openRamBacking?.(), () => this.crash(this.ramLostError()!));
     try {
       this.memory.register(vm);
       const linux = (this.linux = config.guest === 'linux');
@@ -520,7 +520,8 @@ export class KvmMachine {
       s.resolve();
       return;
     }
-    let error: PvisorError = new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}, finishing its last exit`);
+    const failed = new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}, finishing its last exit`);
+    let error: PvisorError = this.ramLostError(failed) ?? failed;
     if (rec.kind === RecordKind.Exit) {
       // Finishing the instruction made another access (e.g. a string instruction's next element):
       // handled as any exit, then settled again.
@@ -647,7 +648,23 @@ export class KvmMachine {
     for (const w of this.pauseWaiters.splice(0)) w();
   }
 
+  /**
+   * The error that ends the VM when guest RAM lost pages under it (see
+   * {@link GuestMemory.lostBacking}): a {@link SnapshotError} for a clone mapping its snapshot's
+   * RAM file, the only file that backs all of guest RAM; else a {@link GuestCrashError}.
+   */
+  private ramLostError(cause?: unknown): PvisorError | undefined {
+    const why = this.memory.lostBacking();
+    if (why === undefined) return undefined;
+    return this.memory.backing.kind === 'private-file' ? new SnapshotError(why, { cause }) : new GuestCrashError('backing-lost', why);
+  }
+
   private continueVcpu(i: number): void {
+    // A page the host found gone read zero: the guest must not run on it.
+    if (this.memory.pagesLost) {
+      this.crash(this.ramLostError()!);
+      return;
+    }
     const v = this.vcpus[i];
     if (this.pausing) {
       v.state = 'held';
@@ -684,7 +701,10 @@ export class KvmMachine {
       let action: VcpuAction;
       if (rec.kind === RecordKind.Exit) action = this.handleExit(this.vcpus[rec.index]);
       else if (rec.kind === RecordKind.Interrupted) action = { kind: 'continue' };
-      else throw new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}`);
+      else {
+        const failed = new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}`);
+        throw this.ramLostError(failed) ?? failed;
+      }
       this.apply(rec.index, action);
     } catch (e) {
       // Whatever the guest did, the host process lives on: the VM ends with the error.
