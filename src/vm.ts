@@ -522,6 +522,10 @@ export class Vm extends EventEmitter<VmEvents> {
    * then shares the image, read-only, with its own writes in RAM (its `/tmp`). A VM with a
    * writable rootfs is refused with a {@link SnapshotError} before it is paused: its image goes
    * on changing after the snapshot, under the clones' feet.
+   *
+   * A state larger than a restore reads (4 MiB of JSON: only bytes in flight on the agent
+   * channel, requests the guest has not taken yet, make it that large) is refused with a
+   * {@link SnapshotError} before anything is written, and the VM runs on.
    */
   snapshot(dir: string, options: SnapshotOptions = {}): Promise<SnapshotInfo> {
     return this.transition(async () => {
