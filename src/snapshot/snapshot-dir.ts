@@ -30,8 +30,8 @@ const STATE = 'state.json';
 const RAM = 'ram';
 
 /**
- * The largest state.json read back (and written). Its fixed part grows with the vCPUs (about
- * 10 KB of JSON each) and is under 100 KB for 8 vCPUs (docs/snapshots.md has the figures); the
+ * The largest state.json read back (and written). Its fixed part grows with the vCPUs (10-12 KB
+ * of JSON each) and is about 100 KB for 8 vCPUs (docs/snapshots.md has the figures); the
  * rest is bytes in flight on the agent channel: what the host had queued for the guest and half
  * a frame from the guest, each at most a frame (1 MiB of payload) in the common case, and base64
  * in JSON (4/3). 4 MiB holds two whole frames and the fixed part many times over, and bounds what
