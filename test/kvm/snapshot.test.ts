@@ -2,10 +2,11 @@
 // where the snapshot was taken (its digest is the host model's), clones of one snapshot are
 // independent, a changed snapshot is refused before anything runs, and a clone does not need the
 // directory once restored. Needs /dev/kvm.
-import { chmodSync, copyFileSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, openSync, readSync, writeSync, closeSync } from 'node:fs';
+import { chmodSync, closeSync, existsSync, fstatSync, ftruncateSync, mkdirSync, mkdtempSync, openSync, readdirSync, readFileSync, readSync, rmSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { ColdCompression, HostUnsupportedError, IdleRelease, InvalidOptionError, KsmAdvice, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
+import { fileDataRuns } from '../../src/memory/file-runs';
 import { crc32c } from '../../src/memory/uffd-server';
 import { hex32 } from '../../src/snapshot/ram-file';
 import { hexOf } from '../probe-digest';
@@ -14,16 +15,40 @@ const MiB = 1024 * 1024;
 const base = mkdtempSync(join(tmpdir(), 'pvisor-snapshot-test-'));
 afterAll(() => rmSync(base, { recursive: true, force: true }));
 
-/** A writable copy of a sealed snapshot, to damage. */
+/**
+ * A writable copy of a sealed snapshot, to damage. Sparse as the original: a plain copy writes a
+ * RAM file's holes out, and a few 256 MiB copies filled the nested harness's /tmp.
+ */
 function copyOf(dir: string, name: string): string {
   const to = join(base, name);
   rmSync(to, { recursive: true, force: true });
-  require('node:fs').mkdirSync(to);
+  mkdirSync(to);
   for (const f of readdirSync(dir)) {
-    copyFileSync(join(dir, f), join(to, f));
+    sparseCopy(join(dir, f), join(to, f));
     chmodSync(join(to, f), 0o644);
   }
   return to;
+}
+
+function sparseCopy(from: string, to: string): void {
+  const src = openSync(from, 'r');
+  const dst = openSync(to, 'wx');
+  try {
+    const size = fstatSync(src).size;
+    const piece = Buffer.allocUnsafe(MiB);
+    for (const [start, end] of fileDataRuns(src, size)) {
+      for (let at = start; at < end;) {
+        const n = readSync(src, piece, 0, Math.min(piece.length, end - at), at);
+        if (n === 0) break;
+        writeSync(dst, piece, 0, n, at);
+        at += n;
+      }
+    }
+    ftruncateSync(dst, size);
+  } finally {
+    closeSync(src);
+    closeSync(dst);
+  }
 }
 
 /** Flips one byte of a snapshot's RAM inside the working set (chunk 4: bytes 8 to 10 MiB). */
