@@ -1,7 +1,7 @@
 /**
  * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
  */
-import { accessSync, closeSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
+import { accessSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
@@ -11,6 +11,7 @@ import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, Timeou
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
+import type { SnapshotReader } from './snapshot/snapshot-dir';
 import { nativePrebuild, prebuildMismatch } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
@@ -435,11 +436,24 @@ export class Vm extends EventEmitter<VmEvents> {
     const verify = booleanOption('verify', options.verify, false);
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
-    const { state } = snapshot;
+    try {
+      return await Vm.restoreFrom(snapshot, options, { t0, name, readyTimeoutMs, warningLimit, verify });
+    } finally {
+      // Its RAM file is read, loaded from a duplicate, or mapped through one by now.
+      snapshot.close();
+    }
+  }
+
+  private static async restoreFrom(
+    snapshot: SnapshotReader,
+    options: RestoreOptions,
+    { t0, name, readyTimeoutMs, warningLimit, verify }: { t0: number; name: string; readyTimeoutMs: number; warningLimit: Required<WarningLimit>; verify: boolean },
+  ): Promise<Vm> {
+    const { state, dir } = snapshot;
     const strategies = [...(options.strategies ?? [])];
     // Bound before the composition is planned: its RAM file is guest RAM's backing.
     const shared = strategies.find((s): s is SharedSnapshot => s instanceof SharedSnapshot);
-    shared?.useRamFile(snapshot.ramPath);
+    shared?.useRamFile(snapshot.ramPath, snapshot.ramFd);
     const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies, warningLimit);
     const host = checkKvmHost();
     if (state.guest === 'linux') requireKernelModeGuests(host, 'linux');
@@ -459,18 +473,14 @@ export class Vm extends EventEmitter<VmEvents> {
       const ram = vm.machine.memory;
       const lazy = !shared && !verify && vm.memory.canLoadLazily ? snapshot.openRamForLazyLoad() : undefined;
       ramLoad = shared ? 'mapped' : lazy ? 'lazy' : 'read';
-      try {
-        if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(snapshot.checkMappedRam(ram.backing.fd, shared.verifyAgain));
-        else if (!lazy) snapshot.readRam(ram);
-        // Strategies map before anything touches RAM: a lazy load needs it untouched.
-        vm.memory.attach(ram);
-        if (lazy) {
-          await vm.memory.loadLazily(lazy.fd, lazy.ranges, (why, offset) =>
-            new SnapshotError(`${snapshot.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
-          );
-        }
-      } finally {
-        if (lazy) closeSync(lazy.fd);
+      if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(snapshot.checkMappedRam(ram.backing.fd, shared.verifyAgain));
+      else if (!lazy) snapshot.readRam(ram);
+      // Strategies map before anything touches RAM: a lazy load needs it untouched.
+      vm.memory.attach(ram);
+      if (lazy) {
+        await vm.memory.loadLazily(lazy.fd, lazy.ranges, (why, offset) =>
+          new SnapshotError(`${snapshot.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
+        );
       }
       phases.ramMs = performance.now() - tRam;
       vm.agent.restoreState(state.agent, 'snapshot.agent');
@@ -513,6 +523,10 @@ export class Vm extends EventEmitter<VmEvents> {
    * then shares the image, read-only, with its own writes in RAM (its `/tmp`). A VM with a
    * writable rootfs is refused with a {@link SnapshotError} before it is paused: its image goes
    * on changing after the snapshot, under the clones' feet.
+   *
+   * A state larger than a restore reads (4 MiB of JSON: only bytes in flight on the agent
+   * channel, requests the guest has not taken yet, make it that large) is refused with a
+   * {@link SnapshotError} before anything is written, and the VM runs on.
    */
   snapshot(dir: string, options: SnapshotOptions = {}): Promise<SnapshotInfo> {
     return this.transition(async () => {

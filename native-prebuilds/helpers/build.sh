@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Rebuilds every native helper library into native-prebuilds/linux-x64/, each with its checksum:
 #   libpvisor-vcpu.so    vcpu_runner.c  (a thread per vCPU running KVM_RUN)
-#   libpvisor-memory.so  uffd_server.c cold_store.c crc32c.c map_runs.c + lz4's lz4.c  (the userfaultfd
-#                        server of memory strategies, with ColdCompression's block store)
+#   libpvisor-memory.so  uffd_server.c cold_store.c crc32c.c map_runs.c ram_guard.c + lz4's lz4.c (the
+#                        userfaultfd server of memory strategies, with ColdCompression's block store;
+#                        guest RAM's SIGBUS guard)
 #   pvisor-pool-daemon   pool_daemon.c pool_pages.c pool_hello.c pool_grants.c pool_peers.c
 #                        pool_orphans.c crc32c.c  (the page pool's daemon, an executable: what
 #                        `pvisor-daemon serve --memory-pool` execs)
@@ -60,6 +61,6 @@ lz4=$(lz4_source)
 build libpvisor-vcpu.so vcpu_runner.c
 # lz4.c as released (third-party code: not under pvisor's warnings), its symbols kept private.
 gcc -O2 -g0 -fPIC -fvisibility=hidden -DLZ4LIB_VISIBILITY= -c -ffile-prefix-map="$lz4"=lz4 -o "$lz4/lz4.o" "$lz4/lz4.c"
-build libpvisor-memory.so -I"$lz4" uffd_server.c cold_store.c crc32c.c map_runs.c "$lz4/lz4.o"
+build libpvisor-memory.so -I"$lz4" uffd_server.c cold_store.c crc32c.c map_runs.c ram_guard.c "$lz4/lz4.o"
 # Its keys are crc32c.c's pv_page_hashes, the function VM processes key their offers with.
 build pvisor-pool-daemon pool_daemon.c pool_pages.c pool_hello.c pool_grants.c pool_peers.c pool_orphans.c crc32c.c

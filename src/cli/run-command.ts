@@ -75,7 +75,9 @@ export async function cmdRun(argv: string[]): Promise<number> {
  */
 async function readSnapshotMachine(dir: string): Promise<{ guest: GuestKind; memoryBytes: number; vcpus: number }> {
   const { SnapshotReader } = await import('../snapshot/snapshot-dir');
-  const { guest, memoryBytes, vcpus } = SnapshotReader.open(dir).state;
+  const snapshot = SnapshotReader.open(dir);
+  snapshot.close();
+  const { guest, memoryBytes, vcpus } = snapshot.state;
   return { guest, memoryBytes, vcpus };
 }
 

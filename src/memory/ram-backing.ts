@@ -6,7 +6,7 @@
 import { fstatSync, ftruncateSync, openSync } from 'node:fs';
 import { BackingFileError } from '../errors';
 import { MFD_CLOEXEC } from '../sys/constants';
-import { closeFd, createMemfd } from '../sys/libc';
+import { closeFd, createMemfd, dupFd } from '../sys/libc';
 
 /** Something a strategy relies on guest RAM's backing to do. */
 export type RamCapability =
@@ -31,9 +31,10 @@ export type RamBackingRequest =
   /**
    * A file mapped MAP_PRIVATE: pages the guest only reads are the file's page cache, shared with
    * every other mapping of it; a write makes a private copy. Opened read-only; it must be at least
-   * as large as guest RAM (beyond its end the guest would fault).
+   * as large as guest RAM (beyond its end the guest would fault). With `fd`, that descriptor of
+   * it is duplicated instead of opening `path` again (the caller keeps and closes its own).
    */
-  | { kind: 'private-file'; path: string };
+  | { kind: 'private-file'; path: string; fd?: number };
 
 /** The kinds of backing. */
 export type RamBackingKind = RamBackingRequest['kind'];
@@ -90,7 +91,7 @@ export function openBacking(request: RamBackingRequest, sizeBytes: number, vmNam
     case 'private-file': {
       let fd: number;
       try {
-        fd = openSync(request.path, 'r');
+        fd = request.fd === undefined ? openSync(request.path, 'r') : dupFd(request.fd);
       } catch (e) {
         throw new BackingFileError(request.path, `cannot open it as guest RAM: ${(e as Error).message}`, { cause: e });
       }

@@ -63,6 +63,14 @@ export class RecordChannel {
     });
   }
 
+  /**
+   * Lets the process end while the socket is still open (a helper that lives as long as the
+   * process, and only ever reports trouble).
+   */
+  unref(): void {
+    this.socket.unref();
+  }
+
   /** Stops delivering records and closes the socket. Idempotent. */
   destroy(): void {
     if (this.destroyed) return;

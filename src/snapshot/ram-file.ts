@@ -49,6 +49,10 @@ export function writeRamFile(mem: GuestMemory, path: string): RamFileInfo {
         }
       }
     }
+    // A page of a clone's own RAM file that was gone read zero (see GuestMemory.lostBacking):
+    // what was written is not the guest's RAM.
+    const lost = mem.lostBacking();
+    if (lost) throw new SnapshotError(`guest RAM cannot be saved: ${lost}`);
     ftruncateSync(fd, mem.sizeBytes);
     fsyncSync(fd);
     return { chunkCrc32c, dataPageCount };
@@ -58,26 +62,21 @@ export function writeRamFile(mem: GuestMemory, path: string): RamFileInfo {
 }
 
 /**
- * Reads the file at `path` into `mem` (fresh, all zero), checking every chunk against
- * `chunkCrc32c` before any of its bytes reach guest RAM; only non-zero pages are copied, so the
- * restored guest's RAM is as resident as the snapshot's working set. A file of another size, or
- * a chunk whose checksum differs, is a {@link SnapshotError}.
+ * Reads the RAM file open as `fd` (`path` for messages) into `mem` (fresh, all zero), checking
+ * every chunk against `chunkCrc32c` before any of its bytes reach guest RAM; only non-zero pages
+ * are copied, so the restored guest's RAM is as resident as the snapshot's working set. A file
+ * of another size, or a chunk whose checksum differs, is a {@link SnapshotError}.
  */
-export function readRamFile(path: string, mem: GuestMemory, chunkCrc32c: readonly number[]): void {
-  const fd = openSync(path, 'r');
-  try {
-    const size = fstatSync(fd).size;
-    if (size !== mem.sizeBytes) throw new SnapshotError(`${path}: guest RAM is ${mem.sizeBytes} bytes, the file ${size}`);
-    forEachCheckedChunk(fd, path, size, chunkCrc32c, (off, chunk) => {
-      const view = mem.hostView(off, chunk.length);
-      for (let p = 0; p < chunk.length; p += PAGE_BYTES) {
-        const page = chunk.subarray(p, p + PAGE_BYTES);
-        if (!page.equals(ZERO_PAGE)) page.copy(view, p);
-      }
-    });
-  } finally {
-    closeSync(fd);
-  }
+export function readRamFile(fd: number, path: string, mem: GuestMemory, chunkCrc32c: readonly number[]): void {
+  const size = fstatSync(fd).size;
+  if (size !== mem.sizeBytes) throw new SnapshotError(`${path}: guest RAM is ${mem.sizeBytes} bytes, the file ${size}`);
+  forEachCheckedChunk(fd, path, size, chunkCrc32c, (off, chunk) => {
+    const view = mem.hostView(off, chunk.length);
+    for (let p = 0; p < chunk.length; p += PAGE_BYTES) {
+      const page = chunk.subarray(p, p + PAGE_BYTES);
+      if (!page.equals(ZERO_PAGE)) page.copy(view, p);
+    }
+  });
 }
 
 /** What {@link checkRamFile} did. */

@@ -2,18 +2,23 @@
  * A sealed snapshot directory: `ram` (guest RAM, sparse, see ram-file.ts), `state.json` (the
  * machine description: KVM state, device state, the agent channel, the VM's options and guest
  * kind) and `manifest.json` (the format version, a CRC32C per RAM chunk and of the state). Every
- * file is 0444 once written. Reading checks the manifest and the state before anything is built;
- * the RAM chunks are checked as they are read into the new machine's RAM.
+ * file is 0444 once written. Reading opens each file once, as a regular file (snapshot-file.ts),
+ * checks the manifest, the VM's shape and the state before anything is built, each read bounded
+ * by what a snapshot can need; the RAM chunks are checked as they are read into the new machine's
+ * RAM, through the descriptor opened here.
  */
-import { chmodSync, closeSync, fstatSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, statSync, writeSync } from 'node:fs';
+import { chmodSync, closeSync, fstatSync, fsyncSync, mkdirSync, openSync, readdirSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { arrayAt, booleanAt, checkVersion, choiceAt, integerAt, objectAt, stringAt } from '../backends/kvm/state-fields';
-import { SnapshotError } from '../errors';
+import { InvalidOptionError, SnapshotError } from '../errors';
+import { hostMemTotalBytes } from '../memory-usage';
 import { crc32c, type FileRange } from '../memory/uffd-server';
 import type { PageRun } from '../memory/pages';
 import { fileDataRuns } from '../memory/file-runs';
+import { checkGuestMemoryBytes, checkVmShape } from '../vm-shape';
 import { checkRamFile, dataChunkRanges, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
+import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile, type SnapshotFile } from './snapshot-file';
 
 /** The version of the directory's layout and manifest this code writes and reads. */
 export const SNAPSHOT_FORMAT_VERSION = 1;
@@ -23,7 +28,24 @@ export const SNAPSHOT_STATE_VERSION = 1;
 const MANIFEST = 'manifest.json';
 const STATE = 'state.json';
 const RAM = 'ram';
-const MAX_STATE_BYTES = 256 * 1024 * 1024;
+
+/**
+ * The largest state.json read back (and written). Its fixed part grows with the vCPUs (10-12 KB
+ * of JSON each) and is about 100 KB for 8 vCPUs (docs/snapshots.md has the figures); the
+ * rest is bytes in flight on the agent channel: what the host had queued for the guest and half
+ * a frame from the guest, each at most a frame (1 MiB of payload) in the common case, and base64
+ * in JSON (4/3). 4 MiB holds two whole frames and the fixed part many times over, and bounds what
+ * a hostile file costs to parse (under a second here for 4 MiB of the costliest JSON).
+ */
+export const MAX_STATE_BYTES = 4 * 1024 * 1024;
+
+/**
+ * The largest manifest of a snapshot of `ramBytes` of guest RAM: its fixed fields, and a CRC32C
+ * per 2 MiB chunk (16 bytes each as written, one a line), with room for twice that.
+ */
+export function manifestBytesLimit(ramBytes: number): number {
+  return 4096 + 32 * Math.ceil(ramBytes / RAM_CHUNK_BYTES);
+}
 
 /**
  * What a snapshot says of its VM besides RAM. Each part is checked by its owner when restored
@@ -78,10 +100,14 @@ export interface WrittenSnapshot {
  * not a snapshot.
  */
 export function writeSnapshot(dir: string, mem: GuestMemory, state: SnapshotState): WrittenSnapshot {
+  const stateBytes = Buffer.from(JSON.stringify(state));
+  if (stateBytes.length > MAX_STATE_BYTES) {
+    throw new SnapshotError(`the VM's state is ${stateBytes.length} bytes as JSON, more than the ${MAX_STATE_BYTES} a restore reads: ` +
+      'most of it must be bytes in flight on the agent channel (requests the guest has not taken yet); snapshot it once they are answered');
+  }
   mkdirSync(dir, { recursive: true });
   if (readdirSync(dir).length > 0) throw new SnapshotError(`${dir} is not empty: a snapshot goes into a new or empty directory`);
   const ram = writeRamFile(mem, join(dir, RAM));
-  const stateBytes = Buffer.from(JSON.stringify(state));
   writeSealed(join(dir, STATE), stateBytes);
   const manifest: Manifest = {
     format: 'pvisor-snapshot',
@@ -97,55 +123,84 @@ export function writeSnapshot(dir: string, mem: GuestMemory, state: SnapshotStat
   return { ramDataPageCount: ram.dataPageCount };
 }
 
-/** A snapshot directory whose manifest and state have been checked; its RAM is checked as it is read. */
+/**
+ * A snapshot directory whose manifest and state have been checked, with its RAM file open; its RAM
+ * is checked as it is read. {@link close} it once the restore is done with it.
+ */
 export class SnapshotReader {
-  private constructor(readonly dir: string, private readonly manifest: Manifest, readonly state: SnapshotState) {}
+  private closed = false;
+
+  private constructor(readonly dir: string, private readonly manifest: Manifest, readonly state: SnapshotState, private readonly ram: SnapshotFile) {}
 
   /**
-   * Reads and checks `dir`'s manifest and state, and that the RAM file is whole: a missing or
-   * malformed file, a newer format, a state whose checksum differs, a RAM file of the wrong
-   * size, are each a {@link SnapshotError}.
+   * Opens `dir`'s three files, each once and as a regular file, and checks, in this order, before
+   * reading anything whose size a file decides: the manifest's size against the largest this
+   * host can restore, then the manifest, the guest RAM size it gives (as {@link Vm.start} checks
+   * it: a non-zero multiple of 4 KiB, no larger than this host's RAM), the state's size against
+   * the manifest and {@link MAX_STATE_BYTES}, the state's checksum, the state and the VM's shape,
+   * and the RAM file's size. Each failure is a {@link SnapshotError}, and nothing stays open.
    */
   static open(dir: string): SnapshotReader {
-    const manifest = parseManifest(readJson(join(dir, MANIFEST), 64 * 1024 * 1024), `${dir}/${MANIFEST}`);
-    const statePath = join(dir, STATE);
-    const stateBytes = readBounded(statePath, MAX_STATE_BYTES);
-    const crc = hex32(crc32c(stateBytes));
-    if (stateBytes.length !== manifest.stateBytes || crc !== manifest.stateCrc32c) {
-      throw new SnapshotError(`${statePath}: ${stateBytes.length} bytes with CRC32C ${crc}, the manifest says ${manifest.stateBytes} bytes with ${manifest.stateCrc32c}: the state was changed`);
+    let files: { manifest: SnapshotFile; state?: SnapshotFile; ram?: SnapshotFile } | undefined;
+    try {
+      files = { manifest: openSnapshotFile(join(dir, MANIFEST)) };
+      files.state = openSnapshotFile(join(dir, STATE));
+      files.ram = openSnapshotFile(join(dir, RAM));
+      const { manifest: m, state: st, ram } = files;
+      const manifestBytes = readSnapshotFile(m, manifestBytesLimit(hostMemTotalBytes()), "a manifest of this host's largest guest RAM needs");
+      const manifest = parseManifest(parseJson(manifestBytes, m.path), m.path);
+      if (st.sizeBytes !== manifest.stateBytes) {
+        throw new SnapshotError(`${st.path}: ${st.sizeBytes} bytes, the manifest says ${manifest.stateBytes}: the state was changed`);
+      }
+      const stateBytes = readSnapshotFile(st, MAX_STATE_BYTES, "a snapshot's state can need");
+      const crc = hex32(crc32c(stateBytes));
+      if (stateBytes.length !== manifest.stateBytes || crc !== manifest.stateCrc32c) {
+        throw new SnapshotError(`${st.path}: ${stateBytes.length} bytes with CRC32C ${crc}, the manifest says ${manifest.stateBytes} bytes with ${manifest.stateCrc32c}: the state was changed`);
+      }
+      const state = parseState(parseJson(stateBytes, st.path), manifest);
+      if (ram.sizeBytes !== manifest.ramBytes) throw new SnapshotError(`${ram.path}: ${ram.sizeBytes} bytes, the manifest says ${manifest.ramBytes}: the file was truncated or grown`);
+      closeSnapshotFiles(m, st);
+      return new SnapshotReader(dir, manifest, state, ram);
+    } catch (e) {
+      closeSnapshotFiles(files?.manifest, files?.state, files?.ram);
+      throw e;
     }
-    const state = parseState(parseJson(stateBytes, statePath), manifest);
-    const ramPath = join(dir, RAM);
-    const ramSize = statOrThrow(ramPath).size;
-    if (ramSize !== manifest.ramBytes) throw new SnapshotError(`${ramPath}: ${ramSize} bytes, the manifest says ${manifest.ramBytes}: the file was truncated or grown`);
-    return new SnapshotReader(dir, manifest, state);
   }
 
-  /** The RAM file's path. */
+  /** The RAM file's path, for messages: it is read through {@link ramFd} only. */
   get ramPath(): string {
-    return join(this.dir, RAM);
+    return this.ram.path;
+  }
+
+  /** The RAM file, open read-only: what a clone maps (duplicated), what a restore reads. */
+  get ramFd(): number {
+    if (this.closed) throw new SnapshotError(`${this.ram.path}: the snapshot reader was closed`);
+    return this.ram.fd;
+  }
+
+  /** Closes the RAM file. Idempotent. */
+  close(): void {
+    if (this.closed) return;
+    this.closed = true;
+    closeSnapshotFiles(this.ram);
   }
 
   /** Reads guest RAM into `mem` (fresh), checking every chunk first. */
   readRam(mem: GuestMemory): void {
-    readRamFile(this.ramPath, mem, this.chunkChecksums());
+    readRamFile(this.ramFd, this.ramPath, mem, this.chunkChecksums());
   }
 
   /**
-   * Opens the RAM file for a lazy restore: its size is checked now, and so is every chunk that
-   * is a hole; the chunks with data come back as ranges for a userfaultfd source, each checked
-   * against the manifest as it loads. The caller closes `fd` (a source reads from a duplicate).
+   * The RAM file for a lazy restore: its size is checked now, and so is every chunk that is a
+   * hole; the chunks with data come back as ranges for a userfaultfd source, each checked against
+   * the manifest as it loads. `fd` is {@link ramFd}, still this reader's (a source reads from a
+   * duplicate).
    */
   openRamForLazyLoad(): { fd: number; ranges: FileRange[] } {
-    const fd = openSync(this.ramPath, 'r');
-    try {
-      const size = fstatSync(fd).size;
-      if (size !== this.manifest.ramBytes) throw new SnapshotError(`${this.ramPath}: ${size} bytes, the manifest says ${this.manifest.ramBytes}: the file was truncated or grown`);
-      return { fd, ranges: dataChunkRanges(fd, this.ramPath, size, this.chunkChecksums()) };
-    } catch (e) {
-      closeSync(fd);
-      throw e;
-    }
+    const fd = this.ramFd;
+    const size = fstatSync(fd).size;
+    if (size !== this.manifest.ramBytes) throw new SnapshotError(`${this.ramPath}: ${size} bytes, the manifest says ${this.manifest.ramBytes}: the file was truncated or grown`);
+    return { fd, ranges: dataChunkRanges(fd, this.ramPath, size, this.chunkChecksums()) };
   }
 
   /**
@@ -210,7 +265,7 @@ function parseManifest(value: unknown, path: string): Manifest {
     throw new SnapshotError(`${path}.version: the snapshot is of format ${version}, written by a newer pvisor; this one reads format ${SNAPSHOT_FORMAT_VERSION}`);
   }
   checkVersion(o, path, SNAPSHOT_FORMAT_VERSION);
-  const ramBytes = integerAt(o, 'ramBytes', path, 4096, Number.MAX_SAFE_INTEGER);
+  const ramBytes = shaped(path, { memory: 'ramBytes' }, () => checkGuestMemoryBytes(integerAt(o, 'ramBytes', path, 1, Number.MAX_SAFE_INTEGER)));
   const chunkBytes = integerAt(o, 'chunkBytes', path, RAM_CHUNK_BYTES, RAM_CHUNK_BYTES);
   const chunks = arrayAt(o, 'ramChunkCrc32c', path, Math.ceil(ramBytes / chunkBytes));
   if (chunks.length !== Math.ceil(ramBytes / chunkBytes)) throw new SnapshotError(`${path}.ramChunkCrc32c: ${chunks.length} checksums for ${Math.ceil(ramBytes / chunkBytes)} chunks`);
@@ -233,14 +288,17 @@ function parseState(value: unknown, manifest: Manifest): SnapshotState {
   const path = 'snapshot';
   const o = objectAt(value, path);
   checkVersion(o, path, SNAPSHOT_STATE_VERSION);
-  const memoryBytes = integerAt(o, 'memoryBytes', path, 4096, Number.MAX_SAFE_INTEGER);
+  const memoryBytes = integerAt(o, 'memoryBytes', path, 1, Number.MAX_SAFE_INTEGER);
   if (memoryBytes !== manifest.ramBytes) throw new SnapshotError(`${path}.memoryBytes: ${memoryBytes}, the RAM file ${manifest.ramBytes}`);
   const guest = choiceAt(o, 'guest', path, ['probe', 'linux'] as const);
+  const vcpus = integerAt(o, 'vcpus', path, 1, Number.MAX_SAFE_INTEGER);
+  // The shape Vm.start would accept, with its rules and words.
+  shaped(path, { memory: 'memoryBytes', vcpus: 'vcpus', guest: 'guest' }, () => checkVmShape({ memory: memoryBytes, vcpus, guest }));
   return {
     version: SNAPSHOT_STATE_VERSION,
     guest,
     memoryBytes,
-    vcpus: integerAt(o, 'vcpus', path, 1, 8),
+    vcpus,
     ...(o.rootfs !== undefined && { rootfs: parseRootfs(o.rootfs, guest, `${path}.rootfs`) }),
     machine: o.machine,
     devices: o.devices,
@@ -256,6 +314,21 @@ function parseRootfs(value: unknown, guest: SnapshotState['guest'], path: string
   return { path: stringAt(o, 'path', path, 4096), readOnly: true };
 }
 
+/**
+ * Runs a check of {@link Vm.start}'s (vm-shape.ts) on values from a snapshot: its
+ * {@link InvalidOptionError} becomes a {@link SnapshotError} naming the field at `path` that
+ * holds the option (`fields`: option to field).
+ */
+function shaped<T>(path: string, fields: Record<string, string>, check: () => T): T {
+  try {
+    return check();
+  } catch (e) {
+    if (!(e instanceof InvalidOptionError)) throw e;
+    const detail = e.message.slice(e.option.length + 2);
+    throw new SnapshotError(`${path}.${fields[e.option] ?? e.option}: ${detail}`, { cause: e });
+  }
+}
+
 function writeSealed(path: string, bytes: Buffer): void {
   const fd = openSync(path, 'wx', 0o444);
   try {
@@ -264,23 +337,6 @@ function writeSealed(path: string, bytes: Buffer): void {
   } finally {
     closeSync(fd);
   }
-}
-
-function statOrThrow(path: string) {
-  try {
-    return statSync(path);
-  } catch (e) {
-    throw new SnapshotError(`${path}: ${(e as Error).message}`, { cause: e });
-  }
-}
-
-function readBounded(path: string, maxBytes: number): Buffer {
-  if (statOrThrow(path).size > maxBytes) throw new SnapshotError(`${path}: larger than ${maxBytes} bytes`);
-  return readFileSync(path);
-}
-
-function readJson(path: string, maxBytes: number): unknown {
-  return parseJson(readBounded(path, maxBytes), path);
 }
 
 function parseJson(bytes: Buffer, path: string): unknown {

@@ -51,6 +51,7 @@ function defineLibc() {
     eventfd: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
     memfd_create: { library: libc, retType: I32, paramsType: [DataType.String, I32], errno: true },
     flock: { library: libc, retType: I32, paramsType: [I32, I32], errno: true },
+    fcntl: { library: libc, retType: I32, paramsType: [I32, I32, I32], errno: true },
     fallocate: { library: libc, retType: I32, paramsType: [I32, I32, I64, I64], errno: true },
     // Returns the error number itself (not -1 and errno).
     posix_fadvise: { library: libc, retType: I32, paramsType: [I32, I64, I64, I32] },
@@ -132,6 +133,17 @@ const FALLOC_FL_PUNCH_HOLE = 2;
 /** Frees [offset, offset+length) of file `fd` (a hole reads zero), keeping its size: fallocate(PUNCH_HOLE). */
 export function punchHole(fd: number, offset: number, length: number): void {
   check('fallocate(PUNCH_HOLE)', fns.fallocate([fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length]) as ErrnoResult<number>);
+}
+
+/** F_DUPFD_CLOEXEC from <linux/fcntl.h>. */
+const F_DUPFD_CLOEXEC = 1030;
+
+/**
+ * A close-on-exec duplicate of `fd` (fcntl F_DUPFD_CLOEXEC): the same open file, for an owner
+ * that closes its own, without opening the path again (which may by then be another file).
+ */
+export function dupFd(fd: number): number {
+  return check('fcntl(F_DUPFD_CLOEXEC)', fns.fcntl([fd, F_DUPFD_CLOEXEC, 0]) as ErrnoResult<number>);
 }
 
 /** close(2). */

@@ -1,7 +1,7 @@
 // Capture and restore of the KVM-side machine state (vCPUs, VM) on real KVM with the probe guest:
 // a restore after clobbering the registers puts the guest back where it was, and a malformed
 // description is refused before any of it reaches KVM. Needs /dev/kvm.
-import { SnapshotError, Vm, VmStateError } from '../../src';
+import { SnapshotError, SystemCallError, Vm, VmStateError } from '../../src';
 import { Kvm } from '../../src/backends/kvm/ioctls';
 import { parseMachineState, type MachineState } from '../../src/backends/kvm/machine-state';
 import { msrsReadAndWrittenBack } from '../../src/backends/kvm/vcpu-state';
@@ -129,6 +129,43 @@ describe('machine state on KVM (probe guest)', () => {
       await vm.resume();
     }
     expect((await vm.probe.digest()).hex).toBe(hexOf({ content: 'repetitive', seed: 4, sizeBytes: 8 * MiB, rewrites: [] }));
+  });
+
+  it('a value KVM refuses on restore is a SnapshotError naming its field, with KVM\'s error as cause', async () => {
+    await vm.probe.fill({ sizeMiB: 8, content: 'repetitive', seed: 6 });
+    await vm.pause();
+    const state = await vm.kvmMachine.captureState();
+    const mutate = (f: (s: any) => void): unknown => {
+      const copy = JSON.parse(JSON.stringify(state));
+      f(copy);
+      return copy;
+    };
+    const blob = (b64: string, offset: number, value: bigint) => {
+      const b = Buffer.from(b64, 'base64');
+      b.writeBigUInt64LE(value, offset);
+      return b.toString('base64');
+    };
+    // Each passes the shape checks; KVM judges the value (the probe machine has no in-kernel LAPIC,
+    // so only RUNNABLE is a valid MP state; kvm_debugregs.flags and kvm_clock_data.flags take no
+    // unknown bits).
+    const cases: [string, unknown, RegExp][] = [
+      ['an MP state', mutate((s) => { s.vcpus[1].kvm.mpState = 1; }), /^machine\.vcpus\[1\]\.kvm\.mpState: KVM refused the saved value \(ioctl\(KVM_SET_MP_STATE\) failed: errno 22 \(EINVAL\)/],
+      ['debug register flags', mutate((s) => { s.vcpus[0].kvm.debugregs = blob(s.vcpus[0].kvm.debugregs, 48, 1n); }), /^machine\.vcpus\[0\]\.kvm\.debugregs: KVM refused the saved value \(.*EINVAL/],
+      ['clock flags', mutate((s) => { s.vm.clock = blob(s.vm.clock, 8, 0x80000000n); }), /^machine\.vm\.clock: KVM refused the saved value \(.*EINVAL/],
+    ];
+    try {
+      for (const [what, bad, message] of cases) {
+        const err = await vm.kvmMachine.restoreState(bad).then(() => undefined, (e: unknown) => e);
+        expect([what, err]).toEqual([what, expect.any(SnapshotError)]);
+        expect((err as Error).message).toMatch(message);
+        expect((err as Error).cause).toBeInstanceOf(SystemCallError);
+      }
+      // A machine half restored is put right by a whole state.
+      await vm.kvmMachine.restoreState(state);
+    } finally {
+      await vm.resume();
+    }
+    expect((await vm.probe.digest()).hex).toBe(hexOf({ content: 'repetitive', seed: 6, sizeBytes: 8 * MiB, rewrites: [] }));
   });
 
   it('only a paused machine captures or restores', async () => {

@@ -2,10 +2,11 @@
 // where the snapshot was taken (its digest is the host model's), clones of one snapshot are
 // independent, a changed snapshot is refused before anything runs, and a clone does not need the
 // directory once restored. Needs /dev/kvm.
-import { chmodSync, copyFileSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, openSync, readSync, writeSync, closeSync } from 'node:fs';
+import { chmodSync, closeSync, existsSync, fstatSync, ftruncateSync, mkdirSync, mkdtempSync, openSync, readdirSync, readFileSync, readSync, rmSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { ColdCompression, HostUnsupportedError, IdleRelease, InvalidOptionError, KsmAdvice, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
+import { fileDataRuns } from '../../src/memory/file-runs';
 import { crc32c } from '../../src/memory/uffd-server';
 import { hex32 } from '../../src/snapshot/ram-file';
 import { hexOf } from '../probe-digest';
@@ -14,16 +15,40 @@ const MiB = 1024 * 1024;
 const base = mkdtempSync(join(tmpdir(), 'pvisor-snapshot-test-'));
 afterAll(() => rmSync(base, { recursive: true, force: true }));
 
-/** A writable copy of a sealed snapshot, to damage. */
+/**
+ * A writable copy of a sealed snapshot, to damage. Sparse as the original: a plain copy writes a
+ * RAM file's holes out, and a few 256 MiB copies filled the nested harness's /tmp.
+ */
 function copyOf(dir: string, name: string): string {
   const to = join(base, name);
   rmSync(to, { recursive: true, force: true });
-  require('node:fs').mkdirSync(to);
+  mkdirSync(to);
   for (const f of readdirSync(dir)) {
-    copyFileSync(join(dir, f), join(to, f));
+    sparseCopy(join(dir, f), join(to, f));
     chmodSync(join(to, f), 0o644);
   }
   return to;
+}
+
+function sparseCopy(from: string, to: string): void {
+  const src = openSync(from, 'r');
+  const dst = openSync(to, 'wx');
+  try {
+    const size = fstatSync(src).size;
+    const piece = Buffer.allocUnsafe(MiB);
+    for (const [start, end] of fileDataRuns(src, size)) {
+      for (let at = start; at < end;) {
+        const n = readSync(src, piece, 0, Math.min(piece.length, end - at), at);
+        if (n === 0) break;
+        writeSync(dst, piece, 0, n, at);
+        at += n;
+      }
+    }
+    ftruncateSync(dst, size);
+  } finally {
+    closeSync(src);
+    closeSync(dst);
+  }
 }
 
 /** Flips one byte of a snapshot's RAM inside the working set (chunk 4: bytes 8 to 10 MiB). */
@@ -307,6 +332,41 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       expect((await clones[1].probe.digest()).hex).toBe(filled);
     } finally {
       for (const c of clones) c.stop();
+    }
+  });
+
+  // Without the guard, the host's read of a truncated page (a device model reading its ring on
+  // Node's main thread) is a SIGBUS that ends the whole process, the bystander with it.
+  it('a RAM file truncated under running clones ends each of them with SnapshotError; the process and a bystander VM run on', async () => {
+    const bystander = await Vm.restore(dir, { name: 'bystander', strategies: [new SharedSnapshot()] });
+    // One file truncated to nothing: the host finds the clone's rings gone when it next sends.
+    const toNothing = copyOf(dir, 'shared-truncated-host');
+    // One truncated past the probe's own pages: the guest finds its working set gone (KVM_RUN).
+    const toHalf = copyOf(dir, 'shared-truncated-vcpu');
+    const host = await Vm.restore(toNothing, { name: 'truncated-host', strategies: [new SharedSnapshot()] });
+    const vcpu = await Vm.restore(toHalf, { name: 'truncated-vcpu', strategies: [new SharedSnapshot()] });
+    const ended = (vm: Vm) => new Promise<unknown>((resolve) => (vm.state === 'crashed' ? resolve(vm.error) : vm.once('exit', (info) => resolve(info.error))));
+    try {
+      expect((await host.probe.digest()).hex).toBe(filled);
+      const hostEnded = ended(host);
+      const vcpuEnded = ended(vcpu);
+      truncateSync(join(toNothing, 'ram'), 0);
+      truncateSync(join(toHalf, 'ram'), 16 * MiB);
+      await expect(host.probe.digest()).rejects.toThrow();
+      await expect(vcpu.probe.digest()).rejects.toThrow();
+      const [hostError, vcpuError] = await Promise.all([hostEnded, vcpuEnded]);
+      expect(hostError).toBeInstanceOf(SnapshotError);
+      expect((hostError as Error).message).toMatch(/guest RAM lost its page at offset 0x[0-9a-f]+ when the host read it: .*shared-truncated-host\/ram is now 0 bytes, guest RAM 268435456: the file was truncated under the VM/);
+      expect(vcpuError).toBeInstanceOf(SnapshotError);
+      expect((vcpuError as Error).message).toMatch(/shared-truncated-vcpu\/ram is now 16777216 bytes, guest RAM 268435456: the file was truncated under the VM, and a vCPU found a page of it gone/);
+      expect([host.state, vcpu.state]).toEqual(['crashed', 'crashed']);
+      // The bystander, another clone in the same process, answers right.
+      expect((await bystander.probe.digest()).hex).toBe(filled);
+      expect(bystander.state).toBe('running');
+    } finally {
+      host.stop();
+      vcpu.stop();
+      bystander.stop();
     }
   });
 

@@ -5,7 +5,11 @@
 // and keys added, then go through JSON as a file would. Every restore path either takes the state
 // or throws SnapshotError (PVISOR_SNAPSHOT), never another error, within a second; a transport
 // that refused one is unchanged, and one that took one works on and saves a state that restores.
-import { chmodSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+// A snapshot directory's files get the same, and are also replaced by links, FIFOs, devices,
+// sockets, directories and files of any size, and their VM shape by any size and count.
+import { spawnSync } from 'node:child_process';
+import { chmodSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, truncateSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { CmosRtc } from '../../src/backends/kvm/devices/cmos-rtc';
@@ -24,8 +28,9 @@ import { ProbeGuest } from '../../src/guest/probe-client';
 import { AgentClient } from '../../src/protocol/agent-client';
 import { encodeFrame } from '../../src/protocol/frame';
 import { crc32c } from '../../src/memory/uffd-server';
-import { hex32 } from '../../src/snapshot/ram-file';
-import { SnapshotReader, writeSnapshot } from '../../src/snapshot/snapshot-dir';
+import { hostMemTotalBytes } from '../../src/memory-usage';
+import { hex32, RAM_CHUNK_BYTES } from '../../src/snapshot/ram-file';
+import { manifestBytesLimit, MAX_STATE_BYTES, SnapshotReader, writeSnapshot } from '../../src/snapshot/snapshot-dir';
 import { randomFrame, randomSplits } from '../fuzz-frames';
 import { property, same, thrown, type Rng } from '../fuzz-seed';
 import { machine } from '../saved-states';
@@ -292,6 +297,98 @@ describe('saved state readers under seeded mutation', () => {
       restoreOrRefuse('snapshot RAM', () => reader!.readRam(target));
     } finally {
       target.unmap();
+      reader!.close();
     }
+  });
+
+  /** A small probe snapshot with some RAM written, its files writable, in a new directory. */
+  function smallSnapshot(rng: Rng): string {
+    const snap = join(dir, `files-${rng.u32()}-${rng.u32()}`);
+    const small = GuestMemory.map(64 * 1024);
+    try {
+      small.write(rng.int(60 * 1024), rng.bytes(rng.size(4096)));
+      writeSnapshot(snap, small, { version: 1, guest: 'probe', memoryBytes: small.sizeBytes, vcpus: 1, machine: machine(), devices: {}, agent: {}, guestClient: {} });
+    } finally {
+      small.unmap();
+    }
+    for (const f of ['manifest.json', 'state.json', 'ram']) chmodSync(join(snap, f), 0o644);
+    return snap;
+  }
+
+  /** Sizes about a bound, and far past it. */
+  const sizesAbout = (rng: Rng, bound: number) => rng.pick([0, 1, bound - 1, bound, bound + 1, 2 * bound, 2 ** rng.between(20, 40), rng.size(bound)]);
+
+  property('a snapshot directory whose files are links, FIFOs, devices, sockets, directories or of any size: refused at once, or opened', 40, async (rng) => {
+    const snap = smallSnapshot(rng);
+    const file = rng.pick(['manifest.json', 'state.json', 'ram']);
+    const path = join(snap, file);
+    const kind = rng.pick(['link to a copy', 'link to a device', 'dangling link', 'fifo', 'device', 'directory', 'socket', 'sized', 'sized', 'sized'] as const);
+    const server = kind === 'socket' ? createServer() : undefined;
+    let size = -1;
+    rmSync(path);
+    switch (kind) {
+      case 'link to a copy': {
+        const copy = join(snap, `${file}.copy`);
+        writeFileSync(copy, readFileSync(join(smallSnapshot(rng), file)));
+        symlinkSync(copy, path);
+        break;
+      }
+      case 'link to a device': symlinkSync(rng.pick(['/dev/zero', '/dev/urandom', '/dev/null', '/dev/full']), path); break;
+      case 'dangling link': symlinkSync(join(snap, 'nothing'), path); break;
+      case 'fifo': spawnSync('mkfifo', [path]); break;
+      case 'device': spawnSync('mknod', [path, 'c', '1', String(rng.pick([3, 5, 7, 8, 9]))]); break;
+      case 'directory': mkdirSync(path); break;
+      case 'socket': await new Promise<void>((resolve) => server!.listen(path, resolve)); break;
+      case 'sized': {
+        const bound = file === 'manifest.json' ? manifestBytesLimit(hostMemTotalBytes()) : file === 'state.json' ? MAX_STATE_BYTES : 64 * 1024;
+        size = sizesAbout(rng, bound);
+        // Mostly a sparse file; small ones of random bytes or of JSON whitespace.
+        if (size <= 64 * 1024 && rng.chance(0.5)) writeFileSync(path, rng.chance(0.5) ? rng.bytes(size) : Buffer.alloc(size, 0x20));
+        else {
+          writeFileSync(path, '');
+          truncateSync(path, size);
+        }
+        break;
+      }
+    }
+    try {
+      const opened = restoreOrRefuse(`${file} as ${kind}`, () => SnapshotReader.open(snap).close());
+      // Only a regular file can pass, of the right size (its content is checked as RAM is read).
+      const canOpen = file === 'ram' && kind === 'sized' && size === 64 * 1024;
+      if (opened !== canOpen) same({ file, kind, size, opened }, { file, kind, size, opened: canOpen });
+    } finally {
+      server?.close();
+    }
+  });
+
+  property('a snapshot directory whose VM shape is any size or count: refused before its state is read, or opened', 60, (rng) => {
+    const snap = smallSnapshot(rng);
+    const manifestPath = join(snap, 'manifest.json');
+    const statePath = join(snap, 'state.json');
+    const manifest = JSON.parse(readFileSync(manifestPath, 'utf8'));
+    const state = JSON.parse(readFileSync(statePath, 'utf8'));
+    const host = hostMemTotalBytes();
+    const ramBytes = rng.pick([0, 1, 4095, 4096, 4097, 64 * 1024, 64 * 1024 + 1, 2 ** 26 + 1, host - 4096, host, host + 4096, 2 ** 40, 2 ** 53 - 1, 2 ** 53, -4096, 0.5 * 4096]);
+    const chunks = Math.max(0, Math.min(Math.ceil(ramBytes / RAM_CHUNK_BYTES), 4096));
+    manifest.ramBytes = ramBytes;
+    if (rng.chance(0.7)) manifest.ramChunkCrc32c = Array(chunks).fill('0x00000000');
+    if (rng.chance(0.5)) state.memoryBytes = rng.chance(0.8) ? ramBytes : rng.pick([0, 4096, '64MiB', null]);
+    state.vcpus = rng.chance(0.5) ? state.vcpus : rng.pick([0, 1, 8, 9, 64, -1, 1.5, '2', null]);
+    if (rng.chance(0.2)) state.guest = rng.pick(['linux', 'windows', 7]);
+    const bytes = Buffer.from(JSON.stringify(state));
+    writeFileSync(statePath, bytes);
+    manifest.stateBytes = bytes.length;
+    manifest.stateCrc32c = hex32(crc32c(bytes));
+    writeFileSync(manifestPath, JSON.stringify(manifest));
+    if (rng.chance(0.5) && Number.isSafeInteger(ramBytes) && ramBytes >= 0 && ramBytes <= 2 ** 40) truncateSync(join(snap, 'ram'), ramBytes);
+    let reader: SnapshotReader | undefined;
+    if (!restoreOrRefuse('shape', () => (reader = SnapshotReader.open(snap)))) return;
+    // Opened: a shape Vm.start takes.
+    const r = reader!;
+    r.close();
+    same(
+      { ram: r.state.memoryBytes % 4096 === 0 && r.state.memoryBytes > 0 && r.state.memoryBytes <= host, vcpus: r.state.vcpus >= 1 && r.state.vcpus <= 8 },
+      { ram: true, vcpus: true },
+    );
   });
 });

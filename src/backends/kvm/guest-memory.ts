@@ -6,8 +6,10 @@
  * device MMIO. Both slots come from the same host mapping, so the mapping is the unit that memory
  * strategies act on (madvise, backing files, userfaultfd).
  */
+import { fstatSync } from 'node:fs';
 import { GuestCrashError, type SystemCallError } from '../../errors';
 import { mapFileRuns } from '../../memory/file-runs';
+import { guardRam, type RamGuard } from '../../memory/ram-guard';
 import { RunCollector, type PageRun } from '../../memory/pages';
 import type { DiscardTo, RamBacking } from '../../memory/ram-backing';
 import type { FileRunOver } from '../../memory/strategy';
@@ -58,6 +60,8 @@ export class GuestMemory {
    * page, made on first use): dropping one of them must map anonymous memory back to read zero.
    */
   private fileOver: Uint8Array | undefined;
+  /** Turns a SIGBUS on a page of the mapping that is gone into a zero page and a report. */
+  private guard: RamGuard | undefined;
 
   private constructor(readonly hostAddr: number, readonly sizeBytes: number, readonly backing: RamBacking) {
     const regions: MemoryRegion[] = [{ slot: 0, guestPhysAddr: 0, sizeBytes: Math.min(sizeBytes, MMIO_HOLE_START), hostOffset: 0 }];
@@ -76,8 +80,13 @@ export class GuestMemory {
    * The one function that maps guest RAM, with the backing the memory layer chose; it takes over
    * the backing's fd (closed when RAM is unmapped). Everything else about guest RAM goes through
    * the returned object.
+   *
+   * The mapping is guarded against SIGBUS (see ../../memory/ram-guard.ts): a page of a file mapped
+   * as guest RAM that is gone when the host touches it (the file truncated, a read error) reads
+   * zero instead of ending the process, and `onLost` is told, on the event loop, why (see
+   * {@link lostBacking}); the VM must then end.
    */
-  static map(sizeBytes: number, backing: RamBacking = { kind: 'anonymous' }): GuestMemory {
+  static map(sizeBytes: number, backing: RamBacking = { kind: 'anonymous' }, onLost?: (why: string) => void): GuestMemory {
     const prot = C.PROT_READ | C.PROT_WRITE;
     // One inaccessible guard page after guest RAM: two VMs' RAM mappings have the same flags, and
     // the kernel would merge adjacent ones into one VMA, mixing their per-mapping smaps figures.
@@ -103,6 +112,12 @@ export class GuestMemory {
       throw e;
     }
     const mem = new GuestMemory(addr, sizeBytes, backing);
+    try {
+      mem.guard = guardRam(addr, sizeBytes, () => onLost?.(mem.lostBacking() ?? 'guest RAM lost a page'));
+    } catch (e) {
+      mem.unmap();
+      throw e;
+    }
     // A fork (e.g. child_process) must not copy-on-write guest RAM.
     mem.advise(0, sizeBytes, C.MADV_DONTFORK, 'MADV_DONTFORK');
     // 4 KiB pages: the host takes memory back page by page (free page reporting, offload, KSM),
@@ -359,9 +374,39 @@ export class GuestMemory {
     return viewAt(this.hostAddr + offset, len);
   }
 
+  /**
+   * Why guest RAM lost pages under the VMM, if it did: a page the host touched was gone (the
+   * guard mapped a zero page over it), or the backing file is now shorter than guest RAM (what a
+   * vCPU whose KVM_RUN failed with EFAULT ran into: the kernel's own accesses raise no SIGBUS).
+   * A sentence for the VM's error; undefined while all of guest RAM is there.
+   */
+  lostBacking(): string | undefined {
+    const at = this.guard?.lostAt;
+    const file = this.backing.kind === 'private-file' ? this.backing : undefined;
+    let shorter = '';
+    if (file && this.mapped) {
+      try {
+        const size = fstatSync(file.fd).size;
+        if (size < this.sizeBytes) shorter = `${file.path} is now ${size} bytes, guest RAM ${this.sizeBytes}: the file was truncated under the VM`;
+      } catch {
+        // The descriptor is the mapping's own; if even fstat fails, the lost page says enough.
+      }
+    }
+    if (at === undefined) return shorter ? `guest RAM's backing file ${shorter}, and a vCPU found a page of it gone; the VM ends` : undefined;
+    const where = `guest RAM lost its page at offset 0x${at.toString(16)} when the host read it`;
+    if (file) return `${where}: ${shorter || `its backing file ${file.path} could not give it (truncated, or a read error)`}; the page read zero, and the VM ends`;
+    return `${where}: a file mapped into it (a page pool's) was truncated or could not be read; the page read zero, and the VM ends`;
+  }
+
+  /** Whether the guard found a page of guest RAM gone: one memory read, so a VM checks it before each vCPU runs on. */
+  get pagesLost(): boolean {
+    return this.guard?.lostAt !== undefined;
+  }
+
   /** Unmaps guest RAM and closes its backing's fd. Views become invalid: the VM must be stopped first. */
   unmap(): void {
     if (!this.mapped) return;
+    this.guard?.release();
     this.mapped = false;
     this.windows = [];
     munmap(this.hostAddr, this.sizeBytes + C.PAGE_SIZE);

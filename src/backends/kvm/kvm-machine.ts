@@ -196,7 +196,7 @@ export class KvmMachine {
     private readonly hooks: MachineHooks,
   ) {
     const deviceError = (m: string) => this.hooks.onDeviceError(m);
-    this.memory = GuestMemory.map(config.memoryBytes, config.openRamBacking?.());
+    this.memory = GuestMemory.map(config.memoryBytes, config.openRamBacking?.(), () => this.crash(this.ramLostError()!));
     try {
       this.memory.register(vm);
       const linux = (this.linux = config.guest === 'linux');
@@ -429,8 +429,9 @@ export class KvmMachine {
    * Puts a state from {@link captureState} (of this machine, or of one built the same way) back
    * into the paused machine; it continues from there at {@link resume}. `value` is checked whole
    * first: a malformed description, another version, or one this machine cannot take (another
-   * vCPU count, irqchip or state format) is a {@link SnapshotError} before any ioctl. Device state
-   * and guest RAM are not part of it.
+   * vCPU count, irqchip or state format) is a {@link SnapshotError} before any ioctl. A value KVM
+   * then refuses is a {@link SnapshotError} naming its field (e.g. `machine.vcpus[0].kvm.mpState`);
+   * the machine is half restored and must be stopped. Device state and guest RAM are not part of it.
    */
   async restoreState(value: unknown): Promise<void> {
     this.requirePausedFor('restore');
@@ -442,9 +443,9 @@ export class KvmMachine {
     // A vCPU with an exit half-done would finish it on the restored registers at its next KVM_RUN.
     await this.settleVcpus();
     this.requirePausedFor('restore');
-    restoreVm(this.vm, state.vm);
+    restoreVm(this.vm, state.vm, 'machine.vm');
     state.vcpus.forEach((v, i) => {
-      restoreVcpu(this.vcpus[i].fd, v.kvm);
+      restoreVcpu(this.vcpus[i].fd, v.kvm, `machine.vcpus[${i}].kvm`);
       this.setActivity(i, v.activity);
     });
   }
@@ -519,7 +520,8 @@ export class KvmMachine {
       s.resolve();
       return;
     }
-    let error: PvisorError = new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}, finishing its last exit`);
+    const failed = new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}, finishing its last exit`);
+    let error: PvisorError = this.ramLostError(failed) ?? failed;
     if (rec.kind === RecordKind.Exit) {
       // Finishing the instruction made another access (e.g. a string instruction's next element):
       // handled as any exit, then settled again.
@@ -646,7 +648,23 @@ export class KvmMachine {
     for (const w of this.pauseWaiters.splice(0)) w();
   }
 
+  /**
+   * The error that ends the VM when guest RAM lost pages under it (see
+   * {@link GuestMemory.lostBacking}): a {@link SnapshotError} for a clone mapping its snapshot's
+   * RAM file, the only file that backs all of guest RAM; else a {@link GuestCrashError}.
+   */
+  private ramLostError(cause?: unknown): PvisorError | undefined {
+    const why = this.memory.lostBacking();
+    if (why === undefined) return undefined;
+    return this.memory.backing.kind === 'private-file' ? new SnapshotError(why, { cause }) : new GuestCrashError('backing-lost', why);
+  }
+
   private continueVcpu(i: number): void {
+    // A page the host found gone read zero: the guest must not run on it.
+    if (this.memory.pagesLost) {
+      this.crash(this.ramLostError()!);
+      return;
+    }
     const v = this.vcpus[i];
     if (this.pausing) {
       v.state = 'held';
@@ -683,7 +701,10 @@ export class KvmMachine {
       let action: VcpuAction;
       if (rec.kind === RecordKind.Exit) action = this.handleExit(this.vcpus[rec.index]);
       else if (rec.kind === RecordKind.Interrupted) action = { kind: 'continue' };
-      else throw new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}`);
+      else {
+        const failed = new SystemCallError('ioctl(KVM_RUN)', rec.err, `vCPU ${rec.index}`);
+        throw this.ramLostError(failed) ?? failed;
+      }
       this.apply(rec.index, action);
     } catch (e) {
       // Whatever the guest did, the host process lives on: the VM ends with the error.

@@ -6,7 +6,7 @@
  * Byte blobs travel as base64 strings: JSON has no bytes, and a number array would be four times
  * larger. 64-bit values travel as `0x`-prefixed hex strings, since a JSON number holds 53 bits.
  */
-import { SnapshotError } from '../../errors';
+import { SnapshotError, SystemCallError } from '../../errors';
 
 /** `value` as a plain object, or a SnapshotError naming `path`. */
 export function objectAt(value: unknown, path: string): Record<string, unknown> {
@@ -90,6 +90,20 @@ export function arrayAt(obj: Record<string, unknown>, key: string, path: string,
   if (!Array.isArray(v)) throw new SnapshotError(`${path}.${key}: expected an array, got ${describe(v)}`);
   if (v.length > maxLength) throw new SnapshotError(`${path}.${key}: at most ${maxLength} entries, got ${v.length}`);
   return v;
+}
+
+/**
+ * Runs `apply`, a call that hands KVM the saved field at `path`. The checks above take only a
+ * field's shape; KVM judges its value, and its refusal (a {@link SystemCallError}, EINVAL for a
+ * value it does not take) becomes a {@link SnapshotError} naming the field, with KVM's as cause.
+ */
+export function kvmTakes<T>(path: string, apply: () => T): T {
+  try {
+    return apply();
+  } catch (e) {
+    if (!(e instanceof SystemCallError)) throw e;
+    throw new SnapshotError(`${path}: KVM refused the saved value (${e.message})`, { cause: e });
+  }
 }
 
 /** How a 64-bit value is written into a description. */

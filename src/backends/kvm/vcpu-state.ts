@@ -10,7 +10,7 @@
 import { SnapshotError } from '../../errors';
 import * as C from '../../sys/constants';
 import { MAX_MSRS_PER_CALL, type Kvm, type MsrEntry, type VcpuFd, type VmFd } from './ioctls';
-import { arrayAt, base64Of, bytesAt, checkVersion, choiceAt, hexU64, integerAt, objectAt, u64At } from './state-fields';
+import { arrayAt, base64Of, bytesAt, checkVersion, choiceAt, hexU64, integerAt, kvmTakes, objectAt, u64At } from './state-fields';
 
 /** The version of {@link VcpuState} this code writes and reads. */
 export const VCPU_STATE_VERSION = 1;
@@ -229,26 +229,28 @@ export function checkVcpuStateFits(state: VcpuState, format: VcpuStateFormat, pa
  *   mode, so it goes last of all MSRs;
  * - pending events after everything that can raise or clear them; MP state last, since setting
  *   the LAPIC or sregs can change it.
+ * A value KVM refuses is a {@link SnapshotError} naming its field under `path`; the vCPU is then
+ * half restored, and its machine must be stopped, never run.
  */
-export function restoreVcpu(vcpu: VcpuFd, state: VcpuState): void {
+export function restoreVcpu(vcpu: VcpuFd, state: VcpuState, path = 'vcpu'): void {
   const bytes = (b64: string) => Buffer.from(b64, 'base64');
-  if (vcpu.getTscKhz() !== state.tscKhz) vcpu.setTscKhz(state.tscKhz);
-  vcpu.setStruct(state.sregsFormat, bytes(state.sregs));
-  vcpu.setStruct('regs', bytes(state.regs));
-  if (state.fpuFormat === 'xsave') vcpu.setStruct('xsave2', bytes(state.fpu));
-  else vcpu.setStruct('fpu', bytes(state.fpu));
-  if (state.xcrs !== undefined) vcpu.setStruct('xcrs', bytes(state.xcrs));
-  if (state.lapic !== undefined) vcpu.setStruct('lapic', bytes(state.lapic));
-  const msrs = state.msrs.map((m) => ({ index: m.index, value: BigInt(m.value) }));
+  const set = (field: string, name: Parameters<VcpuFd['setStruct']>[0], b64: string) => kvmTakes(`${path}.${field}`, () => vcpu.setStruct(name, bytes(b64)));
+  if (vcpu.getTscKhz() !== state.tscKhz) kvmTakes(`${path}.tscKhz`, () => vcpu.setTscKhz(state.tscKhz));
+  set('sregs', state.sregsFormat, state.sregs);
+  set('regs', 'regs', state.regs);
+  set('fpu', state.fpuFormat === 'xsave' ? 'xsave2' : 'fpu', state.fpu);
+  if (state.xcrs !== undefined) set('xcrs', 'xcrs', state.xcrs);
+  if (state.lapic !== undefined) set('lapic', 'lapic', state.lapic);
+  const msrs = state.msrs.map((m, i) => ({ index: m.index, value: BigInt(m.value), at: i }));
   const ordered = [...msrs.filter((m) => m.index !== MSR_IA32_TSC_DEADLINE), ...msrs.filter((m) => m.index === MSR_IA32_TSC_DEADLINE)];
   for (let i = 0; i < ordered.length; i += MAX_MSRS_PER_CALL) {
     const batch = ordered.slice(i, i + MAX_MSRS_PER_CALL);
-    const n = vcpu.setMsrs(batch);
-    if (n !== batch.length) throw new SnapshotError(`vCPU ${vcpu.index}: KVM refused MSR 0x${batch[n].index.toString(16)} = ${hexU64(batch[n].value)}`);
+    const n = kvmTakes(`${path}.msrs[${batch[0].at}..]`, () => vcpu.setMsrs(batch));
+    if (n !== batch.length) throw new SnapshotError(`${path}.msrs[${batch[n].at}]: KVM refused MSR 0x${batch[n].index.toString(16)} = ${hexU64(batch[n].value)}`);
   }
-  vcpu.setStruct('vcpuEvents', bytes(state.vcpuEvents));
-  vcpu.setStruct('debugregs', bytes(state.debugregs));
+  set('vcpuEvents', 'vcpuEvents', state.vcpuEvents);
+  set('debugregs', 'debugregs', state.debugregs);
   const mp = Buffer.alloc(C.KVM_MP_STATE_SIZE);
   mp.writeUInt32LE(state.mpState, 0);
-  vcpu.setStruct('mpState', mp);
+  kvmTakes(`${path}.mpState`, () => vcpu.setStruct('mpState', mp));
 }

@@ -5,7 +5,7 @@
  */
 import * as C from '../../sys/constants';
 import type { VmFd } from './ioctls';
-import { base64Of, bytesAt, checkVersion, objectAt } from './state-fields';
+import { base64Of, bytesAt, checkVersion, kvmTakes, objectAt } from './state-fields';
 import { SnapshotError } from '../../errors';
 
 /** The version of {@link VmState} this code writes and reads. */
@@ -63,14 +63,17 @@ export function checkVmStateFits(state: VmState, inKernelIrqchip: boolean, path 
  * its vCPUs: the vCPUs' kvm-clock MSRs and LAPICs are read against the clock and the chips.
  * KVM_CLOCK_REALTIME is cleared: with it KVM would advance the clock by the wall time since the
  * capture, and a restored guest must continue from the instant it was stopped (the agent sets the
- * guest's wall clock itself after a restore).
+ * guest's wall clock itself after a restore). A value KVM refuses is a {@link SnapshotError}
+ * naming its field under `path`.
  */
-export function restoreVm(vm: VmFd, state: VmState): void {
-  if (state.irqchip && state.pit) {
-    for (const [key, id] of CHIPS) vm.setIrqchip(id, Buffer.from(state.irqchip[key], 'base64'));
-    vm.setPit2(Buffer.from(state.pit, 'base64'));
+export function restoreVm(vm: VmFd, state: VmState, path = 'vm'): void {
+  const { irqchip, pit } = state;
+  if (irqchip && pit) {
+    for (const [key, id] of CHIPS) kvmTakes(`${path}.irqchip.${key}`, () => vm.setIrqchip(id, Buffer.from(irqchip[key], 'base64')));
+    kvmTakes(`${path}.pit`, () => vm.setPit2(Buffer.from(pit, 'base64')));
   }
   const clock = Buffer.from(state.clock, 'base64');
-  clock.writeUInt32LE(clock.readUInt32LE(C.KVM_CLOCK_DATA_FLAGS) & ~C.KVM_CLOCK_REALTIME, C.KVM_CLOCK_DATA_FLAGS);
-  vm.setClock(clock);
+  // >>> 0: a flag in bit 31 must stay a u32 for KVM to judge, not become a negative number.
+  clock.writeUInt32LE((clock.readUInt32LE(C.KVM_CLOCK_DATA_FLAGS) & ~C.KVM_CLOCK_REALTIME) >>> 0, C.KVM_CLOCK_DATA_FLAGS);
+  kvmTakes(`${path}.clock`, () => vm.setClock(clock));
 }

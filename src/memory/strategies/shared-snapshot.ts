@@ -8,7 +8,8 @@
  * page back to the file's shared page, KsmAdvice may merge the clones' private copies, and Offload
  * writes only a clone's own pages (a private file mapping's unwritten pages are the file's).
  */
-import { InvalidOptionError } from '../../errors';
+import { fstatSync } from 'node:fs';
+import { InvalidOptionError, SnapshotError } from '../../errors';
 import { booleanOption } from '../../units';
 import { roundMs, type MemoryStrategy, type PageRun, type RamBackingRequest, type StrategyContext, type StrategyStats } from '../strategy';
 
@@ -30,9 +31,13 @@ export interface SharedSnapshotOptions {
  * Guest RAM of a restored VM shared copy-on-write with every other clone of its snapshot. Give a
  * new one to each {@link Vm.restore}: `Vm.restore(dir, { strategies: [new SharedSnapshot()] })`.
  *
- * The snapshot's RAM file must stay as it is while clones run: its files are read-only (0444)
- * against accidental writes, and deleting the directory harms no clone (the file lives on while
- * mapped), but a file truncated by root under a running clone ends it.
+ * The snapshot's RAM file must stay as it is while clones run, so it must be owned by this
+ * process's effective user or by root, and writable by neither its group nor others: anyone else
+ * who could write it could change or truncate it under the clones. {@link Vm.restore} refuses
+ * another file with a {@link SnapshotError} before anything is built. Deleting the directory
+ * harms no clone (the file lives on while mapped). A file truncated under a running clone anyway
+ * (by its owner, or root) ends that clone with a {@link SnapshotError}, never the process or
+ * another VM (docs/snapshots.md says how).
  */
 export class SharedSnapshot implements MemoryStrategy {
   readonly name = 'shared-snapshot';
@@ -41,6 +46,8 @@ export class SharedSnapshot implements MemoryStrategy {
   /** Whether to check the RAM file even when this process has checked it before. */
   readonly verifyAgain: boolean;
   private ramPath: string | undefined;
+  /** The reader's descriptor of the RAM file, which the memory layer duplicates to map it. */
+  private ramFd: number | undefined;
   private check: { checkedBefore: boolean; chunksRead: number; ms: number } | undefined;
   private holes: PageRun[] = [];
   private holesMapped = 0;
@@ -51,16 +58,19 @@ export class SharedSnapshot implements MemoryStrategy {
 
   /** The snapshot's RAM file mapped privately, once {@link Vm.restore} has given it one. */
   get ramBacking(): RamBackingRequest | undefined {
-    return this.ramPath === undefined ? undefined : { kind: 'private-file', path: this.ramPath };
+    return this.ramPath === undefined ? undefined : { kind: 'private-file', path: this.ramPath, fd: this.ramFd };
   }
 
   /**
-   * @internal Binds this strategy to the RAM file of the snapshot being restored (by
-   * {@link Vm.restore}, before the composition is planned). One strategy serves one VM.
+   * @internal Binds this strategy to the RAM file of the snapshot being restored, open as `fd`
+   * (by {@link Vm.restore}, before the composition is planned), after checking who may change it
+   * (see {@link checkSharedRamFile}). One strategy serves one VM.
    */
-  useRamFile(path: string): void {
+  useRamFile(path: string, fd: number): void {
     if (this.ramPath !== undefined) throw new InvalidOptionError('strategies', 'this SharedSnapshot already serves a VM: give each Vm.restore a new one');
+    checkSharedRamFile(fd, path);
     this.ramPath = path;
+    this.ramFd = fd;
   }
 
   /** @internal What the check of the RAM file found: for {@link stats}, and its holes for {@link map}. */
@@ -90,5 +100,21 @@ export class SharedSnapshot implements MemoryStrategy {
       figures: { ramChunksChecked: this.check?.chunksRead ?? 0, ramCheckMs: roundMs(this.check?.ms ?? 0), holeBytesAnonymous: this.holesMapped },
       notes,
     };
+  }
+}
+
+/**
+ * Refuses a RAM file, open as `fd`, that someone other than this process's effective user (or
+ * root) could change while clones map it: one owned by another user (who can make it writable
+ * and truncate it), or writable by its group or by others. A {@link SnapshotError}.
+ */
+export function checkSharedRamFile(fd: number, path: string): void {
+  const st = fstatSync(fd);
+  const euid = process.geteuid?.() ?? st.uid;
+  if (st.uid !== euid && st.uid !== 0) {
+    throw new SnapshotError(`${path}: owned by uid ${st.uid}, not by this process's user (${euid}) or root: its owner could truncate it under every clone that maps it; copy the snapshot, or restore it without SharedSnapshot`);
+  }
+  if ((st.mode & 0o022) !== 0) {
+    throw new SnapshotError(`${path}: mode ${(st.mode & 0o777).toString(8)}, writable by ${st.mode & 0o002 ? 'others' : 'its group'}: they could change or truncate it under every clone that maps it; make it read-only (0444, as Vm.snapshot leaves it)`);
   }
 }

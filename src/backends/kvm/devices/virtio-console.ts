@@ -63,7 +63,10 @@ export const AGENT_PORT_PATH = '/dev/vport0p0';
 /** The version of {@link ConsoleState} this code writes and reads. */
 export const CONSOLE_STATE_VERSION = 1;
 
-/** Most bytes a saved console may hold for the guest (what `JSON.parse` of a snapshot can carry). */
+/**
+ * Most bytes a saved console may hold for the guest. A snapshot's whole state is bounded tighter
+ * (snapshot-dir.ts MAX_STATE_BYTES): this bounds the state given to the device alone.
+ */
 const MAX_SAVED_OUTBOX_BYTES = 64 * 1024 * 1024;
 
 /**
