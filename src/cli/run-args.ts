@@ -85,6 +85,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   const { values } = parseArgs({
     args: own,
     options: {
+      executor: { type: 'string' },
       from: { type: 'string' },
       shared: { type: 'boolean', default: false },
       memory: { type: 'string' },
@@ -113,6 +114,9 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
     },
     strict: true,
   });
+  // The reference CLI's `--executor vm`: a VM is the only executor pvisor has, so it is accepted
+  // and anything else is refused, naming the one there is.
+  if (values.executor !== undefined && values.executor !== 'vm') throw new InvalidOptionError('--executor', `expected vm (pvisor runs commands only in a VM), got ${JSON.stringify(values.executor)}`);
   const from = values.from;
   if (from !== undefined) {
     if (!from) throw new InvalidOptionError('--from', 'expected a snapshot directory (one that pvisor snapshot or vm.snapshot() wrote)');

@@ -84,7 +84,7 @@ export function runProgram(program: string, main: (argv: string[]) => Promise<nu
   );
 }
 
-const RUN = `  pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
+const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
              [--vm-ram-compression] [--vm-cold-ram-compression [--vm-cold-after 10s]]
              [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]] [--vm-socket PATH]
@@ -94,6 +94,7 @@ const RUN = `  pvisor run [--name ID] [--memory 512MiB] [--vcpus 2] [--guest lin
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
       shell. --kernel/--initrd boot your own instead of the shipped ones.
+      --executor vm: where CMD runs; a VM is the only executor (another is a usage error).
       --memory: guest RAM, a multiple of 4 KiB (512MiB, 1GiB); --vcpus: 1 to 8.
       --console: the guest's serial console on stderr as [console] lines; past 1 MiB that stderr
         has not taken yet, lines are dropped, and a line says how many once it catches up.

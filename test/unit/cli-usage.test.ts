@@ -88,6 +88,7 @@ describe('usage errors exit 2 before anything is started or printed', () => {
     ['--vcpus two', ['run', '--guest', 'probe', '--vcpus', 'two', '--', 'digest'], /vcpus: must be a whole number from 1 to 8, got "two"/],
     ['--memory 5000', ['run', '--guest', 'probe', '--memory', '5000', '--', 'digest'], /memory: must be a non-zero multiple of 4 KiB/],
     ['--guest windows', ['run', '--guest', 'windows', '--', 'digest'], /guest: expected "linux" or "probe", got "windows"/],
+    ['--executor docker', ['run', '--executor', 'docker', '--memory', '512MiB', '--', 'claude'], /--executor: expected vm \(pvisor runs commands only in a VM\), got "docker"/],
     ['an unknown option', ['run', '--memroy', '1GiB', '--', 'digest'], /Unknown option '--memroy'/],
     ['a bad probe step', ['run', '--guest', 'probe', '--', 'fly 3'], /unknown step "fly"/],
     ['no command to run', ['run', '--guest', 'probe'], /nothing to run/],
@@ -128,6 +129,12 @@ describe('failures of pvisor itself exit 125', () => {
   it('a missing rootfs image: the run is well formed, the host cannot do it', () => {
     const r = pvisor('run', '--rootfs', '/no/such/rootfs.img', '--', 'true');
     expect(r.stderr).toMatch(/rootfs: cannot use \/no\/such\/rootfs\.img/);
+    expect(r.status).toBe(125);
+  });
+
+  it("the reference CLI's line, --executor vm included, is well formed: only the missing image fails it", () => {
+    const r = pvisor('run', '--executor', 'vm', '--memory', '512MiB', '--rootfs', '/no/such/agent.img', '--', 'node', '/opt/agent/agent.js');
+    expect(r.stderr).toMatch(/rootfs: cannot use \/no\/such\/agent\.img/);
     expect(r.status).toBe(125);
   });
 });

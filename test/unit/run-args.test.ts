@@ -88,6 +88,19 @@ describe('pvisor run: argument parsing', () => {
     expect(() => parseRunArgs(['--guest', 'probe', '--publish', '8080:80', '--', 'digest'], cwd)).toThrow(/^--publish: is for the Linux guest/);
   });
 
+  it('--executor vm, as the reference CLI gives it, is accepted and changes nothing', () => {
+    const plain = parseRunArgs(['--memory', '512MiB', '--rootfs', 'agent.img', '--', 'node', '/opt/agent/agent.js'], cwd);
+    const withExecutor = parseRunArgs(['--executor', 'vm', '--memory', '512MiB', '--rootfs', 'agent.img', '--', 'node', '/opt/agent/agent.js'], cwd);
+    expect(withExecutor).toEqual(plain);
+    expect(parseRunArgs(['--executor', 'vm', '--from', 'snap', '--', 'digest'], cwd).source).toEqual({ kind: 'snapshot', dir: '/home/u/work/snap', shared: false });
+  });
+
+  it.each(['docker', 'process', 'VM', ''])('--executor %j is refused, naming the one executor there is', (executor) => {
+    const parse = () => parseRunArgs(['--executor', executor, '--', 'true'], cwd);
+    expect(parse).toThrow(InvalidOptionError);
+    expect(parse).toThrow(`--executor: expected vm (pvisor runs commands only in a VM), got ${JSON.stringify(executor)}`);
+  });
+
   it('a chosen suspend-image strategy replaces the default Offload', () => {
     expect(parseRunArgs(['--from', 'snap', '--vm-ram-compression', '--', 'digest'], cwd).strategies.map((s) => s.name)).toEqual(['compressed-offload']);
   });
