@@ -124,8 +124,9 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
     expect(snap.status).toBe(0);
     expect(await digestOver('H1')).toBe(ws);
 
+    const bootMs = /^pvisor: H1 ready in (\d+) ms$/m.exec(run.err())?.[1];
     process.stdout.write(
-      `cli hibernate figures (probe, 64 MiB, 16 MiB random): hibernate ${hibernateMs} ms, guest RAM ${(guestRam / MiB).toFixed(1)} MiB, ` +
+      `cli hibernate figures (probe, 64 MiB, 16 MiB random; its start to ready took ${bootMs} ms): hibernate ${hibernateMs} ms, guest RAM ${(guestRam / MiB).toFixed(1)} MiB, ` +
         `process ${(processPss / MiB).toFixed(1)} MiB (ps before: ${(processBefore / MiB).toFixed(1)} MiB) -> 0 while hibernated, ${(onDisk / MiB).toFixed(1)} MiB on disk; ` +
         `resume (command) ${rm![1]} ms, ready ${rm![2]} ms after its process began restoring, then guest RAM ${rm![4]}, process ${rm![5]}; ` +
         `after a digest, process ${(after.memory!.processPssBytes / MiB).toFixed(1)} MiB\n`,

@@ -2,7 +2,7 @@
 // guest's rootfs. Written by writeSnapshot over real guest memory (an anonymous mapping, no KVM);
 // state.json is then rewritten with its manifest checksum fixed, so that each malformed value
 // reaches the parser (a changed checksum alone is refused before it). No KVM.
-import { chmodSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { chmodSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { SnapshotError } from '../../src';
@@ -76,5 +76,19 @@ describe('snapshot state: guest kind and rootfs', () => {
       expect(() => SnapshotReader.open(dir)).toThrow(SnapshotError);
       expect(() => SnapshotReader.open(dir)).toThrow(message);
     }
+  });
+
+  it("a hibernated VM's state says its name, checked as a VM name; its files may be 0400", () => {
+    const dir = join(base, 'hibernated');
+    writeSnapshot(dir, mem, { ...linux, hibernated: { name: 'job-7' } }, { fileMode: 0o400 });
+    for (const f of ['ram', 'state.json', 'manifest.json']) expect(statSync(join(dir, f)).mode & 0o777).toBe(0o400);
+    expect(SnapshotReader.open(dir).state.hibernated).toEqual({ name: 'job-7' });
+    expect(SnapshotReader.open(snapshotWith(linux)).state.hibernated).toBeUndefined();
+    const cases: [unknown, RegExp][] = [
+      [{ ...linux, hibernated: { name: '../etc' } }, /snapshot\.hibernated\.name: "\.\.\/etc" is not a VM id/],
+      [{ ...linux, hibernated: { name: '' } }, /snapshot\.hibernated\.name: expected a string/],
+      [{ ...linux, hibernated: 'job-7' }, /snapshot\.hibernated: expected an object/],
+    ];
+    for (const [state, message] of cases) expect(() => SnapshotReader.open(snapshotWith(state))).toThrow(message);
   });
 });
