@@ -656,9 +656,12 @@ export class Vm extends EventEmitter<VmEvents> {
   /** What a snapshot cannot hold, refused before the VM is paused. */
   private refuseUnsavable(what: string): void {
     if (this.rootfs && !this.rootfs.readOnly) {
+      // A hibernated VM is restored once, but its image could still change under it while it has
+      // no process; a snapshot records a disk only as read-only, the one kind nothing changes.
+      const why = what === 'a snapshot' ? 'since the image goes on changing after the snapshot and every clone would mount it' : 'since a snapshot, which it writes, records a disk only as read-only, so that nothing can change it before the restore';
       throw new SnapshotError(
-        `${this.name} has its rootfs ${this.rootfs.path} attached read-write: ${what} needs it read-only, since the image goes on changing ` +
-          'after the snapshot and every clone would mount it. Start the VM with rootfs: { path, readOnly: true } (the guest then writes to its /tmp, in RAM).',
+        `${this.name} has its rootfs ${this.rootfs.path} attached read-write: ${what} needs it read-only, ${why}. ` +
+          'Start the VM with rootfs: { path, readOnly: true } (the guest then writes to its /tmp, in RAM).',
       );
     }
     if (this.hostNetwork) {
