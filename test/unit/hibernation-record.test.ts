@@ -86,7 +86,7 @@ describe('hibernation records', () => {
     expect(() => readHibernationRecord(path(), 'T1')).toThrow(/belongs to uid 12345, not to this user \(0\): refused as a hibernated VM's/);
   });
 
-  it.each([0o640, 0o604, 0o666, 0o700])('a record others may read or write (mode %o) is refused', (mode) => {
+  it.each([['640', 0o640], ['604', 0o604], ['666', 0o666], ['700', 0o700]])('a record others may read or write, or executable (mode %s), is refused', (_, mode) => {
     writeHibernationRecord(path(), record);
     chmodSync(path(), mode);
     expect(() => readHibernationRecord(path(), 'T1')).toThrow(SnapshotError);
