@@ -12,7 +12,7 @@
  * **Protocol.** Newline-delimited JSON over a Unix stream socket, versioned: every request and
  * answer carries `"v": 1` ({@link CONTROL_PROTOCOL_VERSION}), and a peer that speaks another
  * version is refused with a {@link ControlProtocolError}. The requests (status, suspend, resume,
- * snapshot, stop, exec) and their answers are specified in docs/control-protocol.md; the CLI's
+ * snapshot, hibernate, stop, exec) and their answers are specified in docs/control-protocol.md; the CLI's
  * suspend, resume, snapshot, stop and ps and the SDK's {@link VmHandle} are its clients.
  * @module
  */
@@ -34,6 +34,7 @@ export type ControlRequest =
   | { op: 'suspend'; offload: boolean }
   | { op: 'resume' }
   | { op: 'snapshot'; dir: string; leavePaused: boolean }
+  | { op: 'hibernate' }
   | { op: 'stop' };
 
 /** Who the VM is and what state it is in. */
@@ -41,7 +42,8 @@ export interface ControlVmInfo {
   id: string;
   /** The `pvisor run` process. */
   pid: number;
-  state: VmState | 'starting';
+  /** `hibernated`: in the answer to a hibernate only, whose process then ends. */
+  state: VmState | 'starting' | 'hibernated';
   guest: GuestKind;
   memoryBytes: number;
   vcpus: number;
@@ -59,9 +61,21 @@ export interface ControlMemory {
   strategies: StrategyStats[];
 }
 
+/** Where a hibernated VM went: the answer to a hibernate. */
+export interface ControlHibernation {
+  /** The directory on disk that holds the VM's state (under its backing directory). */
+  dir: string;
+  /** The record beside the control socket that names it (`ID.hibernated`). */
+  record: string;
+  /** Where the run that resumes it writes its output (`ID.log`). */
+  log: string;
+  ramDataPageCount: number;
+  bytesOnDisk: number;
+}
+
 /** An answer from a VM's control socket. */
 export type ControlResponse =
-  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number; releasedMs?: number; snapshot?: SnapshotInfo; exec?: ExecResult }
+  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number; releasedMs?: number; snapshot?: SnapshotInfo; exec?: ExecResult; hibernation?: ControlHibernation }
   | { ok: false; error: { code: string; message: string }; vm?: ControlVmInfo; memory?: ControlMemory };
 
 /** What the server does with a request: the answer, and what to do once it has been sent. */
@@ -131,6 +145,8 @@ export function parseRequest(line: string): ControlRequest {
     }
     case 'resume':
       return { op: 'resume' };
+    case 'hibernate':
+      return { op: 'hibernate' };
     case 'stop':
       return { op: 'stop' };
     case 'suspend':
@@ -143,7 +159,7 @@ export function parseRequest(line: string): ControlRequest {
       return { op: 'snapshot', dir: r!.dir, leavePaused: r!.leavePaused === true };
     }
     default:
-      throw new InvalidOptionError('control request', `expected {"v": 1, "op": "status" | "exec" | "suspend" | "resume" | "snapshot" | "stop"}, got ${JSON.stringify(line.slice(0, 80))}`);
+      throw new InvalidOptionError('control request', `expected {"v": 1, "op": "status" | "exec" | "suspend" | "resume" | "snapshot" | "hibernate" | "stop"}, got ${JSON.stringify(line.slice(0, 80))}`);
   }
 }
 

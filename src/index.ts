@@ -13,7 +13,7 @@ export { Vm } from './vm';
 export { VmHandle } from './vm-handle';
 export type { ConnectOptions, HandleExecOptions, VmHandleStatus, VmHandleMemoryUsage } from './vm-handle';
 export type { ControlMemory, ControlVmInfo } from './control-socket';
-export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, RestoreOptions, RestoreInfo } from './vm';
+export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, HibernateOptions, HibernateInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
 export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout, FilesCallOptions, ReadOptions, WriteOptions, ListOptions, StatOptions, MkdirOptions, RemoveOptions } from './guest/linux-client';

@@ -1,7 +1,7 @@
 /**
  * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
  */
-import { accessSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
+import { accessSync, closeSync, constants as fsConstants, existsSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
@@ -11,10 +11,10 @@ import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, Timeou
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
-import type { SnapshotReader } from './snapshot/snapshot-dir';
 import { nativePrebuild, prebuildMismatch } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
+import type { SnapshotReader, SnapshotState } from './snapshot/snapshot-dir';
 import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
@@ -128,10 +128,42 @@ export interface SnapshotInfo {
   ms: number;
 }
 
+/** Options of {@link Vm.hibernate}. */
+export interface HibernateOptions {
+  /**
+   * Runs once the VM's state is written and synced, while the VM is still paused: e.g. to record
+   * where it went. If it throws or rejects, the directory's contents are removed, the VM is left
+   * running (or paused) as it was, and hibernate rejects with that error.
+   */
+  beforeStop?: (info: HibernateInfo) => void | Promise<void>;
+}
+
+/** What {@link Vm.hibernate} wrote. */
+export interface HibernateInfo {
+  /** The directory that now holds the VM. */
+  dir: string;
+  /** Guest RAM pages written to the RAM file; the rest of RAM was zero and is a hole in it. */
+  ramDataPageCount: number;
+  /** What the directory takes on disk. */
+  bytesOnDisk: number;
+  /** Milliseconds from the call to the directory being synced (including the pause). */
+  ms: number;
+}
+
 /** Options of {@link Vm.restore}. */
 export interface RestoreOptions {
-  /** A name for the restored VM, as {@link VmOptions.name}. Default: `vm-<n>`. */
+  /**
+   * A name for the restored VM, as {@link VmOptions.name}. Default: a hibernated VM's own name
+   * ({@link Vm.hibernate}), else `vm-<n>`.
+   */
   name?: string;
+  /**
+   * A hibernated VM's directory ({@link Vm.hibernate}) is removed once the restore has
+   * succeeded: the VM has moved back into a process, and is restored once. `keep: true` leaves
+   * it, as a snapshot that can be restored again. A snapshot's directory is never removed.
+   * Default false.
+   */
+  keep?: boolean;
   /** Memory strategies of the restored VM, as {@link VmOptions.strategies}. Default none. */
   strategies?: readonly MemoryStrategy[];
   /** As {@link VmOptions.warningLimit}. */
@@ -183,6 +215,11 @@ export interface RestoreInfo {
   detachedProcesses: number;
   /** Linux guest: requests of before the snapshot the agent ended at once (a stdin write, a file read). */
   endedRequests: number;
+  /**
+   * The directory held a hibernated VM ({@link Vm.hibernate}): this VM is that VM, continued, and
+   * the directory was removed unless {@link RestoreOptions.keep}.
+   */
+  hibernated: boolean;
 }
 
 /**
@@ -199,8 +236,11 @@ export interface VmEvents {
   console: (line: string) => void;
   /** The guest crashed or misbehaved; the VM has ended (state `crashed`). */
   crash: (error: PvisorError) => void;
-  /** The VM ended, by {@link Vm.stop} or a crash. */
-  exit: (info: { state: 'stopped' | 'crashed'; error?: PvisorError }) => void;
+  /**
+   * The VM ended, by {@link Vm.stop}, {@link Vm.hibernate} (`hibernatedTo` says where it went)
+   * or a crash.
+   */
+  exit: (info: { state: 'stopped' | 'crashed'; error?: PvisorError; hibernatedTo?: string }) => void;
   /**
    * A device refused a malformed request from the guest, the agent channel carried garbage, or a
    * strategy reports a problem; the guest goes on. At most as many as
@@ -430,14 +470,38 @@ export class Vm extends EventEmitter<VmEvents> {
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
     const t0 = performance.now();
-    const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
+    const givenName = options.name === undefined ? undefined : validateVmName(options.name);
     const readyTimeoutMs = options.readyTimeoutMs === undefined ? 60000 : parseTimeoutMs('readyTimeoutMs', options.readyTimeoutMs);
     const warningLimit = parseWarningLimit(options.warningLimit);
     const verify = booleanOption('verify', options.verify, false);
+    const keep = booleanOption('keep', options.keep, false);
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
     try {
-      return await Vm.restoreFrom(snapshot, options, { t0, name, readyTimeoutMs, warningLimit, verify });
+      const { state } = snapshot;
+      const name = givenName ?? state.hibernated?.name ?? `vm-${++vmCounter}`;
+      if (!state.hibernated) return await Vm.restoreFrom(snapshot, name, t0, { readyTimeoutMs, warningLimit, verify, strategies: options.strategies });
+      // A hibernated VM continues in one process: the restore claims it, and consumes it once done.
+      const { claimHibernatedDir } = await import('./snapshot/hibernation-dir');
+      const release = claimHibernatedDir(dir);
+      let vm: Vm;
+      try {
+        vm = await Vm.restoreFrom(snapshot, name, t0, { readyTimeoutMs, warningLimit, verify, strategies: options.strategies });
+      } catch (e) {
+        release();
+        throw e;
+      }
+      vm._restoreInfo!.hibernated = true;
+      if (keep) release();
+      else {
+        // A lazy load reads from a descriptor of its own: the RAM file lives until it is done.
+        try {
+          rmSync(dir, { recursive: true, force: true });
+        } catch (e) {
+          vm.warnings.warn(`the hibernated VM's directory ${dir} could not be removed after its restore: ${(e as Error).message}`);
+        }
+      }
+      return vm;
     } finally {
       // Its RAM file is read, loaded from a duplicate, or mapped through one by now.
       snapshot.close();
@@ -446,9 +510,11 @@ export class Vm extends EventEmitter<VmEvents> {
 
   private static async restoreFrom(
     snapshot: SnapshotReader,
-    options: RestoreOptions,
-    { t0, name, readyTimeoutMs, warningLimit, verify }: { t0: number; name: string; readyTimeoutMs: number; warningLimit: Required<WarningLimit>; verify: boolean },
+    name: string,
+    t0: number,
+    options: { readyTimeoutMs: number; warningLimit: Required<WarningLimit>; verify: boolean; strategies?: readonly MemoryStrategy[] },
   ): Promise<Vm> {
+    const { readyTimeoutMs, warningLimit, verify } = options;
     const { state, dir } = snapshot;
     const strategies = [...(options.strategies ?? [])];
     // Bound before the composition is planned: its RAM file is guest RAM's backing.
@@ -501,7 +567,7 @@ export class Vm extends EventEmitter<VmEvents> {
       vm.stop();
       throw e;
     }
-    vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report };
+    vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report, hibernated: false };
     vm.becomeRunning();
     return vm;
   }
@@ -532,45 +598,112 @@ export class Vm extends EventEmitter<VmEvents> {
     return this.transition(async () => {
       const t0 = performance.now();
       this.requireState('running', 'paused');
-      if (this.rootfs && !this.rootfs.readOnly) {
-        throw new SnapshotError(
-          `${this.name} has its rootfs ${this.rootfs.path} attached read-write: a snapshot needs it read-only, since the image goes on changing ` +
-            'after the snapshot and every clone would mount it. Start the VM with rootfs: { path, readOnly: true } (the guest then writes to its /tmp, in RAM).',
-        );
-      }
-      if (this.hostNetwork) {
-        throw new SnapshotError(`${this.name} has a network device (network: ${this.hostNetwork.info.mode}): a snapshot of a networked VM is not supported yet; start it with network: 'none'`);
-      }
-      const wasRunning = this._state === 'running';
-      if (wasRunning) {
-        this.memory.setRunning(false);
-        await this.machine.pause();
-        this.checkNotEnded('snapshot');
-        this.setState('paused');
-      }
+      this.refuseUnsavable('a snapshot');
+      const wasRunning = await this.pauseForSaving('snapshot');
       try {
         const { writeSnapshot } = await import('./snapshot/snapshot-dir');
-        const written = writeSnapshot(dir, this.machine.memory, {
-          version: 1,
-          guest: this.guest,
-          memoryBytes: this.memoryBytes,
-          vcpus: this.vcpus,
-          ...(this.rootfs && { rootfs: { path: this.rootfs.path, readOnly: true } }),
-          machine: await this.machine.captureState(),
-          devices: this.machine.captureDevices(),
-          agent: this.agent.saveState(),
-          // The Linux client keeps nothing of its own: its processes are this VM's alone.
-          guestClient: this._probe?.saveState() ?? null,
-        });
+        const written = writeSnapshot(dir, this.machine.memory, await this.captureSnapshotState());
         return { dir, ramDataPageCount: written.ramDataPageCount, ms: performance.now() - t0 };
       } finally {
-        if (wasRunning && !options.leavePaused && this._state === 'paused') {
-          this.machine.resume();
-          this.setState('running');
-          this.memory.setRunning(true);
-        }
+        if (wasRunning && !options.leavePaused && this._state === 'paused') this.resumeAfterSaving();
       }
     });
+  }
+
+  /**
+   * Moves this VM out of its process into `dir` (created 0700, or an empty directory of this
+   * user) and ends it: a {@link snapshot} whose files are 0400 and synced, marked as this VM's
+   * (its name), followed at once by a {@link stop} that frees all of its memory. {@link Vm.restore}
+   * of `dir` brings it back, in this process or another: the same VM, under the same name, going
+   * on from where it was; that restore consumes the directory (see {@link RestoreOptions.keep}),
+   * and a second restore of it is refused while the first runs.
+   *
+   * What was in flight here ends here: requests to the guest pending now reject as after a
+   * {@link stop}, while the guest, once restored, still carries them out (their answers are
+   * dropped with a `warning`). In the Linux guest, processes started from this process (exec,
+   * spawn, forwarded connections) keep running after the restore, detached: their stdin closed,
+   * their output dropped (docs/agent-protocol.md, RESTORED).
+   *
+   * Needs the VM running or paused (a suspended VM's RAM is offloaded: resume it first), and what
+   * a snapshot needs: no writable rootfs, no network. If writing fails (a full disk), or
+   * {@link HibernateOptions.beforeStop} throws, what was written is removed and the VM goes on as
+   * it was.
+   */
+  hibernate(dir: string, options: HibernateOptions = {}): Promise<HibernateInfo> {
+    return this.transition(async () => {
+      const t0 = performance.now();
+      this.requireState('running', 'paused');
+      this.refuseUnsavable('hibernation');
+      const { prepareHibernationDir, clearHibernationDir, syncDir, diskUsageBytes } = await import('./snapshot/hibernation-dir');
+      const { writeSnapshot } = await import('./snapshot/snapshot-dir');
+      const { created } = prepareHibernationDir(dir);
+      let wasRunning = false;
+      let info: HibernateInfo;
+      try {
+        wasRunning = await this.pauseForSaving('hibernate');
+        const state: SnapshotState = { ...(await this.captureSnapshotState()), hibernated: { name: this.name } };
+        const written = writeSnapshot(dir, this.machine.memory, state, { fileMode: 0o400 });
+        syncDir(dir);
+        this.checkNotEnded('hibernate');
+        info = { dir, ramDataPageCount: written.ramDataPageCount, bytesOnDisk: diskUsageBytes(dir), ms: performance.now() - t0 };
+        await options.beforeStop?.(info);
+      } catch (e) {
+        clearHibernationDir(dir, created);
+        if (wasRunning && this._state === 'paused') this.resumeAfterSaving();
+        throw e;
+      }
+      // From here the directory is the VM (a crash meanwhile ended a machine already saved).
+      this.end({ hibernatedTo: dir });
+      return info;
+    });
+  }
+
+  /** What a snapshot cannot hold, refused before the VM is paused. */
+  private refuseUnsavable(what: string): void {
+    if (this.rootfs && !this.rootfs.readOnly) {
+      // A hibernated VM is restored once, but its image could still change under it while it has
+      // no process; a snapshot records a disk only as read-only, the one kind nothing changes.
+      const why = what === 'a snapshot' ? 'since the image goes on changing after the snapshot and every clone would mount it' : 'since a snapshot, which it writes, records a disk only as read-only, so that nothing can change it before the restore';
+      throw new SnapshotError(
+        `${this.name} has its rootfs ${this.rootfs.path} attached read-write: ${what} needs it read-only, ${why}. ` +
+          'Start the VM with rootfs: { path, readOnly: true } (the guest then writes to its /tmp, in RAM).',
+      );
+    }
+    if (this.hostNetwork) {
+      throw new SnapshotError(`${this.name} has a network device (network: ${this.hostNetwork.info.mode}): ${what} of a networked VM is not supported yet; start it with network: 'none'`);
+    }
+  }
+
+  /** Pauses a running VM for its state to be saved; says whether it was running. */
+  private async pauseForSaving(what: string): Promise<boolean> {
+    if (this._state !== 'running') return false;
+    this.memory.setRunning(false);
+    await this.machine.pause();
+    this.checkNotEnded(what);
+    this.setState('paused');
+    return true;
+  }
+
+  private resumeAfterSaving(): void {
+    this.machine.resume();
+    this.setState('running');
+    this.memory.setRunning(true);
+  }
+
+  /** Everything a snapshot holds besides RAM; the guest is paused. */
+  private async captureSnapshotState(): Promise<SnapshotState> {
+    return {
+      version: 1,
+      guest: this.guest,
+      memoryBytes: this.memoryBytes,
+      vcpus: this.vcpus,
+      ...(this.rootfs && { rootfs: { path: this.rootfs.path, readOnly: true } }),
+      machine: await this.machine.captureState(),
+      devices: this.machine.captureDevices(),
+      agent: this.agent.saveState(),
+      // The Linux client keeps nothing of its own: its processes are this VM's alone.
+      guestClient: this._probe?.saveState() ?? null,
+    };
   }
 
   private onAgentEvent(f: Frame): void {
@@ -791,6 +924,15 @@ export class Vm extends EventEmitter<VmEvents> {
    * resume, guest RAM is freed as soon as the strategy at work returns (it may be reading it).
    */
   stop(): void {
+    this.end({ deferTeardown: this.inTransition });
+  }
+
+  /**
+   * Ends the VM: {@link stop}'s work. During a suspend or resume (`deferTeardown`) guest RAM is
+   * freed when the strategy at work returns; a hibernation ends it from inside its own
+   * transition, where no strategy is at work, and frees everything at once.
+   */
+  private end(how: { deferTeardown?: boolean; hibernatedTo?: string }): void {
     if (this._state === 'stopped' || this._state === 'crashed') return;
     live.delete(this);
     this.agent?.close();
@@ -800,9 +942,9 @@ export class Vm extends EventEmitter<VmEvents> {
       this.closeStrategies();
       this.releaseNetwork();
     };
-    if (this.inTransition) void this.lifecycle.then(teardown);
+    if (how.deferTeardown) void this.lifecycle.then(teardown);
     else teardown();
-    this.emit('exit', { state: 'stopped' });
+    this.emit('exit', { state: 'stopped', ...(how.hibernatedTo !== undefined && { hibernatedTo: how.hibernatedTo }) });
   }
 
   private closeStrategies(): void {

@@ -1,22 +1,26 @@
 /**
  * `pvisor suspend`, `resume`, `stop` and `ps`: the client end of the control socket of VMs started
- * by `pvisor run` (see ../control-socket.ts), with the reference CLI's options for parity.
+ * by `pvisor run` (see ../control-socket.ts), with the reference CLI's options for parity; and
+ * of hibernated VMs, which have no process (./hibernation-record.ts, ./resume-hibernated.ts).
  */
-import { readdirSync } from 'node:fs';
+import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError, VmNotFoundError } from '../errors';
 import {
   controlRequest,
   idOfSocket,
+  probeSocket,
   runtimeDir,
   socketPathFor,
   type ControlMemory,
   type ControlRequest,
   type ControlResponse,
 } from '../control-socket';
+import { processGone } from '../sys/processes';
 import { validateVmName } from '../vm-name';
-import { parseUsage } from './usage';
+import { hibernatedIds, readHibernationRecord, recordPathFor, type HibernationRecord } from './hibernation-record';
+import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
 
 /** The commands that act on one VM. */
 export type ControlCommand = 'suspend' | 'resume' | 'stop';
@@ -27,6 +31,13 @@ export interface ControlArgs {
   socketPath: string;
   /** suspend: offload RAM (Vm.suspend) rather than only pause. */
   offload: boolean;
+  /**
+   * suspend `--hibernate`: the VM's state goes to disk and its process ends (implies
+   * `--vm-offload`: all of its RAM leaves memory).
+   */
+  hibernate: boolean;
+  /** resume `--foreground`: a hibernated VM continues in this process instead of a detached one. */
+  foreground: boolean;
   /** resume: `--vm-load` was given (resume always loads back what a suspend took). */
   load: boolean;
   /** Print the socket's answer as JSON instead of a sentence. */
@@ -51,8 +62,8 @@ export function parseControlArgs(command: ControlCommand, argv: string[], dir: s
       'vm-job-id': { type: 'string' },
       'vm-attempt-id': { type: 'string' },
       json: { type: 'boolean', default: false },
-      ...(command === 'suspend' ? { 'vm-offload': { type: 'boolean', default: false } } : {}),
-      ...(command === 'resume' ? { 'vm-load': { type: 'boolean', default: false } } : {}),
+      ...(command === 'suspend' ? { 'vm-offload': { type: 'boolean', default: false }, hibernate: { type: 'boolean', default: false } } : {}),
+      ...(command === 'resume' ? { 'vm-load': { type: 'boolean', default: false }, foreground: { type: 'boolean', default: false } } : {}),
     },
     allowPositionals: true,
     strict: true,
@@ -70,7 +81,10 @@ export function parseControlArgs(command: ControlCommand, argv: string[], dir: s
   return {
     id,
     socketPath: socket ?? socketPathFor(id, dir),
-    offload: values['vm-offload'] === true,
+    // A hibernated VM's RAM is all on disk: --hibernate is the furthest an offload goes.
+    offload: values['vm-offload'] === true || values.hibernate === true,
+    hibernate: values.hibernate === true,
+    foreground: values.foreground === true,
     load: values['vm-load'] === true,
     json: values.json === true,
     attemptId: values['vm-attempt-id'] as string | undefined,
@@ -85,16 +99,113 @@ export function formatBytes(bytes: number): string {
 /** Runs suspend, resume or stop; resolves with the exit status. */
 export async function cmdControl(command: ControlCommand, argv: string[]): Promise<number> {
   const a = parseUsage(command, () => parseControlArgs(command, argv));
-  const request: ControlRequest = command === 'suspend' ? { op: 'suspend', offload: a.offload } : { op: command };
-  const r = await controlRequest(a.socketPath, a.id, request, OPERATION_TIMEOUT_MS);
+  if (command === 'resume' && (await probeSocket(a.socketPath)) !== 'live') {
+    // No process answers for it: a hibernated VM is continued in a new one.
+    const { runHibernated, startResume } = await import('./resume-hibernated');
+    if (a.foreground) return runHibernated(a.id, a.socketPath);
+    if (!hibernationOf(a)) return cmdControlRequest(command, a);
+    const t0 = performance.now();
+    const report = await startResume(a.id, a.socketPath);
+    const tookMs = Math.round((performance.now() - t0) * 10) / 10;
+    if (a.json) process.stdout.write(`${JSON.stringify({ id: a.id, tookMs, ...report })}\n`);
+    else {
+      const load = report.ramLoad === 'lazy' ? 'guest RAM loading lazily' : `guest RAM ${report.ramLoad}`;
+      process.stdout.write(
+        `${a.id}${attemptOf(a)} resumed from hibernation in ${tookMs} ms (ready ${report.readyMs} ms after its process began restoring; ${load}): ` +
+          `pid ${report.pid}, guest RAM resident ${formatBytes(report.guestRamResidentBytes)}, process ${formatBytes(report.processPssBytes)}; its output goes to ${report.log}\n`,
+      );
+    }
+    return 0;
+  }
+  if (a.foreground) throw new RefusedError(`resume ${a.id} --foreground refused: ${a.id} is not hibernated (a process runs it)`);
+  return cmdControlRequest(command, a);
+}
+
+/** The hibernation record of the VM of `a`, if it has one (checked). */
+function hibernationOf(a: ControlArgs): HibernationRecord | undefined {
+  return readHibernationRecord(recordPathFor(a.socketPath), a.id);
+}
+
+/** Sends the command to the VM's process, or acts on its hibernation when it has none. */
+async function cmdControlRequest(command: ControlCommand, a: ControlArgs): Promise<number> {
+  const request: ControlRequest = command === 'suspend' ? (a.hibernate ? { op: 'hibernate' } : { op: 'suspend', offload: a.offload }) : { op: command };
+  let r: ControlResponse;
+  try {
+    r = await controlRequest(a.socketPath, a.id, request, OPERATION_TIMEOUT_MS);
+  } catch (e) {
+    if (!(e instanceof VmNotFoundError)) throw e;
+    const record = hibernationOf(a);
+    if (!record) throw new VmNotFoundError(a.id, `${e.message.replace(/ is running/, ' is running or hibernated')}`);
+    if (command === 'stop') return discard(a);
+    if (command === 'resume') throw new RefusedError(`resume ${a.id} refused: ${a.id} was hibernated and is being resumed`);
+    throw new RefusedError(`${command} ${a.id} refused: ${a.id} is hibernated (its state is on disk in ${record.dir}, it has no process); pvisor resume ${a.id} continues it`);
+  }
   if (a.json) process.stdout.write(`${JSON.stringify(r)}\n`);
-  if (!r.ok) throw new PvisorError(r.error.code, `${command} ${a.id} failed: ${r.error.message}${r.vm ? ` (${a.id} is ${r.vm.state})` : ''}`);
+  if (!r.ok) {
+    // Nothing to resume is the caller's mistake, not a failure: a script can tell it from a
+    // resume that failed (a damaged backing file), after which the VM stays suspended.
+    if (command === 'resume' && r.error.code === 'PVISOR_VM_STATE' && (r.vm?.state === 'running' || r.vm?.state === 'starting')) {
+      throw new RefusedError(`resume ${a.id} refused: ${a.id} is ${r.vm.state}, not paused, suspended or hibernated: nothing to resume`);
+    }
+    throw new PvisorError(r.error.code, `${command} ${a.id} failed: ${r.error.message}${r.vm ? ` (${a.id} is ${r.vm.state})` : ''}`);
+  }
+  if (request.op === 'hibernate') {
+    // The answer comes before the process ends: say so only once it has.
+    const ended = await processEnded(r.vm.pid, PROCESS_END_TIMEOUT_MS);
+    if (!a.json) process.stdout.write(`${describeHibernation(a, r, ended)}\n`);
+    return 0;
+  }
   if (!a.json) process.stdout.write(`${describe(command, a, r)}\n`);
   return 0;
 }
 
+/** `pvisor stop ID` of a hibernated VM: its state and record removed. */
+async function discard(a: ControlArgs): Promise<number> {
+  const { discardHibernatedVm } = await import('./resume-hibernated');
+  const done = await discardHibernatedVm(a.id, a.socketPath);
+  // A resume won the race: the VM runs again, and the stop is for it.
+  if (done === 'running') return cmdControlRequest('stop', a);
+  if (!done) throw new VmNotFoundError(a.id, `no VM named ${a.id} is running or hibernated`);
+  const { record } = done;
+  if (a.json) process.stdout.write(`${JSON.stringify({ id: a.id, discarded: record })}\n`);
+  else process.stdout.write(`${a.id}${attemptOf(a)} discarded (it was hibernated; ${formatBytes(record.bytesOnDisk)} on disk removed with ${record.dir})\n`);
+  return 0;
+}
+
+/** A hibernating run's process ends right after its answer. */
+const PROCESS_END_TIMEOUT_MS = 30_000;
+
+async function processEnded(pid: number, timeoutMs: number): Promise<boolean> {
+  for (const t0 = Date.now(); Date.now() - t0 < timeoutMs; await new Promise((r) => setTimeout(r, 20))) if (processGone(pid) || isZombie(pid)) return true;
+  return false;
+}
+
+/** An ended process that its parent has not reaped yet holds no memory: it has ended. */
+function isZombie(pid: number): boolean {
+  try {
+    // The state follows the command name, which is in parentheses and may itself hold some.
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat.slice(stat.lastIndexOf(')') + 2).startsWith('Z');
+  } catch {
+    return false;
+  }
+}
+
+function describeHibernation(a: ControlArgs, r: ControlResponse & { ok: true }, ended: boolean): string {
+  const h = r.hibernation!;
+  const before = r.before;
+  const took = r.tookMs !== undefined ? ` in ${r.tookMs} ms` : '';
+  const memory = before ? `guest RAM resident ${formatBytes(before.guestRamResidentBytes)}, process ${formatBytes(before.processPssBytes)} -> 0` : 'memory -> 0';
+  const process = ended ? `its process (pid ${r.vm.pid}) has ended (pvisor run exits ${EXIT_HIBERNATED})` : `its process (pid ${r.vm.pid}) has not ended yet`;
+  return `${a.id}${attemptOf(a)} hibernated${took}: ${memory}; ${formatBytes(h.bytesOnDisk)} on disk in ${h.dir}; ${process}. pvisor resume ${a.id} continues it`;
+}
+
+function attemptOf(a: ControlArgs): string {
+  return a.attemptId !== undefined ? ` (attempt ${a.attemptId})` : '';
+}
+
 function describe(command: ControlCommand, a: ControlArgs, r: ControlResponse & { ok: true }): string {
-  const attempt = a.attemptId !== undefined ? ` (attempt ${a.attemptId})` : '';
+  const attempt = attemptOf(a);
   const after = r.memory;
   const before = r.before;
   const took = r.tookMs !== undefined ? ` in ${r.tookMs} ms` : '';
@@ -115,7 +226,7 @@ function describe(command: ControlCommand, a: ControlArgs, r: ControlResponse & 
   }
 }
 
-/** `pvisor ps [--json]`: the live VMs of this user's runtime directory. */
+/** `pvisor ps [--json]`: the live and the hibernated VMs of this user's runtime directory. */
 export async function cmdPs(argv: string[]): Promise<number> {
   const { values } = parseUsage('ps', () => parseArgs({ args: argv, options: { json: { type: 'boolean', default: false } }, strict: true }));
   const dir = runtimeDir();
@@ -139,8 +250,20 @@ export async function cmdPs(argv: string[]): Promise<number> {
     }),
   );
   const live = rows.filter((r) => r !== undefined);
+  // Hibernated VMs have no process: their records say what they are. One being resumed has both.
+  const hibernated = hibernatedIds(dir)
+    .filter((id) => !live.some((r) => r.id === id))
+    .map((id): { id: string; hibernated?: HibernationRecord; error?: string } => {
+      try {
+        const record = readHibernationRecord(recordPathFor(socketPathFor(id, dir)), id);
+        return record ? { id, hibernated: record } : { id, error: 'its record went away' };
+      } catch (e) {
+        return { id, error: e instanceof Error ? e.message : String(e) };
+      }
+    })
+    .filter((r) => r.error !== 'its record went away');
   if (values.json) {
-    process.stdout.write(`${JSON.stringify(live)}\n`);
+    process.stdout.write(`${JSON.stringify([...live, ...hibernated])}\n`);
     return 0;
   }
   const table = [['ID', 'STATE', 'GUEST RAM RESIDENT', 'MEMORY', 'ON DISK', 'PID']];
@@ -152,6 +275,12 @@ export async function cmdPs(argv: string[]): Promise<number> {
       const m = r.memory;
       table.push([row.id, r.vm.state, m ? formatBytes(m.guestRamResidentBytes) : '-', formatBytes(r.vm.memoryBytes), m ? formatBytes(m.bytesOnDisk) : '-', String(r.vm.pid)]);
     }
+  }
+  for (const row of hibernated) {
+    const h = row.hibernated;
+    // A hibernated VM costs no memory at all: no process, its state on disk.
+    if (h) table.push([row.id, 'hibernated', '0 KiB', formatBytes(h.memoryBytes), formatBytes(h.bytesOnDisk), '-']);
+    else table.push([row.id, 'hibernated (record refused)', '-', '-', '-', '-']);
   }
   const widths = table[0].map((_, c) => Math.max(...table.map((row) => row[c].length)));
   for (const row of table) process.stdout.write(`${row.map((cell, c) => (c === row.length - 1 ? cell : cell.padEnd(widths[c]))).join('  ')}\n`);

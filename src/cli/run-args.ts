@@ -14,6 +14,7 @@ import { Offload } from '../memory/strategies/offload';
 import { PoolClient } from '../memory/strategies/pool-client';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import { planComposition } from '../memory/composition';
+import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import type { MemoryStrategy } from '../memory/strategy';
 import { parseDurationMs } from '../units';
 import { checkVmShape, MAX_VCPUS } from '../vm-shape';
@@ -63,6 +64,49 @@ export interface RunArgs {
   command: string[];
   /** `--publish HOSTPORT:GUESTPORT`: 127.0.0.1:HOSTPORT reaches the guest's TCP GUESTPORT (Linux guest). */
   publish: { hostPort: number; guestPort: number }[];
+  /**
+   * The flags that go on with the VM if it hibernates (see {@link CARRIED_FLAGS}), each
+   * `--name` or `--name=value`, paths made absolute: the run that resumes it has another cwd.
+   */
+  carriedFlags: string[];
+  /** `--vm-backing-dir` made absolute, else the default: where a hibernation goes too. */
+  backingDir: string;
+}
+
+/**
+ * `pvisor run` flags that a hibernated VM keeps when `pvisor resume` continues it in a new
+ * process: its memory strategies, its console and its forwarded ports. What the snapshot decides
+ * (memory, vCPUs, guest, disks) travels in the snapshot; `--from` and `--shared` do not go on (the
+ * VM is restored from its hibernation, into memory of its own). True: the flag takes a value.
+ */
+export const CARRIED_FLAGS: Readonly<Record<string, boolean>> = {
+  console: false,
+  publish: true,
+  'vm-ram-dedup': false,
+  'vm-idle-release': false,
+  'vm-offload': false,
+  'vm-offload-reload': true,
+  'vm-ram-compression': false,
+  'vm-backing-dir': true,
+  'vm-cold-ram-compression': false,
+  'vm-cold-after': true,
+  'vm-pool': true,
+  'vm-pool-scope': true,
+};
+
+/**
+ * Checks flags a hibernation record carries (read from a file): each one of {@link CARRIED_FLAGS},
+ * with `=value` exactly when it takes one, so that nothing else reaches the parser (not `--from`,
+ * `--name` or `--vm-socket`). Their values are checked by {@link parseRunArgs}.
+ */
+export function checkCarriedFlags(flags: readonly string[]): string[] {
+  for (const f of flags) {
+    const m = /^--([a-z-]+)(=.*)?$/s.exec(f);
+    const takesValue = m ? CARRIED_FLAGS[m[1]] : undefined;
+    if (!m || takesValue === undefined || !Object.hasOwn(CARRIED_FLAGS, m[1])) throw new InvalidOptionError('flags', `${JSON.stringify(f)} is not a flag that goes on with a hibernated VM`);
+    if (takesValue !== (m[2] !== undefined)) throw new InvalidOptionError('flags', `${JSON.stringify(f)}: --${m[1]} ${takesValue ? 'takes' : 'takes no'} value`);
+  }
+  return [...flags];
 }
 
 /**
@@ -156,7 +200,16 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
     return { hostPort, guestPort };
   });
   if (publish.length && source.kind === 'boot' && source.guest === 'probe') throw new InvalidOptionError('--publish', 'is for the Linux guest');
-  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command, publish };
+  const absolute = (p: string) => resolve(cwd, p);
+  const carriedFlags: string[] = [];
+  for (const [flag, takesValue] of Object.entries(CARRIED_FLAGS)) {
+    const v = values[flag as keyof typeof values];
+    if (v === undefined || v === false) continue;
+    if (!takesValue) carriedFlags.push(`--${flag}`);
+    else for (const one of Array.isArray(v) ? v : [v]) carriedFlags.push(`--${flag}=${flag === 'vm-backing-dir' || flag === 'vm-pool' ? absolute(String(one)) : String(one)}`);
+  }
+  const backingDir = absolute(dir ?? DEFAULT_BACKING_DIR);
+  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command, publish, carriedFlags, backingDir };
 }
 
 function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean; net?: string; 'net-allow'?: string[] }): BootSource {

@@ -1,15 +1,19 @@
 /**
  * `pvisor run`: starts one VM (booted, or restored from a snapshot with `--from`), runs CMD in it
  * (probe steps on the probe guest), and answers its control socket meanwhile (./run-control.ts).
+ * The same run goes on in a new process when `pvisor resume` continues a hibernated VM
+ * (./resume-hibernated.ts).
  */
+import { rmSync } from 'node:fs';
 import { constants as osConstants } from 'node:os';
+import type { PvisorError } from '../errors';
 import { formatMiB } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { ConsoleCopy } from './console-copy';
-import { parseProbeScript, runProbeScript } from './probe-script';
-import { parseRunArgs } from './run-args';
+import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from './probe-script';
+import { parseRunArgs, type RunArgs } from './run-args';
 import { RunControl } from './run-control';
-import { parseUsage } from './usage';
+import { EXIT_HIBERNATED, parseUsage } from './usage';
 
 /** Runs `pvisor run ARGS`; resolves with the run's exit status. */
 export async function cmdRun(argv: string[]): Promise<number> {
@@ -18,8 +22,40 @@ export async function cmdRun(argv: string[]): Promise<number> {
   const machine = source.kind === 'boot' ? source : await readSnapshotMachine(source.dir);
   // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
   const steps = machine.guest === 'probe' ? parseUsage('run', () => parseProbeScript(args.command)) : undefined;
+  const cursor = steps && new ScriptCursor(steps);
   // Claim the id before booting, so that a taken id fails without starting anything.
-  const control = await RunControl.open({ name: args.name, socketPath: args.socketPath, guest: machine.guest, memoryBytes: machine.memoryBytes, vcpus: machine.vcpus });
+  const control = await RunControl.open({
+    name: args.name,
+    socketPath: args.socketPath,
+    guest: machine.guest,
+    memoryBytes: machine.memoryBytes,
+    vcpus: machine.vcpus,
+    carry: { flags: args.carriedFlags, backingDir: args.backingDir, command: args.command, script: cursor },
+  });
+  return runVm(control, { args, steps, cursor });
+}
+
+/** What {@link runVm} runs. */
+export interface RunPlan {
+  args: RunArgs;
+  /** Probe guest: the steps, followed by `cursor`. */
+  steps?: ProbeStep[];
+  cursor?: ScriptCursor;
+  /**
+   * The run continues a hibernated VM (args.source is its directory): its record goes once the VM
+   * is back, and `onReady` is told; a Linux guest's CMD runs on in the guest, detached, so the
+   * run waits until the VM is stopped instead of starting it again.
+   */
+  resumed?: { recordPath: string; onReady(vm: Vm): void };
+}
+
+/**
+ * Boots or restores the VM of `plan` under `control` (which has claimed its id), runs its command
+ * or steps, and ends it; resolves with the run's exit status.
+ */
+export async function runVm(control: RunControl, plan: RunPlan): Promise<number> {
+  const { args, steps, cursor, resumed } = plan;
+  const { source } = args;
   try {
     process.stderr.write(`pvisor: VM ${control.id}, control socket ${control.socketPath}\n`);
     const t0 = performance.now();
@@ -30,8 +66,11 @@ export async function cmdRun(argv: string[]): Promise<number> {
       vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies: args.strategies, kernel, initrd, rootfs, network });
       if (vm.network.mode !== 'none') process.stderr.write(`pvisor: ${vm.name} network ${vm.network.mode}: guest ${vm.network.guestAddress ?? '(unconfigured)'} on ${vm.network.tap}\n`);
     } else {
-      process.stderr.write(`pvisor: restoring a ${formatMiB(machine.memoryBytes)} ${machine.guest} VM with ${machine.vcpus} vCPU(s) from ${source.dir}${source.shared ? ", its RAM the snapshot's file shared copy-on-write" : ''}...\n`);
+      if (resumed) process.stderr.write(`pvisor: ${new Date().toISOString()} resuming the hibernated VM ${control.id} from ${source.dir}...\n`);
+      else process.stderr.write(`pvisor: restoring a ${formatMiB(control.description.memoryBytes)} ${control.description.guest} VM with ${control.description.vcpus} vCPU(s) from ${source.dir}${source.shared ? ", its RAM the snapshot's file shared copy-on-write" : ''}...\n`);
       vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies });
+      // The VM is back in a process (the restore removed its directory): it is no longer hibernated.
+      if (resumed) rmSync(resumed.recordPath, { force: true });
     }
     control.attach(vm);
     try {
@@ -45,18 +84,22 @@ export async function cmdRun(argv: string[]): Promise<number> {
         vm.once('exit', () => copy.close());
       }
       vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));
-      process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms${source.kind === 'snapshot' ? ' (restored)' : ''}\n`);
+      const how = resumed ? ` (resumed from hibernation, guest RAM ${vm.restoreInfo?.ramLoad === 'lazy' ? 'loading lazily' : 'read'})` : source.kind === 'snapshot' ? ' (restored)' : '';
+      process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms${how}\n`);
+      resumed?.onReady(vm);
       if (steps) {
         try {
-          await runProbeScript(vm, steps, (line) => process.stdout.write(`${line}\n`));
+          await runProbeScript(vm, steps, (line) => process.stdout.write(`${line}\n`), cursor);
         } catch (e) {
+          if (control.hibernation) return hibernated(control);
           // Stopped from outside (pvisor stop, a signal) before the steps were done: not a failure of pvisor.
           if (!control.stopCause) throw e;
           process.stderr.write(`pvisor: ${vm.name} was stopped (${control.stopCause}) before its steps finished\n`);
           return control.stopExitCode;
         }
-        return 0;
+        return control.hibernation ? hibernated(control) : 0;
       }
+      if (resumed) return await untilStopped(vm, control);
       return await runCommand(vm, args.command, control);
     } finally {
       // The VM knows whether a writable rootfs is attached, which must get everything CMD wrote
@@ -66,6 +109,17 @@ export async function cmdRun(argv: string[]): Promise<number> {
   } finally {
     control.close();
   }
+}
+
+/** The run's end once its VM has hibernated: after the answer has left, says where it went. */
+async function hibernated(control: RunControl): Promise<number> {
+  await control.hibernationSent();
+  const h = control.hibernation!;
+  process.stderr.write(
+    `pvisor: ${control.id} hibernated into ${h.dir} (${formatMiB(h.bytesOnDisk)} on disk); this process ends (exit ${EXIT_HIBERNATED}). ` +
+      `pvisor resume ${control.id} continues it in a new process, whose output goes to ${h.log}\n`,
+  );
+  return EXIT_HIBERNATED;
 }
 
 /**
@@ -94,8 +148,24 @@ async function runCommand(vm: Vm, command: string[], control: RunControl): Promi
     if (status.signal) return 128 + (osConstants.signals[status.signal] ?? 0);
     return status.exitCode ?? 1;
   } catch (e) {
+    if (control.hibernation) return hibernated(control);
     if (!control.stopCause) throw e;
     process.stderr.write(`pvisor: ${vm.name} was stopped (${control.stopCause}) before the command finished\n`);
     return control.stopExitCode;
   }
+}
+
+/**
+ * A resumed Linux VM: its CMD runs on in the guest, detached (its output dropped by the agent),
+ * and nothing here waits for its status; the run lasts until the VM is stopped or hibernates.
+ */
+async function untilStopped(vm: Vm, control: RunControl): Promise<number> {
+  const end = await new Promise<{ error?: PvisorError }>((resolve) => {
+    if (vm.state === 'stopped' || vm.state === 'crashed') resolve({ error: vm.error });
+    else vm.once('exit', ({ error }) => resolve({ error }));
+  });
+  if (control.hibernation) return hibernated(control);
+  if (end.error) throw end.error;
+  process.stderr.write(`pvisor: ${vm.name} was stopped (${control.stopCause ?? 'its VM ended'})\n`);
+  return control.stopExitCode;
 }

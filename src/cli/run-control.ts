@@ -1,13 +1,16 @@
 /**
  * `pvisor run`'s end of the control socket: claims the VM's id, answers status, suspend, resume,
- * snapshot and stop against the running {@link Vm}, and turns SIGINT/SIGTERM into a clean stop.
- * The protocol is in docs/control-protocol.md.
+ * snapshot, hibernate and stop against the running {@link Vm}, and turns SIGINT/SIGTERM into a
+ * clean stop. The protocol is in docs/control-protocol.md.
  */
 import { randomBytes } from 'node:crypto';
+import { existsSync } from 'node:fs';
 import { InvalidOptionError, VmStateError } from '../errors';
 import type { ExecResult } from '../guest/linux-client';
+import { memoryBackedFilesystem } from '../memory/backing-file';
 import type { GuestKind, Vm } from '../vm';
-import { parseProbeScript, runProbeScript } from './probe-script';
+import { hibernationDirFor, logPathFor, recordPathFor, writeHibernationRecord, type HibernationRecord } from './hibernation-record';
+import { formatProbeScript, parseProbeScript, runProbeScript, type ScriptCursor } from './probe-script';
 import {
   ControlServer,
   ensureRuntimeDir,
@@ -16,6 +19,7 @@ import {
   runtimeDir,
   socketPathFor,
   type ControlHandler,
+  type ControlHibernation,
   type ControlMemory,
   type ControlRequest,
   type ControlResponse,
@@ -35,6 +39,22 @@ export interface RunDescription {
   guest: GuestKind;
   memoryBytes: number;
   vcpus: number;
+  /** What goes on with the VM if it hibernates. */
+  carry: RunCarry;
+  /** The run continues a hibernated VM: its record is expected beside the socket, not refused. */
+  resuming?: boolean;
+}
+
+/** What a hibernation record carries of the run besides the VM (see ./hibernation-record.ts). */
+export interface RunCarry {
+  /** The run's flags that go on with the VM (RunArgs.carriedFlags). */
+  flags: string[];
+  /** Where the hibernated VM goes: the run's backing directory, on a disk. */
+  backingDir: string;
+  /** Linux guest: CMD. */
+  command: string[];
+  /** Probe guest: where its steps are. */
+  script?: ScriptCursor;
 }
 
 const SIGNAL_EXIT: Record<StopCause, number> = {
@@ -50,13 +70,17 @@ export class RunControl {
   /** Control operations run one at a time: two suspends at once would pause twice. */
   private queue: Promise<unknown> = Promise.resolve();
   private cause: StopCause | undefined;
+  private hibernated: ControlHibernation | undefined;
+  private answered: (() => void) | undefined;
+  private readonly hibernationAnswered = new Promise<void>((resolve) => (this.answered = resolve));
   private readonly onSignal = (signal: NodeJS.Signals) => this.requestStop(signal as StopCause);
 
   private constructor(
     /** The VM's id. */
     readonly id: string,
     private readonly server: ControlServer,
-    private readonly description: RunDescription,
+    /** What the run started (or continues). */
+    readonly description: RunDescription,
   ) {
     process.on('SIGINT', this.onSignal);
     process.on('SIGTERM', this.onSignal);
@@ -75,6 +99,12 @@ export class RunControl {
       try {
         const self: { control?: RunControl } = {};
         const server = await ControlServer.listen(path, id, (r) => self.control!.handle(r));
+        // Holding the socket, the id is ours to check: a hibernated VM of this id has no process
+        // listening, and a new VM must not take its id from under it.
+        if (!description.resuming && existsSync(recordPathFor(path))) {
+          server.close();
+          throw new InvalidOptionError('name', `${id} is hibernated (${recordPathFor(path)}): pvisor resume ${id} continues it, pvisor stop ${id} discards it; or choose another --name`);
+        }
         self.control = new RunControl(id, server, description);
         return self.control;
       } catch (e) {
@@ -104,6 +134,19 @@ export class RunControl {
   /** The run's exit status after a stop from outside its steps. */
   get stopExitCode(): number {
     return this.cause ? SIGNAL_EXIT[this.cause] : 0;
+  }
+
+  /** Where the VM went if it hibernated (its process then ends). */
+  get hibernation(): ControlHibernation | undefined {
+    return this.hibernated;
+  }
+
+  /**
+   * Once the VM has hibernated: resolves when the answer has left (the run must not exit before
+   * the client has it).
+   */
+  hibernationSent(): Promise<void> {
+    return this.hibernationAnswered;
   }
 
   /** Stops listening, removes the socket and gives signals back their default meaning. */
@@ -162,6 +205,13 @@ export class RunControl {
             const snapshot = { ...written, ms: Math.round(written.ms * 10) / 10 };
             return { response: { ok: true, vm: this.info(), memory: this.memory(), snapshot } };
           }
+          case 'hibernate': {
+            const before = this.memory();
+            const t0 = performance.now();
+            const hibernation = await this.hibernate(vm);
+            const tookMs = Math.round((performance.now() - t0) * 10) / 10;
+            return { response: { ok: true, vm: { ...this.info(), state: 'hibernated' }, before, tookMs, hibernation }, afterSent: () => this.answered?.() };
+          }
           case 'stop':
             return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop('pvisor stop') };
         }
@@ -169,6 +219,57 @@ export class RunControl {
         return { response: { ok: false, error: errorPayload(e), vm: this.info(), memory: this.memory() } };
       }
     });
+
+  /**
+   * Moves the VM to its backing directory and writes the record beside the socket that says how
+   * its run goes on; the VM ends (its process follows once the answer is sent). Probe steps that
+   * have not begun are held, and one that talks to the guest is let finish first (when the VM
+   * runs: a paused guest would not answer it, and then carries it out after the resume, its
+   * answer lost). If anything fails, the VM and its steps go on as they were.
+   */
+  private async hibernate(vm: Vm): Promise<ControlHibernation> {
+    const carry = this.description.carry;
+    if (vm.state !== 'running' && vm.state !== 'paused') {
+      const hint = vm.state === 'suspended' ? `; its RAM is offloaded: pvisor resume ${this.id} first` : '';
+      throw new VmStateError(`${this.id} is ${vm.state}; hibernation needs it running or paused${hint}`);
+    }
+    const fs = memoryBackedFilesystem(carry.backingDir);
+    if (fs) throw new InvalidOptionError('--vm-backing-dir', `${carry.backingDir} is on ${fs}: a hibernated VM there would stay in RAM; run the VM with --vm-backing-dir on a disk`);
+    const script = carry.script;
+    script?.halt();
+    try {
+      if (vm.state === 'running') await script?.outOfGuest();
+      const left = script?.remaining();
+      const dir = hibernationDirFor(carry.backingDir, this.id);
+      const record = recordPathFor(this.socketPath);
+      const log = logPathFor(this.socketPath);
+      await vm.hibernate(dir, {
+        beforeStop: (info) => {
+          const r: HibernationRecord = {
+            format: 'pvisor-hibernated',
+            version: 1,
+            id: this.id,
+            dir,
+            hibernatedAt: new Date().toISOString(),
+            guest: vm.guest,
+            memoryBytes: vm.memoryBytes,
+            vcpus: vm.vcpus,
+            bytesOnDisk: info.bytesOnDisk,
+            flags: carry.flags,
+            // Nothing left: the resumed run keeps the VM until it is stopped, as this one would not have.
+            ...(vm.guest === 'probe' ? { steps: left?.length ? formatProbeScript(left) : 'wait' } : { command: carry.command }),
+          };
+          writeHibernationRecord(record, r);
+          // Committed: the VM ends next, and whoever sees it end must know why.
+          this.hibernated = { dir, record, log, ramDataPageCount: info.ramDataPageCount, bytesOnDisk: info.bytesOnDisk };
+        },
+      });
+      return this.hibernated!;
+    } catch (e) {
+      script?.go();
+      throw e;
+    }
+  }
 
   /**
    * Runs a command in the guest: an argv or a shell command for the Linux guest (Vm.exec), probe

@@ -18,6 +18,19 @@ export const EXIT_USAGE = 2;
 export const EXIT_NO_SUCH_VM = 2;
 /** Exit status when pvisor itself fails (host unsupported, guest crash, I/O error...). */
 export const EXIT_PVISOR_FAILURE = 125;
+/**
+ * Exit status of a `pvisor run` whose VM hibernated (`pvisor suspend ID --hibernate`): its CMD
+ * or steps did not finish here, and go on in the process that `pvisor resume ID` starts. 128 +
+ * SIGTSTP, the signal that suspends a job, so that it reads as neither CMD's status nor a stop.
+ */
+export const EXIT_HIBERNATED = 128 + 20;
+
+/**
+ * A request that cannot apply to the VM as it is, refused before anything changed: `pvisor resume`
+ * of a VM that runs (nothing to resume), `pvisor suspend` of a hibernated one. Exits 2, as a
+ * usage error does, with its message alone.
+ */
+export class RefusedError extends Error {}
 
 /** A command line that does not say what the command accepts; `command` is e.g. `run` or `bench soak`. */
 export class UsageError extends Error {
@@ -71,17 +84,18 @@ export function runProgram(program: string, main: (argv: string[]) => Promise<nu
       if (e instanceof UsageError) {
         const help = e.command ? `${e.program} ${e.command} --help` : `${e.program} --help`;
         process.stderr.write(`${e.program}: ${e.message}\n(${help} says what it accepts)\n`);
-        process.exit(EXIT_USAGE);
-      }
-      if (e instanceof VmNotFoundError) {
-        process.stderr.write(`${program}: ${e.message}\n`);
-        process.exit(EXIT_NO_SUCH_VM);
-      }
-      if (e instanceof PvisorError) process.stderr.write(`${program}: ${e.message}\n`);
+      } else if (e instanceof VmNotFoundError || e instanceof RefusedError || e instanceof PvisorError) process.stderr.write(`${program}: ${e.message}\n`);
       else process.stderr.write(`${program}: unexpected error: ${e instanceof Error ? e.stack : String(e)}\n`);
-      process.exit(EXIT_PVISOR_FAILURE);
+      process.exit(exitStatusOf(e));
     },
   );
+}
+
+/** The exit status for what a command threw, as this module's comment says. */
+export function exitStatusOf(e: unknown): number {
+  if (e instanceof UsageError) return EXIT_USAGE;
+  if (e instanceof VmNotFoundError || e instanceof RefusedError) return EXIT_NO_SUCH_VM;
+  return EXIT_PVISOR_FAILURE;
 }
 
 const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus 2] [--guest linux|probe] [--console]
@@ -143,14 +157,24 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       --vcpus, --guest, --kernel, --initrd and --rootfs are refused beside --from.
       --shared: guest RAM is the snapshot's RAM file mapped copy-on-write (SharedSnapshot), so
         clones of one snapshot share the pages they only read and each pays for what it writes.
-      Exit status: CMD's (128+N if a signal N killed it); 2 for a usage error; 125 if pvisor failed.
+      Exit status: CMD's (128+N if a signal N killed it); 2 for a usage error; 125 if pvisor failed;
+      ${EXIT_HIBERNATED} if the VM hibernated (pvisor suspend ID --hibernate): CMD goes on after pvisor resume ID.
 `;
 
-const SUSPEND = `  pvisor suspend ID [--vm-offload] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
+const SUSPEND = `  pvisor suspend ID [--vm-offload] [--hibernate] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Pauses the VM started by pvisor run --name ID; with --vm-offload its RAM goes to disk too.
+      --hibernate (implies --vm-offload): the VM's whole state goes to disk, under the run's
+        --vm-backing-dir (default /var/tmp), and its process ends: a hibernated VM costs no
+        memory at all. A probe step under way finishes first; the steps left go on after the
+        resume. In the Linux guest, CMD and every process keep running after it, detached (their
+        output dropped, stdin closed). Refused for a suspended VM, a writable rootfs or a network.
 `;
-const RESUME = `  pvisor resume ID [--vm-load] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
+const RESUME = `  pvisor resume ID [--vm-load] [--foreground] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Lets it run again; RAM that a suspend offloaded is loaded back and verified first.
+      A hibernated VM goes on in a new, detached process with the same id and control socket,
+        its guest RAM loaded lazily; its output (the probe steps left, pvisor's messages) goes to
+        ID.log beside the socket. --foreground: in this process instead, its output here.
+      Refused (exit 2) if there is nothing to resume: the VM runs.
 `;
 const SNAPSHOT = `  pvisor snapshot ID DIR [--leave-paused] [--vm-socket PATH] [--json]
       Writes a snapshot of the VM started by pvisor run --name ID into DIR (new or empty; relative
@@ -159,12 +183,13 @@ const SNAPSHOT = `  pvisor snapshot ID DIR [--leave-paused] [--vm-socket PATH] [
       pvisor resume ID. pvisor run --from DIR restores it.
 `;
 const STOP = `  pvisor stop ID [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
-      Stops the VM; its run ends.
+      Stops the VM; its run ends. A hibernated VM is discarded: its state is removed from disk.
 `;
 const PS = `  pvisor ps [--json]
-      Live VMs: id, state, guest RAM resident, memory, bytes on disk, pid.
+      Live and hibernated VMs: id, state, guest RAM resident, memory, bytes on disk, pid.
 `;
-const CONTROL_EXIT = `      Exit status: 0; 2 for a usage error or if no VM of that id is running; 125 if it failed.
+const CONTROL_EXIT = `      Exit status: 0; 2 for a usage error, if no VM of that id is running or hibernated, or if the
+      request cannot apply to it (resume of a running VM, suspend of a hibernated one); 125 if it failed.
 `;
 
 const BENCH_VMM = `  pvisor bench vmm [--runs 5] [--exits 100000] [--json FILE]

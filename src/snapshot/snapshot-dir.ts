@@ -17,6 +17,7 @@ import { crc32c, type FileRange } from '../memory/uffd-server';
 import type { PageRun } from '../memory/pages';
 import { fileDataRuns } from '../memory/file-runs';
 import { checkGuestMemoryBytes, checkVmShape } from '../vm-shape';
+import { validateVmName } from '../vm-name';
 import { checkRamFile, dataChunkRanges, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
 import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile, type SnapshotFile } from './snapshot-file';
 
@@ -70,6 +71,18 @@ export interface SnapshotState {
   agent: unknown;
   /** The guest client's own state (the probe's working set). */
   guestClient: unknown;
+  /**
+   * Present when {@link Vm.hibernate} wrote the directory: the VM moved out of its process and
+   * continues, under the same name, in the one that restores it; the restore consumes the
+   * directory. Absent: a snapshot, which any number of restores may clone.
+   */
+  hibernated?: SnapshotHibernation;
+}
+
+/** {@link SnapshotState.hibernated}. */
+export interface SnapshotHibernation {
+  /** The VM's name, which the restored VM takes unless told otherwise. */
+  name: string;
 }
 
 /** {@link SnapshotState.rootfs}. */
@@ -94,12 +107,22 @@ export interface WrittenSnapshot {
   ramDataPageCount: number;
 }
 
+/** Options of {@link writeSnapshot}. */
+export interface WriteSnapshotOptions {
+  /**
+   * The files' mode once sealed: 0444 for a snapshot, which clones of other users may read if
+   * its directory lets them; 0400 for a hibernated VM's, which is nobody else's to read.
+   */
+  fileMode?: 0o444 | 0o400;
+}
+
 /**
  * Writes a snapshot into `dir`, which is created, or must be empty. The guest must be paused.
  * Files are written, synced and made read-only, the manifest last: a directory without one is
  * not a snapshot.
  */
-export function writeSnapshot(dir: string, mem: GuestMemory, state: SnapshotState): WrittenSnapshot {
+export function writeSnapshot(dir: string, mem: GuestMemory, state: SnapshotState, options: WriteSnapshotOptions = {}): WrittenSnapshot {
+  const fileMode = options.fileMode ?? 0o444;
   const stateBytes = Buffer.from(JSON.stringify(state));
   if (stateBytes.length > MAX_STATE_BYTES) {
     throw new SnapshotError(`the VM's state is ${stateBytes.length} bytes as JSON, more than the ${MAX_STATE_BYTES} a restore reads: ` +
@@ -108,7 +131,7 @@ export function writeSnapshot(dir: string, mem: GuestMemory, state: SnapshotStat
   mkdirSync(dir, { recursive: true });
   if (readdirSync(dir).length > 0) throw new SnapshotError(`${dir} is not empty: a snapshot goes into a new or empty directory`);
   const ram = writeRamFile(mem, join(dir, RAM));
-  writeSealed(join(dir, STATE), stateBytes);
+  writeSealed(join(dir, STATE), stateBytes, fileMode);
   const manifest: Manifest = {
     format: 'pvisor-snapshot',
     version: SNAPSHOT_FORMAT_VERSION,
@@ -118,8 +141,8 @@ export function writeSnapshot(dir: string, mem: GuestMemory, state: SnapshotStat
     stateBytes: stateBytes.length,
     stateCrc32c: hex32(crc32c(stateBytes)),
   };
-  chmodSync(join(dir, RAM), 0o444);
-  writeSealed(join(dir, MANIFEST), Buffer.from(JSON.stringify(manifest, null, 1)));
+  chmodSync(join(dir, RAM), fileMode);
+  writeSealed(join(dir, MANIFEST), Buffer.from(JSON.stringify(manifest, null, 1)), fileMode);
   return { ramDataPageCount: ram.dataPageCount };
 }
 
@@ -304,7 +327,18 @@ function parseState(value: unknown, manifest: Manifest): SnapshotState {
     devices: o.devices,
     agent: o.agent,
     guestClient: o.guestClient,
+    ...(o.hibernated !== undefined && { hibernated: parseHibernation(o.hibernated, `${path}.hibernated`) }),
   };
+}
+
+function parseHibernation(value: unknown, path: string): SnapshotHibernation {
+  const o = objectAt(value, path);
+  const name = stringAt(o, 'name', path, 64);
+  try {
+    return { name: validateVmName(name, `${path}.name`) };
+  } catch (e) {
+    throw new SnapshotError((e as Error).message);
+  }
 }
 
 function parseRootfs(value: unknown, guest: SnapshotState['guest'], path: string): SnapshotRootfs {
@@ -329,8 +363,8 @@ function shaped<T>(path: string, fields: Record<string, string>, check: () => T)
   }
 }
 
-function writeSealed(path: string, bytes: Buffer): void {
-  const fd = openSync(path, 'wx', 0o444);
+function writeSealed(path: string, bytes: Buffer, mode: number): void {
+  const fd = openSync(path, 'wx', mode);
   try {
     for (let done = 0; done < bytes.length;) done += writeSync(fd, bytes, done);
     fsyncSync(fd);

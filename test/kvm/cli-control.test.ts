@@ -124,10 +124,11 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
     expect(nope.stderr).toMatch(/^pvisor: no VM named NOPE is running/);
     expect(nope.status).toBe(2);
 
+    // Nothing to resume: the caller's mistake, told apart from a resume that failed (125).
     const early = await pvisor('resume', 'T2', '--vm-load');
-    expect(early.stderr).toMatch(/^pvisor: resume T2 failed: T2 is running; this needs it paused or suspended/);
+    expect(early.stderr).toMatch(/^pvisor: resume T2 refused: T2 is running, not paused, suspended or hibernated: nothing to resume$/m);
     expect(early.stdout).toBe('');
-    expect(early.status).toBe(125);
+    expect(early.status).toBe(2);
 
     const twice = await pvisor('run', '--guest', 'probe', '--name', 'T2', '--', 'digest');
     expect(twice.stderr).toMatch(/pvisor: name: a VM named T2 is already running/);

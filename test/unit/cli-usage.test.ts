@@ -125,6 +125,15 @@ describe('usage errors exit 2 before anything is started or printed', () => {
   });
 });
 
+describe('an id with no VM, running or hibernated, exits 2', () => {
+  it.each([['resume'], ['resume', '--foreground'], ['stop'], ['suspend', '--hibernate']])('pvisor %s NOPE', (command, ...flags) => {
+    const r = pvisor(command, 'NOPE', ...flags);
+    expect(r.stderr).toMatch(/^pvisor: (no VM named NOPE is running or hibernated|NOPE is not hibernated)/);
+    expect(r.stdout).toBe('');
+    expect(r.status).toBe(2);
+  });
+});
+
 describe('failures of pvisor itself exit 125', () => {
   it('a missing rootfs image: the run is well formed, the host cannot do it', () => {
     const r = pvisor('run', '--rootfs', '/no/such/rootfs.img', '--', 'true');

@@ -61,6 +61,7 @@ describe('control socket', () => {
     expect(parseRequest('{"op":"suspend","offload":true}')).toEqual({ op: 'suspend', offload: true });
     expect(parseRequest('{"op":"suspend"}')).toEqual({ op: 'suspend', offload: false });
     expect(parseRequest('{"op":"status"}')).toEqual({ op: 'status' });
+    expect(parseRequest('{"v":1,"op":"hibernate"}')).toEqual({ op: 'hibernate' });
     for (const bad of ['', 'suspend', '{"op":"explode"}', 'null', '{"op":"suspend","offload":"yes"}']) expect(() => parseRequest(bad)).toThrow(InvalidOptionError);
   });
 

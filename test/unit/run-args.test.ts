@@ -1,5 +1,5 @@
 // pvisor run's arguments: a fresh boot or --from a snapshot, the strategies, the command. No KVM needed.
-import { parseRunArgs } from '../../src/cli/run-args';
+import { checkCarriedFlags, parseRunArgs } from '../../src/cli/run-args';
 import { InvalidOptionError } from '../../src/errors';
 
 describe('pvisor run: argument parsing', () => {
@@ -103,5 +103,43 @@ describe('pvisor run: argument parsing', () => {
 
   it('a chosen suspend-image strategy replaces the default Offload', () => {
     expect(parseRunArgs(['--from', 'snap', '--vm-ram-compression', '--', 'digest'], cwd).strategies.map((s) => s.name)).toEqual(['compressed-offload']);
+  });
+});
+
+describe('pvisor run: the flags that go on with a hibernated VM', () => {
+  const cwd = '/home/u/work';
+
+  it('carries the strategies, the console and the forwarded ports, paths made absolute, and nothing the snapshot decides', () => {
+    const a = parseRunArgs(['--guest', 'probe', '--memory', '256MiB', '--name', 'T1', '--vm-socket', '/x/T1.sock', '--console', '--vm-idle-release', '--vm-offload', '--vm-offload-reload', 'lazy', '--vm-backing-dir', 'back', '--vm-pool', 'pool.sock', '--vm-pool-scope', 'a', '--', 'digest'], cwd);
+    expect(a.carriedFlags).toEqual(['--console', '--vm-idle-release', '--vm-offload', '--vm-offload-reload=lazy', '--vm-backing-dir=/home/u/work/back', '--vm-pool=/home/u/work/pool.sock', '--vm-pool-scope=a']);
+    expect(a.backingDir).toBe('/home/u/work/back');
+    expect(parseRunArgs(['--', 'true'], cwd)).toMatchObject({ carriedFlags: [], backingDir: '/var/tmp' });
+    // Repeated flags go on as they were given.
+    expect(parseRunArgs(['--publish', '8080:80', '--publish', '8443:443', '--', 'true'], cwd).carriedFlags).toEqual(['--publish=8080:80', '--publish=8443:443']);
+  });
+
+  it('carried flags read back through the parser give the same run, restored from the hibernation', () => {
+    const a = parseRunArgs(['--guest', 'probe', '--vm-cold-ram-compression', '--vm-cold-after', '3s', '--vm-backing-dir', '/b', '--', 'wait'], cwd);
+    const b = parseRunArgs(['--from', '/b/h', ...checkCarriedFlags(a.carriedFlags), '--', 'wait'], '/');
+    expect(b.source).toEqual({ kind: 'snapshot', dir: '/b/h', shared: false });
+    expect(b.strategies.map((s) => s.name)).toEqual(a.strategies.map((s) => s.name));
+    expect(b.carriedFlags).toEqual(a.carriedFlags);
+    expect(b.backingDir).toBe('/b');
+  });
+
+  it.each([
+    ['--from=/elsewhere'],
+    ['--name=T2'],
+    ['--vm-socket=/tmp/x.sock'],
+    ['--shared'],
+    ['--memory=1GiB'],
+    ['--constructor'],
+    ['--__proto__'],
+    ['digest'],
+    ['--console=yes'],
+    ['--vm-backing-dir'],
+    ['-c'],
+  ])('a record whose flags include %j is refused', (flag) => {
+    expect(() => checkCarriedFlags(['--vm-idle-release', flag])).toThrow(InvalidOptionError);
   });
 });

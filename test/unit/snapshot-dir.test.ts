@@ -4,7 +4,7 @@
 // rewritten with its manifest checksum fixed, so that each malformed value reaches the parser (a
 // changed checksum alone is refused before it). No KVM.
 import { spawnSync } from 'node:child_process';
-import { chmodSync, chownSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, truncateSync, writeFileSync } from 'node:fs';
+import { chmodSync, chownSync, mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, symlinkSync, truncateSync, writeFileSync } from 'node:fs';
 import { createServer, type Server } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -82,6 +82,20 @@ describe('snapshot state: guest kind and rootfs', () => {
       expect(() => SnapshotReader.open(dir)).toThrow(SnapshotError);
       expect(() => SnapshotReader.open(dir)).toThrow(message);
     }
+  });
+
+  it("a hibernated VM's state says its name, checked as a VM name; its files may be 0400", () => {
+    const dir = join(base, 'hibernated');
+    writeSnapshot(dir, mem, { ...linux, hibernated: { name: 'job-7' } }, { fileMode: 0o400 });
+    for (const f of ['ram', 'state.json', 'manifest.json']) expect(statSync(join(dir, f)).mode & 0o777).toBe(0o400);
+    expect(SnapshotReader.open(dir).state.hibernated).toEqual({ name: 'job-7' });
+    expect(SnapshotReader.open(snapshotWith(linux)).state.hibernated).toBeUndefined();
+    const cases: [unknown, RegExp][] = [
+      [{ ...linux, hibernated: { name: '../etc' } }, /snapshot\.hibernated\.name: "\.\.\/etc" is not a VM id/],
+      [{ ...linux, hibernated: { name: '' } }, /snapshot\.hibernated\.name: expected a string/],
+      [{ ...linux, hibernated: 'job-7' }, /snapshot\.hibernated: expected an object/],
+    ];
+    for (const [state, message] of cases) expect(() => SnapshotReader.open(snapshotWith(state))).toThrow(message);
   });
 });
 

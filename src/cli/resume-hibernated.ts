@@ -1,0 +1,221 @@
+/**
+ * `pvisor resume ID` of a hibernated VM: the VM has no process, so the command starts one, a
+ * detached `pvisor resume ID --foreground` whose output goes to `ID.log` beside the control
+ * socket, waits until it says the VM is ready (or why it is not) on a pipe, and leaves it
+ * running. The new process claims the VM's control socket first (so that of two resumes one
+ * wins and the other is refused), reads the record again, restores the VM (Vm.restore, lazily),
+ * removes the record, and goes on with the run: the probe steps that were left, or, for the Linux
+ * guest, until the VM is stopped. `pvisor stop ID` of a hibernated VM discards it.
+ */
+import { spawn } from 'node:child_process';
+import { closeSync, constants, fstatSync, openSync, writeSync } from 'node:fs';
+import { join } from 'node:path';
+import { ControlServer, errorPayload } from '../control-socket';
+import { InvalidOptionError, PvisorError, SnapshotError, TimeoutError } from '../errors';
+import type { Vm } from '../vm';
+import { checkHibernatedDir, discardHibernated, logPathFor, readHibernationRecord, recordPathFor, type HibernationRecord } from './hibernation-record';
+import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from './node-flags';
+import { parseProbeScript, ScriptCursor } from './probe-script';
+import { checkCarriedFlags, parseRunArgs } from './run-args';
+import { runVm } from './run-command';
+import { RunControl } from './run-control';
+import { exitStatusOf, RefusedError } from './usage';
+
+/** The environment variable that tells a `--foreground` resume which fd to report readiness on. */
+const READY_FD_ENV = 'PVISOR_READY_FD';
+
+/** What the resuming process reports once, on its ready pipe. */
+export type ResumeReport =
+  | { ok: true; pid: number; readyMs: number; ramLoad: string; processPssBytes: number; guestRamResidentBytes: number; log: string }
+  | { ok: false; error: { code: string; message: string }; exitStatus: number };
+
+/**
+ * `pvisor resume ID --foreground`: continues the hibernated VM in this process; resolves with the
+ * run's exit status (as `pvisor run`'s). Refuses with exit 2 if the VM is not hibernated (it runs,
+ * or another resume or a stop took it meanwhile).
+ */
+export async function runHibernated(id: string, socketPath: string): Promise<number> {
+  const report = readyReporter();
+  try {
+    const recordPath = recordPathFor(socketPath);
+    const first = readHibernationRecord(recordPath, id);
+    if (!first) throw new RefusedError(`${id} is not hibernated (no ${recordPath})`);
+    // Everything the record says is checked before the id is claimed, as a command line is.
+    const plan = planOf(first, recordPath, (vm) => report.ready(vm, logPathFor(socketPath)));
+    const carry = { flags: first.flags, backingDir: plan.args.backingDir, command: first.command ?? [], script: plan.cursor };
+    let control: RunControl;
+    try {
+      control = await RunControl.open({ name: id, socketPath, guest: first.guest, memoryBytes: first.memoryBytes, vcpus: first.vcpus, carry, resuming: true });
+    } catch (e) {
+      if (e instanceof InvalidOptionError && e.option === 'name') throw new RefusedError(`${id} is not hibernated: it is running (another pvisor resume continued it)`);
+      throw e;
+    }
+    try {
+      // Now that this process holds the id, the record is stable: it must still be the one read.
+      const record = readHibernationRecord(recordPath, id);
+      if (!record || record.dir !== first.dir) throw new RefusedError(`${id} is not hibernated any more (resumed or discarded meanwhile)`);
+      if (checkHibernatedDir(record.dir) === 'missing') throw new SnapshotError(`${id}'s hibernated state ${record.dir} is gone; pvisor stop ${id} removes its record`);
+    } catch (e) {
+      control.close();
+      throw e;
+    }
+    return await runVm(control, plan);
+  } catch (e) {
+    report.failed(e);
+    throw e;
+  }
+}
+
+/** The run of a hibernated VM, from its record (its flags and steps checked as a command line's). */
+function planOf(record: HibernationRecord, recordPath: string, onReady: (vm: Vm) => void): Parameters<typeof runVm>[1] {
+  const flags = checkCarriedFlags(record.flags);
+  // The Linux guest's CMD is not run again (it runs on, detached): it is there for the parser.
+  const command = record.guest === 'probe' ? [record.steps!] : record.command!.length ? record.command! : ['true'];
+  let args;
+  try {
+    args = parseRunArgs(['--from', record.dir, ...flags, '--', ...command], '/');
+  } catch (e) {
+    throw new SnapshotError(`${recordPath}: ${(e as Error).message}`);
+  }
+  let steps;
+  try {
+    steps = record.guest === 'probe' ? parseProbeScript(args.command) : undefined;
+  } catch (e) {
+    throw new SnapshotError(`${recordPath}: steps: ${(e as Error).message}`);
+  }
+  return { args, steps, cursor: steps && new ScriptCursor(steps), resumed: { recordPath, onReady } };
+}
+
+/** The `--foreground` side of the ready pipe: says once, ready or failed, then closes it. */
+function readyReporter(): { ready(vm: Vm, log: string): void; failed(e: unknown): void } {
+  const text = process.env[READY_FD_ENV];
+  delete process.env[READY_FD_ENV];
+  let fd = text !== undefined && /^\d+$/.test(text) ? Number(text) : undefined;
+  const say = (r: ResumeReport) => {
+    if (fd === undefined) return;
+    try {
+      writeSync(fd, `${JSON.stringify(r)}\n`);
+      closeSync(fd);
+    } catch {
+      // The resume that started this process is gone: nobody to tell.
+    }
+    fd = undefined;
+  };
+  return {
+    ready(vm, log) {
+      const u = vm.memoryUsage();
+      const info = vm.restoreInfo!;
+      say({ ok: true, pid: process.pid, readyMs: Math.round(info.readyMs * 10) / 10, ramLoad: info.ramLoad, processPssBytes: u.processPssBytes, guestRamResidentBytes: u.guestRamPssBytes, log });
+    },
+    failed(e) {
+      say({ ok: false, error: errorPayload(e), exitStatus: exitStatusOf(e) });
+    },
+  };
+}
+
+/** How long the client waits for the resumed VM to be ready: a restore reads no more than a suspend writes. */
+const READY_TIMEOUT_MS = 10 * 60 * 1000;
+
+/**
+ * Starts the process that continues hibernated VM `id`, detached, its output appended to the log
+ * beside the socket; resolves with its report once the VM is ready, or rejects with why not
+ * (a {@link RefusedError} if it was not hibernated after all).
+ */
+export async function startResume(id: string, socketPath: string): Promise<ResumeReport & { ok: true }> {
+  const log = logPathFor(socketPath);
+  const logFd = openLog(log);
+  let child;
+  try {
+    writeSync(logFd, `pvisor: ${new Date().toISOString()} pvisor resume ${id}: a new process continues the hibernated VM\n`);
+    child = spawn(process.execPath, [...PVISOR_NODE_FLAGS, join(__dirname, 'main.js'), 'resume', id, '--foreground', '--vm-socket', socketPath], {
+      // Its own session: it outlives this command and the terminal it ran in.
+      detached: true,
+      cwd: '/',
+      stdio: ['ignore', logFd, logFd, 'pipe'],
+      env: { ...pvisorNodeEnv(), [READY_FD_ENV]: '3' },
+    });
+  } finally {
+    closeSync(logFd);
+  }
+  const pipe = child.stdio[3] as NodeJS.ReadableStream & { destroy(): void };
+  const exited = new Promise<number | null>((resolve) => child.once('exit', (code) => resolve(code)));
+  try {
+    const line = await new Promise<string | undefined>((resolve, reject) => {
+      let text = '';
+      const timer = setTimeout(() => reject(new TimeoutError(`the process resuming ${id} (pid ${child.pid}) was not ready within ${READY_TIMEOUT_MS} ms; its output is in ${log}`)), READY_TIMEOUT_MS);
+      pipe.setEncoding('utf8');
+      pipe.on('data', (d: string) => {
+        text += d;
+        // One short line is all it says; a longer one is not a report.
+        if (text.includes('\n') || text.length > 64 * 1024) {
+          clearTimeout(timer);
+          resolve(text.split('\n')[0]);
+        }
+      });
+      pipe.on('end', () => {
+        clearTimeout(timer);
+        resolve(text.includes('\n') ? text.split('\n')[0] : undefined);
+      });
+      pipe.on('error', () => {});
+    });
+    if (line === undefined) {
+      const code = await exited;
+      throw new PvisorError('PVISOR_RESUME', `the process resuming ${id} ended (exit ${code}) before the VM was ready; its output is in ${log}`);
+    }
+    let report: ResumeReport;
+    try {
+      report = JSON.parse(line) as ResumeReport;
+    } catch {
+      throw new PvisorError('PVISOR_RESUME', `the process resuming ${id} said something that is not a report; its output is in ${log}`);
+    }
+    if (!report.ok) {
+      if (report.exitStatus === 2) throw new RefusedError(`resume ${id} refused: ${report.error.message}`);
+      throw new PvisorError(report.error.code, `resume ${id} failed: ${report.error.message} (its output is in ${log})`);
+    }
+    return report;
+  } finally {
+    pipe.destroy();
+    child.unref();
+  }
+}
+
+/** Opens the log for appending: a regular file of this user's, 0600, never through a link. */
+function openLog(path: string): number {
+  let fd: number;
+  try {
+    fd = openSync(path, constants.O_WRONLY | constants.O_APPEND | constants.O_CREAT | constants.O_NOFOLLOW | constants.O_NONBLOCK, 0o600);
+  } catch (e) {
+    throw new PvisorError('PVISOR_RESUME', `cannot open the log ${path} for the resumed VM's output: ${(e as Error).message}`, { cause: e });
+  }
+  const st = fstatSync(fd);
+  const uid = process.getuid?.() ?? 0;
+  if (!st.isFile() || st.uid !== uid || st.mode & 0o077) {
+    closeSync(fd);
+    throw new PvisorError('PVISOR_RESUME', `${path} is not a regular file of this user's with mode 0600: refused as the resumed VM's log`);
+  }
+  return fd;
+}
+
+/**
+ * `pvisor stop ID` of a hibernated VM: removes its state and its record. It holds the VM's control
+ * socket meanwhile, so that a resume at the same moment either finds it discarded or, having won,
+ * gets the stop itself (then resolves with `'running'`: the caller stops the running VM).
+ */
+export async function discardHibernatedVm(id: string, socketPath: string): Promise<{ record: HibernationRecord } | 'running' | undefined> {
+  let server: ControlServer;
+  try {
+    server = await ControlServer.listen(socketPath, id, async () => ({ response: { ok: false, error: { code: 'PVISOR_VM_STATE', message: `${id} is being discarded` } } }));
+  } catch (e) {
+    if (e instanceof InvalidOptionError && e.option === 'name') return 'running';
+    throw e;
+  }
+  try {
+    const recordPath = recordPathFor(socketPath);
+    const record = readHibernationRecord(recordPath, id);
+    if (!record) return undefined;
+    discardHibernated(recordPath, record);
+    return { record };
+  } finally {
+    server.close();
+  }
+}
