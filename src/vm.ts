@@ -7,7 +7,7 @@ import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
-import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
+import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
@@ -351,6 +351,13 @@ export class Vm extends EventEmitter<VmEvents> {
       this.memory.attach(this.machine.memory);
       this.machine.start();
       await ready;
+      if (this.guest === 'linux' && !this.agent.speaksStreamCredit) {
+        // Its streams would be cut at their first window (the host holds no more of a stream).
+        throw new GuestRequestError(
+          1,
+          "the guest agent does not send its output under stream credit (its HELLO lacks the feature): its initramfs was built before this pvisor's agent protocol; rebuild it with this pvisor's agent (native-prebuilds/linux-guest/build-initramfs.sh)",
+        );
+      }
     } catch (e) {
       this.stop();
       throw e;
@@ -372,7 +379,6 @@ export class Vm extends EventEmitter<VmEvents> {
       (bytes) => this.machine.sendToAgent(bytes),
       (f) => this.onAgentEvent(f),
       (message) => this.warnings.warn(`agent protocol: ${message}`),
-      (held) => this.machine?.holdAgentOutput(held),
     );
     this.machine = KvmMachine.create(
       {
