@@ -24,7 +24,7 @@ import { VmHandle, type ConnectOptions } from './vm-handle';
 import { parseWarningLimit, WarningLimiter, type WarningLimit } from './warning-limit';
 import type { HostNetwork, VmNetworkInfo } from './network/host-network';
 import { parseNetworkOption, type NetworkOption } from './network/options';
-import { forwardPort, type ForwardOptions, type PortForward } from './network/port-forward';
+import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 
 /** Which guest a VM runs. */
 export type GuestKind = 'linux' | 'probe';
@@ -273,6 +273,8 @@ export class Vm extends EventEmitter<VmEvents> {
   private hostNetwork: HostNetwork | undefined;
   /** Ports forwarded into the guest ({@link forward}), closed when the VM ends. */
   private readonly forwards = new Set<PortForward>();
+  /** The connections all its forwards may have open at once. */
+  private readonly forwardConnections = new ConnectionBudget(MAX_VM_FORWARD_CONNECTIONS);
 
   /** Checks the strategies' composition; allocates nothing. */
   private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[], warningLimit: Required<WarningLimit>) {
@@ -805,12 +807,18 @@ export class Vm extends EventEmitter<VmEvents> {
    * relays each connection to TCP port `guestPort` inside the guest, through the agent channel:
    * no network device is needed (`network: 'none'` works). Each connection runs `nc 127.0.0.1
    * PORT` in the guest (busybox's, in the shipped initramfs; a rootfs needs its own `nc`). The
-   * listener closes when the VM ends, or with the returned `close()`.
+   * listener closes when the VM ends, or with the returned `close()`. A connection stays open
+   * until the guest's side has ended and all it sent has reached the peer. At most
+   * `maxConnections` (default 64) are open per forward and 256 in all the forwards of this VM;
+   * one more is closed at once, with a `warning`.
    */
   async forward(guestPort: number, options?: ForwardOptions): Promise<PortForward> {
     this.requireState('running', 'paused', 'suspended');
     const guest = this.linuxGuest;
-    const f = await forwardPort((command, spawnOptions) => guest.spawn(command, spawnOptions), guestPort, options);
+    const f = await forwardPort((command, spawnOptions) => guest.spawn(command, spawnOptions), guestPort, options, {
+      vmConnections: this.forwardConnections,
+      onRefused: (message) => this.warnings.warn(message),
+    });
     const close = f.close;
     const tracked: PortForward = { ...f, close: () => (this.forwards.delete(tracked), close()) };
     this.forwards.add(tracked);
