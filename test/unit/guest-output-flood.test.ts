@@ -72,6 +72,7 @@ describe('1 GiB floods of guest output: host memory stays within 64 MiB', () => 
       expect(g.creditWaits).toBeGreaterThan(0); // the consumer was the slower: the guest waited for credit
       expect(g.grants).toBeGreaterThan(0);
       expect(result.maxBuffered).toBeLessThanOrEqual(STREAM_WINDOW_BYTES);
+      console.log(`spawn flood: peak RSS growth ${(growthBytes / MiB).toFixed(1)} MiB`);
       expect(growthBytes).toBeLessThan(FLOOD_RSS_BOUND);
       expect(g.warnings).toEqual([]);
     } finally {
@@ -99,6 +100,7 @@ describe('1 GiB floods of guest output: host memory stays within 64 MiB', () => 
       expect(result.error!.message).toMatch(/more than 1048576 bytes to stdout/);
       expect(g.taken).toBe(g.sentCount - 1); // every chain of the flood came back used
       expect(g.sentBytes).toBeGreaterThanOrEqual(GiB);
+      console.log(`exec flood: peak RSS growth ${(growthBytes / MiB).toFixed(1)} MiB`);
       expect(growthBytes).toBeLessThan(FLOOD_RSS_BOUND);
     } finally {
       g.close();
@@ -130,6 +132,7 @@ describe('1 GiB floods of guest output: host memory stays within 64 MiB', () => 
       expect(result.error).toBeInstanceOf(OutputLimitError);
       expect(result.error!.message).toMatch(/\/big is larger than 8388608 bytes/);
       expect(g.sentBytes).toBeGreaterThanOrEqual(GiB);
+      console.log(`files.read flood: peak RSS growth ${(growthBytes / MiB).toFixed(1)} MiB`);
       expect(growthBytes).toBeLessThan(FLOOD_RSS_BOUND);
     } finally {
       g.close();
