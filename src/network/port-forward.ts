@@ -120,7 +120,10 @@ export async function forwardPort(
   // allowHalfOpen: a peer that shuts its write side down (sent its request, waits for the answer)
   // must still get what the guest sends back; by default Node would end our side at its FIN.
   const server: Server = createServer({ allowHalfOpen: true }, (socket) => {
-    const over = sockets.size >= maxConnections ? `${maxConnections} connections of this forward are open (maxConnections)` : !limits.vmConnections.take() ? `the VM's forwards have ${limits.vmConnections.max} connections open` : undefined;
+    const over =
+      sockets.size >= maxConnections ? `${maxConnections} connections of this forward are open (maxConnections)`
+      : !limits.vmConnections.take() ? `the VM's forwards have ${limits.vmConnections.max} connections open`
+      : undefined;
     if (over) {
       refused++;
       socket.destroy();
@@ -128,7 +131,10 @@ export async function forwardPort(
       return;
     }
     sockets.add(socket);
-    socket.once('close', () => limits.vmConnections.give());
+    socket.once('close', () => {
+      sockets.delete(socket);
+      limits.vmConnections.give();
+    });
     let p: GuestProcess;
     try {
       p = spawn(['nc', '127.0.0.1', String(guestPort)], { stdin: true });
@@ -194,7 +200,6 @@ export async function forwardPort(
     });
     socket.on('error', () => {});
     socket.on('close', () => {
-      sockets.delete(socket);
       // Nobody reads it any more: what still comes is dropped, so nc is not left blocked.
       p.stdout.destroy();
       // The guest side goes with the connection (it may be waiting on a server that never closes).
