@@ -61,16 +61,18 @@ export class GuestOutput {
   }
 
   /**
-   * Tells the agent client what the consumer has taken since the last report: what was pushed less
-   * what the buffer still holds. (With `setEncoding` the buffer counts characters, which makes
+   * Tells the agent client what the consumer has taken since the last report (what was pushed less
+   * what the buffer still holds) and how much it may hold (its high-water mark). (With `setEncoding` the buffer counts characters, which makes
    * this an overestimate by at most the multi-byte characters held: the host then holds up to four
    * windows of text, still bounded.)
    */
   private report(): void {
     if (this.id === undefined) return;
     const taken = this.pushedBytes - this.readable.readableLength;
-    if (taken <= this.reportedBytes) return;
-    this.agent.consumed(this.id, this.channel, taken - this.reportedBytes);
+    // read(size) beyond the buffer raises its high-water mark and waits for that many bytes.
+    const wants = this.readable.readableHighWaterMark;
+    if (taken <= this.reportedBytes && wants <= STREAM_WINDOW_BYTES) return;
+    this.agent.consumed(this.id, this.channel, taken - this.reportedBytes, wants);
     this.reportedBytes = taken;
   }
 

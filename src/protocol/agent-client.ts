@@ -128,13 +128,17 @@ export class AgentClient {
 
   /**
    * The consumer of request `id`'s output `channel` took `bytes` of it (a request started with
-   * {@link RequestOptions.holdsChunks}): the guest is granted more once that adds up (see
-   * {@link StreamWindow.takeGrant}). Nothing for a request that has ended.
+   * {@link RequestOptions.holdsChunks}), and may hold `windowBytes` at once (more than a window
+   * only for a consumer that asks for more at once: see {@link StreamWindow.widen}): the guest is
+   * granted more once that adds up (see {@link StreamWindow.takeGrant}). Nothing for a request
+   * that has ended.
    */
-  consumed(id: number, channel: OutputChannel, bytes: number): void {
-    const w = this.pending.get(id)?.windows[channel - 1];
-    if (!w || bytes <= 0) return;
-    w.consume(bytes);
+  consumed(id: number, channel: OutputChannel, bytes: number, windowBytes = STREAM_WINDOW_BYTES): void {
+    const p = this.pending.get(id);
+    if (!p) return;
+    const w = (p.windows[channel - 1] ??= new StreamWindow());
+    w.widen(windowBytes);
+    if (bytes > 0) w.consume(bytes);
     this.grant(id, channel, w);
   }
 

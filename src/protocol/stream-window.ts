@@ -20,9 +20,11 @@ const GRANT_STEP_BYTES = STREAM_WINDOW_BYTES / 4;
 /**
  * One stream's credit: what the guest has been granted in all, sent, and what the host's consumer
  * has taken. Invariant for a guest that keeps to its credit: the bytes the host holds
- * (received - consumed) never exceed {@link STREAM_WINDOW_BYTES}.
+ * (received - consumed) never exceed the window, {@link STREAM_WINDOW_BYTES} unless the consumer
+ * widened it ({@link widen}).
  */
 export class StreamWindow {
+  private window = STREAM_WINDOW_BYTES;
   private granted = STREAM_WINDOW_BYTES;
   private received = 0;
   private consumed = 0;
@@ -54,6 +56,15 @@ export class StreamWindow {
     this.consumed = Math.min(this.received, this.consumed + bytes);
   }
 
+  /**
+   * The consumer wants to hold `bytes` at once (a Readable's `read(size)` beyond a window waits
+   * for that many): the window grows to it, never shrinks. Without it such a read would wait for
+   * bytes the guest may never send.
+   */
+  widen(bytes: number): void {
+    this.window = Math.max(this.window, bytes);
+  }
+
   /** The consumer is gone: what is held, and all that comes from now on, counts as taken. */
   discard(): void {
     this.discarding = true;
@@ -67,7 +78,7 @@ export class StreamWindow {
    * is low, so a stream never waits on a grant that is only gathering.
    */
   takeGrant(): number {
-    const grant = this.consumed + STREAM_WINDOW_BYTES - this.granted;
+    const grant = this.consumed + this.window - this.granted;
     if (grant <= 0 || (grant < GRANT_STEP_BYTES && this.credit >= GRANT_STEP_BYTES)) return 0;
     this.granted += grant;
     return grant;

@@ -58,6 +58,7 @@ describeWithCompiler("stream credit with the real agent on the host", () => {
   });
 
   property('one stream never read holds only itself: every other stream and request completes whole within its timeout, the host holding at most a window of it', 4, async (rng, run) => {
+    // One agent per run, ended with it (afterEach ends the one of a run that failed).
     agent = await startHostAgent(built.bin);
     const { linux, client } = agent;
     const dir = join(work, `run-${run}`);
@@ -125,7 +126,25 @@ describeWithCompiler("stream credit with the real agent on the host", () => {
     if (unreadProcess) expect(await within('the unread command', TIMEOUT_MS, unreadProcess.exited)).toEqual({ exitCode: 0, signal: null });
     expect(client.heldBytes(1, 1)).toBe(0);
     expect(statMs).toBeLessThan(2000);
+    await agent.stop();
+    agent = undefined;
   }, 180_000);
+
+  it('read(size) of more than a window widens the window to it: 1 MiB reads of a 3 MiB stdout each get their megabyte', async () => {
+    agent = await startHostAgent(built.bin);
+    const p = agent.linux.spawn(['head', '-c', String(3 * MiB), '/dev/zero']);
+    const sizes = await new Promise<number[]>((resolve) => {
+      const got: number[] = [];
+      p.stdout.on('readable', () => {
+        for (let chunk; (chunk = p.stdout.read(MiB) as Buffer | null) !== null; ) got.push(chunk.length);
+        if (got.length === 3) resolve(got);
+      });
+    });
+    expect(sizes).toEqual([MiB, MiB, MiB]);
+    p.stdout.resume();
+    expect(await p.exited).toEqual({ exitCode: 0, signal: null });
+    expect(agent.warnings).toEqual([]);
+  }, 60_000);
 
   it('a listing, a read and a command each complete under a window smaller than their size, in order and whole', async () => {
     agent = await startHostAgent(built.bin);

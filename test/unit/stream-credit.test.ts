@@ -73,6 +73,18 @@ describe('StreamWindow', () => {
     }
   });
 
+  it('widened by a consumer that holds more at once, it grants up to the wider window, and never narrows', () => {
+    const w = new StreamWindow();
+    expect(w.receive(W)).toBe(true);
+    expect(w.takeGrant()).toBe(0);
+    w.widen(4 * W);
+    expect(w.takeGrant()).toBe(3 * W);
+    w.widen(W);
+    expect(w.receive(3 * W)).toBe(true);
+    expect(w.heldBytes).toBe(4 * W);
+    expect(w.credit).toBe(0);
+  });
+
   it('a guest beyond its credit is refused and nothing of it counted', () => {
     const w = new StreamWindow();
     expect(w.receive(W)).toBe(true);
