@@ -17,9 +17,11 @@ const { performance } = require('node:perf_hooks');
 
 const HDR = 16;
 const MAX_PAYLOAD = 1 << 20;
-const T = { request: 1, response: 2, chunk: 3, error: 4, event: 5 };
+const T = { request: 1, response: 2, chunk: 3, error: 4, event: 5, credit: 6 };
+/** Stream credit (docs/agent-protocol.md): each output stream may send this much before a grant. */
+const STREAM_WINDOW = 256 * 1024;
 const OP = {
-  hello: 0x0001, ping: 0x0002,
+  hello: 0x0001, ping: 0x0002, credit: 0x0003,
   exec: 0x0201, stdinWrite: 0x0202, stdinClose: 0x0203, kill: 0x0204,
   fileRead: 0x0210, fileWrite: 0x0211,
   meminfo: 0x0220, dropCaches: 0x0221, shutdown: 0x0230, restored: 0x0231,
@@ -51,6 +53,8 @@ class LinuxAgent {
     this.nextId = 1;
     this.events = [];
     this.protocolErrors = [];
+    /** Requests whose output is not granted back (id to bytes received): see grant(). */
+    this.withheld = new Map();
     this.hello = new Promise((resolve) => { this.onHello = resolve; });
     stream.on('data', (d) => this.receive(d));
   }
@@ -75,24 +79,41 @@ class LinuxAgent {
   dispatch(f) {
     if (f.type === T.event) {
       if (f.op === OP.hello) this.onHello({ at: performance.now(), protocolVersion: f.payload.readUInt32LE(0),
-        guestKind: f.payload.readUInt32LE(4), ramBytes: Number(f.payload.readBigUInt64LE(8)) });
+        guestKind: f.payload.readUInt32LE(4), ramBytes: Number(f.payload.readBigUInt64LE(8)),
+        features: f.payload.length >= 36 ? f.payload.readUInt32LE(32) : 0 });
       else this.events.push(f);
       return;
     }
     const p = this.pending.get(f.id);
     if (!p) { this.protocolErrors.push(f); return; }
-    if (f.type === T.chunk) { p.onChunk?.(f.flags, f.payload); return; }
+    if (f.type === T.chunk) {
+      p.onChunk?.(f.flags, f.payload);
+      // every chunk is taken at once: its bytes are granted straight back (one CREDIT per chunk;
+      // pvisor's client gathers them)
+      if ((f.flags === 1 || f.flags === 2) && f.payload.length) {
+        if (this.withheld.has(f.id)) this.withheld.set(f.id, this.withheld.get(f.id) + f.payload.length);
+        else this.grant(f.id, f.flags, f.payload.length);
+      }
+      return;
+    }
     this.pending.delete(f.id);
     if (f.type === T.response) p.resolve(f.payload);
     else if (f.type === T.error) p.reject(new AgentError(f.payload.readUInt32LE(0), f.payload.subarray(4).toString('utf8'), p.op));
     else p.reject(new Error(`unexpected frame type ${f.type}`));
   }
 
-  frame(type, id, op, payload) {
+  frame(type, id, op, payload, flags = 0) {
     const h = Buffer.alloc(HDR);
     h[0] = 0x50; h[1] = 0x56; h[2] = 1; h[3] = type;
-    h.writeUInt32LE(id, 4); h.writeUInt16LE(op, 8); h.writeUInt32LE(payload.length, 12);
+    h.writeUInt32LE(id, 4); h.writeUInt16LE(op, 8); h.writeUInt16LE(flags, 10); h.writeUInt32LE(payload.length, 12);
     return Buffer.concat([h, payload]);
+  }
+
+  /** Grants stream `flags` of request `id` `bytes` more (a CREDIT frame). */
+  grant(id, flags, bytes) {
+    const n = Buffer.alloc(4);
+    n.writeUInt32LE(bytes);
+    this.stream.write(this.frame(T.credit, id, OP.credit, n, flags));
   }
 
   /** Sends a request; resolves with the final response payload; chunks go to onChunk(flags, data). */
@@ -106,13 +127,14 @@ class LinuxAgent {
   ping(payload) { return this.request(OP.ping, payload).done; }
 
   /** Starts a process; returns its handle (the EXEC request id), started (pid) and done (output + status). */
-  spawn(argv, { env = [], cwd = '', stdin = false } = {}) {
+  spawn(argv, { env = [], cwd = '', stdin = false, withholdCredit = false } = {}) {
     const head = Buffer.alloc(16);
     head.writeUInt32LE(stdin ? 1 : 0, 0); head.writeUInt32LE(argv.length, 4); head.writeUInt32LE(env.length, 8);
     const payload = Buffer.concat([head, str(cwd), ...argv.map(str), ...env.map(str)]);
     const out = [], err = [];
     let chunks = 0, maxChunk = 0, onStarted;
     const started = new Promise((resolve) => { onStarted = resolve; });
+    if (withholdCredit) this.withheld.set(this.nextId, 0);
     const { id, done } = this.request(OP.exec, payload, (flags, data) => {
       if (flags === CHUNK.started) return onStarted(data.readUInt32LE(0));
       chunks++; maxChunk = Math.max(maxChunk, data.length);
@@ -205,6 +227,7 @@ const CHECKS = [
   ['hello', async (a, ctx) => {
     const h = await a.hello;
     eq(h.protocolVersion, 1, 'protocolVersion'); eq(h.guestKind, 2, 'guestKind (linux)');
+    eq(h.features & 1, 1, 'features: stream credit');
     assert(h.ramBytes > 256 << 20 && h.ramBytes <= ctx.ramBytes, `ramBytes ${h.ramBytes} within (256 MiB, ${ctx.ramBytes}]`);
     return `ramBytes ${h.ramBytes}` + (ctx.t0Ms ? `, boot to HELLO ${(ctx.helloEpochMs - ctx.t0Ms)} ms` : '');
   }],
@@ -355,6 +378,23 @@ const CHECKS = [
     const hwmKb = Number(/VmHWM:\s+(\d+)/.exec(st)[1]);
     assert(hwmKb < 12 * 1024, `agent peak RSS ${hwmKb} kB < 12 MiB after 16 MiB passed through a paused host`);
     return `agent VmHWM ${hwmKb} kB`;
+  }, { bulk: true }],
+  ['stream credit: a stream that is granted nothing stops only itself', async (a) => {
+    const p = a.spawn(['sh', '-c', 'head -c 4194304 /dev/zero'], { withholdCredit: true });
+    await p.started;
+    await new Promise((r) => setTimeout(r, 1000));
+    const held = a.withheld.get(p.id);
+    assert(held > 0 && held <= STREAM_WINDOW, `${held} bytes sent without a grant, at most the window (${STREAM_WINDOW})`);
+    const t = performance.now();
+    eq((await a.exec(['echo', 'meanwhile'])).stdout.toString(), 'meanwhile\n', 'another command runs meanwhile');
+    const echoMs = ms(t);
+    await new Promise((r) => setTimeout(r, 300));
+    eq(a.withheld.get(p.id), held, 'nothing more came without a grant');
+    a.grant(p.id, 1, 4 << 20);
+    const r = await p.done;
+    eq(r.stdout.length, 4 << 20, 'all 4 MiB once granted');
+    a.withheld.delete(p.id);
+    return `${held} bytes before the first grant, an echo meanwhile in ${echoMs} ms`;
   }, { bulk: true }],
   ['meminfo and drop caches', async (a) => {
     eq((await a.exec(['sh', '-c', 'head -c 16777216 /dev/zero > /tmp/mem.bin'])).exitCode, 0, 'fill 16 MiB of tmpfs');

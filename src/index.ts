@@ -45,7 +45,7 @@ export {
 } from './errors';
 export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
 export type { VmNetworkInfo } from './network/host-network';
-export type { ForwardOptions, PortForward } from './network/port-forward';
+export type { ForwardConnections, ForwardOptions, PortForward } from './network/port-forward';
 export { IdleRelease } from './memory/strategies/idle-release';
 export { ColdCompression, ColdBlockError } from './memory/strategies/cold-compression';
 export type { ColdCompressionOptions } from './memory/strategies/cold-compression';

@@ -7,7 +7,7 @@ import { EventEmitter } from 'eventemitter3';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
-import { GuestCrashError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
+import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
 import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
@@ -25,7 +25,7 @@ import { VmHandle, type ConnectOptions } from './vm-handle';
 import { parseWarningLimit, WarningLimiter, type WarningLimit } from './warning-limit';
 import type { HostNetwork, VmNetworkInfo } from './network/host-network';
 import { parseNetworkOption, type NetworkOption } from './network/options';
-import { forwardPort, type ForwardOptions, type PortForward } from './network/port-forward';
+import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 
 /** Which guest a VM runs. */
 export type GuestKind = 'linux' | 'probe';
@@ -315,6 +315,8 @@ export class Vm extends EventEmitter<VmEvents> {
   private hostNetwork: HostNetwork | undefined;
   /** Ports forwarded into the guest ({@link forward}), closed when the VM ends. */
   private readonly forwards = new Set<PortForward>();
+  /** The connections all its forwards may have open at once. */
+  private readonly forwardConnections = new ConnectionBudget(MAX_VM_FORWARD_CONNECTIONS);
 
   /** Checks the strategies' composition; allocates nothing. */
   private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[], warningLimit: Required<WarningLimit>) {
@@ -393,6 +395,13 @@ export class Vm extends EventEmitter<VmEvents> {
       this.memory.attach(this.machine.memory);
       this.machine.start();
       await ready;
+      if (this.guest === 'linux' && !this.agent.speaksStreamCredit) {
+        // Its streams would be cut at their first window (the host holds no more of a stream).
+        throw new GuestRequestError(
+          1,
+          "the guest agent does not send its output under stream credit (its HELLO lacks the feature): its initramfs was built before this pvisor's agent protocol; rebuild it with this pvisor's agent (native-prebuilds/linux-guest/build-initramfs.sh)",
+        );
+      }
     } catch (e) {
       this.stop();
       throw e;
@@ -414,7 +423,6 @@ export class Vm extends EventEmitter<VmEvents> {
       (bytes) => this.machine.sendToAgent(bytes),
       (f) => this.onAgentEvent(f),
       (message) => this.warnings.warn(`agent protocol: ${message}`),
-      (held) => this.machine?.holdAgentOutput(held),
     );
     this.machine = KvmMachine.create(
       {
@@ -956,12 +964,18 @@ export class Vm extends EventEmitter<VmEvents> {
    * relays each connection to TCP port `guestPort` inside the guest, through the agent channel:
    * no network device is needed (`network: 'none'` works). Each connection runs `nc 127.0.0.1
    * PORT` in the guest (busybox's, in the shipped initramfs; a rootfs needs its own `nc`). The
-   * listener closes when the VM ends, or with the returned `close()`.
+   * listener closes when the VM ends, or with the returned `close()`. A connection stays open
+   * until the guest's side has ended and all it sent has reached the peer. At most
+   * `maxConnections` (default 64) are open per forward and 256 in all the forwards of this VM;
+   * one more is closed at once, with a `warning`.
    */
   async forward(guestPort: number, options?: ForwardOptions): Promise<PortForward> {
     this.requireState('running', 'paused', 'suspended');
     const guest = this.linuxGuest;
-    const f = await forwardPort((command, spawnOptions) => guest.spawn(command, spawnOptions), guestPort, options);
+    const f = await forwardPort((command, spawnOptions) => guest.spawn(command, spawnOptions), guestPort, options, {
+      vmConnections: this.forwardConnections,
+      onRefused: (message) => this.warnings.warn(message),
+    });
     const close = f.close;
     const tracked: PortForward = { ...f, close: () => (this.forwards.delete(tracked), close()) };
     this.forwards.add(tracked);

@@ -123,6 +123,40 @@ static inline void pv_entry_put(uint8_t *at, const uint8_t *name, uint16_t nameL
 }
 
 /*
+ * Stream credit (docs/agent-protocol.md, "Stream credit"). Every output stream (an EXEC's stdout
+ * and stderr, a FILE_READ's content, a FILE_LIST's entries) may carry at most its credit in chunk
+ * payload: PV_STREAM_WINDOW when it opens, plus what the host grants with CREDIT frames as its
+ * consumer reads. One stream nobody reads then stops only itself; the channel goes on.
+ */
+#define PV_T_CREDIT 6            /* frame type: the host grants a stream more credit; never answered */
+#define PV_OP_CREDIT 0x0003      /* the op a CREDIT frame carries */
+#define PV_FEATURE_STREAM_CREDIT 1u /* HELLO's features bit: this agent honours stream credit */
+#define PV_STREAM_WINDOW (256u << 10)
+#define PV_CREDIT_BYTES 4        /* a CREDIT payload: u32 bytes granted, 1 and up */
+
+/*
+ * A CREDIT frame's grant: 1 with *channel (1 stdout / content, 2 stderr) and *bytes set if the
+ * frame is well formed (op PV_OP_CREDIT, flags 1 or 2, a payload of exactly PV_CREDIT_BYTES
+ * holding at least 1); else 0. The stream is f->id, which may name nothing open any more (its
+ * request ended while the grant was on its way): the caller ignores such a grant.
+ */
+static inline int pv_credit_parse(const struct pv_frame *f, uint16_t *channel, uint32_t *bytes) {
+  if (f->op != PV_OP_CREDIT || (f->flags != 1 && f->flags != 2) || f->len != PV_CREDIT_BYTES) return 0;
+  uint32_t n = pv_rd32(f->payload);
+  if (n == 0) return 0;
+  *channel = f->flags;
+  *bytes = n;
+  return 1;
+}
+
+/* A stream's credit after a grant: saturates rather than wraps (a host that grants without end
+ * gives at most 4 GiB at a time; the output queue bounds what the agent holds anyway). */
+static inline uint32_t pv_credit_add(uint32_t credit, uint32_t bytes) { return bytes > UINT32_MAX - credit ? UINT32_MAX : credit + bytes; }
+
+/* How many bytes a stream may read for its next chunk: at most `max` (one chunk), at most its credit. */
+static inline uint32_t pv_credit_chunk(uint32_t credit, uint32_t max) { return credit < max ? credit : max; }
+
+/*
  * EXEC's fixed part {u32 flags, u32 argc, u32 envc, u32 reserved}: 1 if its counts can be right
  * for a payload of `n` bytes (argv[0] is there, and every string costs at least its 4-byte length,
  * cwd included), which bounds what the agent allocates for them by the payload; else 0.

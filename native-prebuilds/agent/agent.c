@@ -12,16 +12,23 @@
  * clone of one snapshot would otherwise go on with the same random state and the snapshot's
  * time), and detaches what was in flight at the snapshot (its host end is in the snapshotted VM).
  *
+ * Output flows under stream credit: each stream (a child's stdout, its stderr, a file being read,
+ * a directory being listed) sends at most the credit the host has given it (PV_STREAM_WINDOW at
+ * first, more with each CREDIT frame as the host's consumer reads), and is not read while it has
+ * none, so a stream nobody reads makes only its own writer block in write(); every other stream
+ * and answer goes on.
+ *
  * Memory is bounded on every path: the agent stops reading the channel while its output queue
  * holds more than OUT_STOP_INPUT bytes, and stops reading children's pipes and files while it
- * holds more than OUT_STOP_STREAMS, so a host that does not read makes children block in
- * write(), never makes the agent grow.
+ * holds more than OUT_STOP_STREAMS, so a host that does not take the channel makes children block
+ * in write(), never makes the agent grow.
  *
  * PID 1 must never exit (the kernel would panic): on a fatal error the agent reboots, which
  * with the kernel's reboot=t / panic=-1 ends the VM where the VMM sees it.
  *
  * Not PID 1 (for debugging on a host): `agent CHANNEL` serves CHANNEL (a tty or pty) and skips
- * the system setup (mounts, rootfs, network: agent-net.h). As PID 1, `pvisor.channel=PATH` on the
+ * the system setup (mounts, rootfs, network: agent-net.h); `agent --fd N` serves the open file
+ * descriptor N (a socketpair end a test on the host passes: test/unit/agent-credit.test.ts). As PID 1, `pvisor.channel=PATH` on the
  * kernel command line picks another channel than /dev/hvc0 (a virtio-serial port such as
  * /dev/vport0p1, which is not a tty).
  */
@@ -57,10 +64,11 @@
 #define MAX_PAYLOAD PV_MAX_PAYLOAD
 #define CHUNK_MAX (64u << 10) /* stream chunks carry at most 64 KiB */
 
-enum { T_REQUEST = 1, T_RESPONSE = 2, T_CHUNK = 3, T_ERROR = 4, T_EVENT = 5 };
+enum { T_REQUEST = 1, T_RESPONSE = 2, T_CHUNK = 3, T_ERROR = 4, T_EVENT = 5, T_CREDIT = PV_T_CREDIT };
 enum {
   OP_HELLO = 0x0001,
   OP_PING = 0x0002,
+  OP_CREDIT = PV_OP_CREDIT,
   OP_EXEC = 0x0201,
   OP_STDIN_WRITE = 0x0202,
   OP_STDIN_CLOSE = 0x0203,
@@ -93,6 +101,9 @@ enum { FW_APPEND = 1, FW_MKDIRS = 2 };
 #define RESTORED_MIN_ENTROPY 32
 #define RESTORED_MAX_ENTROPY 512
 #define RESTORED_MIN_REALTIME_NS (1577836800ull * 1000000000ull)
+
+/* A FILE_LIST chunk goes only with room for the longest entry: a shorter credit waits for more. */
+#define LIST_MIN_CREDIT (PV_ENTRY_HDR + 255u)
 
 /* Output queue thresholds (see the header comment). */
 #define OUT_STOP_STREAMS (256u << 10)
@@ -255,6 +266,7 @@ struct proc {
   uint32_t close_req; /* a STDIN_CLOSE waiting for the pending write */
   int close_pending;
   int detached; /* started before a restore: its output is drained and dropped */
+  uint32_t credit[2]; /* stdout, stderr: bytes they may still send (stream credit) */
   struct proc *next;
 };
 static struct proc *procs;
@@ -411,6 +423,7 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   pr->in_fd = pin[1];
   pr->out_fd = pout[0];
   pr->err_fd = perr[0];
+  pr->credit[0] = pr->credit[1] = PV_STREAM_WINDOW;
   if (pr->in_fd >= 0) set_nonblock(pr->in_fd);
   set_nonblock(pr->out_fd);
   set_nonblock(pr->err_fd);
@@ -540,13 +553,21 @@ static void finish_procs(void) {
   }
 }
 
-/* Moves up to one chunk from a child's pipe to the output queue (a detached child's is dropped:
- * nobody on the host reads it); closes the pipe at EOF. */
+/* Whether a child's pipe is read now: while its stream has credit (a detached child's output is
+ * dropped, so always). */
+static int pipe_wanted(const struct proc *pr, uint16_t stream) { return pr->detached || pr->credit[stream - 1] > 0; }
+
+/* Moves up to one chunk, within the stream's credit, from a child's pipe to the output queue (a
+ * detached child's is dropped: nobody on the host reads it); closes the pipe at EOF. */
 static void pump_pipe(struct proc *pr, int *fd, uint16_t stream) {
   static uint8_t dropped[CHUNK_MAX];
-  ssize_t n = read(*fd, pr->detached ? dropped : chunk_space(), CHUNK_MAX);
+  uint32_t *credit = &pr->credit[stream - 1];
+  if (!pr->detached && !*credit) return;
+  ssize_t n = read(*fd, pr->detached ? dropped : chunk_space(), pr->detached ? CHUNK_MAX : pv_credit_chunk(*credit, CHUNK_MAX));
   if (n > 0) {
-    if (!pr->detached) chunk_commit(pr->id, OP_EXEC, stream, (size_t)n);
+    if (pr->detached) return;
+    chunk_commit(pr->id, OP_EXEC, stream, (size_t)n);
+    *credit -= (uint32_t)n;
   } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(fd);
 }
 
@@ -565,6 +586,7 @@ struct fstream {
   int fd; /* FS_READ, FS_WRITE */
   DIR *dir; /* FS_LIST */
   uint64_t total; /* bytes read or written, entries listed */
+  uint32_t credit; /* FS_READ, FS_LIST: bytes of chunks it may still send (stream credit) */
   /* FS_WRITE: one WRITE_DATA at a time, its data (what the fd has not yet taken) and request id */
   uint8_t *wdata;
   size_t wlen, woff;
@@ -575,7 +597,7 @@ struct fstream {
   struct fstream *next;
 };
 static struct fstream *fstreams;
-static int nfstreams, nlists;
+static int nfstreams;
 #define MAX_FSTREAMS 1024 /* each holds an fd; PID 1's limit is 1024 soft / 4096 hard */
 
 static uint16_t fstream_op(const struct fstream *s) { return s->kind == FS_READ ? OP_FILE_READ : s->kind == FS_LIST ? OP_FILE_LIST : OP_FILE_WRITE_OPEN; }
@@ -601,10 +623,10 @@ static struct fstream *new_fstream(uint32_t id, uint16_t op, int kind) {
   s->id = id;
   s->kind = kind;
   s->fd = -1;
+  s->credit = PV_STREAM_WINDOW;
   s->next = fstreams;
   fstreams = s;
   nfstreams++;
-  if (kind == FS_LIST) nlists++;
   return s;
 }
 
@@ -617,7 +639,6 @@ static void drop_fstream(struct fstream *s) {
     }
   if (s->dir) closedir(s->dir);
   close_fd(&s->fd);
-  if (s->kind == FS_LIST) nlists--;
   free(s->wdata);
   free(s);
   nfstreams--;
@@ -668,12 +689,15 @@ static void op_file_read(uint32_t id, const uint8_t *p, size_t n) {
   free(path);
 }
 
-/* Reads one chunk of a FILE_READ whose fd is readable; ends it at EOF or on an error. */
+/* Reads one chunk, within its credit, of a FILE_READ whose fd is readable; ends it at EOF or on
+ * an error. */
 static void pump_read(struct fstream *s) {
-  ssize_t n = read(s->fd, chunk_space(), CHUNK_MAX);
+  if (!s->credit) return;
+  ssize_t n = read(s->fd, chunk_space(), pv_credit_chunk(s->credit, CHUNK_MAX));
   if (n > 0) {
     chunk_commit(s->id, OP_FILE_READ, CH_STDOUT, (size_t)n);
     s->total += (uint64_t)n;
+    s->credit -= (uint32_t)n;
     return;
   }
   if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
@@ -715,12 +739,14 @@ static void op_file_list(uint32_t id, const uint8_t *p, size_t n) {
   free(path);
 }
 
-/* Puts one chunk of entries of a FILE_LIST in the output queue; ends it at the directory's end. */
+/* Puts one chunk of entries of a FILE_LIST, within its credit, in the output queue; ends it at the
+ * directory's end. */
 static void pump_list(struct fstream *s) {
+  if (s->credit < LIST_MIN_CREDIT) return;
   uint8_t *c = chunk_space();
-  size_t used = 0;
+  size_t used = 0, room = pv_credit_chunk(s->credit, CHUNK_MAX);
   int err = 0, end = 0;
-  while (used + PV_ENTRY_HDR + 255 <= CHUNK_MAX) {
+  while (used + PV_ENTRY_HDR + 255 <= room) {
     errno = 0;
     struct dirent *e = readdir(s->dir);
     if (!e) {
@@ -740,6 +766,7 @@ static void pump_list(struct fstream *s) {
     s->total++;
   }
   if (used) chunk_commit(s->id, OP_FILE_LIST, CH_STDOUT, used);
+  s->credit -= (uint32_t)used;
   if (!end) return;
   if (err) send_os_error(s->id, OP_FILE_LIST, err, "readdir");
   else {
@@ -1197,9 +1224,29 @@ static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n)
   }
 }
 
+/*
+ * CREDIT (frame type 6, never answered): the host's consumer of stream (f->id, flags) has read,
+ * so it may send that many bytes more. A grant for a stream that has ended is ignored (it crossed
+ * the stream's end on the way); a malformed one is answered with error 2 under id 0, which names
+ * no request, so that the host hears of its mistake without a request of its being ended by it.
+ */
+static void take_credit(const struct pv_frame *f) {
+  uint16_t channel;
+  uint32_t bytes;
+  if (!pv_credit_parse(f, &channel, &bytes)) return send_error(0, OP_CREDIT, E_BADARG, "malformed CREDIT for request %u (op 0x%04x, flags %u, %u bytes)", f->id, f->op, f->flags, f->len);
+  struct proc *pr = find_proc(f->id);
+  if (pr) {
+    pr->credit[channel - 1] = pv_credit_add(pr->credit[channel - 1], bytes);
+    return;
+  }
+  struct fstream *s = find_fstream(f->id);
+  if (s && s->kind != FS_WRITE && channel == CH_STDOUT) s->credit = pv_credit_add(s->credit, bytes);
+}
+
 static void serve_frame(void *ctx, const struct pv_frame *f) {
   (void)ctx;
-  if (f->type != T_REQUEST) send_error(f->id, f->op, E_BADFRAME, "frame type %u is not a request", f->type);
+  if (f->type == T_CREDIT) take_credit(f);
+  else if (f->type != T_REQUEST) send_error(f->id, f->op, E_BADFRAME, "frame type %u is not a request", f->type);
   else handle_request(f->id, f->op, f->payload, f->len);
 }
 
@@ -1360,7 +1407,11 @@ int main(int argc, char **argv) {
   int sfd = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
   if (sfd < 0) die("signalfd");
 
-  chan = open_channel(path);
+  if (argc > 2 && !is_init && !strcmp(argv[1], "--fd")) {
+    chan = atoi(argv[2]);
+    set_nonblock(chan);
+    if (fcntl(chan, F_SETFD, FD_CLOEXEC)) die("fcntl FD_CLOEXEC"); /* children must not hold the channel */
+  } else chan = open_channel(path);
   struct termios t;
   if (isatty(chan)) {
     /* raw: binary-clean both ways, no echo, no line editing, no flow control characters */
@@ -1374,11 +1425,12 @@ int main(int argc, char **argv) {
 
   struct sysinfo si;
   if (sysinfo(&si)) die("sysinfo");
-  uint8_t hello[32] = {0};
+  uint8_t hello[36] = {0};
   pv_wr32(hello, 1);
   pv_wr32(hello + 4, GUEST_KIND_LINUX);
   pv_wr64(hello + 8, (uint64_t)si.totalram * si.mem_unit);
   /* wsBase / wsLimit stay 0: the Linux guest has no probe working set */
+  pv_wr32(hello + 32, PV_FEATURE_STREAM_CREDIT);
   send_frame(T_EVENT, 0, OP_HELLO, 0, hello, sizeof hello, NULL, 0);
   logmsg("ready on %s", path);
 
@@ -1400,18 +1452,21 @@ int main(int argc, char **argv) {
     pfd[0] = (struct pollfd){.fd = chan, .events = (short)((out.len ? POLLOUT : 0) | (out.len < OUT_STOP_INPUT ? POLLIN : 0))};
     pfd[1] = (struct pollfd){.fd = sfd, .events = POLLIN};
     size_t np = 2;
+    /* a stream without credit is not polled: its writer blocks, nothing else waits for it */
     for (struct proc *pr = procs; pr; pr = pr->next) {
-      if (streams && pr->out_fd >= 0) pfs[np] = NULL, pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->out_fd, .events = POLLIN};
-      if (streams && pr->err_fd >= 0) pfs[np] = NULL, pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->err_fd, .events = POLLIN};
+      if (streams && pr->out_fd >= 0 && pipe_wanted(pr, CH_STDOUT)) pfs[np] = NULL, pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->out_fd, .events = POLLIN};
+      if (streams && pr->err_fd >= 0 && pipe_wanted(pr, CH_STDERR)) pfs[np] = NULL, pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->err_fd, .events = POLLIN};
       if (pr->in_fd >= 0 && pr->wpending) pfs[np] = NULL, pproc[np] = pr, pfd[np++] = (struct pollfd){.fd = pr->in_fd, .events = POLLOUT};
     }
     /* a regular file is always readable and writable; a FIFO waits here for its other end */
+    int lists = 0;
     for (struct fstream *s = fstreams; s; s = s->next) {
-      if (s->kind == FS_READ && streams) pproc[np] = NULL, pfs[np] = s, pfd[np++] = (struct pollfd){.fd = s->fd, .events = POLLIN};
+      if (s->kind == FS_READ && streams && s->credit) pproc[np] = NULL, pfs[np] = s, pfd[np++] = (struct pollfd){.fd = s->fd, .events = POLLIN};
       if (s->kind == FS_WRITE && s->wpending) pproc[np] = NULL, pfs[np] = s, pfd[np++] = (struct pollfd){.fd = s->fd, .events = POLLOUT};
+      if (s->kind == FS_LIST && s->credit >= LIST_MIN_CREDIT) lists = 1;
     }
     /* a directory is not pollable: while a FILE_LIST can go on, poll only looks */
-    int rc = poll(pfd, np, nlists && streams ? 0 : -1);
+    int rc = poll(pfd, np, lists && streams ? 0 : -1);
     if (rc < 0 && errno != EINTR) die("poll");
     if (rc < 0) continue;
 

@@ -13,7 +13,12 @@
  * 3. request strings (pv_take_str), files paths (pv_take_path) and EXEC's counts
  *    (pv_exec_counts_fit) over random payloads agree with a plain reference, and a string never
  *    reaches past its payload;
- * 4. a FILE_LIST entry (pv_entry_put) writes exactly its bytes and reads back as written.
+ * 4. a FILE_LIST entry (pv_entry_put) writes exactly its bytes and reads back as written;
+ * 5. stream credit: CREDIT frames (pv_credit_parse), well formed or not, read as a plain reference
+ *    says, from inside a stream of frames as the agent receives them; and a stream that takes
+ *    every grant (pv_credit_add) and sends chunks of what its credit allows (pv_credit_chunk)
+ *    never sends more than its window and the grants, never wraps, and never stalls while it
+ *    has credit.
  *
  * usage: fuzz-frames SEED [ROUNDS]; prints the seed first, so a failure reruns from it.
  */
@@ -271,6 +276,95 @@ static void property_list_entry(void) {
   free(e);
 }
 
+/* The reference reading of a CREDIT frame, from the protocol's words. */
+static int ref_credit(const struct pv_frame *f, uint16_t *channel, uint32_t *bytes) {
+  if (f->op != 0x0003 || f->len != 4 || !(f->flags == 1 || f->flags == 2)) return 0;
+  uint32_t n = (uint32_t)f->payload[0] | (uint32_t)f->payload[1] << 8 | (uint32_t)f->payload[2] << 16 | (uint32_t)f->payload[3] << 24;
+  if (!n) return 0;
+  *channel = f->flags;
+  *bytes = n;
+  return 1;
+}
+
+/* What a stream of frames carries for credit: frames served are checked against the reference,
+ * and a stream's credit is kept as the agent keeps it. */
+struct credit_rx {
+  size_t credits, good;
+  uint32_t credit;       /* the stream's credit, as agent.c keeps it */
+  uint64_t granted;      /* the reference: window plus every grant, without saturation */
+  uint64_t sent;
+  int saturated; /* a grant met UINT32_MAX: from then on credit is below the reference */
+};
+
+static void on_credit_frame(void *ctx, const struct pv_frame *f) {
+  struct credit_rx *r = ctx;
+  uint16_t ch = 0, rch = 0;
+  uint32_t n = 0, rn = 0;
+  int got = pv_credit_parse(f, &ch, &n), ref = ref_credit(f, &rch, &rn);
+  CHECK(got == ref, "pv_credit_parse says %d, the reference %d (op 0x%x, flags %u, %u bytes)", got, ref, f->op, f->flags, f->len);
+  if (f->type == PV_T_CREDIT) r->credits++;
+  if (!got) return;
+  CHECK(ch == rch && n == rn && n > 0, "grant of %u on %u, the reference %u on %u", n, ch, rn, rch);
+  r->good++;
+  uint32_t before = r->credit;
+  r->credit = pv_credit_add(r->credit, n);
+  r->granted += n;
+  CHECK(r->credit >= before && (r->credit == UINT32_MAX || r->credit == before + n), "credit %u + %u gave %u", before, n, r->credit);
+  if ((uint64_t)before + n > UINT32_MAX) r->saturated = 1;
+}
+
+static void property_credit(void) {
+  /* CREDIT frames (some well formed, some not: op, flags, length, zero), and other frames. */
+  size_t frames = 1 + below(40), cap = 0;
+  uint8_t *s = malloc(frames * (PV_HDR + 8));
+  CHECK(s != NULL, "malloc");
+  for (size_t i = 0; i < frames; i++) {
+    uint8_t *p = s + cap;
+    uint32_t len = below(4) ? 4 : below(9);
+    p[0] = 0x50, p[1] = 0x56, p[2] = PV_VERSION, p[3] = below(4) ? PV_T_CREDIT : (uint8_t)below(8);
+    pv_wr32(p + 4, (uint32_t)next64());
+    pv_wr16(p + 8, below(4) ? PV_OP_CREDIT : (uint16_t)next64());
+    pv_wr16(p + 10, below(4) ? (uint16_t)(1 + below(2)) : (uint16_t)below(5));
+    pv_wr32(p + 12, len);
+    uint32_t grant = below(8) == 0 ? 0 : below(8) == 0 ? UINT32_MAX - below(3) : below(3) ? below(PV_STREAM_WINDOW) : (uint32_t)next64();
+    for (uint32_t j = 0; j < len; j++) p[PV_HDR + j] = j < 4 ? (uint8_t)(grant >> 8 * j) : (uint8_t)next64();
+    cap += PV_HDR + len;
+  }
+  struct credit_rx cr = {.credit = PV_STREAM_WINDOW, .granted = PV_STREAM_WINDOW};
+  /* arrive in random pieces, as the agent reads its channel */
+  uint8_t *held = NULL;
+  size_t n = 0;
+  for (size_t at = 0; at < cap;) {
+    size_t k = 1 + below(below(2) ? 24 : (uint32_t)(cap - at));
+    if (k > cap - at) k = cap - at;
+    uint8_t *h = malloc(n + k);
+    CHECK(h != NULL, "malloc");
+    if (n) memcpy(h, held, n);
+    memcpy(h + n, s + at, k);
+    free(held);
+    held = h;
+    n += k;
+    at += k;
+    size_t used = pv_frames_take(held, n, on_credit_frame, on_bad, &cr);
+    memmove(held, held + used, n - used);
+    n -= used;
+    /* between arrivals the stream sends what its credit allows, a chunk at a time */
+    for (int c = below(4); c-- && cr.credit;) {
+      uint32_t want = 1 + below(80000);
+      uint32_t got = pv_credit_chunk(cr.credit, want);
+      CHECK(got > 0 && got <= want && got <= cr.credit, "a chunk of %u with %u credit, %u wanted", got, cr.credit, want);
+      cr.credit -= got;
+      cr.sent += got;
+    }
+    CHECK(cr.sent <= cr.granted, "sent %llu with %llu granted", (unsigned long long)cr.sent, (unsigned long long)cr.granted);
+    CHECK(cr.credit <= cr.granted - cr.sent, "credit %u beyond what was granted", cr.credit);
+    CHECK(cr.saturated || cr.credit == cr.granted - cr.sent, "credit %u, granted - sent %llu", cr.credit, (unsigned long long)(cr.granted - cr.sent));
+  }
+  CHECK(n == 0, "%zu bytes of whole frames left", n);
+  free(held);
+  free(s);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: fuzz-frames SEED [ROUNDS]\n");
@@ -286,6 +380,7 @@ int main(int argc, char **argv) {
     property_hostile_streams();
     for (int k = 0; k < 20; k++) property_payload_fields();
     property_list_entry();
+    for (int k = 0; k < 5; k++) property_credit();
   }
   printf("fuzz-frames: ok, %ld rounds of each property\n", rounds);
   return 0;

@@ -10,6 +10,7 @@ import { AbortError, abortError, GuestRequestError, InvalidOptionError, OutputLi
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { booleanOption, parseTimeoutMs } from '../units';
+import { GuestOutput } from './guest-output';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
@@ -189,43 +190,6 @@ function frameChunks(bytes: Buffer): Buffer[] {
   return chunks;
 }
 
-/**
- * Bytes a stream of guest output buffers for a consumer that does not read before it holds the
- * agent channel (see {@link AgentClient.holdFlow}): a command whose output nobody reads yet
- * neither blocks for its first megabyte nor grows the host beyond it.
- */
-const STREAM_HIGH_WATER_BYTES = 1024 * 1024;
-
-/**
- * A stream of one request's chunks whose full buffer holds the agent channel until its consumer
- * reads (or destroys it): backpressure all the way to the writer in the guest.
- */
-function guestOutput(agent: AgentClient, onRead: () => void = () => {}): Readable {
-  const s: Readable = new Readable({
-    highWaterMark: STREAM_HIGH_WATER_BYTES,
-    read: () => {
-      agent.releaseFlow(s);
-      onRead();
-    },
-  });
-  s.once('close', () => agent.releaseFlow(s));
-  return s;
-}
-
-/** Gives a {@link guestOutput} stream a chunk; false if it is full (it then holds the channel). */
-function deliver(agent: AgentClient, s: Readable, chunk: Buffer): boolean {
-  if (s.destroyed || s.readableEnded) return true; // destroyed by its consumer: dropped
-  if (s.push(chunk)) return true;
-  agent.holdFlow(s);
-  return false;
-}
-
-/** No more chunks come for the stream: it ends once read, and holds nothing meanwhile. */
-function endOutput(agent: AgentClient, s: Readable): void {
-  if (!s.destroyed && !s.readableEnded) s.push(null);
-  agent.releaseFlow(s);
-}
-
 function signalNumber(signal: NodeJS.Signals | number): number {
   const n = typeof signal === 'number' ? signal : osConstants.signals[signal];
   if (!Number.isInteger(n) || n < 1 || n > 64) throw new InvalidOptionError('signal', `unknown signal ${String(signal)}`);
@@ -235,10 +199,11 @@ function signalNumber(signal: NodeJS.Signals | number): number {
 /** A process running in the guest. */
 export class GuestProcess {
   /**
-   * The command's standard output. Up to 1 MiB waits for a consumer; beyond it the host takes
-   * nothing more from the guest until it is read (or destroyed): the command then blocks in
-   * write(), and so, meanwhile, does every other answer of this VM's agent. Read it, pipe it, or
-   * destroy it.
+   * The command's standard output. Up to 256 KiB (the stream's credit window) waits for a
+   * consumer; beyond it the guest sends nothing more of it until it is read, and the command
+   * blocks in write() meanwhile (every other stream and answer of this VM goes on). The process
+   * ends ({@link exited}) only once its output has come, so read it, pipe it, or destroy it
+   * (what comes is then dropped).
    */
   readonly stdout: Readable;
   /** The command's standard error; as {@link stdout}. */
@@ -262,8 +227,10 @@ export class GuestProcess {
     argvPayload: Buffer,
     limits: { timeoutMs?: number; signal?: AbortSignal } = {},
   ) {
-    const stdout = (this.stdout = guestOutput(agent));
-    const stderr = (this.stderr = guestOutput(agent));
+    const stdout = new GuestOutput(agent, CHUNK_STDOUT);
+    const stderr = new GuestOutput(agent, CHUNK_STDERR);
+    this.stdout = stdout.readable;
+    this.stderr = stderr.readable;
     let started!: (pid: number) => void;
     let neverStarted!: (e: Error) => void;
     this.pid = new Promise((resolve, reject) => {
@@ -279,15 +246,18 @@ export class GuestProcess {
         // of the receive path (which would end the VM as a VMM error).
         if (flags === CHUNK_STARTED) {
           if (payload.length >= 4) started(payload.readUInt32LE(0));
-        } else if (flags === CHUNK_STDOUT) deliver(agent, stdout, payload);
-        else if (flags === CHUNK_STDERR) deliver(agent, stderr, payload);
+        } else if (flags === CHUNK_STDOUT) stdout.deliver(payload);
+        else if (flags === CHUNK_STDERR) stderr.deliver(payload);
       },
+      holdsChunks: true,
     });
     this.handle = req.id;
+    stdout.attach(req.id);
+    stderr.attach(req.id);
     const ended = req.done.then(
       (r) => {
-        endOutput(agent, stdout);
-        endOutput(agent, stderr);
+        stdout.end();
+        stderr.end();
         // Ended without a STARTED chunk that held a pid: `pid` must settle all the same.
         neverStarted(new GuestRequestError(0, 'the guest ended the command without reporting its pid'));
         if (r.length < 8) throw new GuestRequestError(0, `the guest ended a command with a ${r.length}-byte status, 8 expected`);
@@ -298,10 +268,8 @@ export class GuestProcess {
       (e: Error) => {
         // Closed without an error: a stream 'error' nobody listens to would throw in the host
         // process. Why the process ended is `exited`'s rejection.
-        stdout.destroy();
-        stderr.destroy();
-        agent.releaseFlow(stdout);
-        agent.releaseFlow(stderr);
+        this.stdout.destroy();
+        this.stderr.destroy();
         neverStarted(e);
         throw e;
       },
@@ -593,10 +561,10 @@ export class GuestFiles {
   }
 
   /**
-   * A regular file's content (or a FIFO's) as a stream, with backpressure to the guest: while the
-   * stream's buffer (1 MiB) is full the host takes nothing more from the guest, so a file of any
-   * size costs the host no more than that (as for {@link GuestProcess.stdout}, every other answer of
-   * this VM's agent waits meanwhile: consume or destroy the stream). It errors with the guest's
+   * A regular file's content (or a FIFO's) as a stream, with backpressure to the guest: the guest
+   * sends at most 256 KiB (the stream's credit window) beyond what the consumer has read, so a
+   * file of any size costs the host no more than that, and a stream nobody reads holds only
+   * itself (every other answer of this VM goes on). It errors with the guest's
    * {@link GuestRequestError} (no such file, not a regular file), with a {@link TimeoutError} when
    * the guest sends nothing for `timeoutMs` while the stream wants more, with an
    * {@link AbortError} on `signal`, and with a GuestRequestError if the guest's count of bytes
@@ -619,16 +587,19 @@ export class GuestFiles {
       if (done || s.destroyed) return;
       timer = setTimeout(() => s.destroy(new TimeoutError(`the guest sent nothing of ${path} for ${timeoutMs} ms`)), timeoutMs);
     };
-    const s = guestOutput(this.agent, arm);
+    const out = new GuestOutput(this.agent, CHUNK_STDOUT, arm);
+    const s = out.readable;
     const onAbort = () => s.destroy(abortError(`reading ${path}`, signal!));
     const req = this.agent.start(FileOp.Read, payload, {
       onChunk: (_f, p) => {
         received += p.length;
-        if (deliver(this.agent, s, p)) arm();
+        if (out.deliver(p)) arm();
         else disarm();
       },
       onGiveUp: () => this.cancel(req.id),
+      holdsChunks: true,
     });
+    out.attach(req.id);
     s.once('close', () => {
       disarm();
       signal?.removeEventListener('abort', onAbort);
@@ -642,17 +613,15 @@ export class GuestFiles {
         try {
           const total = decodeCount(r, 'FILE_READ');
           if (total !== received) throw new GuestRequestError(0, `the guest said ${total} bytes but sent ${received} for ${path}`);
-          endOutput(this.agent, s);
+          out.end();
         } catch (e) {
           s.destroy(e as Error);
         }
-        this.agent.releaseFlow(s);
       },
       (e: Error) => {
         done = true;
         disarm();
         s.destroy(e);
-        this.agent.releaseFlow(s);
       },
     );
     signal?.addEventListener('abort', onAbort, { once: true });

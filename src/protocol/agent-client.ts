@@ -1,16 +1,30 @@
 /**
  * The host end of the agent protocol: numbered requests with several outstanding at once,
- * responses matched by id, guest events delivered to a callback.
+ * responses matched by id, guest events delivered to a callback, and each request's output
+ * streams under their own credit (./stream-window.ts).
  */
 import { abortError, GuestRequestError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
 import { arrayAt, base64Of, bytesAt, checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
 import { encodeFrame, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES, type Frame } from './frame';
+import { STREAM_WINDOW_BYTES, StreamWindow } from './stream-window';
 
 /** Common ops (both guests). */
 export const enum CommonOp {
   Hello = 0x0001,
   Ping = 0x0002,
+  /** The op of a {@link FrameType.Credit} frame. */
+  Credit = 0x0003,
 }
+
+/** HELLO's features word (`u32` at byte 32): bit 0, the agent sends its streams under credit. */
+export const FEATURE_STREAM_CREDIT = 1;
+
+/** The output streams of a request that flow under credit: chunk flags 1 (stdout, or a file's content) and 2 (stderr). */
+export type OutputChannel = 1 | 2;
+/** Chunk flags 4: an EXEC's STARTED (a u32 pid) or a FILE_WRITE_OPEN's OPENED (empty); not a stream. */
+const CHUNK_STATUS = 4;
+/** The longest status chunk: STARTED's pid. */
+const MAX_STATUS_CHUNK_BYTES = 4;
 
 interface Pending {
   op: number;
@@ -18,6 +32,10 @@ interface Pending {
   reject(error: Error): void;
   onChunk?: (flags: number, payload: Buffer) => void;
   onGiveUp?: () => void;
+  /** See {@link RequestOptions.holdsChunks}. */
+  holdsChunks: boolean;
+  /** Credit of its stdout (or content) and stderr, made as the first chunk of each comes. */
+  windows: [StreamWindow | undefined, StreamWindow | undefined];
   timer?: NodeJS.Timeout;
   /** Removes the abort listener (if any). */
   unlisten?: () => void;
@@ -37,6 +55,12 @@ export interface RequestOptions {
    * request's later frames, its final one included, are then dropped without a word.
    */
   onGiveUp?: () => void;
+  /**
+   * The caller keeps the chunks `onChunk` is given until a consumer takes them, and says so with
+   * {@link AgentClient.consumed} (or {@link AgentClient.discard}): the guest is granted more only
+   * as they are taken. Default false: a chunk counts as taken once `onChunk` returns.
+   */
+  holdsChunks?: boolean;
 }
 
 /** A request in flight: its id names it in later requests (a process handle, for instance). */
@@ -46,8 +70,12 @@ export interface StartedRequest {
   done: Promise<Buffer>;
 }
 
-/** The version of {@link AgentChannelState} this code writes and reads. */
-export const AGENT_CHANNEL_STATE_VERSION = 1;
+/**
+ * The version of {@link AgentChannelState} this code writes and reads. Version 1 was written
+ * before stream credit: its guest's agent sends output without credit, which this client would
+ * cut at a window, so it is refused with a SnapshotError saying so.
+ */
+export const AGENT_CHANNEL_STATE_VERSION = 2;
 
 /**
  * The host end of the channel as a snapshot saves it. Requests in flight when the snapshot is
@@ -63,6 +91,8 @@ export interface AgentChannelState {
   inFlight: { id: number; op: number }[];
   /** Bytes of the frame being received, base64. */
   partialFrame: string;
+  /** The features word of the agent's HELLO (0: none seen, or none offered, as the probe's). */
+  agentFeatures: number;
 }
 
 /** Requests to, and events from, one guest agent. */
@@ -76,41 +106,85 @@ export class AgentClient {
   /** Requests in flight when the snapshot this client was restored from was taken (id to op). */
   private readonly orphans = new Map<number, number>();
   private orphanCount = 0;
+  /** The features word of the agent's HELLO. */
+  private features = 0;
+  /** Grants decided this turn, sent together: stream key ({@link streamKey}) to bytes. */
+  private readonly dueGrants = new Map<number, number>();
 
-  /** Consumers whose buffers are full (see {@link holdFlow}). */
-  private readonly flowHolds = new Set<object>();
-
-  /**
-   * @param onFlow told `true` when the first consumer holds the channel and `false` when the last
-   *   one lets go: the owner stops (or starts again) taking what the guest transmits
-   */
   constructor(
     private readonly send: (bytes: Buffer) => void,
     private readonly onEvent: (frame: Frame) => void,
     private readonly onProtocolError: (message: string) => void,
-    private readonly onFlow: (held: boolean) => void = () => {},
   ) {}
 
   /**
-   * A consumer of stream chunks (`holder`, e.g. a process's stdout) is full: nothing more is taken
-   * from the guest until every holder has let go ({@link releaseFlow}). The whole channel waits,
-   * answers to other requests included, so the guest's agent and the writer in the guest block
-   * instead of the host buffering without end.
+   * Whether the agent said in its HELLO that it sends its streams under credit. Until it has, no
+   * grant is sent (the probe guest, whose ops stream nothing, never says so); a stream is cut at
+   * its first window all the same, so the host never holds more of it.
    */
-  holdFlow(holder: object): void {
-    if (this.closedWith || this.flowHolds.has(holder)) return;
-    this.flowHolds.add(holder);
-    if (this.flowHolds.size === 1) this.onFlow(true);
+  get speaksStreamCredit(): boolean {
+    return (this.features & FEATURE_STREAM_CREDIT) !== 0;
   }
 
-  /** `holder` takes chunks again, or takes none any more (its request ended, it was destroyed). */
-  releaseFlow(holder: object): void {
-    if (this.flowHolds.delete(holder) && this.flowHolds.size === 0) this.onFlow(false);
+  /**
+   * The consumer of request `id`'s output `channel` took `bytes` of it (a request started with
+   * {@link RequestOptions.holdsChunks}), and may hold `windowBytes` at once (more than a window
+   * only for a consumer that asks for more at once: see {@link StreamWindow.widen}): the guest is
+   * granted more once that adds up (see {@link StreamWindow.takeGrant}). Nothing for a request
+   * that has ended.
+   */
+  consumed(id: number, channel: OutputChannel, bytes: number, windowBytes = STREAM_WINDOW_BYTES): void {
+    const p = this.pending.get(id);
+    if (!p) return;
+    const w = (p.windows[channel - 1] ??= new StreamWindow());
+    w.widen(windowBytes);
+    if (bytes > 0) w.consume(bytes);
+    this.grant(id, channel, w);
   }
 
-  /** How many consumers hold the channel now. */
-  get flowHolders(): number {
-    return this.flowHolds.size;
+  /**
+   * Request `id`'s output `channel` has no consumer any more (its stream was destroyed): what is
+   * held and all that comes is dropped and granted back at once, so the writer in the guest runs
+   * to its end instead of blocking for ever.
+   */
+  discard(id: number, channel: OutputChannel): void {
+    const p = this.pending.get(id);
+    if (!p) return;
+    const w = (p.windows[channel - 1] ??= new StreamWindow());
+    w.discard();
+    this.grant(id, channel, w);
+  }
+
+  /** Bytes of request `id`'s output `channel` the host holds for its consumer (0 if none or ended). */
+  heldBytes(id: number, channel: OutputChannel): number {
+    return this.pending.get(id)?.windows[channel - 1]?.heldBytes ?? 0;
+  }
+
+  /** Queues what `w` grants now; every grant of this turn goes in one send. */
+  private grant(id: number, channel: OutputChannel, w: StreamWindow): void {
+    if (!this.speaksStreamCredit || this.closedWith) return;
+    const bytes = w.takeGrant();
+    if (!bytes) return;
+    const key = streamKey(id, channel);
+    const before = this.dueGrants.get(key);
+    this.dueGrants.set(key, (before ?? 0) + bytes);
+    if (this.dueGrants.size === 1 && before === undefined) queueMicrotask(() => this.sendGrants());
+  }
+
+  private sendGrants(): void {
+    if (this.closedWith || !this.dueGrants.size) return;
+    const frames: Buffer[] = [];
+    for (const [key, bytes] of this.dueGrants) {
+      const payload = Buffer.alloc(4);
+      payload.writeUInt32LE(bytes, 0);
+      frames.push(encodeFrame({ type: FrameType.Credit, id: Math.floor(key / 4), op: CommonOp.Credit, flags: key % 4, payload }));
+    }
+    this.dueGrants.clear();
+    try {
+      this.send(frames.length === 1 ? frames[0] : Buffer.concat(frames));
+    } catch {
+      // The VM is ending: its close() settles every request.
+    }
   }
 
   /** Feeds bytes received from the guest. */
@@ -132,6 +206,7 @@ export class AgentClient {
       nextId: this.nextId,
       inFlight: [...this.pending].map(([id, p]) => ({ id, op: p.op })),
       partialFrame: base64Of(this.decoder.pendingBytes()),
+      agentFeatures: this.features,
     };
   }
 
@@ -142,6 +217,12 @@ export class AgentClient {
   restoreState(value: unknown, path = 'agent'): void {
     if (this.pending.size > 0 || this.nextId !== 1) throw new SnapshotError(`${path}: the agent client has already been used`);
     const o = objectAt(value, path);
+    if (o.version === 1) {
+      throw new SnapshotError(
+        `${path}.version: the snapshot was taken by an earlier pvisor (agent channel state version 1), whose guest agent sends its output without stream credit; ` +
+          `this pvisor reads version ${AGENT_CHANNEL_STATE_VERSION} only: take the snapshot again with this pvisor (its guest booted from this pvisor's initramfs)`,
+      );
+    }
     checkVersion(o, path, AGENT_CHANNEL_STATE_VERSION);
     const nextId = integerAt(o, 'nextId', path, 1, 0xffffffff);
     const inFlight = arrayAt(o, 'inFlight', path, 65536).map((r, i) => {
@@ -149,6 +230,7 @@ export class AgentClient {
       return [integerAt(e, 'id', `${path}.inFlight[${i}]`, 1, 0xffffffff), integerAt(e, 'op', `${path}.inFlight[${i}]`, 0, 0xffff)] as const;
     });
     const partial = bytesAt(o, 'partialFrame', path, { min: 0, max: 64 * 1024 * 1024 });
+    const features = integerAt(o, 'agentFeatures', path, 0, 0xffffffff);
     const decoder = new FrameDecoder();
     try {
       decoder.push(partial);
@@ -156,6 +238,7 @@ export class AgentClient {
       throw new SnapshotError(`${path}.partialFrame: ${(e as Error).message}`);
     }
     this.nextId = nextId;
+    this.features = features;
     for (const [id, op] of inFlight) this.orphans.set(id, op);
     this.orphanCount = this.orphans.size;
     this.decoder.push(partial);
@@ -168,6 +251,8 @@ export class AgentClient {
 
   private dispatch(f: Frame): void {
     if (f.type === FrameType.Event) {
+      // HELLO: `u32 protocolVersion, u32 guestKind, u64 ramBytes, u64 wsBase, u64 wsLimit[, u32 features]`.
+      if (f.op === CommonOp.Hello) this.features = f.payload.length >= 36 ? f.payload.readUInt32LE(32) : 0;
       this.onEvent(f);
       return;
     }
@@ -189,7 +274,7 @@ export class AgentClient {
       return;
     }
     if (f.type === FrameType.StreamChunk) {
-      p.onChunk?.(f.flags, f.payload);
+      this.takeChunk(f, p);
       return;
     }
     // Whatever the final frame is, the request settles here, once.
@@ -204,6 +289,34 @@ export class AgentClient {
       this.onProtocolError(`frame of type ${f.type} for request ${f.id}`);
       p.reject(new GuestRequestError(0, `the guest answered op 0x${p.op.toString(16)} with a frame of type ${f.type}, which is not an answer`));
     }
+  }
+
+  /**
+   * A stream chunk of a request in flight: an output chunk is counted against its stream's credit
+   * (beyond it, the guest broke the protocol: the request fails, and nothing of the chunk is kept);
+   * a status chunk (STARTED, OPENED) is passed on; any other is dropped with a warning.
+   */
+  private takeChunk(f: Frame, p: Pending): void {
+    const channel = f.flags;
+    if (channel === 1 || channel === 2) {
+      const w = (p.windows[channel - 1] ??= new StreamWindow());
+      if (!w.receive(f.payload.length)) {
+        const message = `the guest sent ${f.payload.length} bytes on stream ${channel} of request ${f.id} (op 0x${p.op.toString(16)}) with ${w.credit} bytes of credit left (a window is ${STREAM_WINDOW_BYTES})`;
+        this.onProtocolError(message);
+        this.giveUp(f.id, new GuestRequestError(0, `${message}: the guest's agent does not keep to stream credit`));
+        return;
+      }
+      p.onChunk?.(channel, f.payload);
+      if (!p.holdsChunks) w.consume(f.payload.length);
+      // (a discarded stream has taken it too)
+      if (this.pending.get(f.id) === p) this.grant(f.id, channel, w);
+      return;
+    }
+    if (channel === CHUNK_STATUS && f.payload.length <= MAX_STATUS_CHUNK_BYTES) {
+      p.onChunk?.(channel, f.payload);
+      return;
+    }
+    this.onProtocolError(`stream chunk with flags ${channel} and ${f.payload.length} bytes for request ${f.id} (op 0x${p.op.toString(16)}): dropped`);
   }
 
   /** Sends a request and resolves with the response payload. */
@@ -227,7 +340,7 @@ export class AgentClient {
     const id = this.takeId();
     const frame = encodeFrame({ type: FrameType.Request, id, op, payload });
     const done = new Promise<Buffer>((resolve, reject) => {
-      const p: Pending = { op, resolve, reject, onChunk: options.onChunk, onGiveUp: options.onGiveUp };
+      const p: Pending = { op, resolve, reject, onChunk: options.onChunk, onGiveUp: options.onGiveUp, holdsChunks: options.holdsChunks ?? false, windows: [undefined, undefined] };
       if (options.timeoutMs !== undefined) {
         p.timer = setTimeout(() => this.giveUp(id, new TimeoutError(`guest did not answer op 0x${op.toString(16)} within ${options.timeoutMs} ms`)), options.timeoutMs);
       }
@@ -284,7 +397,7 @@ export class AgentClient {
   /** Fails every outstanding and future request with `error`. */
   close(error: Error = new VmStateError('the VM has stopped')): void {
     this.closedWith ??= error;
-    this.flowHolds.clear();
+    this.dueGrants.clear();
     this.abandoned.clear();
     for (const [id, p] of this.pending) {
       if (p.timer) clearTimeout(p.timer);
@@ -293,6 +406,11 @@ export class AgentClient {
       this.pending.delete(id);
     }
   }
+}
+
+/** A number naming one output stream of one request (ids are below 2^32, so it stays exact). */
+function streamKey(id: number, channel: OutputChannel): number {
+  return id * 4 + channel;
 }
 
 /** Most characters of an error frame's text that go into a host warning or error. */

@@ -10,6 +10,8 @@ export const enum FrameType {
   StreamChunk = 3,
   Error = 4,
   Event = 5,
+  /** Host to guest: a stream's consumer has read, the guest may send more (docs/agent-protocol.md, "Stream credit"); never answered. */
+  Credit = 6,
 }
 
 /** One decoded frame. */

@@ -141,7 +141,8 @@ describe('Linux guest files', () => {
     });
     expect(back.digest('hex')).toBe(expected);
     console.log(`16 MiB streamed: peak live host buffers ${(written.peakBytes / MiB).toFixed(1)} MiB writing (${written.samples} samples), ${(read.peakBytes / MiB).toFixed(1)} MiB reading (${read.samples} samples)`);
-    // The stream buffers (1 MiB each way), a frame or two in flight and their copies.
+    // The stream buffers (the write stream's 1 MiB, the read stream's 256 KiB credit window), a
+    // frame or two in flight and their copies.
     expect(written.peakBytes).toBeLessThan(size / 2);
     expect(read.peakBytes).toBeLessThan(size / 2);
     await vm.files.remove('/tmp/stream', { recursive: true });

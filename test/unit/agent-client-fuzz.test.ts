@@ -10,6 +10,7 @@ import { PROBE_CONTENTS } from '../../src/guest/probe-content';
 import { HOSTILE_KINDS, ProbeGuest, type HostileKind } from '../../src/guest/probe-client';
 import { AgentClient } from '../../src/protocol/agent-client';
 import { encodeFrame, FrameDecoder, FRAME_HEADER_BYTES, FrameType, MAX_PAYLOAD_BYTES, type Frame } from '../../src/protocol/frame';
+import { creditHello } from '../flooding-guest';
 import { randomFrame, randomSplits } from '../fuzz-frames';
 import { property, same, thrown, type Rng } from '../fuzz-seed';
 
@@ -60,7 +61,7 @@ describe('agent client under a fuzzing guest', () => {
     if (rng.chance(0.3)) {
       const nextId = rng.chance(0.5) ? 0xffffffff - rng.int(4) : rng.between(1, 0xffffffff);
       for (let n = rng.int(4); n > 0; n--) orphans.add(rng.between(1, 0xffffffff));
-      c.restoreState({ version: 1, nextId, inFlight: [...orphans].map((id) => ({ id, op: rng.int(0x10000) })), partialFrame: '' });
+      c.restoreState({ version: 2, nextId, inFlight: [...orphans].map((id) => ({ id, op: rng.int(0x10000) })), partialFrame: '', agentFeatures: rng.int(2) });
     }
     const withTimeouts = rng.chance(0.2);
     const requests = Array.from({ length: rng.between(1, 12) }, () => {
@@ -98,8 +99,11 @@ describe('agent client under a fuzzing guest', () => {
         if (orphansLeft.has(f.id) && f.type !== FrameType.StreamChunk) orphansLeft.delete(f.id);
         continue;
       }
-      if (f.type === FrameType.StreamChunk) r.chunks.push([f.flags, f.payload.toString('hex')]);
-      else r.final = f;
+      // Output chunks (stdout 1, stderr 2: within a window here, at most 30 chunks of 256 bytes)
+      // and status chunks (4, at most a pid) reach the caller; other flags are dropped.
+      if (f.type === FrameType.StreamChunk) {
+        if (f.flags === 1 || f.flags === 2 || (f.flags === 4 && f.payload.length <= 4)) r.chunks.push([f.flags, f.payload.toString('hex')]);
+      } else r.final = f;
     }
     await turn();
     for (const r of requests) {
@@ -233,12 +237,16 @@ describe('agent client under a fuzzing guest', () => {
     const time = (totalBytes: number) => {
       let seen = 0;
       const c = new AgentClient(() => {}, () => seen++, () => {});
+      // An agent under stream credit: chunks taken as they come are granted back, so a megabyte of
+      // them stays within the window.
+      c.receive(creditHello());
+      seen = 0;
       const { id, done } = c.start(0x0104, Buffer.alloc(0), { onChunk: () => seen++ });
       done.then(() => seen++, () => {});
       const [count, size, type] = shape === 'one answer' ? [1, totalBytes - FRAME_HEADER_BYTES, FrameType.Response]
         : shape === 'chunks' ? [totalBytes / 512, 512 - FRAME_HEADER_BYTES, FrameType.StreamChunk] : [totalBytes / FRAME_HEADER_BYTES, 0, FrameType.Event];
       const payload = rng.bytes(size);
-      const bytes = Buffer.concat(Array.from({ length: count }, () => encodeFrame({ type, id, op: 0x0104, payload })));
+      const bytes = Buffer.concat(Array.from({ length: count }, () => encodeFrame({ type, id, op: 0x0104, flags: 1, payload })));
       // Stopped at 10 s: quadratic reassembly would take hours, not fail.
       const t0 = performance.now();
       for (let i = 0; i < bytes.length && (i % 4096 || performance.now() - t0 < 10_000); i++) c.receive(bytes.subarray(i, i + 1));

@@ -119,7 +119,7 @@ describe('agent client: every request settles exactly once', () => {
 
   it('ids wrap past 2^32 - 1 without reusing one still in flight', async () => {
     const { c, lastId } = client();
-    c.restoreState({ version: 1, nextId: 0xffffffff, inFlight: [{ id: 2, op: 0x101 }], partialFrame: '' });
+    c.restoreState({ version: 2, nextId: 0xffffffff, inFlight: [{ id: 2, op: 0x101 }], partialFrame: '', agentFeatures: 1 });
     const long = c.request(0x201); // 0xffffffff: a process that runs on
     expect(lastId()).toBe(0xffffffff);
     const a = c.request(0x101);

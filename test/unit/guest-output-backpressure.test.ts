@@ -1,12 +1,13 @@
-// Backpressure from a host consumer to the guest, over the real parts between them: guest RAM (a
-// real mapping), the virtio-console device behind its mmio transport, the agent client and the
-// Linux client's streams. The guest's side (../flooding-guest.ts) is a driver that behaves as the
+// Backpressure from a host consumer to the guest under stream credit, over the real parts between
+// them: guest RAM (a real mapping), the virtio-console device behind its mmio transport, the agent
+// client and the Linux client's streams. The guest's side (../flooding-guest.ts) is a driver that behaves as the
 // agent under `yes` does. The 1 GiB floods are in ./guest-output-flood.test.ts.
 // No KVM: the point is what the host takes and keeps, which these parts decide.
 import { Readable } from 'node:stream';
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
-import { TimeoutError } from '../../src';
+import { GuestRequestError, TimeoutError } from '../../src';
+import { STREAM_WINDOW_BYTES as WINDOW } from '../../src/protocol/stream-window';
 import { FloodingGuest, FRAME_PAYLOAD } from '../flooding-guest';
 import { DriverQueue, SIZE } from '../virtio-driver';
 
@@ -16,8 +17,8 @@ const MiB = 1024 * KiB;
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 const turn = () => new Promise((r) => setImmediate(r));
 
-describe("guest output and the host's consumer: backpressure to the guest", () => {
-  it('a spawned command whose stdout is not read holds the transmit ring: the host keeps at most 1 MiB and one frame, the guest keeps the rest', async () => {
+describe("guest output and the host's consumer: stream credit back to the guest", () => {
+  it('a spawned command whose stdout is not read uses up its window and waits; the host keeps at most the window, takes every chain, and answers other requests meanwhile', async () => {
     const g = new FloodingGuest(0x0201, 1);
     try {
       const p = g.linux.spawn(['yes']);
@@ -27,22 +28,22 @@ describe("guest output and the host's consumer: backpressure to the guest", () =
         g.produce();
         await turn();
       }
-      expect(g.dev.transmitHeldFor).toEqual(['consumer']);
-      expect(g.client.flowHolders).toBe(1);
-      expect(p.stdout.readableLength).toBeGreaterThanOrEqual(MiB);
-      expect(p.stdout.readableLength).toBeLessThanOrEqual(MiB + FRAME_PAYLOAD);
-      // The ring is full and stays so: the guest's writer is blocked, the host's memory flat.
-      expect(g.inFlight).toBe(SIZE);
-      const takenWhileHeld = g.taken;
-      for (let i = 0; i < 50; i++) {
-        g.produce();
-        await turn();
-      }
-      expect(g.taken).toBe(takenWhileHeld);
+      // It sent its window and no more: the host holds that much, and has taken every chain.
+      expect(g.sentBytes).toBe(Math.floor(WINDOW / FRAME_PAYLOAD) * FRAME_PAYLOAD);
+      expect(p.stdout.readableLength).toBe(g.sentBytes);
+      expect(g.credit).toBeLessThan(FRAME_PAYLOAD);
+      expect(g.creditWaits).toBeGreaterThan(200);
+      expect(g.inFlight).toBe(0);
+      expect(g.dev.transmitHeld).toBe(false);
+      expect(g.grants).toBe(0);
       expect(process.memoryUsage().arrayBuffers - before).toBeLessThan(8 * MiB);
+      // Another request of the same VM is answered at once: the channel is not held.
+      const mem = g.linux.memInfo({ timeoutMs: 1000 });
+      g.answer(2, 0x0220, Buffer.alloc(32));
+      await expect(mem).resolves.toEqual({ totalBytes: 0, freeBytes: 0, availableBytes: 0, cachedBytes: 0 });
 
       // A slow consumer: 64 KiB every 5 ms. The flow goes on, in order, and the host's buffer
-      // stays bounded however much the guest has to send.
+      // stays within the window however much the guest has to send.
       let read = 0;
       let maxBuffered = 0;
       let letters = '';
@@ -57,48 +58,46 @@ describe("guest output and the host's consumer: backpressure to the guest", () =
         await (i % 4 === 0 ? sleep(5) : turn());
       }
       expect(read).toBeGreaterThan(8 * MiB);
-      expect(maxBuffered).toBeLessThanOrEqual(MiB + FRAME_PAYLOAD);
-      expect(g.sentBytes).toBeGreaterThan(read); // the guest had more to give all along
+      expect(maxBuffered).toBeLessThanOrEqual(WINDOW);
+      expect(g.sentBytes - read).toBeLessThanOrEqual(WINDOW); // never more than a window ahead
       expect(letters).toMatch(/^[a-z]+$/);
       expect(g.warnings).toEqual([]);
 
-      // Destroyed: the hold goes, what comes is dropped, and the guest runs free again.
+      // Destroyed: what it held and all that comes is granted back, and the guest runs free again.
       p.stdout.destroy();
       await turn();
-      expect(g.client.flowHolders).toBe(0);
       const takenAtDestroy = g.taken;
       for (let i = 0; i < 20; i++) {
         g.produce();
         await turn();
       }
       expect(g.taken).toBeGreaterThan(takenAtDestroy + 100);
-      expect(g.dev.transmitHeldFor).toEqual([]);
+      expect(g.dev.transmitHeld).toBe(false);
     } finally {
       g.close();
     }
   });
 
-  it('a stdout never read does not hold the channel once the command has ended', async () => {
-    // 32 frames stay under the 1 MiB; the 33rd fills it, in the same buffer as the command's end.
-    const g = new FloodingGuest(0x0201, 1, 32 * FRAME_PAYLOAD);
+  it('a stdout never read holds nothing once the command has ended', async () => {
+    // 7 frames, then the 8th in the same buffer as the command's end: all within the window.
+    const g = new FloodingGuest(0x0201, 1, 7 * FRAME_PAYLOAD);
     try {
       const p = g.linux.spawn(['yes']);
       for (let i = 0; i < 10; i++) {
         g.produce();
         await turn();
       }
-      expect(g.client.flowHolders).toBe(0);
       g.finish(Buffer.alloc(8), Buffer.alloc(FRAME_PAYLOAD, 'z'));
       await expect(p.exited).resolves.toEqual({ exitCode: 0, signal: null });
-      expect(p.stdout.readableLength).toBe(33 * FRAME_PAYLOAD); // full, unread...
-      expect(g.client.flowHolders).toBe(0); // ...and holding nothing: no more comes for it
-      expect(g.dev.transmitHeldFor).toEqual([]);
+      expect(p.stdout.readableLength).toBe(8 * FRAME_PAYLOAD); // full, unread...
+      expect(g.client.heldBytes(1, 1)).toBe(0); // ...and no window left open: no more comes for it
+      expect(g.dev.transmitHeld).toBe(false);
     } finally {
       g.close();
     }
   });
 
-  it('files.readStream: a file of any size costs the host its 1 MiB buffer; read at its pace it comes whole and checked', async () => {
+  it('files.readStream: a file of any size costs the host its window; read at its pace it comes whole and checked', async () => {
     const total = 24 * MiB;
     const g = new FloodingGuest(0x0210, 1, total);
     try {
@@ -108,8 +107,9 @@ describe("guest output and the host's consumer: backpressure to the guest", () =
         g.produce();
         await turn();
       }
-      expect(s.readableLength).toBeLessThanOrEqual(MiB + FRAME_PAYLOAD);
-      expect(g.dev.transmitHeldFor).toEqual(['consumer']);
+      expect(s.readableLength).toBeLessThanOrEqual(WINDOW);
+      expect(g.credit).toBeLessThan(FRAME_PAYLOAD); // the guest waits for credit, not for the ring
+      expect(g.dev.transmitHeld).toBe(false);
       let read = 0;
       let maxBuffered = 0;
       const ended = new Promise((r) => s.once('end', r));
@@ -133,8 +133,7 @@ describe("guest output and the host's consumer: backpressure to the guest", () =
       g.finish(answer);
       await ended;
       expect(read).toBe(g.sentBytes);
-      expect(maxBuffered).toBeLessThanOrEqual(MiB + FRAME_PAYLOAD);
-      expect(g.client.flowHolders).toBe(0);
+      expect(maxBuffered).toBeLessThanOrEqual(WINDOW);
     } finally {
       g.close();
     }
@@ -166,6 +165,30 @@ describe("guest output and the host's consumer: backpressure to the guest", () =
       h.close();
     }
   });
+
+  it('a guest that sends beyond its credit fails the stream, said as a protocol warning; the host keeps no more than the window and drops what follows', async () => {
+    const g = new FloodingGuest(0x0201, 1, Infinity, { honoursCredit: false });
+    try {
+      const p = g.linux.spawn(['yes']);
+      const failed = p.exited.then(
+        () => null,
+        (e: Error) => e,
+      );
+      for (let i = 0; i < 100; i++) {
+        g.produce();
+        await turn();
+      }
+      const e = await failed;
+      expect(e).toBeInstanceOf(GuestRequestError);
+      expect(e!.message).toMatch(/sent 32752 bytes on stream 1 of request 1 \(op 0x201\) with \d+ bytes of credit left .*does not keep to stream credit/);
+      expect(g.warnings.filter((w) => /beyond|credit left/.test(w))).toHaveLength(1);
+      expect(g.sentBytes).toBeGreaterThan(8 * MiB); // it went on sending, and all of it was taken
+      expect(g.inFlight).toBeLessThanOrEqual(SIZE);
+      expect(g.dev.transmitHeld).toBe(false);
+    } finally {
+      g.close();
+    }
+  });
 });
 
 describe('virtio-console: transmit held while the machine is paused or stopped', () => {
@@ -181,15 +204,12 @@ describe('virtio-console: transmit held while the machine is paused or stopped',
       for (let i = 0; i < 9; i++) tx.offerChain([{ gpa: 0x100000, len: MiB }]);
       dev.notify(1);
       expect(received).toBe(8 * MiB); // a turn's worth; the ninth is left for the next turn
-      dev.holdTransmit('machine', true); // the machine paused meanwhile
+      dev.holdTransmit(true); // the machine paused meanwhile
       for (let i = 0; i < 3; i++) await turn();
       dev.notify(1); // a notification while held takes nothing either
       expect(received).toBe(8 * MiB);
-      dev.holdTransmit('consumer', true);
-      dev.holdTransmit('machine', false); // resumed, but a consumer still holds it
-      for (let i = 0; i < 3; i++) await turn();
-      expect(received).toBe(8 * MiB);
-      dev.holdTransmit('consumer', false);
+      dev.holdTransmit(true); // paused twice: still held, and one release lets go
+      dev.holdTransmit(false);
       for (let i = 0; i < 3; i++) await turn();
       expect(received).toBe(9 * MiB);
       expect(errors).toEqual([]);

@@ -4,6 +4,8 @@ import { GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError }
 import { LinuxGuest } from '../../src/guest/linux-client';
 import { AgentClient } from '../../src/protocol/agent-client';
 import { encodeFrame, FrameDecoder, FrameType, type Frame } from '../../src/protocol/frame';
+import { STREAM_WINDOW_BYTES } from '../../src/protocol/stream-window';
+import { creditHello } from '../flooding-guest';
 
 /** A guest agent that answers requests as `answer` says (nothing: silence). */
 function fakeGuest(answer: (request: Frame, reply: (f: Omit<Frame, 'id'>) => void) => void) {
@@ -17,7 +19,34 @@ function fakeGuest(answer: (request: Frame, reply: (f: Omit<Frame, 'id'>) => voi
     () => {},
     () => {},
   );
+  client.receive(creditHello());
   return new LinuxGuest(client);
+}
+
+/**
+ * An agent's output of `total` bytes in chunks of `chunkBytes` for the request `f`, sent as its
+ * credit allows (a window at first, then what each CREDIT frame grants); `done` once all is sent.
+ * Returns the handler of the later frames (the grants).
+ */
+function creditedOutput(f: Frame, reply: (r: Omit<Frame, 'id'>) => void, total: number, chunkBytes: number, flags: number, done: () => void = () => {}) {
+  let credit = STREAM_WINDOW_BYTES;
+  let sent = 0;
+  const more = () => {
+    while (sent < total && credit >= Math.min(chunkBytes, total - sent)) {
+      const n = Math.min(chunkBytes, total - sent);
+      reply({ type: FrameType.StreamChunk, op: f.op, flags, payload: Buffer.alloc(n, 0x79) });
+      sent += n;
+      credit -= n;
+      if (sent === total) done();
+    }
+  };
+  more();
+  return (g: Frame) => {
+    if (g.type === FrameType.Credit && g.id === f.id && g.flags === flags) {
+      credit += g.payload.readUInt32LE(0);
+      more();
+    }
+  };
 }
 
 const EXEC = 0x0201;
@@ -107,11 +136,13 @@ describe('Linux guest client', () => {
 
   it('exec kills a command that prints more than maxBuffer and rejects with an OutputLimitError', async () => {
     const ops: number[] = [];
+    let grants = (_f: Frame) => {};
     const guest = fakeGuest((f, reply) => {
+      if (f.type === FrameType.Credit) return grants(f);
       ops.push(f.op);
       if (f.op !== EXEC) return; // the KILL: the command's end is never reported (grace applies)
       reply({ type: FrameType.StreamChunk, op: EXEC, flags: STARTED, payload: Buffer.from([9, 0, 0, 0]) });
-      for (let i = 0; i < 40; i++) reply({ type: FrameType.StreamChunk, op: EXEC, flags: 1, payload: Buffer.alloc(64 * 1024, 0x79) }); // 2.5 MiB of 'y'
+      grants = creditedOutput(f, reply, 40 * 64 * 1024, 64 * 1024, 1); // 2.5 MiB of 'y'
     });
     const err = await guest.exec(['yes'], { maxBuffer: 1024 * 1024 }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(OutputLimitError);
@@ -120,11 +151,12 @@ describe('Linux guest client', () => {
   }, 15_000);
 
   it('files.read of a file larger than maxBytes rejects with an OutputLimitError and keeps none of it', async () => {
+    const grants = new Map<number, (g: Frame) => void>();
     const guest = fakeGuest((f, reply) => {
-      for (let i = 0; i < 8; i++) reply({ type: FrameType.StreamChunk, op: f.op, flags: 0, payload: Buffer.alloc(128 * 1024) });
+      if (f.type === FrameType.Credit) return grants.get(f.id)?.(f);
       const total = Buffer.alloc(8);
       total.writeBigUInt64LE(BigInt(8 * 128 * 1024));
-      reply({ type: FrameType.Response, op: f.op, flags: 0, payload: total });
+      grants.set(f.id, creditedOutput(f, reply, 8 * 128 * 1024, 128 * 1024, 1, () => reply({ type: FrameType.Response, op: f.op, flags: 0, payload: total })));
     });
     await expect(guest.files.read('/big', { maxBytes: 512 * 1024 })).rejects.toThrow(OutputLimitError);
     await expect(guest.files.read('/big', { maxBytes: 1024 * 1024 })).resolves.toHaveLength(1024 * 1024);

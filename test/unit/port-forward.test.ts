@@ -5,7 +5,8 @@
 import { connect, type Socket } from 'node:net';
 import { Readable } from 'node:stream';
 import { randomBytes } from 'node:crypto';
-import { forwardPort, STDIN_BATCH_BYTES } from '../../src/network/port-forward';
+import { ConnectionBudget, forwardPort, STDIN_BATCH_BYTES } from '../../src/network/port-forward';
+import { InvalidOptionError } from '../../src';
 import type { Command, GuestProcess, SpawnOptions } from '../../src/guest/linux-client';
 
 const KiB = 1024;
@@ -15,6 +16,7 @@ const MiB = 1024 * KiB;
 class FakeNc {
   /** As the Linux client's output streams: chunks pushed as they come from the agent. */
   readonly stdout = new Readable({ read: () => {} });
+  readonly stderr = new Readable({ read: () => {} });
   readonly writes: Buffer[] = [];
   readonly events: string[] = [];
   inFlight = 0;
@@ -69,6 +71,7 @@ class FakeNc {
   finish(answer: Buffer): void {
     if (answer.length) this.stdout.push(answer);
     this.stdout.push(null);
+    this.stderr.push(null);
     this.exit();
   }
 }
@@ -221,5 +224,116 @@ describe('forwardPort', () => {
       s.destroy();
       await f.close();
     }
+  });
+
+  test('the guest process exits while its output still waits for a peer that reads late: the connection ends only after all of it', async () => {
+    const { spawn, spawned } = spawner(1);
+    const f = await forwardPort(spawn, 8004);
+    const s = connect(f.port, f.host);
+    try {
+      await new Promise<void>((resolve, reject) => s.once('connect', () => resolve()).once('error', reject));
+      s.pause();
+      while (!spawned.length) await new Promise((r) => setTimeout(r, 5));
+      const nc = spawned[0];
+      // The guest server sends 32 MiB and closes: nc has written everything and exited, while
+      // much of it still waits in the host's stream for the peer's socket to drain (loopback's
+      // socket buffers take a few MiB of it first).
+      const data = randomBytes(32 * MiB);
+      for (let at = 0; at < data.length; at += 64 * KiB) nc.stdout.push(data.subarray(at, at + 64 * KiB));
+      nc.finish(Buffer.alloc(0));
+      await nc.exited;
+      await new Promise((r) => setTimeout(r, 50));
+      expect(nc.stdout.readableLength).toBeGreaterThan(0); // still waiting when the process had ended
+      const got: Buffer[] = [];
+      const ended = new Promise<void>((resolve) => s.on('end', () => resolve()));
+      s.on('data', (d: Buffer) => got.push(d));
+      s.resume();
+      await ended;
+      expect(Buffer.concat(got).length).toBe(data.length);
+      expect(Buffer.concat(got).equals(data)).toBe(true);
+    } finally {
+      s.destroy();
+      await f.close();
+    }
+  });
+
+  /** A client that connects and says how its connection ended: 'end' (closed by the relay) or still 'open' after `waitMs`. */
+  const probeConnection = (port: number, waitMs = 300) =>
+    new Promise<{ socket: Socket; state: 'closed' | 'open'; bytes: number }>((resolve, reject) => {
+      let bytes = 0;
+      const socket = connect(port, '127.0.0.1');
+      const timer = setTimeout(() => resolve({ socket, state: 'open', bytes }), waitMs);
+      socket.on('data', (d: Buffer) => (bytes += d.length));
+      socket.once('close', () => {
+        clearTimeout(timer);
+        resolve({ socket, state: 'closed', bytes });
+      });
+      socket.once('error', reject);
+    });
+
+  test('at most maxConnections per forward: one more is closed at once, before a byte or a guest process, and its slot comes back when one closes', async () => {
+    const { spawn, spawned } = spawner(1);
+    const refusals: string[] = [];
+    const budget = new ConnectionBudget(256);
+    const f = await forwardPort(spawn, 8005, { maxConnections: 2 }, { vmConnections: budget, onRefused: (m) => refusals.push(m) });
+    const open: Socket[] = [];
+    try {
+      for (let i = 0; i < 2; i++) {
+        const c = await probeConnection(f.port);
+        expect(c.state).toBe('open');
+        open.push(c.socket);
+      }
+      const third = await probeConnection(f.port);
+      expect(third).toMatchObject({ state: 'closed', bytes: 0 });
+      expect(spawned).toHaveLength(2);
+      expect(f.connections()).toEqual({ open: 2, refused: 1 });
+      expect(budget.inUse).toBe(2);
+      expect(refusals).toHaveLength(1);
+      expect(refusals[0]).toMatch(new RegExp(`forward 127\\.0\\.0\\.1:${f.port} to guest port 8005: a connection was closed at once, 2 connections of this forward are open \\(maxConnections\\)`));
+      // One closes (its peer, then the guest's side): its slot is free again.
+      open.shift()!.destroy();
+      spawned[0].finish(Buffer.alloc(0));
+      await new Promise((r) => setTimeout(r, 100));
+      expect(budget.inUse).toBe(1);
+      const again = await probeConnection(f.port);
+      expect(again.state).toBe('open');
+      open.push(again.socket);
+      expect(spawned).toHaveLength(3);
+    } finally {
+      for (const s of open) s.destroy();
+      await f.close();
+    }
+    await new Promise((r) => setTimeout(r, 100));
+    expect(budget.inUse).toBe(0);
+  });
+
+  test("the VM's cap is shared by its forwards: past it, any forward closes a new connection at once", async () => {
+    const { spawn, spawned } = spawner(1);
+    const refusals: string[] = [];
+    const limits = { vmConnections: new ConnectionBudget(3), onRefused: (m: string) => refusals.push(m) };
+    const a = await forwardPort(spawn, 8006, {}, limits);
+    const b = await forwardPort(spawn, 8007, {}, limits);
+    const open: Socket[] = [];
+    try {
+      for (const port of [a.port, a.port, b.port]) {
+        const c = await probeConnection(port);
+        expect(c.state).toBe('open');
+        open.push(c.socket);
+      }
+      for (const port of [a.port, b.port]) expect((await probeConnection(port)).state).toBe('closed');
+      expect(spawned).toHaveLength(3);
+      expect(refusals.map((m) => /the VM's forwards have 3 connections open/.test(m))).toEqual([true, true]);
+      expect(a.connections()).toEqual({ open: 2, refused: 1 });
+      expect(b.connections()).toEqual({ open: 1, refused: 1 });
+    } finally {
+      for (const s of open) s.destroy();
+      await a.close();
+      await b.close();
+    }
+  });
+
+  test.each([0, -1, 1.5, 257, '4'])('maxConnections %p is refused before anything listens', async (bad) => {
+    const { spawn } = spawner(1);
+    await expect(forwardPort(spawn, 8008, { maxConnections: bad as number })).rejects.toThrow(InvalidOptionError);
   });
 });

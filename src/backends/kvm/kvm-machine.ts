@@ -334,7 +334,7 @@ export class KvmMachine {
   async restoreSaved(saved: { machine: unknown; devices: unknown }): Promise<void> {
     this.prepare(this.linux ? 'linux' : 'probe');
     this.pausing = true;
-    this.console.holdTransmit('machine', true);
+    this.console.holdTransmit(true);
     this.restoreDevices(saved.devices);
     await this.restoreState(saved.machine);
   }
@@ -375,7 +375,7 @@ export class KvmMachine {
   /** Stops every vCPU and resolves once none is inside KVM_RUN. */
   pause(): Promise<void> {
     this.pausing = true;
-    this.console.holdTransmit('machine', true);
+    this.console.holdTransmit(true);
     this.net?.pause();
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'running') this.runner.kick(i);
     return new Promise((resolve) => {
@@ -388,7 +388,7 @@ export class KvmMachine {
   resume(): void {
     if (this.settling.size > 0) throw new VmStateError('the machine is capturing or restoring its state: resume after it has finished');
     this.pausing = false;
-    this.console.holdTransmit('machine', false);
+    this.console.holdTransmit(false);
     const notifies = [...this.heldNotifies];
     this.heldNotifies.clear();
     for (const tag of notifies) this.onRecord({ index: tag, kind: RecordKind.Notify, err: 0 });
@@ -554,15 +554,6 @@ export class KvmMachine {
   }
 
   /**
-   * Stops taking (or takes again) what the guest agent transmits, for a host consumer that is
-   * full: see {@link VirtioConsole.holdTransmit}.
-   */
-  holdAgentOutput(held: boolean): void {
-    if (this.ended) return;
-    this.console.holdTransmit('consumer', held);
-  }
-
-  /**
    * The guest console's last `count` lines, each quoted and capped: for an error that says where
    * a guest got to (they are the guest's words, which anything in it can print).
    */
@@ -582,7 +573,7 @@ export class KvmMachine {
     if (this.ended) return;
     this.ended = true;
     // Nothing more is taken from the guest, not even what a turn left for the next.
-    this.tryStep('console hold', () => this.console?.holdTransmit('machine', true));
+    this.tryStep('console hold', () => this.console?.holdTransmit(true));
     // Every step runs whatever an earlier one threw (a leak of threads, fds or guest RAM is worse
     // than a failed step); what failed is said as a warning, stop itself never throws.
     this.tryStep('ending hook', () => this.hooks.onEnding?.());

@@ -48,13 +48,6 @@ const MAX_TRANSMIT_CHAIN_BYTES = 1024 * 1024 + 4096;
 /** Bytes taken from the transmit queue in one turn of the event loop; the rest in the next. */
 const TRANSMIT_BYTES_PER_TURN = 8 * 1024 * 1024;
 
-/**
- * Why the device is not taking the transmit queue: the machine is paused or stopped (guest RAM is
- * the memory strategies' or gone), or the host's consumer of the agent's output is not keeping up
- * (see {@link VirtioConsole.holdTransmit}).
- */
-export type TransmitHold = 'machine' | 'consumer';
-
 /** The port's name, as the guest sees it in /sys/class/virtio-ports/vport0p0/name. */
 const PORT_NAME_TEXT = 'pvisor.agent';
 /** The port's device node in a Linux guest: virtio device 0 (the first on the command line), port 0. */
@@ -94,7 +87,8 @@ export class VirtioConsole implements VirtioDevice {
   private controlTx: SplitQueue | null = null;
   private outbox: Buffer[] = [];
   private controlOutbox: Buffer[] = [];
-  private readonly transmitHolds = new Set<TransmitHold>();
+  /** See {@link holdTransmit}. */
+  private transmitHeldNow = false;
 
   /**
    * @param onData bytes from the guest
@@ -185,27 +179,23 @@ export class VirtioConsole implements VirtioDevice {
   }
 
   /**
-   * Stops taking the transmit queue for `reason`, or takes it again once no reason is left. The
-   * guest's chains stay in its ring, unread: its driver runs out of buffers and blocks the writer
-   * (the agent then stops reading its children's pipes, and they block in write()), so what the
-   * host does not consume is held in the guest, never in the host process. A notification while
-   * held takes nothing; what waits is taken in a later turn once released.
+   * Stops taking the transmit queue while the machine is paused or stopped (guest RAM is then the
+   * memory strategies' or a snapshot's, or gone), or takes it again. A notification while held
+   * takes nothing; what waits is taken in a later turn once released. Nothing else holds it: the
+   * agent's streams flow under credit (docs/agent-protocol.md, "Stream credit"), so the host
+   * takes all the guest transmits and one consumer that does not read never stops the channel.
    */
-  holdTransmit(reason: TransmitHold, held: boolean): void {
-    if (held) {
-      this.transmitHolds.add(reason);
-      return;
-    }
-    if (!this.transmitHolds.delete(reason) || this.transmitHolds.size) return;
+  holdTransmit(held: boolean): void {
+    if (held === this.transmitHeldNow) return;
+    this.transmitHeldNow = held;
     const tx = this.tx;
-    // A later turn: a consumer releases from inside a stream's read(), with the device's own
-    // delivery possibly on the stack.
-    if (tx) setImmediate(() => this.drainLater(tx));
+    // A later turn: the resume that releases it may have the device's own delivery on the stack.
+    if (!held && tx) setImmediate(() => this.drainLater(tx));
   }
 
-  /** Whether the transmit queue is held, and why. */
-  get transmitHeldFor(): TransmitHold[] {
-    return [...this.transmitHolds];
+  /** Whether the transmit queue is held ({@link holdTransmit}). */
+  get transmitHeld(): boolean {
+    return this.transmitHeldNow;
   }
 
   notify(index: number): void {
@@ -225,12 +215,12 @@ export class VirtioConsole implements VirtioDevice {
 
   private drainTransmit(): void {
     const tx = this.tx;
-    if (!tx || this.transmitHolds.size) return;
+    if (!tx || this.transmitHeldNow) return;
     const usedBefore = tx.usedIndex;
     let taken = 0;
     let chain;
-    // onData may hold the queue (a consumer that is full): the next chain then stays the guest's.
-    while (!this.transmitHolds.size && taken < TRANSMIT_BYTES_PER_TURN && (chain = tx.popValid(this.queueError))) {
+    // onData may stop the machine: the next chain then stays the guest's.
+    while (!this.transmitHeldNow && taken < TRANSMIT_BYTES_PER_TURN && (chain = tx.popValid(this.queueError))) {
       const readable = chain.descriptors.filter((d) => !d.writable && d.len);
       const bytes = readable.reduce((n, d) => n + d.len, 0);
       if (bytes > MAX_TRANSMIT_CHAIN_BYTES) {
@@ -245,7 +235,7 @@ export class VirtioConsole implements VirtioDevice {
     }
     this.signal(tx, usedBefore);
     // The guest may have more: the rest in a later turn, so the event loop is not held.
-    if (!this.transmitHolds.size && taken >= TRANSMIT_BYTES_PER_TURN && tx.hasAvailable()) setImmediate(() => this.drainLater(tx));
+    if (!this.transmitHeldNow && taken >= TRANSMIT_BYTES_PER_TURN && tx.hasAvailable()) setImmediate(() => this.drainLater(tx));
   }
 
   /**
@@ -254,7 +244,7 @@ export class VirtioConsole implements VirtioDevice {
    * never left to end the host process as an uncaught exception.
    */
   private drainLater(tx: SplitQueue): void {
-    if (this.tx !== tx || this.transmitHolds.size) return;
+    if (this.tx !== tx || this.transmitHeldNow) return;
     try {
       this.drainTransmit();
     } catch (e) {
