@@ -1342,7 +1342,7 @@ int main(int argc, char **argv) {
   /* One static binary, two programs: /bin/pvisor-workset links here, which costs the guest's
    * RAM no second copy of libc (workset.c). */
   const char *base = argc > 0 ? strrchr(argv[0], '/') : NULL;
-  if (argc > 0 && strcmp(base ? base + 1 : argv[0], "pvisor-workset") == 0) return workset_main();
+  if (argc > 0 && strcmp(base ? base + 1 : argv[0], "pvisor-workset") == 0) return workset_main(argc, argv);
   is_init = getpid() == 1;
   if (is_init) {
     setup_system();

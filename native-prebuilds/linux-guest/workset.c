@@ -5,23 +5,28 @@
  * It holds anonymous memory the way a program's heap does, filled with the probe guest's content
  * kinds (../probe/content.h: repetitive, random, compressible), so the host can compute the digest
  * the guest must report (src/guest/probe-content.ts) and check that every strategy brought back
- * exactly what the guest had. One process holds one working set until it is told to free it or
- * to exit; the host drives it through stdin, one command per line, and reads one answer line per
- * command on stdout:
+ * exactly what the guest had.
+ *
+ *   pvisor-workset serve SOCKET      holds the working set; serves commands on a Unix socket
+ *   pvisor-workset SOCKET COMMAND    sends one command, prints the answer, exits 0 if it is ok
+ *
+ * The holder is driven through a socket, not its stdin, because the host's end of a process's
+ * stdin does not survive a snapshot: a VM restored from one (a clone, a hibernated VM brought
+ * back) still runs the holder with its memory, and each command is a new process that finds it.
+ * The holder serves one connection at a time, one line in and one line out:
  *
  *   fill SIZE KIND SEED    SIZE bytes (a multiple of 4096) of KIND (repetitive|random|compressible)
  *   rewrite PERMILLE SEED  the probe's REWRITE: the same pages, the same new content
  *   touch HOTBYTES ROUNDS  reads the first word of each page of the first HOTBYTES, ROUNDS times
  *   digest                 the probe's DIGEST over the working set
  *   zero OFFSET LENGTH     writes zeros over a page-aligned range (the pages stay the program's)
- *   task PATH              Table 2's task: digest, write the working set to PATH, fsync, read it
- *                          back and compare, remove PATH
- *   free                   gives the working set back to the kernel (munmap)
+ *   free [OFFSET LENGTH]   gives the whole working set (or a page-aligned range of it, which then
+ *                          reads as zeros) back to the kernel, as a program's free does
  *   exit
  *
  * Answers: `ok VERB key=value...` (times in ns of CLOCK_MONOTONIC around the work), or
- * `error TEXT`; a bad command never ends the process. Nothing is buffered beyond one line of
- * input (a longer line is an error), so a host that sends garbage costs the guest nothing.
+ * `error TEXT`; a bad command never ends the holder. It reads at most one line of 512 bytes per
+ * connection, so a client that sends garbage costs the guest nothing.
  *
  * It is linked into the agent's static binary (native-prebuilds/agent/build.sh), which runs
  * workset_main() when called as pvisor-workset: a second static binary would put a second copy of
@@ -29,13 +34,16 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -48,6 +56,9 @@ static uint32_t *ws;        /* the working set's mapping, or NULL */
 static uint64_t ws_bytes;   /* its size */
 static uint32_t ws_kind;
 
+/* The answer being built for the current command. */
+static char reply[LINE_MAX_BYTES];
+
 static uint64_t now_ns(void)
 {
     struct timespec t;
@@ -59,10 +70,8 @@ static void answer(const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vprintf(fmt, ap);
+    vsnprintf(reply, sizeof reply, fmt, ap);
     va_end(ap);
-    putchar('\n');
-    fflush(stdout);
 }
 
 /* A decimal u64 with nothing after it; 0 on success. */
@@ -82,10 +91,20 @@ static int parse_u64(const char *s, uint64_t *out)
 static int parse_kind(const char *s, uint32_t *kind)
 {
     static const char *const names[CONTENT_KIND_COUNT] = {"repetitive", "random", "compressible"};
-    for (uint32_t k = 0; s && k < CONTENT_KIND_COUNT; k++)
-        if (strcmp(s, names[k]) == 0)
-            return *kind = k, 0;
+    for (uint32_t k = 0; s && k < CONTENT_KIND_COUNT; k++) {
+        if (strcmp(s, names[k]) == 0) {
+            *kind = k;
+            return 0;
+        }
+    }
     return -1;
+}
+
+/* A page-aligned range inside the working set; 0 on success. */
+static int parse_range(char **arg, uint64_t *off, uint64_t *len)
+{
+    return parse_u64(arg[0], off) || parse_u64(arg[1], len) || *off % CONTENT_PAGE_BYTES ||
+           *len % CONTENT_PAGE_BYTES || *off > ws_bytes || *len > ws_bytes - *off;
 }
 
 static void release_ws(void)
@@ -136,7 +155,8 @@ static void cmd_rewrite(char **arg)
 static void cmd_touch(char **arg)
 {
     uint64_t hot, rounds;
-    if (parse_u64(arg[0], &hot) || hot % CONTENT_PAGE_BYTES || hot > ws_bytes || parse_u64(arg[1], &rounds) || rounds > 1000000) {
+    if (parse_u64(arg[0], &hot) || hot % CONTENT_PAGE_BYTES || hot > ws_bytes || parse_u64(arg[1], &rounds) ||
+        rounds > 1000000) {
         answer("error touch: expected HOTBYTES (a multiple of 4096, at most the working set) ROUNDS (at most 10^6)");
         return;
     }
@@ -149,28 +169,18 @@ static void cmd_touch(char **arg)
     answer("ok touch pages=%" PRIu64 " ns=%" PRIu64, hot / CONTENT_PAGE_BYTES * rounds, now_ns() - t0);
 }
 
-static void digest_hex(char out[17], uint64_t *ns)
+static void cmd_digest(void)
 {
     uint32_t h1, h2;
     uint64_t t0 = now_ns();
     content_digest(ws, ws_bytes, &h1, &h2);
-    *ns = now_ns() - t0;
-    snprintf(out, 17, "%08" PRIx32 "%08" PRIx32, h2, h1);
-}
-
-static void cmd_digest(void)
-{
-    char hex[17];
-    uint64_t ns;
-    digest_hex(hex, &ns);
-    answer("ok digest hex=%s bytes=%" PRIu64 " ns=%" PRIu64, hex, ws_bytes, ns);
+    answer("ok digest hex=%08" PRIx32 "%08" PRIx32 " bytes=%" PRIu64 " ns=%" PRIu64, h2, h1, ws_bytes, now_ns() - t0);
 }
 
 static void cmd_zero(char **arg)
 {
     uint64_t off, len;
-    if (parse_u64(arg[0], &off) || parse_u64(arg[1], &len) || off % CONTENT_PAGE_BYTES || len % CONTENT_PAGE_BYTES ||
-        off > ws_bytes || len > ws_bytes - off) {
+    if (parse_range(arg, &off, &len)) {
         answer("error zero: expected OFFSET LENGTH (multiples of 4096, inside the working set)");
         return;
     }
@@ -179,124 +189,184 @@ static void cmd_zero(char **arg)
     answer("ok zero bytes=%" PRIu64 " ns=%" PRIu64, len, now_ns() - t0);
 }
 
-static int write_all(int fd, const char *p, uint64_t n)
+static void cmd_free(char **arg)
+{
+    uint64_t t0 = now_ns(), off = 0, len = ws_bytes;
+    if (arg[0] && parse_range(arg, &off, &len)) {
+        answer("error free: expected nothing, or OFFSET LENGTH (multiples of 4096, inside the working set)");
+        return;
+    }
+    if (!arg[0] || len == ws_bytes) {
+        release_ws();
+    } else if (len) {
+        /* A fresh mapping over the range: its pages go back to the kernel and read as zeros. */
+        if (mmap((char *)ws + off, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) {
+            answer("error free: mmap over %" PRIu64 " bytes: %s", len, strerror(errno));
+            return;
+        }
+    }
+    answer("ok free bytes=%" PRIu64 " ns=%" PRIu64, len, now_ns() - t0);
+}
+
+/* Runs one command line (NUL-terminated, without its newline) into `reply`; 1 for exit. */
+static int run_command(char *line)
+{
+    char *arg[4] = {0};
+    char *save = NULL;
+    char *verb = strtok_r(line, " \t\r", &save);
+    for (int i = 0; i < 4 && verb; i++)
+        arg[i] = strtok_r(NULL, " \t\r", &save);
+    if (arg[3])
+        answer("error too many arguments");
+    else if (!verb)
+        answer("error empty command");
+    else if (!strcmp(verb, "fill"))
+        cmd_fill(arg);
+    else if (!strcmp(verb, "rewrite"))
+        cmd_rewrite(arg);
+    else if (!strcmp(verb, "touch"))
+        cmd_touch(arg);
+    else if (!strcmp(verb, "digest"))
+        cmd_digest();
+    else if (!strcmp(verb, "zero"))
+        cmd_zero(arg);
+    else if (!strcmp(verb, "free"))
+        cmd_free(arg);
+    else if (!strcmp(verb, "exit")) {
+        answer("ok exit");
+        return 1;
+    } else
+        answer("error unknown command %.64s", verb);
+    return 0;
+}
+
+static int socket_address(const char *path, struct sockaddr_un *sa)
+{
+    if (strlen(path) >= sizeof sa->sun_path)
+        return -1;
+    memset(sa, 0, sizeof *sa);
+    sa->sun_family = AF_UNIX;
+    strcpy(sa->sun_path, path);
+    return 0;
+}
+
+static int write_all(int fd, const char *p, size_t n)
 {
     while (n) {
-        ssize_t w = write(fd, p, n > (1u << 20) ? (1u << 20) : n);
+        ssize_t w = write(fd, p, n);
         if (w < 0 && errno == EINTR)
             continue;
         if (w <= 0)
             return -1;
         p += w;
-        n -= (uint64_t)w;
+        n -= (size_t)w;
     }
     return 0;
 }
 
-/* Reads the file back in 1 MiB pieces and compares each with the working set. */
-static int read_compare(int fd, const char **why)
+/* Reads one line of at most LINE_MAX_BYTES - 1 bytes (without its newline); -1 if there is none. */
+static int read_line(int fd, char *line)
 {
-    static char buf[1u << 20];
-    uint64_t at = 0;
-    for (;;) {
-        ssize_t r = read(fd, buf, sizeof buf);
+    size_t n = 0;
+    while (n < LINE_MAX_BYTES - 1) {
+        ssize_t r = read(fd, line + n, 1);
         if (r < 0 && errno == EINTR)
             continue;
-        if (r < 0)
-            return *why = "read", -1;
-        if (r == 0)
+        if (r <= 0)
             break;
-        if ((uint64_t)r > ws_bytes - at || memcmp(buf, (char *)ws + at, (size_t)r))
-            return *why = "the file read back differs from the working set", -1;
-        at += (uint64_t)r;
-    }
-    if (at != ws_bytes)
-        return *why = "the file read back is short", -1;
-    return 0;
-}
-
-static void cmd_task(char **arg)
-{
-    const char *path = arg[0];
-    if (!path || !*path) {
-        answer("error task: expected PATH");
-        return;
-    }
-    uint64_t t0 = now_ns(), digest_ns;
-    char hex[17];
-    digest_hex(hex, &digest_ns);
-    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0) {
-        answer("error task: open %s: %s", path, strerror(errno));
-        return;
-    }
-    const char *why = NULL;
-    if (write_all(fd, (const char *)ws, ws_bytes))
-        why = "write";
-    else if (fsync(fd))
-        why = "fsync";
-    else if (lseek(fd, 0, SEEK_SET) != 0)
-        why = "lseek";
-    else
-        read_compare(fd, &why);
-    int err = errno;
-    close(fd);
-    unlink(path);
-    if (why) {
-        answer("error task: %s of %s: %s", why, path, strerror(err));
-        return;
-    }
-    answer("ok task hex=%s bytes=%" PRIu64 " ns=%" PRIu64, hex, ws_bytes, now_ns() - t0);
-}
-
-static void cmd_free(void)
-{
-    uint64_t bytes = ws_bytes, t0 = now_ns();
-    release_ws();
-    answer("ok free bytes=%" PRIu64 " ns=%" PRIu64, bytes, now_ns() - t0);
-}
-
-int workset_main(void)
-{
-    content_init();
-    char line[LINE_MAX_BYTES];
-    while (fgets(line, sizeof line, stdin)) {
-        size_t n = strlen(line);
-        if (n && line[n - 1] != '\n' && !feof(stdin)) {
-            /* A line longer than the buffer: drop the rest of it, answer once. */
-            int c;
-            while ((c = getchar()) != EOF && c != '\n')
-                ;
-            answer("error a command line is at most %d bytes", LINE_MAX_BYTES - 2);
-            continue;
-        }
-        char *arg[5] = {0};
-        char *save = NULL;
-        char *verb = strtok_r(line, " \t\r\n", &save);
-        for (int i = 0; i < 4 && verb; i++)
-            arg[i] = strtok_r(NULL, " \t\r\n", &save);
-        if (arg[3])
-            answer("error too many arguments");
-        else if (!verb)
-            answer("error empty command");
-        else if (!strcmp(verb, "fill"))
-            cmd_fill(arg);
-        else if (!strcmp(verb, "rewrite"))
-            cmd_rewrite(arg);
-        else if (!strcmp(verb, "touch"))
-            cmd_touch(arg);
-        else if (!strcmp(verb, "digest"))
-            cmd_digest();
-        else if (!strcmp(verb, "zero"))
-            cmd_zero(arg);
-        else if (!strcmp(verb, "task"))
-            cmd_task(arg);
-        else if (!strcmp(verb, "free"))
-            cmd_free();
-        else if (!strcmp(verb, "exit"))
+        if (line[n] == '\n') {
+            line[n] = 0;
             return 0;
-        else
-            answer("error unknown command %s", verb);
+        }
+        n++;
     }
-    return 0;
+    line[n] = 0;
+    return n == LINE_MAX_BYTES - 1 ? -2 : (n ? 0 : -1);
+}
+
+static int serve(const char *path)
+{
+    struct sockaddr_un sa;
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0 || socket_address(path, &sa)) {
+        fprintf(stderr, "pvisor-workset: bad socket path %s\n", path);
+        return 2;
+    }
+    unlink(path);
+    if (bind(s, (struct sockaddr *)&sa, sizeof sa) || listen(s, 4)) {
+        fprintf(stderr, "pvisor-workset: cannot listen on %s: %s\n", path, strerror(errno));
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    /* Ready: the host waits for this line before its first command. */
+    printf("ok serve\n");
+    fflush(stdout);
+    content_init();
+    for (;;) {
+        int c = accept4(s, NULL, NULL, SOCK_CLOEXEC);
+        if (c < 0)
+            continue;
+        /* A client that connects and says nothing must not hold the holder. */
+        struct timeval limit = {.tv_sec = 10};
+        setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+        char line[LINE_MAX_BYTES];
+        int got = read_line(c, line), done = 0;
+        if (got == -2)
+            answer("error a command line is at most %d bytes", LINE_MAX_BYTES - 2);
+        else if (got == 0)
+            done = run_command(line);
+        if (got != -1) {
+            size_t n = strlen(reply);
+            reply[n] = '\n';
+            write_all(c, reply, n + 1);
+        }
+        close(c);
+        if (done) {
+            unlink(path);
+            return 0;
+        }
+    }
+}
+
+/* Sends argv[2..] as one command to the holder at argv[1] and prints its answer. */
+static int client(int argc, char **argv)
+{
+    char line[LINE_MAX_BYTES];
+    size_t n = 0;
+    for (int i = 2; i < argc; i++) {
+        int w = snprintf(line + n, sizeof line - n, "%s%s", i > 2 ? " " : "", argv[i]);
+        if (w < 0 || (size_t)w >= sizeof line - n - 1) {
+            printf("error a command line is at most %d bytes\n", LINE_MAX_BYTES - 2);
+            return 1;
+        }
+        n += (size_t)w;
+    }
+    line[n++] = '\n';
+    struct sockaddr_un sa;
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0 || socket_address(argv[1], &sa) || connect(s, (struct sockaddr *)&sa, sizeof sa)) {
+        printf("error no pvisor-workset serves %s: %s\n", argv[1], strerror(errno));
+        return 1;
+    }
+    if (write_all(s, line, n)) {
+        printf("error cannot send to %s: %s\n", argv[1], strerror(errno));
+        return 1;
+    }
+    int got = read_line(s, line);
+    if (got) {
+        printf("error the holder at %s did not answer\n", argv[1]);
+        return 1;
+    }
+    printf("%s\n", line);
+    return strncmp(line, "ok ", 3) == 0 ? 0 : 1;
+}
+
+int workset_main(int argc, char **argv)
+{
+    if (argc == 3 && strcmp(argv[1], "serve") == 0)
+        return serve(argv[2]);
+    if (argc >= 3 && argv[1][0] == '/')
+        return client(argc, argv);
+    fprintf(stderr, "usage: pvisor-workset serve SOCKET | pvisor-workset SOCKET COMMAND [ARGS]\n");
+    return 2;
 }

@@ -5,25 +5,25 @@
  * model of the working set (probe-content.ts), as the probe's are.
  */
 import { GuestRequestError, InvalidOptionError } from '../errors';
-import type { GuestProcess, SpawnOptions } from './linux-client';
+import type { ExecOptions, ExecResult, GuestProcess, SpawnOptions } from './linux-client';
 import { expectedDigestHex, isProbeContent, PROBE_CONTENTS, rewritesPage, type ProbeContent, type ProbeWorkingSet } from './probe-content';
 import type { FillOptions, ReleaseOptions, RewriteOptions, TouchOptions, ZeroOptions } from './probe-client';
 import { pageMiBOption, u32Option } from '../units';
 
 /** Where the shipped initramfs has the tool. */
 export const WORKSET_PATH = '/bin/pvisor-workset';
+/** Where the holder listens by default (the guest's /run, a tmpfs). */
+const DEFAULT_SOCKET = '/run/pvisor-workset.sock';
 
 /** How long one command may take by default: a fill of 64 MiB is well under a second natively, a minute in the nested harness. */
 const DEFAULT_COMMAND_TIMEOUT_MS = 300_000;
-/** An answer is one short line; a longer one is not the tool's. */
-const MAX_ANSWER_BYTES = 4096;
 
 /** A timed answer: the guest's own time for the work, ms (CLOCK_MONOTONIC in the guest). */
 export interface WorkingSetTiming {
   guestMs: number;
 }
 
-/** A digest of the working set, computed in the guest, with the one the host expected. */
+/** A digest of the working set, computed in the guest. */
 export interface WorkingSetDigest extends WorkingSetTiming {
   bytes: number;
   /** As the probe's: h2 then h1, 16 hex digits. */
@@ -35,37 +35,67 @@ export class WorkingSetMismatchError extends Error {
   override readonly name = 'WorkingSetMismatchError';
 }
 
-/** Starts a process in the guest: `vm.spawn`. */
-export type SpawnInGuest = (command: string[], options: SpawnOptions) => GuestProcess;
+/** What the working set needs of a Linux VM: {@link Vm.spawn} and {@link Vm.exec}. */
+export interface WorkingSetGuest {
+  spawn(command: string[], options: SpawnOptions): GuestProcess;
+  exec(command: string[], options: ExecOptions): Promise<ExecResult>;
+}
 
 /**
- * One `pvisor-workset` process in a Linux guest and the host's model of what it holds. The
- * methods take the probe client's options, so code that drives a working set works on both
- * guests; `release` frees the working set in the guest (the program's munmap), which the guest
- * then reports free to the host like any freed memory.
+ * A `pvisor-workset` holder in a Linux guest and the host's model of what it holds. The methods
+ * take the probe client's options, so code that drives a working set works on both guests;
+ * `release` frees the working set in the guest (the program's munmap), which the guest then
+ * reports free to the host like any freed memory. The holder outlives snapshots: a VM restored
+ * from one gets its own {@link attach}ed client with a copy of the model ({@link model}).
  */
 export class LinuxWorkingSet {
-  private model: ProbeWorkingSet | undefined;
-  private readonly lines: string[] = [];
-  private partial = '';
-  private waiting: ((line: string) => void) | undefined;
-  private failure: Error | undefined;
-  private queue: Promise<unknown> = Promise.resolve();
   private readonly expectedByModel = new Map<string, string>();
 
-  private constructor(private readonly process: GuestProcess, private readonly timeoutMs: number) {
-    process.stdout.setEncoding('utf8');
-    process.stdout.on('data', (text: string) => this.take(text));
-    process.stderr.resume();
-    process.exited.then(
-      (s) => this.fail(new GuestRequestError(0, `pvisor-workset ended (${s.signal ?? `exit ${s.exitCode}`})`)),
-      (e: Error) => this.fail(e),
-    );
+  private constructor(
+    private readonly guest: WorkingSetGuest,
+    /** The holder's socket in the guest. */
+    readonly socket: string,
+    private current: ProbeWorkingSet | undefined,
+    private readonly timeoutMs: number,
+  ) {}
+
+  /** Starts a holder in the guest (it holds nothing until {@link fill}) and waits until it serves. */
+  static async start(guest: WorkingSetGuest, options: { socket?: string; timeoutMs?: number } = {}): Promise<LinuxWorkingSet> {
+    const socket = options.socket ?? DEFAULT_SOCKET;
+    const timeoutMs = options.timeoutMs ?? DEFAULT_COMMAND_TIMEOUT_MS;
+    const holder = guest.spawn([WORKSET_PATH, 'serve', socket], {});
+    holder.stderr.resume();
+    let said = '';
+    await new Promise<void>((resolve, reject) => {
+      const timer = setTimeout(() => reject(new GuestRequestError(0, `pvisor-workset did not start serving within ${timeoutMs} ms`)), timeoutMs);
+      holder.stdout.on('data', (d: Buffer) => {
+        said += d.toString('latin1');
+        if (said.includes('ok serve\n')) {
+          clearTimeout(timer);
+          resolve();
+        } else if (said.length > 64) {
+          clearTimeout(timer);
+          reject(new GuestRequestError(0, `pvisor-workset said ${JSON.stringify(said.slice(0, 64))} when starting`));
+        }
+      });
+      holder.exited.then(
+        (st) => reject(new GuestRequestError(0, `pvisor-workset ended as it started (${st.signal ?? `exit ${st.exitCode}`})`)),
+        (e: Error) => reject(e),
+      );
+    });
+    // Nothing more comes on its output; what might is read and dropped.
+    holder.stdout.resume();
+    return new LinuxWorkingSet(guest, socket, undefined, timeoutMs);
   }
 
-  /** Starts the tool in the guest (it holds nothing until {@link fill}). */
-  static start(spawn: SpawnInGuest, options: { timeoutMs?: number } = {}): LinuxWorkingSet {
-    return new LinuxWorkingSet(spawn([WORKSET_PATH], { stdin: true }), options.timeoutMs ?? DEFAULT_COMMAND_TIMEOUT_MS);
+  /** A client of a holder that already runs in `guest` (a restored VM's), whose memory `model` describes. */
+  static attach(guest: WorkingSetGuest, model: ProbeWorkingSet | undefined, options: { socket?: string; timeoutMs?: number } = {}): LinuxWorkingSet {
+    return new LinuxWorkingSet(guest, options.socket ?? DEFAULT_SOCKET, model && structuredClone(model), options.timeoutMs ?? DEFAULT_COMMAND_TIMEOUT_MS);
+  }
+
+  /** The host's model of the working set (a copy), or undefined when it holds nothing. */
+  get model(): ProbeWorkingSet | undefined {
+    return this.current && structuredClone(this.current);
   }
 
   /** Fills the working set (replacing the previous one) and waits until the guest has written it. */
@@ -73,8 +103,8 @@ export class LinuxWorkingSet {
     const bytes = pageMiBOption('sizeMiB', options.sizeMiB);
     const seed = u32Option('seed', options.seed ?? 1);
     if (!isProbeContent(options.content)) throw new InvalidOptionError('content', `expected one of ${PROBE_CONTENTS.map((c) => JSON.stringify(c)).join(', ')}`);
-    const a = await this.command(`fill ${bytes} ${options.content} ${seed}`, 'fill');
-    this.model = { content: options.content, seed, sizeBytes: bytes, rewrites: [] };
+    const a = await this.command(['fill', bytes, options.content, seed]);
+    this.current = { content: options.content, seed, sizeBytes: bytes, rewrites: [] };
     return { bytes: a.number('bytes'), guestMs: a.ms() };
   }
 
@@ -82,20 +112,20 @@ export class LinuxWorkingSet {
   async rewrite(options: RewriteOptions): Promise<{ pagesRewritten: number } & WorkingSetTiming> {
     if (!(options.fraction >= 0 && options.fraction <= 1)) throw new InvalidOptionError('fraction', 'expected a number from 0 to 1');
     const permille = Math.round(options.fraction * 1000);
-    const seed = u32Option('seed', options.seed ?? ((this.model?.seed ?? 1) + 1) >>> 0);
-    const a = await this.command(`rewrite ${permille} ${seed}`, 'rewrite');
-    if (this.model && permille > 0) {
-      this.model.rewrites.push({ permille, seed });
+    const seed = u32Option('seed', options.seed ?? ((this.current?.seed ?? 1) + 1) >>> 0);
+    const a = await this.command(['rewrite', permille, seed]);
+    if (this.current && permille > 0) {
+      this.current.rewrites.push({ permille, seed });
       // The model applies zeroed ranges after every rewrite, so the pages this rewrite gave
       // content again leave them.
-      if (this.model.zeroed) this.model.zeroed = this.model.zeroed.flatMap((z) => runsNotRewritten(z, permille));
+      if (this.current.zeroed) this.current.zeroed = this.current.zeroed.flatMap((z) => runsNotRewritten(z, permille));
     }
     return { pagesRewritten: a.number('pages'), guestMs: a.ms() };
   }
 
   /** Reads every page of the first `hotMiB` `rounds` times. */
   async touch(options: TouchOptions): Promise<{ pagesTouched: number } & WorkingSetTiming> {
-    const a = await this.command(`touch ${pageMiBOption('hotMiB', options.hotMiB)} ${u32Option('rounds', options.rounds ?? 1)}`, 'touch');
+    const a = await this.command(['touch', pageMiBOption('hotMiB', options.hotMiB), u32Option('rounds', options.rounds ?? 1)]);
     return { pagesTouched: a.number('pages'), guestMs: a.ms() };
   }
 
@@ -103,20 +133,20 @@ export class LinuxWorkingSet {
   async zero(options: ZeroOptions): Promise<{ bytes: number } & WorkingSetTiming> {
     const offset = pageMiBOption('offsetMiB', options.offsetMiB);
     const length = pageMiBOption('sizeMiB', options.sizeMiB);
-    const a = await this.command(`zero ${offset} ${length}`, 'zero');
-    if (this.model && length > 0) (this.model.zeroed ??= []).push({ offset, length });
+    const a = await this.command(['zero', offset, length]);
+    this.zeroed(offset, length);
     return { bytes: a.number('bytes'), guestMs: a.ms() };
   }
 
   /** The digest the guest computes over its working set. */
   async digest(): Promise<WorkingSetDigest> {
-    const a = await this.command('digest', 'digest');
+    const a = await this.command(['digest']);
     return { bytes: a.number('bytes'), hex: a.hex(), guestMs: a.ms() };
   }
 
   /** The digest the guest must report, from the host's model (16 hex digits). */
   expectedDigest(): string {
-    const model = this.model ?? { content: 'repetitive' as ProbeContent, seed: 1, sizeBytes: 0, rewrites: [] };
+    const model = this.current ?? { content: 'repetitive' as ProbeContent, seed: 1, sizeBytes: 0, rewrites: [] };
     const key = JSON.stringify(model);
     let hex = this.expectedByModel.get(key);
     if (hex === undefined) this.expectedByModel.set(key, (hex = expectedDigestHex(model)));
@@ -132,84 +162,38 @@ export class LinuxWorkingSet {
   }
 
   /**
-   * Table 2's task in the guest: digest, write the working set to `path`, fsync, read it back and
-   * compare, remove the file. Throws unless the digest is the host model's.
+   * Frees the working set in the guest, or a range of it (which then reads as zeros), as a
+   * program's free does; the guest's free page reporting then tells the host.
    */
-  async task(path: string): Promise<WorkingSetDigest> {
-    if (!/^\/[^\s]+$/.test(path)) throw new InvalidOptionError('path', 'expected an absolute guest path without spaces');
-    const a = await this.command(`task ${path}`, 'task');
-    const d = { bytes: a.number('bytes'), hex: a.hex(), guestMs: a.ms() };
-    if (d.hex !== this.expectedDigest()) throw new WorkingSetMismatchError(`the task's digest ${d.hex} is not the host model's ${this.expectedDigest()}`);
-    return d;
-  }
-
-  /**
-   * Frees the working set in the guest (munmap); the guest's free page reporting then tells the
-   * host. The `ReleaseOptions` of the probe are not taken: a program frees what it allocated.
-   */
-  async release(_options?: ReleaseOptions): Promise<{ bytes: number }> {
-    const a = await this.command('free', 'free');
-    this.model = undefined;
+  async release(options: ReleaseOptions = {}): Promise<{ bytes: number }> {
+    if (options.offsetMiB === undefined && options.sizeMiB === undefined) {
+      const a = await this.command(['free']);
+      this.current = undefined;
+      return { bytes: a.number('bytes') };
+    }
+    const offset = pageMiBOption('offsetMiB', options.offsetMiB ?? 0);
+    const length = options.sizeMiB === undefined ? (this.current?.sizeBytes ?? 0) - offset : pageMiBOption('sizeMiB', options.sizeMiB);
+    const a = await this.command(['free', offset, Math.max(0, length)]);
+    this.zeroed(offset, length);
     return { bytes: a.number('bytes') };
   }
 
-  /** Ends the tool (its memory goes back to the guest). */
+  /** Ends the holder (its memory goes back to the guest). */
   async close(): Promise<void> {
-    if (this.failure) return;
-    await this.process.write('exit\n').catch(() => {});
-    await this.process.exited.catch(() => {});
+    await this.command(['exit']).catch(() => {});
   }
 
-  private command(line: string, verb: string): Promise<Answer> {
-    const run = this.queue.then(async () => {
-      if (this.failure) throw this.failure;
-      await this.process.write(`${line}\n`);
-      const text = await this.nextLine();
-      if (text.startsWith('error ')) throw new GuestRequestError(0, `pvisor-workset ${verb}: ${text.slice(6)}`);
-      return new Answer(text, verb);
-    });
-    this.queue = run.catch(() => {});
-    return run;
+  private zeroed(offset: number, length: number): void {
+    if (this.current && length > 0) (this.current.zeroed ??= []).push({ offset, length });
   }
 
-  private nextLine(): Promise<string> {
-    const line = this.lines.shift();
-    if (line !== undefined) return Promise.resolve(line);
-    if (this.failure) return Promise.reject(this.failure);
-    return new Promise((resolve, reject) => {
-      const timer = setTimeout(() => {
-        this.waiting = undefined;
-        reject(new GuestRequestError(0, `pvisor-workset did not answer within ${this.timeoutMs} ms`));
-      }, this.timeoutMs);
-      this.waiting = (l) => {
-        clearTimeout(timer);
-        this.waiting = undefined;
-        if (this.failure && l === '') reject(this.failure);
-        else resolve(l);
-      };
-    });
-  }
-
-  private take(text: string): void {
-    this.partial += text;
-    if (this.partial.length > MAX_ANSWER_BYTES && !this.partial.includes('\n')) {
-      this.fail(new GuestRequestError(0, `pvisor-workset wrote a line longer than ${MAX_ANSWER_BYTES} bytes`));
-      this.process.kill('SIGKILL').catch(() => {});
-      return;
-    }
-    let nl: number;
-    while ((nl = this.partial.indexOf('\n')) >= 0) {
-      const line = this.partial.slice(0, nl);
-      this.partial = this.partial.slice(nl + 1);
-      if (this.waiting) this.waiting(line);
-      else this.lines.push(line);
-    }
-  }
-
-  private fail(e: Error): void {
-    if (this.failure) return;
-    this.failure = e;
-    this.waiting?.('');
+  private async command(words: (string | number)[]): Promise<Answer> {
+    const verb = String(words[0]);
+    const r = await this.guest.exec([WORKSET_PATH, this.socket, ...words.map(String)], { timeoutMs: this.timeoutMs });
+    const line = r.stdout.split('\n')[0];
+    if (line.startsWith('error ')) throw new GuestRequestError(0, `pvisor-workset ${verb}: ${line.slice(6)}`);
+    if (r.exitCode !== 0) throw new GuestRequestError(0, `pvisor-workset ${verb} ended ${r.signal ?? `with exit ${r.exitCode}`}: ${JSON.stringify((line || r.stderr).slice(0, 200))}`);
+    return new Answer(line, verb);
   }
 }
 
