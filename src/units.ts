@@ -85,3 +85,17 @@ export function parseDurationMs(option: string, text: string): number {
   if (ms > MAX_TIMEOUT_MS) throw new InvalidOptionError(option, `at most ${MAX_TIMEOUT_MS} ms, got ${JSON.stringify(text)}`);
   return ms;
 }
+
+/** A size given in MiB (fractions allowed) as bytes, which must be whole 4 KiB pages. */
+export function pageMiBOption(option: string, value: number): number {
+  if (!(Number.isFinite(value) && value >= 0)) throw new InvalidOptionError(option, `expected a size in MiB, got ${value}`);
+  const bytes = Math.round(value * 1024 * 1024);
+  if (bytes % 4096 !== 0) throw new InvalidOptionError(option, 'must be a whole number of 4 KiB pages');
+  return bytes;
+}
+
+/** A whole number from 0 to 2^32-1 (a seed, a count the guest takes as u32). */
+export function u32Option(option: string, value: number): number {
+  if (!Number.isInteger(value) || value < 0 || value > 0xffffffff) throw new InvalidOptionError(option, 'expected a whole number from 0 to 2^32-1');
+  return value;
+}

@@ -58,6 +58,7 @@
 #include <unistd.h>
 
 #include "agent-frames.h"
+#include "../linux-guest/workset.h"
 
 /* ---- protocol constants (docs/probe-guest.md, docs/agent-protocol.md) ---- */
 #define HDR PV_HDR
@@ -1385,6 +1386,10 @@ static int open_channel(const char *path) {
 }
 
 int main(int argc, char **argv) {
+  /* One static binary, two programs: /bin/pvisor-workset links here, which costs the guest's
+   * RAM no second copy of libc (workset.c). */
+  const char *base = argc > 0 ? strrchr(argv[0], '/') : NULL;
+  if (argc > 0 && strcmp(base ? base + 1 : argv[0], "pvisor-workset") == 0) return workset_main(argc, argv);
   is_init = getpid() == 1;
   if (is_init) {
     setup_system();

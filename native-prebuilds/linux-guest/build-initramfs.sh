@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Rebuilds native-prebuilds/linux-x64/initramfs.cpio.gz and its checksum: busybox (static) with
-# its applets under /bin, the agent (native-prebuilds/agent) as /init, a minimal /etc.
+# its applets under /bin, the agent (native-prebuilds/agent) as /init, the memory study's
+# pvisor-workset (workset.c) in /bin, a minimal /etc.
 # Reproducible: fixed mtimes, owners and order (sorted newc cpio), gzip -n.
 # Needs root (mknod of /dev/console, which the kernel opens for init's stdio before /init runs).
 set -euo pipefail
@@ -26,6 +27,7 @@ for applet in $("$busybox" --list | LC_ALL=C sort); do
 done
 "$here/../agent/build.sh" "$stage/init" >/dev/null
 chmod 0755 init
+ln -s ../init bin/pvisor-workset  # the memory study's working set, linked into the agent
 mknod -m 0600 dev/console c 5 1
 mknod -m 0666 dev/null c 1 3
 printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' > etc/passwd

@@ -201,14 +201,18 @@ const BENCH_LINUX = `  pvisor bench linux [--runs 3] [--execs 20] [--file-mib 10
       each way virtio devices signal (--signalling, default all four), guest RAM once booted, and
       clones of a snapshot of the booted VM: restore to agent ready against a fresh boot.
 `;
-const BENCH_MEMORY = `  pvisor bench memory [--table 1,2,3] [--modes LIST] [--contents repetitive,random]
-                      [--backing-dir DIR] [--working-set 64MiB] [--shared-vms 4] [--floor-runs 5]
+const BENCH_MEMORY = `  pvisor bench memory [--table 1,2,3] [--guest probe|linux] [--modes LIST] [--contents repetitive,random]
+                      [--placements 1,8] [--backing-dir DIR] [--working-set 64MiB] [--shared-vms 4] [--floor-runs 5]
                       [--working-sets LIST] [--schemes LIST] [--ksm-read-after 60s]
                       [--snapshot-dir DIR] [--json FILE]
       The reference study's Tables 1 and 2: each cell a fresh 512 MiB VM in its own process and
       cgroup, resident (group PSS), guest RAM PSS, group memory, offload costs, the study beside.
       --shared-vms N: also N offloaded VMs in one process (0 skips it); --floor-runs N: runs of
       each physical floor measured first (0 skips them).
+      --guest linux: the shipped Linux guest, whose data a process holds (pvisor-workset in its
+      initramfs); its default modes are the study's (default, idle-release, cold-compression,
+      offload, compressed-offload) and its default --placements 1,8: each cell once with one VM
+      in the process and once with 8 (figures per VM, the process shared among them).
       Modes cold-compression and cold-compression-mix (16 MiB hot, the rest cold) add a cold
       compression table: time to settle, store size, scanner CPU, faults/s against a native
       userfaultfd loop; --contents compressible is the study's distinct compressible pages.

@@ -5,6 +5,7 @@ import { GuestRequestError, InvalidOptionError } from '../errors';
 import { checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
 import type { AgentClient } from '../protocol/agent-client';
 import { PROBE_CONTENTS, PROBE_CONTENT_CODES, isProbeContent, type ProbeContent } from './probe-content';
+import { pageMiBOption, u32Option } from '../units';
 
 const enum ProbeOp {
   Fill = 0x0101,
@@ -158,8 +159,8 @@ export class ProbeGuest {
 
   /** Fills the working set with `sizeMiB` MiB of content (replacing the previous one). */
   async fill(options: FillOptions): Promise<{ bytes: number } & ProbeTiming> {
-    const bytes = mib('sizeMiB', options.sizeMiB);
-    const seed = u32('seed', options.seed ?? 1);
+    const bytes = pageMiBOption('sizeMiB', options.sizeMiB);
+    const seed = u32Option('seed', options.seed ?? 1);
     if (!isProbeContent(options.content)) throw new InvalidOptionError('content', `expected one of ${PROBE_CONTENTS.map((c) => JSON.stringify(c)).join(', ')}`);
     const p = Buffer.alloc(16);
     p.writeBigUInt64LE(BigInt(bytes), 0);
@@ -176,7 +177,7 @@ export class ProbeGuest {
     if (!(options.fraction >= 0 && options.fraction <= 1)) throw new InvalidOptionError('fraction', 'expected a number from 0 to 1');
     const p = Buffer.alloc(8);
     p.writeUInt32LE(Math.round(options.fraction * 1000), 0);
-    p.writeUInt32LE(u32('seed', options.seed ?? (this.fillSeed + 1) >>> 0), 4);
+    p.writeUInt32LE(u32Option('seed', options.seed ?? (this.fillSeed + 1) >>> 0), 4);
     const r = await this.agent.request(ProbeOp.Rewrite, p);
     return { pagesRewritten: readU64(r, 0), tscCycles: readU64(r, 8) };
   }
@@ -188,8 +189,8 @@ export class ProbeGuest {
    */
   async zero(options: ZeroOptions): Promise<{ bytes: number } & ProbeTiming> {
     const p = Buffer.alloc(16);
-    p.writeBigUInt64LE(BigInt(mib('offsetMiB', options.offsetMiB)), 0);
-    p.writeBigUInt64LE(BigInt(mib('sizeMiB', options.sizeMiB)), 8);
+    p.writeBigUInt64LE(BigInt(pageMiBOption('offsetMiB', options.offsetMiB)), 0);
+    p.writeBigUInt64LE(BigInt(pageMiBOption('sizeMiB', options.sizeMiB)), 8);
     const r = await this.agent.request(ProbeOp.Zero, p);
     return { bytes: readU64(r, 0), tscCycles: readU64(r, 8) };
   }
@@ -197,8 +198,8 @@ export class ProbeGuest {
   /** Reads every page of the hot part of the working set `rounds` times. */
   async touch(options: TouchOptions): Promise<{ pagesTouched: number } & ProbeTiming> {
     const p = Buffer.alloc(16);
-    p.writeBigUInt64LE(BigInt(mib('hotMiB', options.hotMiB)), 0);
-    p.writeUInt32LE(u32('rounds', options.rounds ?? 1), 8);
+    p.writeBigUInt64LE(BigInt(pageMiBOption('hotMiB', options.hotMiB)), 0);
+    p.writeUInt32LE(u32Option('rounds', options.rounds ?? 1), 8);
     const r = await this.agent.request(ProbeOp.Touch, p);
     return { pagesTouched: readU64(r, 0), tscCycles: readU64(r, 8) };
   }
@@ -215,8 +216,8 @@ export class ProbeGuest {
 
   /** Frees a range of the working set in the guest, which reports it to the host as free. */
   async release(options: ReleaseOptions = {}): Promise<{ bytesReported: number }> {
-    const offset = mib('offsetMiB', options.offsetMiB ?? 0);
-    const size = options.sizeMiB === undefined ? this.fillBytes - offset : mib('sizeMiB', options.sizeMiB);
+    const offset = pageMiBOption('offsetMiB', options.offsetMiB ?? 0);
+    const size = options.sizeMiB === undefined ? this.fillBytes - offset : pageMiBOption('sizeMiB', options.sizeMiB);
     const p = Buffer.alloc(16);
     p.writeBigUInt64LE(BigInt(offset), 0);
     p.writeBigUInt64LE(BigInt(Math.max(0, size)), 8);
@@ -236,7 +237,7 @@ export class ProbeGuest {
    */
   async exitStorm(count: number): Promise<{ exits: number } & ProbeTiming> {
     const p = Buffer.alloc(4);
-    p.writeUInt32LE(u32('count', count), 0);
+    p.writeUInt32LE(u32Option('count', count), 0);
     const r = await this.agent.request(ProbeOp.ExitStorm, p);
     return { exits: readU64(r, 0), tscCycles: readU64(r, 8) };
   }
@@ -263,10 +264,10 @@ export class ProbeGuest {
     if (code === undefined) throw new InvalidOptionError('kind', `expected one of ${Object.keys(HOSTILE_KINDS).join(', ')}`);
     const p = Buffer.alloc(24);
     p.writeUInt32LE(code, 0);
-    p.writeUInt32LE(u32('count', options.count ?? 1), 4);
-    const arg1 = kind === 'tx-alias' || kind === 'balloon-alias' ? u32('descriptors', options.descriptors ?? 256) : options.queue === 'balloon-reporting' ? 1 : 0;
+    p.writeUInt32LE(u32Option('count', options.count ?? 1), 4);
+    const arg1 = kind === 'tx-alias' || kind === 'balloon-alias' ? u32Option('descriptors', options.descriptors ?? 256) : options.queue === 'balloon-reporting' ? 1 : 0;
     p.writeBigUInt64LE(BigInt(arg1), 8);
-    p.writeBigUInt64LE(BigInt(u32('descriptorBytes', options.descriptorBytes ?? 4096)), 16);
+    p.writeBigUInt64LE(BigInt(u32Option('descriptorBytes', options.descriptorBytes ?? 4096)), 16);
     const r = await this.agent.request(ProbeOp.Hostile, p, options.timeoutMs === undefined ? {} : { timeoutMs: options.timeoutMs });
     return { counts: [readU64(r, 0), readU64(r, 8), readU64(r, 16)], tscCycles: readU64(r, 24), payload: r };
   }
@@ -280,17 +281,7 @@ export function hostileBytewiseByte(i: number): number {
   return (i + (i >>> 8)) & 0xff;
 }
 
-function mib(option: string, value: number): number {
-  if (!(Number.isFinite(value) && value >= 0)) throw new InvalidOptionError(option, `expected a size in MiB, got ${value}`);
-  const bytes = Math.round(value * 1024 * 1024);
-  if (bytes % 4096 !== 0) throw new InvalidOptionError(option, 'must be a whole number of 4 KiB pages');
-  return bytes;
-}
 
-function u32(option: string, value: number): number {
-  if (!Number.isInteger(value) || value < 0 || value > 0xffffffff) throw new InvalidOptionError(option, 'expected a whole number from 0 to 2^32-1');
-  return value;
-}
 
 function readU64(b: Buffer, off: number): number {
   return b.length >= off + 8 ? Number(b.readBigUInt64LE(off)) : 0;
