@@ -10,7 +10,8 @@ import { join } from 'node:path';
 import { LinuxGuest } from '../src/guest/linux-client';
 import { AgentClient, CommonOp } from '../src/protocol/agent-client';
 
-const AGENT_SOURCE = join(__dirname, '..', '..', 'native-prebuilds', 'agent', 'agent.c');
+// As native-prebuilds/agent/build.sh links it: the agent with the memory study's pvisor-workset.
+const AGENT_SOURCES = [join(__dirname, '..', '..', 'native-prebuilds', 'agent', 'agent.c'), join(__dirname, '..', '..', 'native-prebuilds', 'linux-guest', 'workset.c')];
 
 /** $CC, else the first of gcc, clang and cc that runs; undefined without one. */
 export function findCompiler(): string | undefined {
@@ -25,7 +26,7 @@ export function findCompiler(): string | undefined {
 export function buildAgent(compiler: string): { bin: string; remove(): void } {
   const dir = mkdtempSync(join(tmpdir(), 'pvisor-host-agent-'));
   const bin = join(dir, 'agent');
-  execFileSync(compiler, ['-O1', '-g', '-Wall', '-Wextra', '-Werror', '-fsanitize=address,undefined', '-fno-sanitize-recover=all', '-o', bin, AGENT_SOURCE], { stdio: 'pipe' });
+  execFileSync(compiler, ['-O1', '-g', '-Wall', '-Wextra', '-Werror', '-fsanitize=address,undefined', '-fno-sanitize-recover=all', '-o', bin, ...AGENT_SOURCES], { stdio: 'pipe' });
   return { bin, remove: () => rmSync(dir, { recursive: true, force: true }) };
 }
 
