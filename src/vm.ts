@@ -4,6 +4,7 @@
 import { accessSync, closeSync, constants as fsConstants, existsSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
+import { checkOptionKeys, optionKeys } from './option-keys';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
@@ -186,6 +187,13 @@ export interface RestoreOptions {
   readyTimeoutMs?: number;
 }
 
+const VM_OPTION_KEYS = optionKeys<VmOptions>({
+  memory: true, vcpus: true, guest: true, kernel: true, initrd: true, kernelArgs: true, rootfs: true,
+  bootTimeoutMs: true, name: true, strategies: true, warningLimit: true, network: true,
+});
+const ROOTFS_OPTION_KEYS = optionKeys<RootfsOptions>({ path: true, readOnly: true });
+const RESTORE_OPTION_KEYS = optionKeys<RestoreOptions>({ name: true, keep: true, strategies: true, warningLimit: true, verify: true, readyTimeoutMs: true });
+
 /** How a VM came from a snapshot: {@link Vm.restoreInfo}. */
 export interface RestoreInfo {
   /** The snapshot directory. */
@@ -335,9 +343,12 @@ export class Vm extends EventEmitter<VmEvents> {
 
   /**
    * Validates the options, creates the VM, boots its guest and resolves once the guest agent is
-   * ready. Invalid options and an unusable host reject before anything is allocated.
+   * ready. Invalid options and an unusable host reject before anything is allocated; so does a
+   * key that is not an option (an {@link InvalidOptionError} naming it and the option it
+   * resembles: `memroy` is not taken for `memory`).
    */
   static async start(options: VmOptions = {}): Promise<Vm> {
+    checkOptionKeys('Vm.start', options, VM_OPTION_KEYS);
     const { memoryBytes, vcpus, guest } = checkVmShape(options);
     const disk = rootfsDisk(options.rootfs, guest);
     const bootTimeoutMs = options.bootTimeoutMs === undefined ? 60000 : parseTimeoutMs('bootTimeoutMs', options.bootTimeoutMs);
@@ -478,6 +489,7 @@ export class Vm extends EventEmitter<VmEvents> {
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
     const t0 = performance.now();
+    checkOptionKeys('Vm.restore', options, RESTORE_OPTION_KEYS);
     const givenName = options.name === undefined ? undefined : validateVmName(options.name);
     const readyTimeoutMs = options.readyTimeoutMs === undefined ? 60000 : parseTimeoutMs('readyTimeoutMs', options.readyTimeoutMs);
     const warningLimit = parseWarningLimit(options.warningLimit);
@@ -1095,6 +1107,7 @@ const LINUX_CMDLINE = 'console=ttyS0 reboot=t panic=-1 quiet';
  */
 function rootfsDisk(rootfs: VmOptions['rootfs'], guest: GuestKind): DiskConfig | undefined {
   if (rootfs === undefined) return undefined;
+  checkOptionKeys('rootfs', rootfs, ROOTFS_OPTION_KEYS, 'rootfs.');
   const { path, readOnly: readOnlyOption } = typeof rootfs === 'string' ? { path: rootfs } : (rootfs ?? {}) as RootfsOptions;
   if (typeof path !== 'string' || !path) throw new InvalidOptionError('rootfs', 'expected a path or { path, readOnly }');
   const readOnly = booleanOption('rootfs.readOnly', readOnlyOption, false);

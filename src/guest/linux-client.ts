@@ -2,6 +2,7 @@
  * The host side of the Linux guest agent's ops (docs/agent-protocol.md): run processes with
  * streamed output, stdin and signals; read and write files; guest memory figures.
  */
+import { checkOptionKeys, optionKeys } from '../option-keys';
 import { randomBytes } from 'node:crypto';
 import { constants as osConstants } from 'node:os';
 import { Readable, Writable } from 'node:stream';
@@ -135,6 +136,9 @@ export interface ExecOptions {
    */
   maxBuffer?: number;
 }
+
+const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true });
+const EXEC_OPTION_KEYS = optionKeys<ExecOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, maxBuffer: true });
 
 /** Default of {@link ExecOptions.maxBuffer}. */
 const DEFAULT_MAX_BUFFER = 1024 * 1024;
@@ -361,6 +365,7 @@ export class LinuxGuest {
    * {@link TimeoutError} or an {@link AbortError}.
    */
   spawn(command: Command, options: SpawnOptions = {}): GuestProcess {
+    checkOptionKeys('spawn', options, SPAWN_OPTION_KEYS);
     const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const signal = abortSignal(options.signal);
     const argv = typeof command === 'string' ? ['/bin/sh', '-c', command] : [...command];
@@ -381,6 +386,7 @@ export class LinuxGuest {
 
   /** Runs a command to its end and collects its output. */
   async exec(command: Command, options: ExecOptions = {}): Promise<ExecResult> {
+    checkOptionKeys('exec', options, EXEC_OPTION_KEYS);
     const maxBuffer = byteLimit('maxBuffer', options.maxBuffer, DEFAULT_MAX_BUFFER);
     const p = this.spawn(command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal });
     const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
