@@ -61,7 +61,9 @@ describe('the packed package', () => {
 
   it('declares what the code needs: Node >= 20.15 (zlib.crc32), @types/node for the .d.ts, zstd-napi optional, lz4-napi for tests only', () => {
     expect(pkg.engines.node).toBe('>=20.15.0');
-    expect(pkg.dependencies).toHaveProperty('@types/node');
+    // Node 20's types, not the newest major: ">=20.15.0" installed @types/node 26 into a Node 20
+    // project, whose types then offered APIs its Node does not have (issue 26).
+    expect(pkg.dependencies['@types/node']).toBe('^20.15.0');
     expect(pkg.dependencies).not.toHaveProperty('zstd-napi');
     expect(pkg.optionalDependencies).toHaveProperty('zstd-napi');
     expect(pkg.dependencies).not.toHaveProperty('lz4-napi');
