@@ -1309,6 +1309,16 @@ static void setup_system(void) {
     if (i == 4) unlink(links[i][1]); /* devtmpfs' own ptmx node belongs to the initial devpts, not ours */
     if (symlink(links[i][0], links[i][1]) && errno != EEXIST) logmsg("symlink %s: %s", links[i][1], strerror(errno));
   }
+  /* Free page reporting (the balloon hands free guest RAM back to the host) reports only free
+   * blocks of at least 2^page_reporting_order pages. The kernel sets the order when the balloon
+   * registers (6.1 overwrites a command-line value there): pageblock_order, 10 (4 MiB) in this
+   * kernel, and a heap freed in pieces seldom leaves whole 4 MiB blocks. Order 5 (128 KiB),
+   * measured in a 512 MiB guest: booted 34.0 -> 29.4 MiB of guest RAM on the host, a process's
+   * 64 MiB freed 34.4 -> 28.7, 16 of its 64 MiB freed in the middle gave back 12.0 -> 15.9 MiB;
+   * order 2 did no better, 9 no better than 10. */
+  int order_fd = open("/sys/module/page_reporting/parameters/page_reporting_order", O_WRONLY | O_CLOEXEC);
+  if (order_fd < 0 || write(order_fd, "5", 1) != 1) logmsg("page_reporting_order: %s", strerror(errno));
+  if (order_fd >= 0) close(order_fd);
   /* hostname: pvisor.hostname=NAME on the kernel command line, else "pvisor" */
   char name[65] = "pvisor";
   cmdline_param("pvisor.hostname", name, sizeof name);
