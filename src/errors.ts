@@ -70,9 +70,33 @@ export class VmStateError extends PvisorError {
 export class GuestRequestError extends PvisorError {
   /** The agent's error code (1 = unsupported operation, others per operation). */
   readonly guestCode: number;
-  constructor(guestCode: number, message: string) {
+  /** The protocol's op code of the request (0 when the error is not the guest's answer to one). */
+  readonly op: number;
+  /** The call that made the request, with its path or command, e.g. `files.read('/nope.txt')`. */
+  readonly call: string | undefined;
+  /** The guest's errno name (`ENOENT`, `EACCES`...) when a system call in the guest failed. */
+  readonly errno: string | undefined;
+  constructor(guestCode: number, message: string, details: { op?: number; call?: string; errno?: string } = {}) {
     super('PVISOR_GUEST_REQUEST', message);
     this.guestCode = guestCode;
+    this.op = details.op ?? 0;
+    this.call = details.call;
+    this.errno = details.errno;
+  }
+}
+
+/**
+ * A command that does not exist in the guest (or is not executable there): exec and spawn reject
+ * with it, and it carries the shell's status for such a command, 127, as {@link exitCode}.
+ */
+export class CommandNotFoundError extends GuestRequestError {
+  /** The command's first word, as given. */
+  readonly command: string;
+  /** 127: what a shell gives for a command it cannot find. */
+  readonly exitCode = 127;
+  constructor(command: string, cause: GuestRequestError) {
+    super(cause.guestCode, `${cause.call ?? 'exec'}: ${command}: command not found (${cause.errno ?? 'ENOENT'}); exit status 127`, { op: cause.op, call: cause.call, errno: cause.errno });
+    this.command = command;
   }
 }
 

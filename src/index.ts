@@ -29,6 +29,7 @@ export {
   SystemCallError,
   GuestCrashError,
   GuestRequestError,
+  CommandNotFoundError,
   VmStateError,
   TimeoutError,
   AbortError,

@@ -7,7 +7,7 @@ import { randomBytes } from 'node:crypto';
 import { constants as osConstants } from 'node:os';
 import { Readable, Writable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
-import { AbortError, abortError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
+import { AbortError, abortError, CommandNotFoundError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { booleanOption, parseTimeoutMs } from '../units';
@@ -230,6 +230,7 @@ export class GuestProcess {
     private readonly agent: AgentClient,
     argvPayload: Buffer,
     limits: { timeoutMs?: number; signal?: AbortSignal } = {},
+    what: { call?: string; argv0?: string } = {},
   ) {
     const stdout = new GuestOutput(agent, CHUNK_STDOUT);
     const stderr = new GuestOutput(agent, CHUNK_STDERR);
@@ -254,6 +255,7 @@ export class GuestProcess {
         else if (flags === CHUNK_STDERR) stderr.deliver(payload);
       },
       holdsChunks: true,
+      call: what.call,
     });
     this.handle = req.id;
     stdout.attach(req.id);
@@ -269,7 +271,9 @@ export class GuestProcess {
         const sig = r.readInt32LE(4);
         return sig ? { exitCode: null, signal: signalNames[sig] ?? (`SIG${sig}` as NodeJS.Signals) } : { exitCode: code, signal: null };
       },
-      (e: Error) => {
+      (err: Error) => {
+        // The agent's exec of a command it cannot find or run: its errno, then the command.
+        const e = what.argv0 !== undefined && err instanceof GuestRequestError && (err.errno === 'ENOENT' || err.errno === 'EACCES') && err.message.endsWith(`: ${what.argv0}`) ? new CommandNotFoundError(what.argv0, err) : err;
         // Closed without an error: a stream 'error' nobody listens to would throw in the host
         // process. Why the process ended is `exited`'s rejection.
         this.stdout.destroy();
@@ -366,6 +370,11 @@ export class LinuxGuest {
    */
   spawn(command: Command, options: SpawnOptions = {}): GuestProcess {
     checkOptionKeys('spawn', options, SPAWN_OPTION_KEYS);
+    return this.startProcess('spawn', command, options);
+  }
+
+  /** {@link spawn} for `method` (spawn or exec), which the process's errors name. */
+  private startProcess(method: string, command: Command, options: SpawnOptions): GuestProcess {
     const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const signal = abortSignal(options.signal);
     const argv = typeof command === 'string' ? ['/bin/sh', '-c', command] : [...command];
@@ -381,14 +390,14 @@ export class LinuxGuest {
       ...env.map((e) => str(e, 'env')),
     ]);
     if (payload.length > MAX_PAYLOAD_BYTES) throw new InvalidOptionError('command', 'command line and environment exceed 1 MiB');
-    return new GuestProcess(this.agent, payload, { timeoutMs, signal });
+    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0] });
   }
 
   /** Runs a command to its end and collects its output. */
   async exec(command: Command, options: ExecOptions = {}): Promise<ExecResult> {
     checkOptionKeys('exec', options, EXEC_OPTION_KEYS);
     const maxBuffer = byteLimit('maxBuffer', options.maxBuffer, DEFAULT_MAX_BUFFER);
-    const p = this.spawn(command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal });
+    const p = this.startProcess('exec', command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal });
     const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
     const sizes = { stdout: 0, stderr: 0 };
     const collect = (name: 'stdout' | 'stderr') => (b: Buffer) => {
@@ -549,6 +558,7 @@ export class GuestFiles {
     const parts: Buffer[] = [];
     let size = 0;
     const req = this.agent.start(FileOp.Read, pathField(path), {
+      call: callText('files.read', path),
       onChunk: (_f, p) => {
         size += p.length;
         if (size > maxBytes) {
@@ -597,6 +607,7 @@ export class GuestFiles {
     const s = out.readable;
     const onAbort = () => s.destroy(abortError(`reading ${path}`, signal!));
     const req = this.agent.start(FileOp.Read, payload, {
+      call: callText('files.readStream', path),
       onChunk: (_f, p) => {
         received += p.length;
         if (out.deliver(p)) arm();
@@ -660,7 +671,7 @@ export class GuestFiles {
     let i = 0;
     for (const chunk of frameChunks(bytes)) {
       const flags = WRITE_MKDIRS | (i++ > 0 ? WRITE_APPEND : 0);
-      await this.agent.request(FileOp.Write, Buffer.concat([u32s(flags, mode), p, chunk]), { timeoutMs, signal });
+      await this.agent.request(FileOp.Write, Buffer.concat([u32s(flags, mode), p, chunk]), { timeoutMs, signal, call: callText('files.write', path) });
     }
   }
 
@@ -684,6 +695,7 @@ export class GuestFiles {
     let opened!: () => void;
     const open = new Promise<void>((resolve) => (opened = resolve));
     const handle = this.agent.start(FileOp.WriteOpen, payload, {
+      call: callText('files.writeStream', path),
       onChunk: (flags) => {
         if (flags === CHUNK_OPENED) opened();
       },
@@ -743,6 +755,7 @@ export class GuestFiles {
     const maxEntries = byteLimit('maxEntries', options.maxEntries, DEFAULT_MAX_ENTRIES, 'entries');
     const entries: DirEntry[] = [];
     const req = this.agent.start(FileOp.List, pathField(path), {
+      call: callText('files.list', path),
       onChunk: (_f, p) => {
         try {
           decodeEntries(p, entries);
@@ -765,7 +778,7 @@ export class GuestFiles {
   async stat(path: string, options: StatOptions = {}): Promise<FileStat> {
     const { timeoutMs, signal } = callLimits(options);
     const follow = booleanOption('followSymlinks', options.followSymlinks, false);
-    return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal }));
+    return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.stat', path) }));
   }
 
   /** Creates a directory (mode default 0o755, set exactly); an existing one is `EEXIST` unless `recursive`. */
@@ -773,19 +786,30 @@ export class GuestFiles {
     const { timeoutMs, signal } = callLimits(options);
     const recursive = booleanOption('recursive', options.recursive, false);
     const mode = modeField('mode', options.mode, 0o755);
-    await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal });
+    await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal, call: callText('files.mkdir', path) });
   }
 
   /** Removes a file, a symlink or an empty directory; with `recursive`, a whole tree. */
   async remove(path: string, options: RemoveOptions = {}): Promise<void> {
     const { timeoutMs, signal } = callLimits(options);
     const recursive = booleanOption('recursive', options.recursive, false);
-    decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal }), 'FILE_REMOVE');
+    decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.remove', path) }), 'FILE_REMOVE');
   }
 
   /** Renames (moves) `from` to `to` within the guest's filesystem, replacing `to` as rename(2) does. */
   async rename(from: string, to: string, options: FilesCallOptions = {}): Promise<void> {
     const { timeoutMs, signal } = callLimits(options);
-    await this.agent.request(FileOp.Rename, Buffer.concat([pathField(from, 'from'), pathField(to, 'to')]), { timeoutMs, signal });
+    await this.agent.request(FileOp.Rename, Buffer.concat([pathField(from, 'from'), pathField(to, 'to')]), { timeoutMs, signal, call: callText('files.rename', from, to) });
   }
+}
+
+/**
+ * How an error names the call that failed: `files.read('/nope.txt')`, `exec('ls -l')`. Arguments
+ * are the guest's paths and commands: quoted, control characters shown as `?`, each cut at 200
+ * characters so that a message stays a line.
+ */
+function callText(method: string, ...args: string[]): string {
+  // eslint-disable-next-line no-control-regex
+  const quote = (a: string) => `'${(a.length > 200 ? `${a.slice(0, 200)}...` : a).replace(/[\\']/g, '\\$&').replace(/[\x00-\x1f\x7f]/g, '?')}'`;
+  return `${method}(${args.map(quote).join(', ')})`;
 }

@@ -28,6 +28,8 @@ const MAX_STATUS_CHUNK_BYTES = 4;
 
 interface Pending {
   op: number;
+  /** See {@link RequestOptions.call}. */
+  call: string | undefined;
   resolve(payload: Buffer): void;
   reject(error: Error): void;
   onChunk?: (flags: number, payload: Buffer) => void;
@@ -61,6 +63,11 @@ export interface RequestOptions {
    * as they are taken. Default false: a chunk counts as taken once `onChunk` returns.
    */
   holdsChunks?: boolean;
+  /**
+   * The call this request serves, with its path or command (`files.read('/nope.txt')`): errors
+   * name it instead of the op code, and keep the op code as a field.
+   */
+  call?: string;
 }
 
 /** A request in flight: its id names it in later requests (a process handle, for instance). */
@@ -284,7 +291,10 @@ export class AgentClient {
     if (f.type === FrameType.Response) p.resolve(f.payload);
     else if (f.type === FrameType.Error) {
       const code = f.payload.length >= 4 ? f.payload.readUInt32LE(0) : 0;
-      p.reject(new GuestRequestError(code, `guest refused op 0x${p.op.toString(16)}: ${errorText(f.payload)}`));
+      const text = errorText(f.payload);
+      // An OS error's text starts with its errno name (the agent's send_os_error).
+      const errno = /^(E[A-Z0-9]{1,15}): /.exec(text)?.[1];
+      p.reject(new GuestRequestError(code, p.call ? `${p.call}: ${text}` : `guest refused op 0x${p.op.toString(16)}: ${text}`, { op: p.op, call: p.call, errno }));
     } else {
       this.onProtocolError(`frame of type ${f.type} for request ${f.id}`);
       p.reject(new GuestRequestError(0, `the guest answered op 0x${p.op.toString(16)} with a frame of type ${f.type}, which is not an answer`));
@@ -340,9 +350,9 @@ export class AgentClient {
     const id = this.takeId();
     const frame = encodeFrame({ type: FrameType.Request, id, op, payload });
     const done = new Promise<Buffer>((resolve, reject) => {
-      const p: Pending = { op, resolve, reject, onChunk: options.onChunk, onGiveUp: options.onGiveUp, holdsChunks: options.holdsChunks ?? false, windows: [undefined, undefined] };
+      const p: Pending = { op, call: options.call, resolve, reject, onChunk: options.onChunk, onGiveUp: options.onGiveUp, holdsChunks: options.holdsChunks ?? false, windows: [undefined, undefined] };
       if (options.timeoutMs !== undefined) {
-        p.timer = setTimeout(() => this.giveUp(id, new TimeoutError(`guest did not answer op 0x${op.toString(16)} within ${options.timeoutMs} ms`)), options.timeoutMs);
+        p.timer = setTimeout(() => this.giveUp(id, new TimeoutError(`guest did not answer ${options.call ? `${options.call} (op 0x${op.toString(16)})` : `op 0x${op.toString(16)}`} within ${options.timeoutMs} ms`)), options.timeoutMs);
       }
       const signal = options.signal;
       if (signal) {
