@@ -16,7 +16,7 @@ export type { ControlMemory, ControlVmInfo } from './control-socket';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, HibernateOptions, HibernateInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
-export type { Command, ExecOptions, ExecResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout, FilesCallOptions, ReadOptions, WriteOptions, ListOptions, StatOptions, MkdirOptions, RemoveOptions } from './guest/linux-client';
+export type { Command, ExecCommonOptions, ExecOptions, ExecBufferOptions, ExecResult, ExecBufferResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout, FilesCallOptions, ReadOptions, WriteOptions, ListOptions, StatOptions, MkdirOptions, RemoveOptions } from './guest/linux-client';
 export type { DirEntry, FileStat, FileType } from './guest/file-wire';
 export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ZeroOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';
 export type { ProbeContent } from './guest/probe-content';

@@ -9,7 +9,7 @@ import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
 import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
-import { LinuxGuest, type Command, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
+import { LinuxGuest, type Command, type ExecBufferOptions, type ExecBufferResult, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
 import { nativePrebuild, prebuildMismatch } from './native';
@@ -789,8 +789,11 @@ export class Vm extends EventEmitter<VmEvents> {
    * Runs a command in the Linux guest to its end: a string runs under `/bin/sh -c`, an array is
    * the argv. Resolves with its exit status and output; several may run at once.
    */
-  exec(command: Command, options?: ExecOptions): Promise<ExecResult> {
-    return this.linuxGuest.exec(command, options);
+  exec(command: Command, options: ExecBufferOptions): Promise<ExecBufferResult>;
+  exec(command: Command, options?: ExecOptions): Promise<ExecResult>;
+  exec(command: Command, options?: ExecOptions | ExecBufferOptions): Promise<ExecResult | ExecBufferResult> {
+    // The overloads above give the result its type; LinuxGuest.exec serves both encodings.
+    return this.linuxGuest.exec(command, options as ExecOptions);
   }
 
   /**

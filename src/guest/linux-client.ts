@@ -2,12 +2,13 @@
  * The host side of the Linux guest agent's ops (docs/agent-protocol.md): run processes with
  * streamed output, stdin and signals; read and write files; guest memory figures.
  */
-import { checkOptionKeys, optionKeys } from '../option-keys';
 import { randomBytes } from 'node:crypto';
 import { constants as osConstants } from 'node:os';
 import { Readable, Writable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
+import { StringDecoder } from 'node:string_decoder';
 import { AbortError, abortError, CommandNotFoundError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
+import { checkOptionKeys, optionKeys } from '../option-keys';
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { booleanOption, parseTimeoutMs } from '../units';
@@ -114,8 +115,8 @@ export interface SpawnOptions {
   signal?: AbortSignal;
 }
 
-/** Options of {@link Vm.exec}. */
-export interface ExecOptions {
+/** What every {@link Vm.exec} takes, whatever the output's encoding. */
+export interface ExecCommonOptions {
   env?: Record<string, string>;
   cwd?: string;
   /** Bytes given to the command's stdin, which is then closed. */
@@ -137,8 +138,33 @@ export interface ExecOptions {
   maxBuffer?: number;
 }
 
+/** Options of {@link Vm.exec}: the output as strings. */
+export interface ExecOptions extends ExecCommonOptions {
+  /**
+   * `'utf8'` (the default): `stdout` and `stderr` are strings. For the bytes as the command
+   * wrote them, `'buffer'` ({@link ExecBufferOptions}).
+   */
+  encoding?: 'utf8';
+  /**
+   * Called with each piece of stdout as it comes (a UTF-8 character is never split between two
+   * calls), while exec also collects it.
+   */
+  onStdout?: (chunk: string) => void;
+  /** As {@link onStdout}, for stderr. */
+  onStderr?: (chunk: string) => void;
+}
+
+/** Options of {@link Vm.exec} asking for the output as bytes ({@link ExecBufferResult}), for binary output. */
+export interface ExecBufferOptions extends ExecCommonOptions {
+  encoding: 'buffer';
+  /** Called with each piece of stdout as it comes, while exec also collects it. */
+  onStdout?: (chunk: Buffer) => void;
+  /** As {@link onStdout}, for stderr. */
+  onStderr?: (chunk: Buffer) => void;
+}
+
 const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true });
-const EXEC_OPTION_KEYS = optionKeys<ExecOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, maxBuffer: true });
+const EXEC_OPTION_KEYS = optionKeys<ExecOptions | ExecBufferOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, maxBuffer: true, encoding: true, onStdout: true, onStderr: true });
 
 /** Default of {@link ExecOptions.maxBuffer}. */
 const DEFAULT_MAX_BUFFER = 1024 * 1024;
@@ -167,6 +193,12 @@ export interface ExitStatus {
 export interface ExecResult extends ExitStatus {
   stdout: string;
   stderr: string;
+}
+
+/** What exec resolves with for `encoding: 'buffer'`: the output's bytes. */
+export interface ExecBufferResult extends ExitStatus {
+  stdout: Buffer;
+  stderr: Buffer;
 }
 
 /** Guest memory figures from /proc/meminfo, bytes. */
@@ -212,6 +244,12 @@ export class GuestProcess {
   readonly stdout: Readable;
   /** The command's standard error; as {@link stdout}. */
   readonly stderr: Readable;
+  /**
+   * The command's standard input as a stream (spawned with `stdin: true`, else null): what is
+   * written goes through {@link write}, `end()` closes it through {@link end}, so
+   * `pipeline(source, p.stdin)` feeds the command and finishes once the guest has it all.
+   */
+  readonly stdin: Writable | null;
   /** The guest pid, once the program has started. */
   readonly pid: Promise<number>;
   /** Resolves when the process has ended and its output is complete; rejects if it never started. */
@@ -230,8 +268,14 @@ export class GuestProcess {
     private readonly agent: AgentClient,
     argvPayload: Buffer,
     limits: { timeoutMs?: number; signal?: AbortSignal } = {},
-    what: { call?: string; argv0?: string } = {},
+    what: { call?: string; argv0?: string; stdin?: boolean } = {},
   ) {
+    this.stdin = what.stdin
+      ? new Writable({
+          write: (chunk: Buffer, _encoding, callback) => this.write(chunk).then(() => callback(), callback),
+          final: (callback) => this.end().then(() => callback(), callback),
+        })
+      : null;
     const stdout = new GuestOutput(agent, CHUNK_STDOUT);
     const stderr = new GuestOutput(agent, CHUNK_STDERR);
     this.stdout = stdout.readable;
@@ -390,13 +434,22 @@ export class LinuxGuest {
       ...env.map((e) => str(e, 'env')),
     ]);
     if (payload.length > MAX_PAYLOAD_BYTES) throw new InvalidOptionError('command', 'command line and environment exceed 1 MiB');
-    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0] });
+    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0], stdin: options.stdin === true });
   }
 
   /** Runs a command to its end and collects its output. */
-  async exec(command: Command, options: ExecOptions = {}): Promise<ExecResult> {
+  exec(command: Command, options: ExecBufferOptions): Promise<ExecBufferResult>;
+  exec(command: Command, options?: ExecOptions): Promise<ExecResult>;
+  async exec(command: Command, options: ExecOptions | ExecBufferOptions = {}): Promise<ExecResult | ExecBufferResult> {
     checkOptionKeys('exec', options, EXEC_OPTION_KEYS);
     const maxBuffer = byteLimit('maxBuffer', options.maxBuffer, DEFAULT_MAX_BUFFER);
+    const encoding: string = options.encoding ?? 'utf8';
+    if (encoding !== 'utf8' && encoding !== 'buffer') throw new InvalidOptionError('encoding', `expected "utf8" or "buffer", got ${JSON.stringify(encoding)}`);
+    // Each gets what the encoding says: a string (through a decoder, below) or a Buffer.
+    const listeners: Record<'stdout' | 'stderr', ((b: Buffer) => void) | undefined> = {
+      stdout: callbackOption('onStdout', options.onStdout as ((b: Buffer) => void) | undefined),
+      stderr: callbackOption('onStderr', options.onStderr as ((b: Buffer) => void) | undefined),
+    };
     const p = this.startProcess('exec', command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal });
     const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
     const sizes = { stdout: 0, stderr: 0 };
@@ -408,16 +461,35 @@ export class LinuxGuest {
         return;
       }
       collected[name].push(b);
+      listeners[name]?.(b);
     };
     if (options.stdin !== undefined && !options.signal?.aborted) {
       p.write(options.stdin).then(() => p.end()).catch(() => {
         // The command may exit without reading its stdin (EPIPE): its exit status says enough.
       });
     }
+    // Chunks come as the guest sent them: a decoder keeps a split UTF-8 character for the next.
+    if (encoding === 'utf8') {
+      for (const name of ['stdout', 'stderr'] as const) {
+        const listener = listeners[name] as ((text: string) => void) | undefined;
+        if (!listener) continue;
+        const decoder = new StringDecoder('utf8');
+        listeners[name] = (b) => {
+          const text = decoder.write(b);
+          if (text) listener(text);
+        };
+        p[name].once('end', () => {
+          const rest = decoder.end();
+          if (rest) listener(rest);
+        });
+      }
+    }
     p.stdout.on('data', collect('stdout'));
     p.stderr.on('data', collect('stderr'));
     const status = await p.exited;
-    return { ...status, stdout: Buffer.concat(collected.stdout).toString('utf8'), stderr: Buffer.concat(collected.stderr).toString('utf8') };
+    const stdout = Buffer.concat(collected.stdout);
+    const stderr = Buffer.concat(collected.stderr);
+    return encoding === 'buffer' ? { ...status, stdout, stderr } : { ...status, stdout: stdout.toString('utf8'), stderr: stderr.toString('utf8') };
   }
 
   /** MemTotal, MemFree, MemAvailable and Cached of the guest's /proc/meminfo. */
@@ -812,4 +884,10 @@ function callText(method: string, ...args: string[]): string {
   // eslint-disable-next-line no-control-regex
   const quote = (a: string) => `'${(a.length > 200 ? `${a.slice(0, 200)}...` : a).replace(/[\\']/g, '\\$&').replace(/[\x00-\x1f\x7f]/g, '?')}'`;
   return `${method}(${args.map(quote).join(', ')})`;
+}
+
+/** An optional callback option: undefined or a function, else an {@link InvalidOptionError}. */
+function callbackOption<T extends (...args: never[]) => unknown>(option: string, value: T | undefined): T | undefined {
+  if (value !== undefined && typeof value !== 'function') throw new InvalidOptionError(option, `expected a function, got ${typeof value}`);
+  return value;
 }
