@@ -147,6 +147,8 @@ async function cmdControlRequest(command: ControlCommand, a: ControlArgs): Promi
     if (command === 'resume' && r.error.code === 'PVISOR_VM_STATE' && (r.vm?.state === 'running' || r.vm?.state === 'starting')) {
       throw new RefusedError(`resume ${a.id} refused: ${a.id} is ${r.vm.state}, not paused, suspended or hibernated: nothing to resume`);
     }
+    // So is any request the VM's state does not allow (a suspend of a suspended VM).
+    if (r.error.code === 'PVISOR_VM_STATE') throw new RefusedError(`${command} ${a.id} refused: ${r.error.message}${r.vm ? ` (${a.id} is ${r.vm.state})` : ''}`);
     throw new PvisorError(r.error.code, `${command} ${a.id} failed: ${r.error.message}${r.vm ? ` (${a.id} is ${r.vm.state})` : ''}`);
   }
   if (request.op === 'hibernate') {

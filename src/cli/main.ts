@@ -35,6 +35,7 @@ async function main(argv: string[]): Promise<number> {
       process.stdout.write(PVISOR_HELP);
       return 0;
     case '--version':
+    case '-v':
     case '-V':
       process.stdout.write(`pvisor ${packageVersion()}\n`);
       return 0;

@@ -19,7 +19,7 @@ import { parseProbeScript, ScriptCursor } from './probe-script';
 import { checkCarriedFlags, parseRunArgs } from './run-args';
 import { runVm } from './run-command';
 import { RunControl } from './run-control';
-import { exitStatusOf, RefusedError } from './usage';
+import { EXIT_REFUSED, exitStatusOf, RefusedError } from './usage';
 
 /** The environment variable that tells a `--foreground` resume which fd to report readiness on. */
 const READY_FD_ENV = 'PVISOR_READY_FD';
@@ -169,7 +169,7 @@ export async function startResume(id: string, socketPath: string): Promise<Resum
       throw new PvisorError('PVISOR_RESUME', `the process resuming ${id} said something that is not a report; its output is in ${log}`);
     }
     if (!report.ok) {
-      if (report.exitStatus === 2) throw new RefusedError(`resume ${id} refused: ${report.error.message}`);
+      if (report.exitStatus === EXIT_REFUSED) throw new RefusedError(`resume ${id} refused: ${report.error.message}`);
       throw new PvisorError(report.error.code, `resume ${id} failed: ${report.error.message} (its output is in ${log})`);
     }
     return report;

@@ -6,14 +6,14 @@
  */
 import { rmSync } from 'node:fs';
 import { constants as osConstants } from 'node:os';
-import type { PvisorError } from '../errors';
+import { InvalidOptionError, type PvisorError } from '../errors';
 import { formatMiB } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { ConsoleCopy } from './console-copy';
 import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from './probe-script';
 import { parseRunArgs, type RunArgs } from './run-args';
 import { RunControl } from './run-control';
-import { EXIT_HIBERNATED, parseUsage } from './usage';
+import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
 
 /** Runs `pvisor run ARGS`; resolves with the run's exit status. */
 export async function cmdRun(argv: string[]): Promise<number> {
@@ -31,6 +31,9 @@ export async function cmdRun(argv: string[]): Promise<number> {
     memoryBytes: machine.memoryBytes,
     vcpus: machine.vcpus,
     carry: { flags: args.carriedFlags, backingDir: args.backingDir, command: args.command, script: cursor },
+  }).catch((e: unknown) => {
+    // The name was checked as a name above: here it can only be taken by a running VM.
+    throw e instanceof InvalidOptionError && e.option === 'name' ? new RefusedError(e.message) : e;
   });
   return runVm(control, { args, steps, cursor });
 }

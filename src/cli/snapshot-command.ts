@@ -2,12 +2,13 @@
  * `pvisor snapshot ID DIR`: asks a VM started by `pvisor run` to write a snapshot of itself into
  * DIR, through its control socket (../control-socket.ts); `pvisor run --from DIR` restores it.
  */
+import { readdirSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError } from '../errors';
 import { formatMiB } from '../units';
 import { validateVmName } from '../vm-name';
-import { parseUsage } from './usage';
+import { parseUsage, RefusedError } from './usage';
 import { controlRequest, runtimeDir, socketPathFor, type ControlResponse } from '../control-socket';
 
 /** Parsed arguments of `pvisor snapshot`. */
@@ -64,6 +65,8 @@ export function parseSnapshotArgs(argv: string[], cwd: string = process.cwd(), d
 /** Runs `pvisor snapshot`; resolves with the exit status. */
 export async function cmdSnapshot(argv: string[]): Promise<number> {
   const a = parseUsage('snapshot', () => parseSnapshotArgs(argv));
+  // The caller's to change, refused before the VM is paused (the VM's process checks it again).
+  if (directoryHasEntries(a.dir)) throw new RefusedError(`snapshot ${a.id} refused: ${a.dir} is not empty; a snapshot goes into a new or empty directory`);
   const progress = reportProgress(a);
   let r: ControlResponse;
   try {
@@ -75,6 +78,7 @@ export async function cmdSnapshot(argv: string[]): Promise<number> {
   if (!r.ok) {
     // The VM's state, unless the library's message already says it (a state error does).
     const state = r.vm && !r.error.message.includes(`${a.id} is ${r.vm.state}`) ? ` (${a.id} is ${r.vm.state})` : '';
+    if (r.error.code === 'PVISOR_VM_STATE') throw new RefusedError(`snapshot ${a.id} refused: ${r.error.message}${state}`);
     throw new PvisorError(r.error.code, `snapshot ${a.id} failed: ${r.error.message}${state}`);
   }
   if (!a.json) process.stdout.write(`${formatSnapshotAnswer(a, r)}\n`);
@@ -103,4 +107,14 @@ function reportProgress(a: SnapshotArgs): { stop(): void } {
       clearInterval(every);
     },
   };
+}
+
+/** Whether `dir` exists and holds anything (a missing directory is made by the snapshot). */
+function directoryHasEntries(dir: string): boolean {
+  try {
+    return readdirSync(dir).length > 0;
+  } catch {
+    // Missing, or not a directory: the VM's process says what is wrong with it.
+    return false;
+  }
 }

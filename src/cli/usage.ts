@@ -2,9 +2,10 @@
  * How `pvisor` and `pvisor-daemon` are used and how they end: each command's usage text (printed
  * on stdout by `--help`, exit 0), `--version`, and the exit statuses, as conventional CLIs have
  * them: 2 for a usage error (an unknown option, a bad value, a missing argument; reported before
- * anything is started or printed about a VM), 125 when pvisor itself fails (docker's convention,
- * so that it cannot be mistaken for the status of the command run in the guest), otherwise the
- * command's own status.
+ * anything is started or printed about a VM), 1 for a request refused as it stands (no VM of that
+ * id, a VM in a state the request cannot apply to, a taken --name, a snapshot directory that is
+ * not empty), 125 when pvisor itself fails (docker's convention, so that it cannot be mistaken for
+ * the status of the command run in the guest), otherwise the command's own status.
  */
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -14,8 +15,11 @@ import { PACKAGE_ROOT } from '../native';
 
 /** Exit status of a usage error. */
 export const EXIT_USAGE = 2;
-/** Exit status of suspend/resume/snapshot/stop when no VM of that id is running (as before: 2). */
-export const EXIT_NO_SUCH_VM = 2;
+/**
+ * Exit status of a request refused as it stands ({@link RefusedError}, a VmNotFoundError): the
+ * caller's to change, unlike {@link EXIT_PVISOR_FAILURE}.
+ */
+export const EXIT_REFUSED = 1;
 /** Exit status when pvisor itself fails (host unsupported, guest crash, I/O error...). */
 export const EXIT_PVISOR_FAILURE = 125;
 /**
@@ -26,9 +30,10 @@ export const EXIT_PVISOR_FAILURE = 125;
 export const EXIT_HIBERNATED = 128 + 20;
 
 /**
- * A request that cannot apply to the VM as it is, refused before anything changed: `pvisor resume`
- * of a VM that runs (nothing to resume), `pvisor suspend` of a hibernated one. Exits 2, as a
- * usage error does, with its message alone.
+ * A request that cannot apply as things stand, refused before anything changed: `pvisor resume`
+ * of a VM that runs (nothing to resume), `pvisor suspend` of a suspended or hibernated one, a
+ * `--name` that a running VM has, a snapshot into a directory that is not empty. Exits 1
+ * ({@link EXIT_REFUSED}), with its message alone.
  */
 export class RefusedError extends Error {}
 
@@ -94,7 +99,7 @@ export function runProgram(program: string, main: (argv: string[]) => Promise<nu
 /** The exit status for what a command threw, as this module's comment says. */
 export function exitStatusOf(e: unknown): number {
   if (e instanceof UsageError) return EXIT_USAGE;
-  if (e instanceof VmNotFoundError || e instanceof RefusedError) return EXIT_NO_SUCH_VM;
+  if (e instanceof VmNotFoundError || e instanceof RefusedError) return EXIT_REFUSED;
   return EXIT_PVISOR_FAILURE;
 }
 
@@ -157,7 +162,8 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       --vcpus, --guest, --kernel, --initrd and --rootfs are refused beside --from.
       --shared: guest RAM is the snapshot's RAM file mapped copy-on-write (SharedSnapshot), so
         clones of one snapshot share the pages they only read and each pays for what it writes.
-      Exit status: CMD's (128+N if a signal N killed it); 2 for a usage error; 125 if pvisor failed;
+      Exit status: CMD's (128+N if a signal N killed it); 2 for a usage error; 1 if --name is
+      taken; 125 if pvisor failed;
       ${EXIT_HIBERNATED} if the VM hibernated (pvisor suspend ID --hibernate): CMD goes on after pvisor resume ID.
 `;
 
@@ -174,7 +180,7 @@ const RESUME = `  pvisor resume ID [--vm-load] [--foreground] [--vm-socket PATH]
       A hibernated VM goes on in a new, detached process with the same id and control socket,
         its guest RAM loaded lazily; its output (the probe steps left, pvisor's messages) goes to
         ID.log beside the socket. --foreground: in this process instead, its output here.
-      Refused (exit 2) if there is nothing to resume: the VM runs.
+      Refused (exit 1) if there is nothing to resume: the VM runs.
 `;
 const SNAPSHOT = `  pvisor snapshot ID DIR [--leave-paused] [--vm-socket PATH] [--json]
       Writes a snapshot of the VM started by pvisor run --name ID into DIR (new or empty; relative
@@ -188,8 +194,9 @@ const STOP = `  pvisor stop ID [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt
 const PS = `  pvisor ps [--json]
       Live and hibernated VMs: id, state, guest RAM resident, memory, bytes on disk, pid.
 `;
-const CONTROL_EXIT = `      Exit status: 0; 2 for a usage error, if no VM of that id is running or hibernated, or if the
-      request cannot apply to it (resume of a running VM, suspend of a hibernated one); 125 if it failed.
+const CONTROL_EXIT = `      Exit status: 0; 2 for a usage error; 1 if no VM of that id is running or hibernated, or if
+      the request cannot apply to it as it stands (resume of a running VM, suspend of a suspended
+      or hibernated one, a snapshot into a directory that is not empty); 125 if it failed.
 `;
 
 const BENCH_VMM = `  pvisor bench vmm [--runs 5] [--exits 100000] [--json FILE]
@@ -270,13 +277,17 @@ export const PVISOR_USAGE: Record<string, string> = {
   ...Object.fromEntries(Object.entries(BENCH_USAGE).map(([name, text]) => [`bench ${name}`, text])),
 };
 
-/** `pvisor --help`. */
+/** `pvisor --help`: the commands a user runs; the benches are `pvisor bench --help`'s. */
 export const PVISOR_HELP = `pvisor: KVM sandboxes that cost the host only the memory they use
 
 Usage:
-${RUN}${SUSPEND}${RESUME}${SNAPSHOT}${STOP}${PS}${BENCH}  pvisor --help | COMMAND --help | --version
+${RUN}${SUSPEND}${RESUME}${SNAPSHOT}${STOP}${PS}  pvisor bench NAME ...
+      Benchmarks against the reference study (vmm, linux, memory, snapshot, floors, soak):
+      pvisor bench --help lists them.
+  pvisor --help | COMMAND --help | --version (-v, -V)
 
-Exit status: 2 for a usage error, 125 if pvisor itself failed, otherwise the command's own.
+Exit status: 2 for a usage error, 1 for a refused request, 125 if pvisor itself failed,
+otherwise the command's own.
 `;
 
 const DAEMON_SERVE = `  pvisor-daemon serve --memory-pool [--socket PATH] [--max-pool 1GiB] [--group GROUP]

@@ -122,18 +122,18 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
 
     const nope = await pvisor('suspend', 'NOPE', '--vm-offload');
     expect(nope.stderr).toMatch(/^pvisor: no VM named NOPE is running/);
-    expect(nope.status).toBe(2);
+    expect(nope.status).toBe(1);
 
-    // Nothing to resume: the caller's mistake, told apart from a resume that failed (125).
+    // Nothing to resume: the caller's mistake (1), told apart from a resume that failed (125).
     const early = await pvisor('resume', 'T2', '--vm-load');
     expect(early.stderr).toMatch(/^pvisor: resume T2 refused: T2 is running, not paused, suspended or hibernated: nothing to resume$/m);
     expect(early.stdout).toBe('');
-    expect(early.status).toBe(2);
+    expect(early.status).toBe(1);
 
     const twice = await pvisor('run', '--guest', 'probe', '--name', 'T2', '--', 'digest');
     expect(twice.stderr).toMatch(/pvisor: name: a VM named T2 is already running/);
     expect(twice.stderr).not.toMatch(/starting/);
-    expect(twice.status).toBe(125);
+    expect(twice.status).toBe(1);
 
     // The VM went on as it was: running, its working set still resident, its socket still there.
     const ps = await pvisor('ps', '--json');
@@ -168,7 +168,7 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
     expect(ramFiles()).toEqual([]);
     const after = await pvisor('resume', 'T3');
     expect(after.stderr).toMatch(/no VM named T3 is running/);
-    expect(after.status).toBe(2);
+    expect(after.status).toBe(1);
   }, 300000);
 
   const literal = (text: string) => text.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
@@ -190,11 +190,12 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
     expect(Number(m![1])).toBeLessThan((72 * 2 ** 20) / 4096); // the working set and the probe's own pages, not all 256 MiB
     expect(readdirSync(join(dir, 'snap')).sort()).toEqual(['manifest.json', 'ram', 'state.json']);
 
-    // A snapshot goes into a new or empty directory; the VM is left running as it was.
+    // A snapshot goes into a new or empty directory, refused before the VM pauses (exit 1); the
+    // VM is left running as it was.
     const again = await pvisor('snapshot', 'S1', join(dir, 'snap'));
-    expect(again.stderr).toMatch(new RegExp(`^pvisor: snapshot S1 failed: ${literal(join(dir, 'snap'))} is not empty: a snapshot goes into a new or empty directory \\(S1 is running\\)`));
+    expect(again.stderr).toMatch(new RegExp(`^pvisor: snapshot S1 refused: ${literal(join(dir, 'snap'))} is not empty; a snapshot goes into a new or empty directory$`, 'm'));
     expect(again.stdout).toBe('');
-    expect(again.status).toBe(125);
+    expect(again.status).toBe(1);
 
     const restored = await pvisor('run', '--from', join(dir, 'snap'), '--name', 'S2', '--', 'digest, memory');
     expect(restored.stderr).toMatch(/restoring a 256\.0 MiB probe VM with 2 vCPU\(s\) from /);
@@ -227,8 +228,8 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
     expect(s.status).toBe(0);
     // A suspended VM's RAM is on disk, not in guest RAM: the library refuses, the client says it once.
     const refused = await pvisor('snapshot', 'S4', join(dir, 'while-suspended'));
-    expect(refused.stderr).toMatch(/^pvisor: snapshot S4 failed: S4 is suspended; this needs it running or paused$/m);
-    expect(refused.status).toBe(125);
+    expect(refused.stderr).toMatch(/^pvisor: snapshot S4 refused: S4 is suspended; this needs it running or paused$/m);
+    expect(refused.status).toBe(1);
     expect(existsSync(join(dir, 'while-suspended'))).toBe(false);
     expect((await pvisor('resume', 'S4', '--vm-load')).status).toBe(0);
 

@@ -83,13 +83,13 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
 
     // A hibernated VM has no process: it costs no memory, and ps says so.
     expect((await pvisor('ps')).stdout).toMatch(/^H1\s+hibernated\s+0 KiB\s+64\.0 MiB\s+1\d\.\d MiB\s+-$/m);
-    // Its id is not free, and what needs its process is refused as a usage error.
+    // Its id is not free, and what needs its process is refused (exit 1).
     const taken = await pvisor('run', '--guest', 'probe', '--name', 'H1', '--', 'digest');
     expect(taken.stderr).toMatch(/pvisor: name: H1 is hibernated .*: pvisor resume H1 continues it, pvisor stop H1 discards it/);
-    expect(taken.status).toBe(125);
+    expect(taken.status).toBe(1);
     const suspend = await pvisor('suspend', 'H1', '--vm-offload');
     expect(suspend.stderr).toMatch(/^pvisor: suspend H1 refused: H1 is hibernated \(its state is on disk in .*\); pvisor resume H1 continues it$/m);
-    expect(suspend.status).toBe(2);
+    expect(suspend.status).toBe(1);
 
     // Two resumes at once: one continues it, the other is refused.
     const [r1, r2] = await Promise.all([pvisor('resume', 'H1', '--vm-load'), pvisor('resume', 'H1')]);
@@ -100,7 +100,7 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
     resumed.push(pid);
     expect(won.status).toBe(0);
     expect(lost.stderr).toMatch(/^pvisor: resume H1 refused: H1 (is (running|starting), not paused, suspended or hibernated: nothing to resume|is not hibernated)/m);
-    expect(lost.status).toBe(2);
+    expect(lost.status).toBe(1);
     expect(pid).not.toBe(run.child.pid);
     expect(gone(pid)).toBe(false);
     // Moved back into a process: the record and the state are gone, the socket is the same path.
@@ -114,7 +114,7 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
     // A second resume of the running VM: nothing to resume.
     const again = await pvisor('resume', 'H1');
     expect(again.stderr).toMatch(/^pvisor: resume H1 refused: H1 is running, not paused, suspended or hibernated: nothing to resume$/m);
-    expect(again.status).toBe(2);
+    expect(again.status).toBe(1);
 
     // The resumed VM answers the control commands as the run did.
     const s = await pvisor('suspend', 'H1', '--vm-offload');
@@ -145,7 +145,7 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
     expect(await ps()).toEqual([]);
     const none = await pvisor('resume', 'H1');
     expect(none.stderr).toMatch(/^pvisor: no VM named H1 is running or hibernated/m);
-    expect(none.status).toBe(2);
+    expect(none.status).toBe(1);
     // The resumed process's output went to the log beside the socket, private.
     const log = join(dir, 'run', 'H1.log');
     expect(statSync(log).mode & 0o777).toBe(0o600);

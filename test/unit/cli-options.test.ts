@@ -79,18 +79,18 @@ describe('pvisor suspend/resume/snapshot/stop/ps without a VM', () => {
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
   const cli = (...args: string[]) => spawnSync(process.execPath, [main, ...args], { encoding: 'utf8', env: { ...process.env, PVISOR_RUNTIME_DIR: dir } });
 
-  it.each(['suspend', 'resume', 'stop'])('%s of an unknown id names it and exits 2', (cmd) => {
+  it.each(['suspend', 'resume', 'stop'])('%s of an unknown id names it and exits 1 (refused)', (cmd) => {
     const r = cli(cmd, 'NOPE', ...(cmd === 'suspend' ? ['--vm-offload'] : []));
     expect(r.stderr).toMatch(/pvisor: no VM named NOPE is running/);
     expect(r.stdout).toBe('');
-    expect(r.status).toBe(2);
+    expect(r.status).toBe(1);
   });
 
-  it('snapshot of an unknown id names it and exits 2', () => {
+  it('snapshot of an unknown id names it and exits 1 (refused)', () => {
     const r = cli('snapshot', 'NOPE', join(dir, 'snap'));
     expect(r.stderr).toMatch(/^pvisor: no VM named NOPE is running/);
     expect(r.stdout).toBe('');
-    expect(r.status).toBe(2);
+    expect(r.status).toBe(1);
   });
 
   it('snapshot without a directory is refused', () => {
