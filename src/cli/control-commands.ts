@@ -16,9 +16,11 @@ import {
   type ControlMemory,
   type ControlRequest,
   type ControlResponse,
+  type ControlVmInfo,
 } from '../control-socket';
 import { processGone } from '../sys/processes';
 import { validateVmName } from '../vm-name';
+import type { GuestKind } from '../vm';
 import { hibernatedIds, readHibernationRecord, recordPathFor, type HibernationRecord } from './hibernation-record';
 import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
 
@@ -140,7 +142,6 @@ async function cmdControlRequest(command: ControlCommand, a: ControlArgs): Promi
     if (command === 'resume') throw new RefusedError(`resume ${a.id} refused: ${a.id} was hibernated and is being resumed`);
     throw new RefusedError(`${command} ${a.id} refused: ${a.id} is hibernated (its state is on disk in ${record.dir}, it has no process); pvisor resume ${a.id} continues it`);
   }
-  if (a.json) process.stdout.write(`${JSON.stringify(r)}\n`);
   if (!r.ok) {
     // Nothing to resume is the caller's mistake, not a failure: a script can tell it from a
     // resume that failed (a damaged backing file), after which the VM stays suspended.
@@ -154,11 +155,30 @@ async function cmdControlRequest(command: ControlCommand, a: ControlArgs): Promi
   if (request.op === 'hibernate') {
     // The answer comes before the process ends: say so only once it has.
     const ended = await processEnded(r.vm.pid, PROCESS_END_TIMEOUT_MS);
-    if (!a.json) process.stdout.write(`${describeHibernation(a, r, ended)}\n`);
+    if (a.json) process.stdout.write(`${JSON.stringify({ ...controlResult(command, r), state: 'hibernated', processEnded: ended, hibernation: r.hibernation })}\n`);
+    else process.stdout.write(`${describeHibernation(a, r, ended)}\n`);
     return 0;
   }
-  if (!a.json) process.stdout.write(`${describe(command, a, r)}\n`);
+  process.stdout.write(`${a.json ? JSON.stringify(controlResult(command, r)) : describe(command, a, r)}\n`);
   return 0;
+}
+
+/**
+ * What `--json` prints for a suspend, resume or stop: a plain object, the VM's state as the
+ * command left it (`stopped` after a stop), and the memory figures before and after.
+ */
+function controlResult(command: ControlCommand, r: ControlResponse & { ok: true }): Record<string, unknown> {
+  const figures = (m: ControlMemory | undefined) => m && { guestRamResidentBytes: m.guestRamResidentBytes, processPssBytes: m.processPssBytes, bytesOnDisk: m.bytesOnDisk };
+  return {
+    id: r.vm.id,
+    command,
+    state: command === 'stop' ? 'stopped' : r.vm.state,
+    pid: r.vm.pid,
+    ...(r.tookMs !== undefined && { tookMs: r.tookMs }),
+    ...(r.releasedMs !== undefined && { releasedMs: r.releasedMs }),
+    ...(r.before && { before: figures(r.before) }),
+    ...(r.memory && { after: figures(r.memory) }),
+  };
 }
 
 /** `pvisor stop ID` of a hibernated VM: its state and record removed. */
@@ -228,6 +248,47 @@ function describe(command: ControlCommand, a: ControlArgs, r: ControlResponse & 
   }
 }
 
+/**
+ * A VM as `pvisor ps --json` prints it: a plain object, the same fields for a live and a
+ * hibernated VM (a hibernated one has no process: pid null, 0 bytes of memory).
+ */
+export interface PsRow {
+  id: string;
+  state: ControlVmInfo['state'] | 'unresponsive';
+  pid: number | null;
+  guest?: GuestKind;
+  memoryBytes?: number;
+  vcpus?: number;
+  guestRamResidentBytes?: number;
+  processPssBytes?: number;
+  bytesOnDisk?: number;
+  /** A hibernated VM's directory. */
+  dir?: string;
+  /** Why the row has no figures (a VM that did not answer, a record that was refused). */
+  error?: string;
+}
+
+function psRowOfLive(row: { id: string; response?: ControlResponse; error?: string }): PsRow {
+  const r = row.response;
+  if (!r?.vm) return { id: row.id, state: 'unresponsive', pid: null, error: row.error ?? (r && !r.ok ? r.error.message : 'no answer') };
+  const m = r.memory;
+  return {
+    id: row.id,
+    state: r.vm.state,
+    pid: r.vm.pid,
+    guest: r.vm.guest,
+    memoryBytes: r.vm.memoryBytes,
+    vcpus: r.vm.vcpus,
+    ...(m && { guestRamResidentBytes: m.guestRamResidentBytes, processPssBytes: m.processPssBytes, bytesOnDisk: m.bytesOnDisk }),
+  };
+}
+
+function psRowOfHibernated(row: { id: string; hibernated?: HibernationRecord; error?: string }): PsRow {
+  const h = row.hibernated;
+  if (!h) return { id: row.id, state: 'hibernated', pid: null, error: row.error };
+  return { id: row.id, state: 'hibernated', pid: null, guest: h.guest, memoryBytes: h.memoryBytes, vcpus: h.vcpus, guestRamResidentBytes: 0, processPssBytes: 0, bytesOnDisk: h.bytesOnDisk, dir: h.dir };
+}
+
 /** `pvisor ps [--json]`: the live and the hibernated VMs of this user's runtime directory. */
 export async function cmdPs(argv: string[]): Promise<number> {
   const { values } = parseUsage('ps', () => parseArgs({ args: argv, options: { json: { type: 'boolean', default: false } }, strict: true }));
@@ -265,7 +326,7 @@ export async function cmdPs(argv: string[]): Promise<number> {
     })
     .filter((r) => r.error !== 'its record went away');
   if (values.json) {
-    process.stdout.write(`${JSON.stringify([...live, ...hibernated])}\n`);
+    process.stdout.write(`${JSON.stringify([...live.map(psRowOfLive), ...hibernated.map(psRowOfHibernated)])}\n`);
     return 0;
   }
   const table = [['ID', 'STATE', 'GUEST RAM RESIDENT', 'MEMORY', 'ON DISK', 'PID']];

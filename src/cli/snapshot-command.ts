@@ -74,14 +74,15 @@ export async function cmdSnapshot(argv: string[]): Promise<number> {
   } finally {
     progress.stop();
   }
-  if (a.json) process.stdout.write(`${JSON.stringify(r)}\n`);
   if (!r.ok) {
     // The VM's state, unless the library's message already says it (a state error does).
     const state = r.vm && !r.error.message.includes(`${a.id} is ${r.vm.state}`) ? ` (${a.id} is ${r.vm.state})` : '';
     if (r.error.code === 'PVISOR_VM_STATE') throw new RefusedError(`snapshot ${a.id} refused: ${r.error.message}${state}`);
     throw new PvisorError(r.error.code, `snapshot ${a.id} failed: ${r.error.message}${state}`);
   }
-  if (!a.json) process.stdout.write(`${formatSnapshotAnswer(a, r)}\n`);
+  // --json: a plain object, the snapshot's figures and the state the VM is left in.
+  if (a.json) process.stdout.write(`${JSON.stringify({ id: a.id, state: r.vm.state, ...r.snapshot })}\n`);
+  else process.stdout.write(`${formatSnapshotAnswer(a, r)}\n`);
   return 0;
 }
 

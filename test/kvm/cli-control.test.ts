@@ -137,12 +137,14 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
 
     // The VM went on as it was: running, its working set still resident, its socket still there.
     const ps = await pvisor('ps', '--json');
-    const rows = JSON.parse(ps.stdout) as { id: string; response: { vm: { state: string }; memory: { guestRamResidentBytes: number } } }[];
-    expect(rows.map((r) => [r.id, r.response.vm.state])).toEqual([['T2', 'running']]);
-    expect(rows[0].response.memory.guestRamResidentBytes).toBeGreaterThanOrEqual(16 * 2 ** 20);
+    const rows = JSON.parse(ps.stdout) as { id: string; state: string; pid: number; guestRamResidentBytes: number }[];
+    expect(rows.map((r) => [r.id, r.state])).toEqual([['T2', 'running']]);
+    expect(rows[0].guestRamResidentBytes).toBeGreaterThanOrEqual(16 * 2 ** 20);
+    expect(rows[0].pid).toBe(run.child.pid);
 
-    const stop = await pvisor('stop', 'T2');
-    expect(stop.stdout).toMatch(/^T2 stopped \(it was running/m);
+    // --json: a plain object, the state the stop left it in.
+    const stop = await pvisor('stop', 'T2', '--json');
+    expect(JSON.parse(stop.stdout)).toMatchObject({ id: 'T2', command: 'stop', state: 'stopped', pid: run.child.pid });
     expect(stop.status).toBe(0);
     const end = await run.exited;
     expect(end.code).toBe(0);
@@ -204,8 +206,8 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
     expect(digestsOf(restored.stdout)).toEqual([ws64]);
     expect(restored.stdout).toMatch(/^memory: guest RAM PSS 6\d\.\d MiB of 256\.0 MiB/m);
 
-    const ps = JSON.parse((await pvisor('ps', '--json')).stdout) as { id: string; response: { vm: { state: string } } }[];
-    expect(ps.map((r) => [r.id, r.response.vm.state])).toEqual([['S1', 'running']]);
+    const ps = JSON.parse((await pvisor('ps', '--json')).stdout) as { id: string; state: string }[];
+    expect(ps.map((r) => [r.id, r.state])).toEqual([['S1', 'running']]);
     expect((await pvisor('stop', 'S1')).status).toBe(0);
     expect((await run.exited).code).toBe(0);
     expect(digestsOf(run.out())).toEqual([ws64]);
@@ -237,8 +239,8 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
     const snap = await pvisor('snapshot', 'S4', join(dir, 'second'), '--leave-paused');
     expect(snap.stdout).toMatch(/; S4 is paused \(pvisor resume S4 lets it run\)$/m);
     expect(snap.status).toBe(0);
-    const ps = JSON.parse((await pvisor('ps', '--json')).stdout) as { id: string; response: { vm: { state: string } } }[];
-    expect(ps.map((r) => [r.id, r.response.vm.state])).toEqual([['S4', 'paused']]);
+    const ps = JSON.parse((await pvisor('ps', '--json')).stdout) as { id: string; state: string }[];
+    expect(ps.map((r) => [r.id, r.state])).toEqual([['S4', 'paused']]);
     expect((await pvisor('resume', 'S4')).status).toBe(0);
     const second = await pvisor('run', '--from', join(dir, 'second'), '--', 'digest');
     expect(second.status).toBe(0);

@@ -51,14 +51,14 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
     if (!r.ok) throw new Error(r.error.message);
     return /^digest: ([0-9a-f]{16}) over 16\.0 MiB/m.exec(r.exec!.stdout)?.[1];
   };
-  type PsRow = { id: string; response?: { vm: { state: string; pid: number }; memory?: { processPssBytes: number; guestRamResidentBytes: number } }; hibernated?: { dir: string; bytesOnDisk: number } };
+  type PsRow = { id: string; state: string; pid: number | null; processPssBytes?: number; guestRamResidentBytes?: number; bytesOnDisk?: number; dir?: string };
   const ps = async () => JSON.parse((await pvisor('ps', '--json')).stdout) as PsRow[];
 
   it('hibernates a probe VM out of its process and resumes it in a new one with the same id, socket and digest', async () => {
     const run = start('--guest', 'probe', '--name', 'H1', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 16MiB random 42, digest, wait');
     await run.waitFor(/^digest: /m);
     expect(/^digest: ([0-9a-f]{16})/m.exec(run.out())![1]).toBe(ws);
-    const processBefore = (await ps()).find((r) => r.id === 'H1')!.response!.memory!.processPssBytes;
+    const processBefore = (await ps()).find((r) => r.id === 'H1')!.processPssBytes!;
 
     const h = await pvisor('suspend', 'H1', '--vm-offload', '--hibernate');
     expect(h.stderr).toBe('');
@@ -108,8 +108,8 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
     expect(hibernatedDirs()).toEqual([]);
     expect(existsSync(socketOf('H1'))).toBe(true);
     expect(await digestOver('H1')).toBe(ws);
-    const after = (await ps()).find((r) => r.id === 'H1')!.response!;
-    expect(after.vm).toMatchObject({ state: 'running', pid });
+    const after = (await ps()).find((r) => r.id === 'H1')!;
+    expect(after).toMatchObject({ state: 'running', pid });
 
     // A second resume of the running VM: nothing to resume.
     const again = await pvisor('resume', 'H1');
@@ -129,7 +129,7 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
       `cli hibernate figures (probe, 64 MiB, 16 MiB random; its start to ready took ${bootMs} ms): hibernate ${hibernateMs} ms, guest RAM ${(guestRam / MiB).toFixed(1)} MiB, ` +
         `process ${(processPss / MiB).toFixed(1)} MiB (ps before: ${(processBefore / MiB).toFixed(1)} MiB) -> 0 while hibernated, ${(onDisk / MiB).toFixed(1)} MiB on disk; ` +
         `resume (command) ${rm![1]} ms, ready ${rm![2]} ms after its process began restoring, then guest RAM ${rm![4]}, process ${rm![5]}; ` +
-        `after a digest, process ${(after.memory!.processPssBytes / MiB).toFixed(1)} MiB\n`,
+        `after a digest, process ${(after.processPssBytes! / MiB).toFixed(1)} MiB\n`,
     );
 
     // Hibernated again, then stopped: a stop discards it, state and record.
