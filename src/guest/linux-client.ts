@@ -461,14 +461,21 @@ export class LinuxGuest {
         return;
       }
       collected[name].push(b);
-      listeners[name]?.(b);
+      try {
+        listeners[name]?.(b);
+      } catch (e) {
+        // The caller's callback threw: that ends the command, never the receive path it runs on.
+        p.stop(e instanceof Error ? e : new Error(String(e)));
+      }
     };
     if (options.stdin !== undefined && !options.signal?.aborted) {
       p.write(options.stdin).then(() => p.end()).catch(() => {
         // The command may exit without reading its stdin (EPIPE): its exit status says enough.
       });
     }
-    // Chunks come as the guest sent them: a decoder keeps a split UTF-8 character for the next.
+    // Chunks come as the guest sent them: a decoder keeps a split UTF-8 character for the next,
+    // and what it holds at the end is given once the output is complete.
+    const flushes: (() => void)[] = [];
     if (encoding === 'utf8') {
       for (const name of ['stdout', 'stderr'] as const) {
         const listener = listeners[name] as ((text: string) => void) | undefined;
@@ -478,7 +485,7 @@ export class LinuxGuest {
           const text = decoder.write(b);
           if (text) listener(text);
         };
-        p[name].once('end', () => {
+        flushes.push(() => {
           const rest = decoder.end();
           if (rest) listener(rest);
         });
@@ -487,6 +494,7 @@ export class LinuxGuest {
     p.stdout.on('data', collect('stdout'));
     p.stderr.on('data', collect('stderr'));
     const status = await p.exited;
+    for (const flush of flushes) flush();
     const stdout = Buffer.concat(collected.stdout);
     const stderr = Buffer.concat(collected.stderr);
     return encoding === 'buffer' ? { ...status, stdout, stderr } : { ...status, stdout: stdout.toString('utf8'), stderr: stderr.toString('utf8') };

@@ -48,6 +48,11 @@ describeWithCompiler('exec output and stdin', () => {
     expect(Buffer.concat(bytes).equals(b.stdout)).toBe(true);
     expect(b.stdout.length).toBe(300000);
     await expect(agent.linux.exec('true', { onStdout: 'log' } as never)).rejects.toThrow(/onStdout: expected a function, got string/);
+    // A callback that throws ends its command with that error; the agent serves on.
+    const t0 = performance.now();
+    await expect(agent.linux.exec('echo first; sleep 30', { onStdout: () => { throw new Error('the consumer gave up'); } })).rejects.toThrow('the consumer gave up');
+    expect(performance.now() - t0).toBeLessThan(10_000);
+    expect((await agent.linux.exec(['echo', 'still here'])).stdout).toBe('still here\n');
   });
 
   it("a spawned process's stdin is a Writable: pipeline() feeds it and finishes once the guest has it all", async () => {
