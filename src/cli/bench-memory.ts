@@ -20,7 +20,8 @@
  * same touches with UFFDIO_COPY alone (native-prebuilds/bench/uffd-fault-loop.c), built and run
  * in the same run; then the guest's digest must equal the one taken before.
  */
-import { mkdirSync, writeFileSync } from 'node:fs';
+import { createHash } from 'node:crypto';
+import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
@@ -37,6 +38,7 @@ import { Offload } from '../memory/strategies/offload';
 import type { MemoryStrategy, StrategyStats } from '../memory/strategy';
 import { parseSize } from '../units';
 import { Vm } from '../vm';
+import { AGENT_ROOTFS_SCRIPT, AgentSession, agentRootfsImage } from './agent-workload';
 import { CellCgroup } from './cell-cgroup';
 import { CellProcess, parentLink, type ParentLink } from './cell-process';
 import { GOALS, LINUX_GOALS, STUDY_TABLE1, STUDY_TABLE2, savingPercent, studyRowOf, type PerContent } from './study-figures';
@@ -61,7 +63,11 @@ const COLD_MIN_SETTLE_MS = BENCH_COLD_AFTER_MS + 5000;
  */
 const MIX_SETTLE_MS = 45_000;
 const HOT_WINDOW_MS = 60_000;
-type Content = keyof typeof SEEDS;
+/**
+ * A cell's working set: data of one of the study's kinds that pvisor-workset (or the probe)
+ * holds, or `agent`, the agent workload (./agent-workload.ts), whose heap is its working set.
+ */
+type Content = keyof typeof SEEDS | 'agent';
 
 /** A mode of Table 1: the strategies a VM starts with and what is done after the fill. */
 interface Mode {
@@ -162,8 +168,56 @@ interface CellVm {
   ws: CellWorkingSet;
 }
 
+/**
+ * The agent workload as a cell's working set: the program compiled its project and holds the
+ * result on its heap from its ready line on, so there is nothing to fill. Table 2's task is its
+ * `work` (compile again from scratch, keep the new program); its digest is what it holds (files,
+ * source files, outputs), which an offload must bring back unchanged.
+ */
+class AgentCellWorkload implements CellWorkingSet {
+  constructor(
+    private readonly vm: Vm,
+    private readonly session: AgentSession,
+  ) {}
+
+  async fill(): Promise<void> {}
+
+  async rewrite(): Promise<void> {
+    await this.session.request('work', { timeoutMs: AGENT_REQUEST_TIMEOUT_MS });
+  }
+
+  async touch(): Promise<void> {
+    await this.session.status({ timeoutMs: AGENT_REQUEST_TIMEOUT_MS });
+  }
+
+  async digest(): Promise<{ hex: string }> {
+    const s = await this.session.request('status', { timeoutMs: AGENT_REQUEST_TIMEOUT_MS });
+    return { hex: createHash('sha256').update(JSON.stringify([s.files, s.sourceFiles, s.outputs])).digest('hex').slice(0, 16) };
+  }
+
+  /** An idle agent frees nothing of its own: the guest drops its page cache, and reports it free. */
+  async release(): Promise<void> {
+    const r = await this.vm.exec(['sh', '-c', 'sync; echo 3 > /proc/sys/vm/drop_caches'], { timeoutMs: AGENT_REQUEST_TIMEOUT_MS });
+    if (r.exitCode !== 0) throw new Error(`dropping the guest's caches failed: ${r.stderr.trim()}`);
+  }
+}
+
+/** The agent program's answers and its start, in the nested harness 10-50x slower than on hardware. */
+const AGENT_REQUEST_TIMEOUT_MS = 600_000;
+const AGENT_READY_TIMEOUT_MS = 1_800_000;
+
 /** A fresh 512 MiB / 2 vCPU VM of `guest` with `strategies`, booted and ready for its working set. */
-async function startCellVm(guest: BenchGuest, strategies: MemoryStrategy[]): Promise<CellVm> {
+async function startCellVm(guest: BenchGuest, strategies: MemoryStrategy[], content: Content): Promise<CellVm> {
+  if (content === 'agent') {
+    // The image read-only, as a fleet of agents shares one; the program's files are page cache.
+    const vm = await Vm.start({ memory: '512MiB', vcpus: 2, strategies, rootfs: { path: agentRootfsImage(), readOnly: true }, bootTimeoutMs: 600_000 });
+    try {
+      return { vm, ws: new AgentCellWorkload(vm, await AgentSession.start(vm, { readyTimeoutMs: AGENT_READY_TIMEOUT_MS })) };
+    } catch (e) {
+      vm.stop();
+      throw e;
+    }
+  }
   if (guest === 'probe') {
     const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies });
     return { vm, ws: vm.probe };
@@ -200,13 +254,14 @@ async function cellChild(config: CellConfig): Promise<void> {
     for (let i = 0; i < config.vms; i++) {
       const strategies = mode.strategies(config.backingDir);
       if (i === 0) firstStrategies = strategies;
-      const c = await startCellVm(config.guest, strategies);
+      const c = await startCellVm(config.guest, strategies, config.content);
       cellVms.push(c);
       vms.push(c.vm);
     }
     const guestRamPssBootedBytes = vms.reduce((sum, v) => sum + v.memoryUsage().guestRamPssBytes, 0);
     const [{ vm, ws }] = cellVms;
-    for (const c of cellVms) await c.ws.fill({ sizeMiB: config.workingSetMiB, content: config.content, seed: SEEDS[config.content] });
+    const content = config.content;
+    if (content !== 'agent') for (const c of cellVms) await c.ws.fill({ sizeMiB: config.workingSetMiB, content, seed: SEEDS[content] });
     const filledAt = performance.now();
     say({ event: 'filled' });
     // Table 2's task is timed on a lone VM only.
@@ -412,7 +467,12 @@ async function benchMemory(argv: string[]): Promise<object> {
     });
     if (!modes.some((m) => m.name === 'default')) modes.unshift(MODES[0]); // savings need the baseline
     const contents = values.contents.split(',') as Content[];
-    for (const c of contents) if (!(c in SEEDS)) throw new InvalidOptionError('--contents', `unknown working set ${c}; use repetitive, random or compressible`);
+    for (const c of contents) {
+      if (c === 'agent') {
+        if (guest !== 'linux') throw new InvalidOptionError('--contents', 'agent runs in the Linux guest: add --guest linux');
+        if (!existsSync(agentRootfsImage())) throw new InvalidOptionError('--contents', `agent needs the agent rootfs ${agentRootfsImage()}: bash ${AGENT_ROOTFS_SCRIPT} builds it (as root, about 5 minutes)`);
+      } else if (!(c in SEEDS)) throw new InvalidOptionError('--contents', `unknown working set ${c}; use repetitive, random, compressible or agent (--guest linux)`);
+    }
     const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
     if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1) throw new InvalidOptionError('--working-set', 'expected whole MiB, at least 1MiB');
     const backingDir = resolve(values['backing-dir']);
@@ -471,7 +531,8 @@ async function benchMemory(argv: string[]): Promise<object> {
   }
 
   const find = (mode: string, content: Content, vms = 1) => cells.find((c) => c.mode === mode && c.content === content && c.vms === vms);
-  const pick = (p: PerContent | undefined, c: Content) => p?.[c];
+  // The study has no agent workload: its cells have nothing beside them.
+  const pick = (p: PerContent | undefined, c: Content) => (c === 'agent' ? undefined : p?.[c]);
   const perVm = (c: CellResult, bytes: number) => bytes / c.vms / MiB;
   // The probe's table stays as it was; the Linux guest's says where each VM ran and what a booted guest cost before its data.
   const wide = guest === 'linux';
@@ -548,7 +609,8 @@ async function benchMemory(argv: string[]): Promise<object> {
   const goals: string[][] = [['issue', 'goal', 'mode', 'working set', ...(wide ? ['VMs per process'] : []), 'ours', 'bound', 'met']];
   const goalResults: object[] = [];
   for (const g of guest === 'linux' ? LINUX_GOALS : GOALS) {
-    for (const c of cells.filter((x) => g.modes.includes(x.mode) && x.vms === (g.vms ?? 1))) {
+    // The agent workload has no goal yet (issue 24): its figures are reported, not judged.
+    for (const c of cells.filter((x) => g.modes.includes(x.mode) && x.vms === (g.vms ?? 1) && x.content !== 'agent')) {
       const base = find('default', c.content, c.vms);
       if (!base) continue;
       const ours = {
@@ -564,7 +626,7 @@ async function benchMemory(argv: string[]): Promise<object> {
         hotRefaultPercentPerSecond: c.hotRefaultPercentPerSecond,
       }[g.key];
       if (ours === undefined) continue;
-      const bound = 'floor' in g.bound ? (floorOf ? g.bound.times * floorOf[g.bound.floor] : undefined) : g.bound[c.content];
+      const bound = 'floor' in g.bound ? (floorOf ? g.bound.times * floorOf[g.bound.floor] : undefined) : c.content === 'agent' ? undefined : g.bound[c.content];
       if (bound === undefined) continue; // a bound on a floor that was not measured
       const boundText = 'floor' in g.bound ? `${g.bound.times}x ${g.bound.floor} = ${bound.toFixed(1)}` : String(bound);
       const met = g.kind === 'max' ? ours <= bound : ours >= bound;

@@ -220,6 +220,9 @@ const BENCH_MEMORY = `  pvisor bench memory [--table 1,2,3] [--guest probe|linux
       initramfs); its default modes are the study's (default, idle-release, cold-compression,
       offload, compressed-offload) and its default --placements 1,8: each cell once with one VM
       in the process and once with 8 (figures per VM, the process shared among them).
+      --contents agent (with --guest linux): the agent workload's rows, each VM booting the agent
+      rootfs read-only (scripts/agent-rootfs.sh builds it) and its program holding a compiled
+      TypeScript project; idle-release drops the guest's caches, Table 2's task is its work.
       Modes cold-compression and cold-compression-mix (16 MiB hot, the rest cold) add a cold
       compression table: time to settle, store size, scanner CPU, faults/s against a native
       userfaultfd loop; --contents compressible is the study's distinct compressible pages.
