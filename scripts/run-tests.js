@@ -38,17 +38,19 @@ const kvmFiles = readdirSync(join(root, 'dist', 'test', 'kvm')).filter((f) => f.
 const progressFile = join(resultsDir, 'kvm-progress.jsonl');
 // One group (one jest run, and under the harness one L1 with its own time limit) per place and
 // guest: on a host without KVM the probe's files and the Linux guest's each get an L1, so that
-// neither's run time counts against the other's limit (all in one L1 ran past its 1800 s). The
-// agent workload's files (linux-agent-*: Node.js and TypeScript in the guest, 12-16 min in the
-// harness) get an L1 of their own for the same reason.
+// neither's run time counts against the other's limit (all in one L1 ran past its 1800 s). For
+// the same reason, the longest Linux files get an L1 each: the agent workload's (Node.js and
+// TypeScript in the guest, 12-16 min in the harness) and the memory study's (every strategy over
+// pvisor-workset, 16 min).
+const OWN_L1 = /^linux-(agent-|memory)/;
 const groups = [];
 for (const file of kvmFiles) {
   const name = file.split('/').pop();
   const linux = /^linux-/.test(name);
-  const agent = /^linux-agent-/.test(name);
+  const own = OWN_L1.test(name) ? name : '';
   const here = runsHere(linux);
-  let g = groups.find((x) => x.here === here && x.linux === linux && x.agent === agent);
-  if (!g) groups.push((g = { here, linux, agent, files: [] }));
+  let g = groups.find((x) => x.here === here && x.linux === linux && x.own === own);
+  if (!g) groups.push((g = { here, linux, own, files: [] }));
   g.files.push(file);
 }
 for (const [n, group] of groups.entries()) {
