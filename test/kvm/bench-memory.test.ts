@@ -31,7 +31,7 @@ describe('pvisor bench memory', () => {
       [main, 'bench', 'memory', '--modes', 'default,offload', '--contents', 'random', '--working-set', '8MiB', '--shared-vms', '2', '--floor-runs', '2', '--backing-dir', join(dir, 'backing'), '--json', json],
       { encoding: 'utf8' },
     );
-    expect(r.stderr).toMatch(/\[2\/2\] offload random: operation took/);
+    expect(r.stderr).toMatch(/\[2\/2\] probe offload random: operation took/);
     expect(r.status).toBe(0);
     expect(r.stdout).toMatch(/^default\s+\| random\s+\| [\d.]+ \(179\.4\)/m);
     expect(r.stdout).toMatch(/^offload\s+\| random\s+\| [\d.]+ \(320\.1\)\s+\| [\d.]+ \(498\.2\)/m);
