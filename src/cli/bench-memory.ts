@@ -385,7 +385,7 @@ async function runCell(config: CellConfig, label: string): Promise<CellResult> {
   const result: Partial<CellResult> = { guest: config.guest, mode: config.mode, content: config.content, vms: config.vms };
   try {
     for await (const msg of cell.messages()) {
-      if (msg.event === 'filled') progress(`${label}: ${config.workingSetMiB} MiB filled`);
+      if (msg.event === 'filled') progress(`${label}: ${config.content === 'agent' ? 'the agent program is ready' : `${config.workingSetMiB} MiB filled`}`);
       if (msg.event === 'operated') {
         const released = msg.releaseMs === undefined ? '' : `, memory released after ${(msg.releaseMs as number).toFixed(1)} ms`;
         progress(`${label}: operation took ${(msg.operationMs as number).toFixed(1)} ms${released}; reading in ${READ_AFTER_MS / 1000} s`);
