@@ -248,8 +248,18 @@ export class GuestProcess {
    * The command's standard input as a stream (spawned with `stdin: true`, else null): what is
    * written goes through {@link write}, `end()` closes it through {@link end}, so
    * `pipeline(source, p.stdin)` feeds the command and finishes once the guest has it all.
+   * Made on first use: exec writes its stdin without one.
    */
-  readonly stdin: Writable | null;
+  get stdin(): Writable | null {
+    if (!this.stdinOpen) return null;
+    this.stdinStream ??= new Writable({
+      write: (chunk: Buffer, _encoding, callback) => this.write(chunk).then(() => callback(), callback),
+      final: (callback) => this.end().then(() => callback(), callback),
+    });
+    return this.stdinStream;
+  }
+  private stdinStream: Writable | undefined;
+  private readonly stdinOpen: boolean;
   /** The guest pid, once the program has started. */
   readonly pid: Promise<number>;
   /** Resolves when the process has ended and its output is complete; rejects if it never started. */
@@ -270,12 +280,7 @@ export class GuestProcess {
     limits: { timeoutMs?: number; signal?: AbortSignal } = {},
     what: { call?: string; argv0?: string; stdin?: boolean } = {},
   ) {
-    this.stdin = what.stdin
-      ? new Writable({
-          write: (chunk: Buffer, _encoding, callback) => this.write(chunk).then(() => callback(), callback),
-          final: (callback) => this.end().then(() => callback(), callback),
-        })
-      : null;
+    this.stdinOpen = what.stdin === true;
     const stdout = new GuestOutput(agent, CHUNK_STDOUT);
     const stderr = new GuestOutput(agent, CHUNK_STDERR);
     this.stdout = stdout.readable;
