@@ -34,6 +34,14 @@ const unitStatus = run('npx', jest(['dist/test/unit'], 'unit.json'), 'unit tests
 // heartbeat keeps a slow test from looking silent, so the watchdog can be short; when it fires
 // (exit 124), the files that had not finished run once more in a fresh L1. A test that fails is
 // never rerun.
+// The agent workload's image (scripts/agent-rootfs.sh: Debian packages, about 5 minutes once, then
+// a stamp says it is up to date), which test/kvm/linux-agent-workload.test.ts boots: built here
+// so that `npm test` sets up what it needs on a fresh machine. It needs root (debootstrap, a loop
+// of mke2fs); elsewhere, or if the build fails, that file's tests are skipped, saying why.
+if (process.getuid?.() === 0 && run('bash', [join(root, 'scripts', 'agent-rootfs.sh')], "the agent workload's image") !== 0) {
+  console.log("the agent workload's image could not be built: its tests will be skipped");
+}
+
 const kvmFiles = readdirSync(join(root, 'dist', 'test', 'kvm')).filter((f) => f.endsWith('.test.js')).sort().map((f) => join(root, 'dist', 'test', 'kvm', f));
 const progressFile = join(resultsDir, 'kvm-progress.jsonl');
 // One group (one jest run, and under the harness one L1 with its own time limit) per place and
