@@ -196,7 +196,9 @@ static void cmd_free(char **arg)
         answer("error free: expected nothing, or OFFSET LENGTH (multiples of 4096, inside the working set)");
         return;
     }
-    if (!arg[0] || len == ws_bytes) {
+    /* A range, even the whole set, stays the working set and reads as zeros: only a free without
+     * one gives the working set up. */
+    if (!arg[0]) {
         release_ws();
     } else if (len) {
         /* A fresh mapping over the range: its pages go back to the kernel and read as zeros. */
