@@ -1384,12 +1384,18 @@ static void enter_rootfs(void) {
 
 #include "agent-net.h"
 
-/* Opens the channel, waiting for the device (virtio ports may appear after init starts). */
+/*
+ * Opens the channel, waiting for the device: virtio ports may appear after init starts, and on a
+ * loaded host much later (eight guests booting at once in one process under the nested harness:
+ * more than 10 s). The host ends a VM that is not ready within its boot timeout, so waiting long
+ * here costs nothing; giving up early ended a guest that would have come up.
+ */
 static int open_channel(const char *path) {
-  for (int i = 0; i < 1000; i++) {
+  for (int i = 0; i < 30000; i++) { /* 300 s in steps of 10 ms */
     int fd = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC | O_NONBLOCK);
     if (fd >= 0) return fd;
     if (errno != ENOENT && errno != ENXIO && errno != ENODEV) break;
+    if (i == 1000) logmsg("%s is not there after 10 s; waiting for it", path);
     nanosleep(&(struct timespec){.tv_nsec = 10 * 1000 * 1000}, NULL);
   }
   die(path);
