@@ -270,24 +270,15 @@ describe('saved state readers under seeded mutation', () => {
   });
 
   property('a snapshot directory whose manifest or state was changed', 60, (rng) => {
-    const snap = join(dir, `snap-${rng.u32()}`);
-    const small = GuestMemory.map(64 * 1024);
-    try {
-      small.write(rng.int(60 * 1024), rng.bytes(rng.size(4096)));
-      writeSnapshot(snap, small, { version: 1, guest: 'probe', memoryBytes: small.sizeBytes, vcpus: 1, machine: machine(), devices: {}, agent: {}, guestClient: {} });
-    } finally {
-      small.unmap();
-    }
+    const snap = smallSnapshot(rng);
     const file = join(snap, rng.pick(['manifest.json', 'state.json']));
     const original = JSON.parse(readFileSync(file, 'utf8'));
-    chmodSync(file, 0o644);
     const bytes = rng.chance(0.9) ? Buffer.from(JSON.stringify(mutated(rng, original))) : rng.bytes(rng.size(256));
     writeFileSync(file, bytes);
     if (file.endsWith('state.json') && rng.chance(0.8)) {
       // With the manifest's checksum made to match, the state's own checks run.
       const manifestPath = join(snap, 'manifest.json');
       const manifest = JSON.parse(readFileSync(manifestPath, 'utf8'));
-      chmodSync(manifestPath, 0o644);
       writeFileSync(manifestPath, JSON.stringify({ ...manifest, stateBytes: bytes.length, stateCrc32c: hex32(crc32c(bytes)) }));
     }
     let reader: SnapshotReader | undefined;
