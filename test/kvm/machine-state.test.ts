@@ -20,6 +20,13 @@ function withRipRsp(state: MachineState, index: number, value: bigint): MachineS
   return copy;
 }
 
+/** A copy of `state` (through JSON, as a snapshot carries it) changed by `f`. */
+function mutated(state: MachineState, f: (s: any) => void): unknown {
+  const copy = JSON.parse(JSON.stringify(state));
+  f(copy);
+  return copy;
+}
+
 function ripOf(state: MachineState, index: number): bigint {
   return Buffer.from(state.vcpus[index].kvm.regs, 'base64').readBigUInt64LE(C.KVM_REGS.rip * 8);
 }
@@ -92,11 +99,7 @@ describe('machine state on KVM (probe guest)', () => {
     await vm.probe.fill({ sizeMiB: 8, content: 'repetitive', seed: 4 });
     await vm.pause();
     const state = await vm.kvmMachine.captureState();
-    const mutate = (f: (s: any) => void): unknown => {
-      const copy = JSON.parse(JSON.stringify(state));
-      f(copy);
-      return copy;
-    };
+    const mutate = (f: (s: any) => void) => mutated(state, f);
     // vCPU 0's part is valid (garbage RIP), vCPU 1's is not: nothing may be applied, vCPU 0 included.
     const halfBad = (f: (s: any) => void) => mutate((s) => {
       s.vcpus[0].kvm.regs = withRipRsp(state, 0, 0x1234n).vcpus[0].kvm.regs;
@@ -135,11 +138,7 @@ describe('machine state on KVM (probe guest)', () => {
     await vm.probe.fill({ sizeMiB: 8, content: 'repetitive', seed: 6 });
     await vm.pause();
     const state = await vm.kvmMachine.captureState();
-    const mutate = (f: (s: any) => void): unknown => {
-      const copy = JSON.parse(JSON.stringify(state));
-      f(copy);
-      return copy;
-    };
+    const mutate = (f: (s: any) => void) => mutated(state, f);
     const blob = (b64: string, offset: number, value: bigint) => {
       const b = Buffer.from(b64, 'base64');
       b.writeBigUInt64LE(value, offset);
