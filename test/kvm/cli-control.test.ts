@@ -1,22 +1,11 @@
 // pvisor suspend/resume/snapshot/stop/ps from another process, against a VM started by pvisor run
 // (booted, or restored with --from): real KVM, real processes, the control socket between them.
 // Needs /dev/kvm.
-import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
+import { pvisorOnce, startPvisor, type Run } from '../cli-runs';
 import { hexOf } from '../probe-digest';
-
-const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
-
-interface Run {
-  child: ChildProcess;
-  out: () => string;
-  err: () => string;
-  exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
-  /** Resolves when stdout (or stderr) matches. */
-  waitFor(pattern: RegExp, stream?: 'out' | 'err'): Promise<void>;
-}
 
 describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run', () => {
   let dir: string;
@@ -36,41 +25,13 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
   });
 
   function start(...args: string[]): Run {
-    const child = spawn(process.execPath, [main, 'run', '--vm-backing-dir', dir, ...args], { env, stdio: ['ignore', 'pipe', 'pipe'] });
-    let out = '';
-    let err = '';
-    const waiters: (() => void)[] = [];
-    const poke = () => waiters.forEach((w) => w());
-    child.stdout!.setEncoding('utf8').on('data', (d: string) => ((out += d), poke()));
-    child.stderr!.setEncoding('utf8').on('data', (d: string) => ((err += d), poke()));
-    const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) => child.on('exit', (code, signal) => (poke(), resolve({ code, signal }))));
-    const run: Run = {
-      child,
-      out: () => out,
-      err: () => err,
-      exited,
-      waitFor: (pattern, stream = 'out') =>
-        new Promise((resolve, reject) => {
-          const check = () => {
-            if (pattern.test(stream === 'out' ? out : err)) resolve();
-            else if (child.exitCode !== null || child.signalCode !== null) reject(new Error(`run ended before ${pattern}: stdout ${out} stderr ${err}`));
-            else return false;
-            return true;
-          };
-          if (!check()) waiters.push(() => void check());
-        }),
-    };
+    const run = startPvisor(env, ['run', '--vm-backing-dir', dir, ...args]);
     runs.push(run);
     return run;
   }
 
-  const pvisor = (...args: string[]) => pvisorIn(process.cwd(), ...args);
-  const pvisorIn = (cwd: string, ...args: string[]) =>
-    new Promise<{ status: number; stdout: string; stderr: string }>((resolve) => {
-      execFile(process.execPath, [main, ...args], { cwd, env, encoding: 'utf8' }, (error, stdout, stderr) => {
-        resolve({ status: error ? Number((error as { code?: number }).code ?? 1) : 0, stdout, stderr });
-      });
-    });
+  const pvisor = (...args: string[]) => pvisorOnce(env, args);
+  const pvisorIn = (cwd: string, ...args: string[]) => pvisorOnce(env, args, cwd);
 
   const socketOf = (id: string) => join(dir, 'run', `${id}.sock`);
   const ramFiles = () => readdirSync(dir).filter((f) => f.endsWith('.ram'));
