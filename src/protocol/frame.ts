@@ -61,8 +61,12 @@ export function writeFrameHeader(b: Buffer, f: { type: FrameType; id: number; op
   b.writeUInt32LE(f.length, 12);
 }
 
-/** The byte stream does not hold valid frames (bad magic, version or length). */
-export class FrameError extends Error {}
+/** The byte stream does not hold valid frames: `reason` says which check of the header failed first. */
+export class FrameError extends Error {
+  constructor(readonly reason: 'magic' | 'version' | 'length', message: string) {
+    super(message);
+  }
+}
 
 /**
  * Reassembles frames from a byte stream that may split or join them anywhere. Linear in the bytes
@@ -137,10 +141,10 @@ export class FrameDecoder {
 
   /** The header's frame, with a payload buffer of its length to fill. Lost framing throws. */
   private parseHeader(b: Buffer): Frame {
-    if (b[0] !== MAGIC0 || b[1] !== MAGIC1) throw new FrameError('bad frame magic');
-    if (b[2] !== FRAME_VERSION) throw new FrameError(`unsupported protocol version ${b[2]}`);
+    if (b[0] !== MAGIC0 || b[1] !== MAGIC1) throw new FrameError('magic', 'bad frame magic');
+    if (b[2] !== FRAME_VERSION) throw new FrameError('version', `unsupported protocol version ${b[2]}`);
     const length = b.readUInt32LE(12);
-    if (length > MAX_PAYLOAD_BYTES) throw new FrameError(`payload length ${length} exceeds ${MAX_PAYLOAD_BYTES}`);
+    if (length > MAX_PAYLOAD_BYTES) throw new FrameError('length', `payload length ${length} exceeds ${MAX_PAYLOAD_BYTES}`);
     const payload = this.options.reusePayloads ? (this.assembly ??= Buffer.allocUnsafe(MAX_PAYLOAD_BYTES)).subarray(0, length) : Buffer.allocUnsafe(length);
     return { type: b[3] as FrameType, id: b.readUInt32LE(4), op: b.readUInt16LE(8), flags: b.readUInt16LE(10), payload };
   }
