@@ -10,7 +10,7 @@
 import { chmodSync, closeSync, fstatSync, fsyncSync, mkdirSync, openSync, readdirSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
-import { arrayAt, booleanAt, checkVersion, choiceAt, integerAt, objectAt, stringAt } from '../backends/kvm/state-fields';
+import { arrayAt, booleanAt, checkVersion, choiceAt, integerAt, objectAt, stringAt } from '../persist/state-fields';
 import { InvalidOptionError, SnapshotError } from '../errors';
 import { hostMemTotalBytes } from '../memory-usage';
 import type { FileRange } from '../memory/uffd-server';

@@ -24,7 +24,7 @@ import { MACHINE_STATE_VERSION, parseMachineState, type MachineState, type VcpuA
 import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
 import { captureVcpu, checkVcpuStateFits, restoreVcpu, vcpuStateFormat, type VcpuStateFormat } from './vcpu-state';
 import { captureVm, checkVmStateFits, restoreVm } from './vm-state';
-import { arrayAt, checkVersion, objectAt } from './state-fields';
+import { arrayAt, checkVersion, objectAt } from '../../persist/state-fields';
 import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type TransportState, type VirtioDevice } from './virtio/mmio-transport';
 import { linuxShutdownCrash, quoteConsole } from './console-claims';
 
