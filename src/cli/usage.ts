@@ -234,6 +234,7 @@ const BENCH_MEMORY = `  pvisor bench memory [--table 1,2,3] [--guest probe|linux
         after the passes that followed the one before); working sets same repetitive,
         same random, unique random (--working-sets, --schemes); per VM = group PSS / 4, before
         and after a 100% rewrite; then each VM exits alone and the others' digests are checked.
+        With --guest linux, on the shipped Linux guest (pvisor-workset holds each working set).
 `;
 const BENCH_SNAPSHOT = `  pvisor bench snapshot [--runs 5] [--dir DIR] [--json FILE]
       Snapshots of a probe VM with a 64 MiB working set, and restores of them (private and
