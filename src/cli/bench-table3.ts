@@ -159,7 +159,7 @@ export async function vmProcess(): Promise<void> {
             reply = { strategies: vm!.memoryUsage().strategies };
             break;
           case 'stop':
-            vm?.stop();
+            await vm?.stop();
             vm = undefined;
             break;
         }
@@ -170,7 +170,7 @@ export async function vmProcess(): Promise<void> {
       }
     }
   } finally {
-    vm?.stop();
+    await vm?.stop();
   }
 }
 
