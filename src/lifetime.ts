@@ -42,7 +42,7 @@ export class Lifetime {
 
   constructor(
     private readonly hooks: LifetimeHooks,
-    private readonly now: () => number = Date.now,
+    private readonly now: () => number = () => Date.now(),
   ) {}
 
   /** Sets the deadline `ms` from now (a whole number, 1 ms to about 24.8 days), replacing any other. */

@@ -1249,7 +1249,7 @@ export class Vm extends EventEmitter<VmEvents> {
    * `options.labels`, only those that have all of them. Another process's answer is checked: a
    * row whose answer was refused says so in `error`.
    */
-  static list(options: VmListOptions = {}): Promise<VmListEntry[]> {
+  static async list(options: VmListOptions = {}): Promise<VmListEntry[]> {
     checkOptionKeys('Vm.list', options, LIST_OPTION_KEYS);
     const nowMs = Date.now();
     return listVms([...live].map((vm) => vm.listEntry(nowMs)), options);

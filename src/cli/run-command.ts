@@ -7,7 +7,7 @@
 import { rmSync } from 'node:fs';
 import { constants as osConstants } from 'node:os';
 import { InvalidOptionError, type PvisorError } from '../errors';
-import { checkKvmHost, requireKernelModeGuests } from '../backends/kvm/host-check';
+import { checkKvmHost, requireKernelModeGuests, type KvmHostInfo } from '../backends/kvm/host-check';
 import { formatMiB } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { ConsoleCopy } from './console-copy';
@@ -24,9 +24,17 @@ export async function cmdRun(argv: string[]): Promise<number> {
   // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
   const steps = machine.guest === 'probe' ? parseUsage('run', () => parseProbeScript(args.command)) : undefined;
   const cursor = steps && new ScriptCursor(steps);
-  // A host that cannot run the VM refuses it before anything is claimed or printed, in the CLI's words.
-  const host = checkKvmHost();
-  if (machine.guest === 'linux') requireKernelModeGuests(host, 'linux', 'cli');
+  // A KVM that cannot run the Linux guest refuses it before anything is claimed or printed, in
+  // the CLI's words. A host without a usable KVM is left to Vm.start, after the options' checks.
+  if (machine.guest === 'linux') {
+    let host: KvmHostInfo | undefined;
+    try {
+      host = checkKvmHost();
+    } catch {
+      host = undefined;
+    }
+    if (host) requireKernelModeGuests(host, 'linux', 'cli');
+  }
   // Claim the id before booting, so that a taken id fails without starting anything.
   const control = await RunControl.open({
     name: args.name,
