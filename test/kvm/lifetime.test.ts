@@ -79,4 +79,26 @@ describe('VM lifetimes', () => {
     expect(() => other.memoryUsage()).toThrow(VmStateError);
     expect(await Vm.list({ labels: { test: 'lifetime' } })).toEqual([]);
   });
+
+  it("onTimeout 'hibernate': the VM goes to hibernateDir and ends; restored, it is the same VM, with its name and labels", async () => {
+    const to = join(dir, 'hibernated');
+    const vm = await Vm.start({ guest: 'probe', memory: '32MiB', vcpus: 1, name: 'sleeper', labels: { test: 'lifetime', role: 'sleeper' }, onTimeout: 'hibernate', hibernateDir: to });
+    await vm.probe.fill({ sizeMiB: 4, content: 'random', seed: 5 });
+    const digest = (await vm.probe.digest()).hex;
+    const exit = new Promise<{ hibernatedTo?: string }>((resolve) => vm.once('exit', resolve));
+    const timedOut = new Promise<{ onTimeout: TimeoutAction; hibernatedTo?: string }>((resolve) => vm.once('timeout', resolve));
+    vm.setTimeout(500);
+    expect(await timedOut).toEqual({ onTimeout: 'hibernate', hibernatedTo: to });
+    expect((await exit).hibernatedTo).toBe(to);
+    expect(vm.state).toBe('stopped');
+    const back = await Vm.restore(to);
+    try {
+      expect(back.name).toBe('sleeper');
+      expect(back.labels).toEqual({ test: 'lifetime', role: 'sleeper' });
+      expect(back.expiresAt).toBeUndefined(); // a lifetime is the restoring caller's to give
+      expect((await back.probe.digest()).hex).toBe(digest);
+    } finally {
+      await back.stop();
+    }
+  });
 });
