@@ -86,7 +86,9 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
     } else {
       if (resumed) progress(`${new Date().toISOString()} resuming the hibernated VM ${control.id} from ${source.dir}...`);
       else progress(`restoring a ${formatMiB(control.description.memoryBytes)} ${control.description.guest} VM with ${control.description.vcpus} vCPU(s) from ${source.dir}${source.shared ? ", its RAM the snapshot's file shared copy-on-write" : ''}...`);
-      vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies, labels: args.labels });
+      // No --label: a hibernated VM keeps its own.
+      const labels = Object.keys(args.labels).length ? { labels: args.labels } : {};
+      vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies, ...labels });
       // The VM is back in a process (the restore removed its directory): it is no longer hibernated.
       if (resumed) rmSync(resumed.recordPath, { force: true });
     }
