@@ -28,7 +28,7 @@ async function main(): Promise<void> {
     const again = await Promise.all(vms.map((vm) => vm.probe.digest()));
     console.log(`daemon gone: digests ${again.every((d, i) => d.hex === digests[i].hex) ? 'unchanged' : 'CHANGED'}`);
     if (!again.every((d, i) => d.hex === digests[i].hex)) process.exitCode = 1;
-    for (const vm of vms) vm.stop();
+    for (const vm of vms) await vm.stop();
   } finally {
     daemon.kill('SIGKILL');
     rmSync(dir, { recursive: true, force: true });

@@ -15,7 +15,7 @@ async function main(): Promise<void> {
     await prepared.probe.fill({ sizeMiB: 64, content: 'random', seed: 7 });
     const expected = (await prepared.probe.digest()).hex;
     await prepared.snapshot(dir);
-    prepared.stop();
+    await prepared.stop();
 
     // Four sandboxes from it; one of them goes on to write 16 MiB of its own.
     const clones = await Promise.all([1, 2, 3, 4].map(() => Vm.restore(dir, { strategies: [new SharedSnapshot()] })));
@@ -27,7 +27,7 @@ async function main(): Promise<void> {
         `shared ${mib(u.guestRamSharedBytes)}, its own ${mib(u.guestRamPrivateBytes)}, charged (PSS) ${mib(u.guestRamPssBytes)}`);
       if (i > 0 && digests[i] !== expected) process.exitCode = 1;
     }
-    for (const clone of clones) clone.stop();
+    for (const clone of clones) await clone.stop();
   } finally {
     rmSync(join(dir, '..'), { recursive: true, force: true });
   }

@@ -170,7 +170,7 @@ async function main() {
       out.hostForwardedRequestUs = Math.round(((performance.now() - t2) / rounds) * 1000);
       await fecho.close();
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   } finally {
     server.kill();

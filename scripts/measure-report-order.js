@@ -37,7 +37,7 @@ const heartbeat = setInterval(() => console.log(`.. ${((Date.now() - t0) / 1000)
       await sleep(15000);
       console.log(`${order} | ${booted} | ${held} | ${part} | ${guestMiB()}`);
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   }
   clearInterval(heartbeat);

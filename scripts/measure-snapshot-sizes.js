@@ -22,7 +22,7 @@ const { Vm } = require('../dist/src');
         await vm.snapshot(dir);
         console.log(`${shape}: state.json ${statSync(join(dir, 'state.json')).size} bytes, manifest.json ${statSync(join(dir, 'manifest.json')).size} bytes`);
       } finally {
-        vm.stop();
+        await vm.stop();
       }
     }
   } finally {

@@ -22,6 +22,7 @@ import { basename, isAbsolute, join } from 'node:path';
 import { ControlProtocolError, ControlSocketError, InvalidOptionError, PvisorError, TimeoutError, VmNotFoundError, VmStateError } from './errors';
 import type { ExecResult } from './guest/linux-client';
 import type { StrategyStats } from './memory/strategy';
+import type { Labels } from './labels';
 import type { GuestKind, SnapshotInfo, VmState } from './vm';
 
 /** The version of the control protocol this pvisor speaks; see docs/control-protocol.md. */
@@ -47,6 +48,10 @@ export interface ControlVmInfo {
   guest: GuestKind;
   memoryBytes: number;
   vcpus: number;
+  /** The VM's labels (`pvisor run --label KEY=VALUE`); `{}` from a pvisor that had none. */
+  labels: Labels;
+  /** When its run began (ISO 8601); absent from a pvisor that did not say. */
+  startedAt?: string;
 }
 
 /** A VM's memory figures, in bytes. */
@@ -324,9 +329,11 @@ function serve(conn: Socket, handler: ControlHandler): void {
 
 /**
  * Sends one request to VM `id` at `path` and resolves with its answer (which may say `ok: false`).
- * No socket, or nobody listening, is a {@link VmNotFoundError}.
+ * No socket, or nobody listening, is a {@link VmNotFoundError}. An answer longer than
+ * `maxAnswerBytes` (a process that is not a pvisor run, listening in the runtime directory) is a
+ * {@link ControlSocketError}.
  */
-export function controlRequest(path: string, id: string, request: ControlRequest, timeoutMs: number): Promise<ControlResponse> {
+export function controlRequest(path: string, id: string, request: ControlRequest, timeoutMs: number, maxAnswerBytes = Infinity): Promise<ControlResponse> {
   return new Promise((resolve, reject) => {
     const conn = createConnection(path);
     let buffered = '';
@@ -344,7 +351,10 @@ export function controlRequest(path: string, id: string, request: ControlRequest
     conn.on('data', (chunk: string) => {
       buffered += chunk;
       const nl = buffered.indexOf('\n');
-      if (nl < 0) return;
+      if (nl < 0) {
+        if (buffered.length > maxAnswerBytes) settle(() => reject(new ControlSocketError(path, `answered ${request.op} with more than ${maxAnswerBytes} bytes`)));
+        return;
+      }
       settle(() => {
         try {
           const r = JSON.parse(buffered.slice(0, nl)) as (ControlResponse & { v?: unknown }) | null;

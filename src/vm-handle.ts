@@ -78,7 +78,7 @@ export class VmHandle {
     return handle;
   }
 
-  /** The VM's id, pid of its process, state, guest, memory and vCPUs. */
+  /** The VM's id, pid of its process, state, guest, memory, vCPUs, labels and when its run began. */
   async status(): Promise<VmHandleStatus> {
     return (await this.request({ op: 'status' }, STATUS_TIMEOUT_MS)).vm;
   }

@@ -25,6 +25,10 @@ import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
 import { parseWarningLimit, WarningLimiter, type WarningLimit } from './warning-limit';
 import { vmBusy, vmGone, vmIdle, vmStarted } from './sys/process-pages';
+import { parseEnvironment } from './guest/environment';
+import { parseLabels, type Labels } from './labels';
+import { Lifetime, parseLifetimeOptions, type LifetimeOptions, type TimeoutAction } from './lifetime';
+import { listVms, type VmListOptions, type VmListEntry } from './vm-list';
 import type { HostNetwork, VmNetworkInfo } from './network/host-network';
 import { parseNetworkOption, type NetworkOption } from './network/options';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
@@ -96,6 +100,40 @@ export interface VmOptions {
    * process). See docs/networking.md. Default `'none'`.
    */
   network?: NetworkOption;
+  /**
+   * The caller's own tags, e.g. `{ team: 'search', task: 't-1234' }`: shown by {@link Vm.list}
+   * (which can select by them) and {@link Vm.labels}. At most 64; a key is 1-63 letters, digits,
+   * `.`, `_`, `-` or `/`, beginning with a letter or digit; a value a string of at most 256
+   * characters without control characters. A hibernated VM keeps them. Default none.
+   */
+  labels?: Record<string, string>;
+  /**
+   * Linux guest: environment variables every command gets ({@link Vm.exec}, {@link Vm.spawn},
+   * forwarded connections), under the command's own `env`, which overrides them; the host sends
+   * them with each command. At most 64 KiB of `NAME=value`. Default none.
+   */
+  env?: Record<string, string>;
+  /**
+   * The VM's lifetime, in ms from when it is ready: then {@link VmOptions.onTimeout} happens. A
+   * `timeout-warning` event comes first (10 s before, or half the lifetime before when it is
+   * shorter than 20 s), so that a caller can extend it with {@link Vm.setTimeout}, which also
+   * shortens or clears it. The timer does not keep the Node process alive, and ends with the VM.
+   * At most 2147483647 (24.8 days). Default: no limit.
+   */
+  timeoutMs?: number;
+  /**
+   * What the lifetime's end does ({@link VmOptions.timeoutMs}); the `timeout` event then says how
+   * it went. `'stop'`: {@link Vm.stop}. `'suspend'`: {@link Vm.suspend}, with the VM's memory
+   * strategies (with {@link Offload} its RAM goes to disk and is released; without a strategy
+   * only its vCPUs stop); a {@link Vm.resume} after it gives the VM the same lifetime again.
+   * `'hibernate'`: {@link Vm.hibernate} into {@link VmOptions.hibernateDir} (from `suspended`,
+   * it is resumed first), which needs what a hibernation needs (no network, no writable rootfs:
+   * checked at the start). If the action fails, a `warning` says why and the VM goes on.
+   * Default `'stop'`.
+   */
+  onTimeout?: TimeoutAction;
+  /** With `onTimeout: 'hibernate'` (and only then): the directory the VM hibernates into, new or empty when it does. */
+  hibernateDir?: string;
 }
 
 /** A root filesystem image and how to attach it. See {@link VmOptions.rootfs}. */
@@ -170,6 +208,16 @@ export interface RestoreOptions {
   strategies?: readonly MemoryStrategy[];
   /** As {@link VmOptions.warningLimit}. */
   warningLimit?: WarningLimit;
+  /** As {@link VmOptions.labels}. Default: a hibernated VM's own, else none. */
+  labels?: Record<string, string>;
+  /** As {@link VmOptions.env}. Default none (a hibernated VM's is not kept: give it again). */
+  env?: Record<string, string>;
+  /** As {@link VmOptions.timeoutMs}, from when the restored VM is ready. Default: no limit. */
+  timeoutMs?: number;
+  /** As {@link VmOptions.onTimeout}. */
+  onTimeout?: TimeoutAction;
+  /** As {@link VmOptions.hibernateDir}. */
+  hibernateDir?: string;
   /**
    * Read and check all of guest RAM before the VM runs. By default a restore into private memory
    * is lazy: the VM runs at once, and each chunk of the RAM file is read and checked against the
@@ -191,9 +239,30 @@ export interface RestoreOptions {
 const VM_OPTION_KEYS = optionKeys<VmOptions>({
   memory: true, vcpus: true, guest: true, kernel: true, initrd: true, kernelArgs: true, rootfs: true,
   bootTimeoutMs: true, name: true, strategies: true, warningLimit: true, network: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true,
 });
 const ROOTFS_OPTION_KEYS = optionKeys<RootfsOptions>({ path: true, readOnly: true });
-const RESTORE_OPTION_KEYS = optionKeys<RestoreOptions>({ name: true, keep: true, strategies: true, warningLimit: true, verify: true, readyTimeoutMs: true });
+const RESTORE_OPTION_KEYS = optionKeys<RestoreOptions>({
+  name: true, keep: true, strategies: true, warningLimit: true, verify: true, readyTimeoutMs: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true,
+});
+const LIST_OPTION_KEYS = optionKeys<VmListOptions>({ labels: true });
+
+/** What a VM is given besides its machine: its labels, its commands' environment, its lifetime. */
+interface Sandbox {
+  labels: Labels;
+  env: Readonly<Record<string, string>>;
+  lifetime: LifetimeOptions;
+}
+
+/** The sandbox options of a start or a restore, checked; `ownLabels`: a hibernated VM's. */
+function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels): Sandbox {
+  return {
+    labels: options.labels === undefined && ownLabels ? ownLabels : parseLabels('labels', options.labels),
+    env: parseEnvironment('env', options.env),
+    lifetime: parseLifetimeOptions(options),
+  };
+}
 
 /** How a VM came from a snapshot: {@link Vm.restoreInfo}. */
 export interface RestoreInfo {
@@ -257,6 +326,16 @@ export interface VmEvents {
    */
   warning: (message: string) => void;
   /**
+   * The lifetime ({@link VmOptions.timeoutMs}) ends in `remainingMs`: {@link Vm.setTimeout}
+   * now extends it (or clears it). Once per deadline.
+   */
+  'timeout-warning': (info: { remainingMs: number; expiresAt: Date; onTimeout: TimeoutAction }) => void;
+  /**
+   * The lifetime ended and its action ({@link VmOptions.onTimeout}) was carried out, or `error`
+   * says why not (the VM then goes on as it was). `hibernatedTo`: where a hibernation went.
+   */
+  timeout: (info: { onTimeout: TimeoutAction; error?: PvisorError; hibernatedTo?: string }) => void;
+  /**
    * After {@link Vm.suspend} resolved: the memory the strategies set out to release is released
    * (`ms` after the suspend began), or `error` says why not all of it could be (what was not
    * released stays resident; the VM stays suspended and resumable). Not emitted when a resume or
@@ -304,6 +383,19 @@ export class Vm extends EventEmitter<VmEvents> {
   readonly vcpus: number;
   /** The guest this VM runs. */
   readonly guest: GuestKind;
+  /** Its labels ({@link VmOptions.labels}), frozen. */
+  readonly labels: Labels;
+  /** When {@link Vm.start} or {@link Vm.restore} was called for it. */
+  readonly startedAt = new Date();
+  /** Linux guest: the variables every command gets ({@link VmOptions.env}). */
+  private readonly sandboxEnv: Readonly<Record<string, string>>;
+  /** What the lifetime's end does, and where a hibernation goes. */
+  private readonly lifetimeOptions: LifetimeOptions;
+  private readonly lifetime: Lifetime;
+  /** The lifetime ended in a suspend: a resume gives it again. */
+  private suspendedByLifetime = false;
+  /** Settles when a stop's teardown is done (deferred behind a suspend or resume at work). */
+  private ended: Promise<void> | undefined;
   private _state: VmState = 'starting';
   private machine!: KvmMachine;
   private agent!: AgentClient;
@@ -328,10 +420,17 @@ export class Vm extends EventEmitter<VmEvents> {
   private readonly forwardConnections = new ConnectionBudget(MAX_VM_FORWARD_CONNECTIONS);
 
   /** Checks the strategies' composition; allocates nothing. */
-  private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[], warningLimit: Required<WarningLimit>) {
+  private constructor(name: string, memoryBytes: number, vcpus: number, guest: GuestKind, strategies: readonly MemoryStrategy[], warningLimit: Required<WarningLimit>, sandbox: Sandbox) {
     super();
     this.warnings = new WarningLimiter((m) => this.emit('warning', m), warningLimit);
     this.name = name;
+    this.labels = sandbox.labels;
+    this.sandboxEnv = sandbox.env;
+    this.lifetimeOptions = sandbox.lifetime;
+    this.lifetime = new Lifetime({
+      warn: (remainingMs) => this.emit('timeout-warning', { remainingMs, expiresAt: new Date(Date.now() + remainingMs), onTimeout: this.lifetimeOptions.onTimeout }),
+      expire: () => void this.onLifetimeEnd(),
+    });
     this.memoryBytes = memoryBytes;
     this.vcpus = vcpus;
     this.guest = guest;
@@ -357,11 +456,16 @@ export class Vm extends EventEmitter<VmEvents> {
     const warningLimit = parseWarningLimit(options.warningLimit);
     const strategies = [...(options.strategies ?? [])];
     if (strategies.some((s) => s instanceof SharedSnapshot)) throw new InvalidOptionError('strategies', "SharedSnapshot maps a snapshot's RAM: give it to Vm.restore, not Vm.start");
-    const vm = new Vm(name, memoryBytes, vcpus, guest, strategies, warningLimit);
-    const host = checkKvmHost();
-    if (guest === 'linux') requireKernelModeGuests(host, 'linux');
+    const sandbox = parseSandbox(options);
+    if (guest !== 'linux' && Object.keys(sandbox.env).length) throw new InvalidOptionError('env', `only the Linux guest runs commands (this VM runs the ${guest} guest)`);
     const network = parseNetworkOption(options.network);
     if (network.kind !== 'none' && guest !== 'linux') throw new InvalidOptionError('network', `only the Linux guest has a network device (this VM runs the ${guest} guest)`);
+    if (sandbox.lifetime.onTimeout === 'hibernate' && (network.kind !== 'none' || (disk && !disk.readOnly))) {
+      throw new InvalidOptionError('onTimeout', `'hibernate' needs a VM that can hibernate: no network${disk && !disk.readOnly ? ', and its rootfs read-only' : ''} (see Vm.hibernate)`);
+    }
+    const vm = new Vm(name, memoryBytes, vcpus, guest, strategies, warningLimit, sandbox);
+    const host = checkKvmHost();
+    if (guest === 'linux') requireKernelModeGuests(host, 'linux');
     const boot = guest === 'linux' ? loadLinuxGuest(options, disk) : ({ kind: 'probe', image: loadProbeImage() } as const);
 
     vm.writableDisk = disk !== undefined && !disk.readOnly;
@@ -415,7 +519,7 @@ export class Vm extends EventEmitter<VmEvents> {
         );
       }
     } catch (e) {
-      this.stop();
+      await this.stop();
       throw e;
     }
     this.becomeRunning();
@@ -463,10 +567,11 @@ export class Vm extends EventEmitter<VmEvents> {
 
   private becomeRunning(): void {
     if (this.guest === 'probe') this._probe ??= new ProbeGuest(this.agent);
-    else this._linux ??= new LinuxGuest(this.agent);
+    else this._linux ??= new LinuxGuest(this.agent, this.sandboxEnv);
     this.setState('running');
     this.memory.setRunning(true);
     vmStarted(this);
+    if (this.lifetimeOptions.timeoutMs !== undefined) this.lifetime.set(this.lifetimeOptions.timeoutMs);
   }
 
   /**
@@ -497,18 +602,21 @@ export class Vm extends EventEmitter<VmEvents> {
     const warningLimit = parseWarningLimit(options.warningLimit);
     const verify = booleanOption('verify', options.verify, false);
     const keep = booleanOption('keep', options.keep, false);
+    parseSandbox(options); // checked before the snapshot is opened; again below with its labels
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
     try {
       const { state } = snapshot;
       const name = givenName ?? state.hibernated?.name ?? `vm-${++vmCounter}`;
-      if (!state.hibernated) return await Vm.restoreFrom(snapshot, name, t0, { readyTimeoutMs, warningLimit, verify, strategies: options.strategies });
+      const sandbox = parseSandbox(options, state.hibernated?.labels);
+      if (state.guest !== 'linux' && Object.keys(sandbox.env).length) throw new InvalidOptionError('env', `only the Linux guest runs commands (the snapshot is of the ${state.guest} guest)`);
+      if (!state.hibernated) return await Vm.restoreFrom(snapshot, name, t0, { readyTimeoutMs, warningLimit, verify, strategies: options.strategies, sandbox });
       // A hibernated VM continues in one process: the restore claims it, and consumes it once done.
       const { claimHibernatedDir } = await import('./snapshot/hibernation-dir');
       const release = claimHibernatedDir(dir);
       let vm: Vm;
       try {
-        vm = await Vm.restoreFrom(snapshot, name, t0, { readyTimeoutMs, warningLimit, verify, strategies: options.strategies });
+        vm = await Vm.restoreFrom(snapshot, name, t0, { readyTimeoutMs, warningLimit, verify, strategies: options.strategies, sandbox });
       } catch (e) {
         release();
         throw e;
@@ -534,7 +642,7 @@ export class Vm extends EventEmitter<VmEvents> {
     snapshot: SnapshotReader,
     name: string,
     t0: number,
-    options: { readyTimeoutMs: number; warningLimit: Required<WarningLimit>; verify: boolean; strategies?: readonly MemoryStrategy[] },
+    options: { readyTimeoutMs: number; warningLimit: Required<WarningLimit>; verify: boolean; strategies?: readonly MemoryStrategy[]; sandbox: Sandbox },
   ): Promise<Vm> {
     const { readyTimeoutMs, warningLimit, verify } = options;
     const { state, dir } = snapshot;
@@ -542,7 +650,7 @@ export class Vm extends EventEmitter<VmEvents> {
     // Bound before the composition is planned: its RAM file is guest RAM's backing.
     const shared = strategies.find((s): s is SharedSnapshot => s instanceof SharedSnapshot);
     shared?.useRamFile(snapshot.ramPath, snapshot.ramFd);
-    const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies, warningLimit);
+    const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies, warningLimit, options.sandbox);
     const host = checkKvmHost();
     if (state.guest === 'linux') requireKernelModeGuests(host, 'linux');
     const disk = state.rootfs && { path: state.rootfs.path, readOnly: true };
@@ -573,7 +681,7 @@ export class Vm extends EventEmitter<VmEvents> {
       phases.ramMs = performance.now() - tRam;
       vm.agent.restoreState(state.agent, 'snapshot.agent');
       if (state.guest === 'probe') (vm._probe = new ProbeGuest(vm.agent)).restoreState(state.guestClient, 'snapshot.guestClient');
-      else vm._linux = new LinuxGuest(vm.agent);
+      else vm._linux = new LinuxGuest(vm.agent, vm.sandboxEnv);
       await vm.machine.restoreSaved({ machine: state.machine, devices: state.devices });
       if (vm.memory.freePageSink && !vm.machine.freePageReportingActive) {
         throw new InvalidOptionError('strategies', "the snapshot's guest did not set up free page reporting (its VM ran without IdleRelease), so its clones cannot report freed pages: snapshot a VM started with IdleRelease");
@@ -586,7 +694,7 @@ export class Vm extends EventEmitter<VmEvents> {
       // It may have ended meanwhile (a chunk of a lazy load failed its check).
       if (vm.endError) throw vm.endError;
     } catch (e) {
-      vm.stop();
+      await vm.stop();
       throw e;
     }
     vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report, hibernated: false };
@@ -663,7 +771,8 @@ export class Vm extends EventEmitter<VmEvents> {
       let info: HibernateInfo;
       try {
         wasRunning = await this.pauseForSaving('hibernate');
-        const state: SnapshotState = { ...(await this.captureSnapshotState()), hibernated: { name: this.name } };
+        const labels = Object.keys(this.labels).length ? { labels: this.labels } : {};
+        const state: SnapshotState = { ...(await this.captureSnapshotState()), hibernated: { name: this.name, ...labels } };
         const written = writeSnapshot(dir, this.machine.memory, state, { fileMode: 0o400 });
         syncDir(dir);
         this.checkNotEnded('hibernate');
@@ -675,7 +784,7 @@ export class Vm extends EventEmitter<VmEvents> {
         throw e;
       }
       // From here the directory is the VM (a crash meanwhile ended a machine already saved).
-      this.end({ hibernatedTo: dir });
+      await this.end({ hibernatedTo: dir });
       return info;
     });
   }
@@ -741,6 +850,7 @@ export class Vm extends EventEmitter<VmEvents> {
   }
 
   private onCrash(error: PvisorError): void {
+    this.lifetime.clear();
     if (this.shuttingDown && error instanceof GuestCrashError && error.reason === 'shutdown') {
       live.delete(this);
       this.closeStrategies();
@@ -944,17 +1054,63 @@ export class Vm extends EventEmitter<VmEvents> {
       this.machine.resume();
       this.setState('running');
       this.memory.setRunning(true);
+      if (this.suspendedByLifetime) {
+        this.suspendedByLifetime = false;
+        this.lifetime.set(this.lifetime.lastLifetimeMs!);
+      }
     });
   }
 
   /**
-   * Stops the VM and frees everything it holds, at once: the guest gets no say, so writes a
-   * writable rootfs has not written back yet are lost ({@link shutdown} ends it cleanly first).
-   * Safe to call more than once. During a suspend or
-   * resume, guest RAM is freed as soon as the strategy at work returns (it may be reading it).
+   * Sets the VM's lifetime to end `ms` from now (extending or shortening it), with the action of
+   * {@link VmOptions.onTimeout}; `null` clears it (no limit). Works on a VM started without
+   * `timeoutMs` too. The `timeout-warning` event comes again before the new deadline.
    */
-  stop(): void {
-    this.end({ deferTeardown: this.inTransition });
+  setTimeout(ms: number | null): void {
+    this.requireState('running', 'paused', 'suspended');
+    this.suspendedByLifetime = false;
+    if (ms === null) this.lifetime.clear();
+    else this.lifetime.set(ms);
+  }
+
+  /** When the lifetime ends ({@link VmOptions.timeoutMs}, {@link setTimeout}); undefined when it has no limit. */
+  get expiresAt(): Date | undefined {
+    const at = this.lifetime.expiresAtMs;
+    return at === undefined ? undefined : new Date(at);
+  }
+
+  /** The lifetime has ended: its action, then the `timeout` event. */
+  private async onLifetimeEnd(): Promise<void> {
+    const { onTimeout, hibernateDir } = this.lifetimeOptions;
+    let error: PvisorError | undefined;
+    let hibernatedTo: string | undefined;
+    try {
+      if (onTimeout === 'stop') await this.stop();
+      else if (onTimeout === 'suspend') {
+        if (this._state === 'running' || this._state === 'paused') await this.suspend();
+        this.suspendedByLifetime = this._state === 'suspended';
+      } else {
+        // Its RAM is offloaded: back first, for the hibernation to write it.
+        if (this._state === 'suspended') await this.resume();
+        await this.hibernate(hibernateDir!);
+        hibernatedTo = hibernateDir;
+      }
+    } catch (e) {
+      error = e instanceof PvisorError ? e : new PvisorError('PVISOR_INTERNAL', e instanceof Error ? e.message : String(e), { cause: e });
+      this.warnings.warn(`the lifetime ended, and its ${onTimeout} failed: ${error.message}`);
+    }
+    this.emit('timeout', { onTimeout, ...(error && { error }), ...(hibernatedTo !== undefined && { hibernatedTo }) });
+  }
+
+  /**
+   * Stops the VM and frees everything it holds: the guest gets no say, so writes a writable
+   * rootfs has not written back yet are lost ({@link shutdown} ends it cleanly first). The VM is
+   * `stopped` (and its `exit` emitted) at once; resolves once its memory, vCPUs, devices and
+   * network are freed, which during a suspend or resume waits for the strategy at work to return
+   * (it may be reading guest RAM). Safe to call more than once: each call resolves when that is done.
+   */
+  stop(): Promise<void> {
+    return this.end({ deferTeardown: this.inTransition });
   }
 
   /**
@@ -962,9 +1118,10 @@ export class Vm extends EventEmitter<VmEvents> {
    * freed when the strategy at work returns; a hibernation ends it from inside its own
    * transition, where no strategy is at work, and frees everything at once.
    */
-  private end(how: { deferTeardown?: boolean; hibernatedTo?: string }): void {
-    if (this._state === 'stopped' || this._state === 'crashed') return;
+  private end(how: { deferTeardown?: boolean; hibernatedTo?: string }): Promise<void> {
+    if (this._state === 'stopped' || this._state === 'crashed') return this.ended ?? Promise.resolve();
     live.delete(this);
+    this.lifetime.clear();
     this.agent?.close();
     this.setState('stopped');
     const teardown = () => {
@@ -972,9 +1129,17 @@ export class Vm extends EventEmitter<VmEvents> {
       this.closeStrategies();
       this.releaseNetwork();
     };
-    if (how.deferTeardown) void this.lifecycle.then(teardown);
-    else teardown();
+    if (how.deferTeardown) this.ended = this.lifecycle.then(teardown);
+    else {
+      try {
+        teardown();
+        this.ended = Promise.resolve();
+      } catch (e) {
+        this.ended = Promise.reject(e as Error);
+      }
+    }
     this.emit('exit', { state: 'stopped', ...(how.hibernatedTo !== undefined && { hibernatedTo: how.hibernatedTo }) });
+    return this.ended;
   }
 
   private closeStrategies(): void {
@@ -1029,7 +1194,7 @@ export class Vm extends EventEmitter<VmEvents> {
   async shutdown(options: { timeoutMs?: number } = {}): Promise<void> {
     const timeoutMs = options.timeoutMs === undefined ? 10_000 : parseTimeoutMs('timeoutMs', options.timeoutMs);
     if (this._state === 'stopped' || this._state === 'crashed') return;
-    if (this.guest !== 'linux' || this._state !== 'running' || this.inTransition) return this.stop();
+    if (this.guest !== 'linux' || this._state !== 'running' || this.inTransition) return await this.stop();
     this.shuttingDown = true;
     const ended = new Promise<void>((resolve) => this.once('exit', () => resolve()));
     let timer: NodeJS.Timeout | undefined;
@@ -1038,7 +1203,7 @@ export class Vm extends EventEmitter<VmEvents> {
     this.linuxGuest.shutdown().catch(() => {});
     await Promise.race([ended, timeout]);
     clearTimeout(timer);
-    this.stop();
+    await this.stop();
   }
 
   /**
@@ -1047,7 +1212,7 @@ export class Vm extends EventEmitter<VmEvents> {
    */
   async [Symbol.asyncDispose](): Promise<void> {
     if (this.writableDisk) await this.shutdown();
-    else this.stop();
+    else await this.stop();
   }
 
   /**
@@ -1080,6 +1245,39 @@ export class Vm extends EventEmitter<VmEvents> {
   /** @internal Guest RAM host ranges of every live VM in this process (for the bench). */
   static liveGuestRam(): { start: number; length: number }[] {
     return [...live].map((vm) => ({ start: vm.machine.memory.hostAddr, length: vm.machine.memory.sizeBytes }));
+  }
+
+  /**
+   * Every VM on this host that this user may reach: this process's VMs (`where: 'this-process'`,
+   * with the {@link Vm} itself), the `pvisor run` processes whose control sockets are in the
+   * runtime directory that `pvisor ps` reads (`control-socket`: {@link VmHandle.connect} reaches
+   * them; a VM of this process that has a socket too is listed once) and the hibernated VMs whose
+   * records are there. Each with its name, labels, state, pid, memory and age; with
+   * `options.labels`, only those that have all of them. Another process's answer is checked: a
+   * row whose answer was refused says so in `error`.
+   */
+  static async list(options: VmListOptions = {}): Promise<VmListEntry[]> {
+    checkOptionKeys('Vm.list', options, LIST_OPTION_KEYS);
+    const nowMs = Date.now();
+    return listVms([...live].map((vm) => vm.listEntry(nowMs)), options);
+  }
+
+  private listEntry(nowMs: number): VmListEntry {
+    const measurable = this._state === 'running' || this._state === 'paused' || this._state === 'suspended';
+    const mem = measurable ? this.machine.memory : undefined;
+    return {
+      name: this.name,
+      where: 'this-process',
+      state: this._state,
+      pid: process.pid,
+      guest: this.guest,
+      labels: this.labels,
+      memoryBytes: this.memoryBytes,
+      ...(mem && { residentBytes: rangeResident(mem.hostAddr, mem.sizeBytes).pssBytes }),
+      startedAt: this.startedAt,
+      ageMs: Math.max(0, nowMs - this.startedAt.getTime()),
+      vm: this,
+    };
   }
 
   /** A VM that another process runs (`pvisor run --name ID`), reached over its control socket: {@link VmHandle.connect}. */

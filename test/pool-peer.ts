@@ -36,7 +36,7 @@ lines.on('line', (line) => {
     (e: Error) => process.stdout.write(`${JSON.stringify({ ok: false, error: e.message })}\n`),
   );
 });
-lines.on('close', () => {
-  for (const vm of vms) vm.stop();
+lines.on('close', async () => {
+  for (const vm of vms) await vm.stop();
   process.exit(0);
 });

@@ -51,7 +51,7 @@ async function oneRun(mode: string, execs: number, file: Buffer, t: ModeTimes, k
     if (!back.equals(file)) throw new Error(`${mode}: the file read back differs from the one written`);
     await vm.exec(['rm', '/tmp/bench-file']);
   } catch (e) {
-    vm.stop();
+    await vm.stop();
     throw e;
   }
   if (!keep) vm.stop();
@@ -88,7 +88,7 @@ async function cloneRuns(vm: Vm, restores: number): Promise<CloneTimes> {
       try {
         await clone.exec(['true']);
       } finally {
-        clone.stop();
+        await clone.stop();
       }
       progress(`clone ${i + 1}/${restores}: agent ready in ${r.readyMs.toFixed(0)} ms (reading RAM ${r.ramMs.toFixed(0)} ms, resume to the agent's answer ${r.agentMs.toFixed(0)} ms)`);
     }
@@ -98,7 +98,7 @@ async function cloneRuns(vm: Vm, restores: number): Promise<CloneTimes> {
       try {
         await clone.exec(['true']);
       } finally {
-        clone.stop();
+        await clone.stop();
       }
       const r = clone.restoreInfo!;
       progress(`SharedSnapshot clone ${i + 1}/${restores}: agent ready in ${r.readyMs.toFixed(0)} ms (mapping RAM ${r.ramMs.toFixed(0)} ms${i === 0 ? ', the file checked' : ''}, resume to the agent's answer ${r.agentMs.toFixed(0)} ms)`);
@@ -197,7 +197,7 @@ export async function benchLinux(argv: string[]): Promise<number> {
     if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
     else process.stdout.write(`${JSON.stringify(json)}\n`);
   } finally {
-    last?.stop();
+    await last?.stop();
     if (before === undefined) delete process.env.PVISOR_VIRTIO_SIGNALLING;
     else process.env.PVISOR_VIRTIO_SIGNALLING = before;
   }

@@ -218,7 +218,7 @@ async function startCellVm(guest: BenchGuest, strategies: MemoryStrategy[], cont
     try {
       return { vm, ws: new AgentCellWorkload(vm, await AgentSession.start(vm, { readyTimeoutMs: AGENT_READY_TIMEOUT_MS })) };
     } catch (e) {
-      vm.stop();
+      await vm.stop();
       throw e;
     }
   }
@@ -320,7 +320,7 @@ async function cellChild(config: CellConfig): Promise<void> {
     }
     say({ event: 'done', resumeAndTaskMs, resumeMs, strategies: vm.memoryUsage().strategies });
   } finally {
-    for (const v of vms) v.stop();
+    for (const v of vms) await v.stop();
   }
 }
 

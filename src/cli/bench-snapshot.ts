@@ -70,7 +70,7 @@ export async function benchSnapshot(argv: string[]): Promise<number> {
         progress(`snapshot ${i + 1}/${runs}: ${info.ms.toFixed(0)} ms`);
       }
     } finally {
-      source.stop();
+      await source.stop();
     }
     const ram = join(dir, 'ram');
     const ramFileBytes = statSync(ram).blocks * 512;
@@ -81,12 +81,12 @@ export async function benchSnapshot(argv: string[]): Promise<number> {
     const sharedNext: number[] = [];
     const check = async (vm: Vm, what: string) => {
       const got = (await vm.probe.digest()).hex;
-      vm.stop();
+      await vm.stop();
       if (got !== expected) throw new Error(`${what}: digest ${got}, the snapshot's guest had ${expected}`);
     };
     for (let i = 0; i < runs; i++) {
       const f = await toReady(() => Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 }));
-      f.vm.stop();
+      await f.vm.stop();
       fresh.push(f.ms);
       dropCache(ram);
       const p = await toReady(() => Vm.restore(dir));
@@ -116,7 +116,7 @@ export async function benchSnapshot(argv: string[]): Promise<number> {
       await clone.resume();
       if ((await clone.probe.digest()).hex !== rewritten) throw new Error('the offloaded clone came back with another digest');
     } finally {
-      clone.stop();
+      await clone.stop();
     }
 
     const s = { snapshot: stats(snapshotMs), fresh: stats(fresh), privateRestore: stats(privateRestore), sharedFirst: stats(sharedFirst), sharedNext: stats(sharedNext) };

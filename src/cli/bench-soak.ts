@@ -180,7 +180,7 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
       wallMs,
     };
   } finally {
-    for (const vm of vms) vm.stop();
+    for (const vm of vms) await vm.stop();
   }
 }
 

@@ -185,7 +185,7 @@ export async function vmProcess(): Promise<void> {
             reply = { strategies: vm!.memoryUsage().strategies };
             break;
           case 'stop':
-            vm?.stop();
+            await vm?.stop();
             vm = undefined;
             break;
         }
@@ -196,7 +196,7 @@ export async function vmProcess(): Promise<void> {
       }
     }
   } finally {
-    vm?.stop();
+    await vm?.stop();
   }
 }
 

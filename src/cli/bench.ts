@@ -56,7 +56,7 @@ async function startTimes(runs: number): Promise<number[]> {
     const t0 = performance.now();
     const vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2 });
     out.push(performance.now() - t0);
-    vm.stop();
+    await vm.stop();
     progress(`start ${i + 1}/${runs}: ${out[i].toFixed(1)} ms`);
   }
   return out;
@@ -72,7 +72,7 @@ async function exitRates(count: number): Promise<{ pvisor: number; native: numbe
     await vm.probe.exitStorm(count);
     pvisor = count / ((performance.now() - t0) / 1000);
   } finally {
-    vm.stop();
+    await vm.stop();
   }
   progress(`pvisor vCPU loop: ${Math.round(pvisor)} exits/s`);
   const dir = mkdtempSync(join(tmpdir(), 'pvisor-bench-'));
@@ -105,7 +105,7 @@ async function memoryCaseChild(vms: number): Promise<MemoryCase> {
   await sleep(5000); // the reference study reads 5 s after the operation
   const guest = Vm.liveGuestRam().reduce((sum, r) => sum + rangeResident(r.start, r.length).pssBytes, 0);
   const proc = processResident().pssBytes;
-  for (const vm of list) vm.stop();
+  for (const vm of list) await vm.stop();
   return {
     vms,
     processPssBeforeBytes: before,

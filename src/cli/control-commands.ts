@@ -1,10 +1,9 @@
 /**
  * `pvisor suspend`, `resume`, `stop` and `ps`: the client end of the control socket of VMs started
  * by `pvisor run` (see ../control-socket.ts), with the reference CLI's options for parity; and
- * of hibernated VMs, which have no process (./hibernation-record.ts, ./resume-hibernated.ts).
+ * of hibernated VMs, which have no process (../snapshot/hibernation-record.ts, ./resume-hibernated.ts).
  */
-import { readdirSync, readFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { readFileSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError, PvisorError, VmNotFoundError } from '../errors';
 import {
@@ -21,7 +20,9 @@ import {
 import { processGone } from '../sys/processes';
 import { validateVmName } from '../vm-name';
 import type { GuestKind } from '../vm';
-import { hibernatedIds, readHibernationRecord, recordPathFor, type HibernationRecord } from './hibernation-record';
+import { formatLabels, type Labels } from '../labels';
+import { readHibernationRecord, recordPathFor, type HibernationRecord } from '../snapshot/hibernation-record';
+import { entryOfHibernated, entryOfLive, scanRuntimeDir, type HibernatedRow, type LiveRow } from '../vm-list';
 import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
 
 /** The commands that act on one VM. */
@@ -262,15 +263,21 @@ export interface PsRow {
   guestRamResidentBytes?: number;
   processPssBytes?: number;
   bytesOnDisk?: number;
+  /** Its labels (`pvisor run --label`); `{}` when it has none or they could not be read. */
+  labels: Labels;
+  /** When its run began (ISO 8601), if it said. */
+  startedAt?: string;
   /** A hibernated VM's directory. */
   dir?: string;
   /** Why the row has no figures (a VM that did not answer, a record that was refused). */
   error?: string;
 }
 
-function psRowOfLive(row: { id: string; response?: ControlResponse; error?: string }): PsRow {
+function psRowOfLive(row: LiveRow): PsRow {
+  // Checked as Vm.list checks it: the labels and times of another process are its to get wrong.
+  const e = entryOfLive(row, Date.now());
   const r = row.response;
-  if (!r?.vm) return { id: row.id, state: 'unresponsive', pid: null, error: row.error ?? (r && !r.ok ? r.error.message : 'no answer') };
+  if (e.state === 'unresponsive' || !r?.vm) return { id: row.id, state: 'unresponsive', pid: null, labels: e.labels, error: e.error ?? 'no answer' };
   const m = r.memory;
   return {
     id: row.id,
@@ -279,71 +286,44 @@ function psRowOfLive(row: { id: string; response?: ControlResponse; error?: stri
     guest: r.vm.guest,
     memoryBytes: r.vm.memoryBytes,
     vcpus: r.vm.vcpus,
+    labels: e.labels,
+    ...(e.startedAt && { startedAt: e.startedAt.toISOString() }),
     ...(m && { guestRamResidentBytes: m.guestRamResidentBytes, processPssBytes: m.processPssBytes, bytesOnDisk: m.bytesOnDisk }),
+    ...(e.error !== undefined && { error: e.error }),
   };
 }
 
-function psRowOfHibernated(row: { id: string; hibernated?: HibernationRecord; error?: string }): PsRow {
-  const h = row.hibernated;
-  if (!h) return { id: row.id, state: 'hibernated', pid: null, error: row.error };
-  return { id: row.id, state: 'hibernated', pid: null, guest: h.guest, memoryBytes: h.memoryBytes, vcpus: h.vcpus, guestRamResidentBytes: 0, processPssBytes: 0, bytesOnDisk: h.bytesOnDisk, dir: h.dir };
+function psRowOfHibernated(row: HibernatedRow): PsRow {
+  const h = row.record;
+  const { labels } = entryOfHibernated(row);
+  if (!h) return { id: row.id, state: 'hibernated', pid: null, labels, error: row.error };
+  return { id: row.id, state: 'hibernated', pid: null, guest: h.guest, memoryBytes: h.memoryBytes, vcpus: h.vcpus, labels, guestRamResidentBytes: 0, processPssBytes: 0, bytesOnDisk: h.bytesOnDisk, dir: h.dir };
 }
 
 /** `pvisor ps [--json]`: the live and the hibernated VMs of this user's runtime directory. */
 export async function cmdPs(argv: string[]): Promise<number> {
   const { values } = parseUsage('ps', () => parseArgs({ args: argv, options: { json: { type: 'boolean', default: false } }, strict: true }));
-  const dir = runtimeDir();
-  let names: string[];
-  try {
-    names = readdirSync(dir).filter((n) => n.endsWith('.sock')).sort();
-  } catch (e) {
-    if ((e as NodeJS.ErrnoException).code !== 'ENOENT') throw e;
-    names = [];
-  }
-  const rows = await Promise.all(
-    names.map(async (name): Promise<{ id: string; response?: ControlResponse; error?: string } | undefined> => {
-      const id = idOfSocket(name);
-      try {
-        return { id, response: await controlRequest(join(dir, name), id, { op: 'status' }, STATUS_TIMEOUT_MS) };
-      } catch (e) {
-        // A socket nobody listens on is left from a run that was killed: not a live VM.
-        if (e instanceof VmNotFoundError) return undefined;
-        return { id, error: e instanceof Error ? e.message : String(e) };
-      }
-    }),
-  );
-  const live = rows.filter((r) => r !== undefined);
-  // Hibernated VMs have no process: their records say what they are. One being resumed has both.
-  const hibernated = hibernatedIds(dir)
-    .filter((id) => !live.some((r) => r.id === id))
-    .map((id): { id: string; hibernated?: HibernationRecord; error?: string } => {
-      try {
-        const record = readHibernationRecord(recordPathFor(socketPathFor(id, dir)), id);
-        return record ? { id, hibernated: record } : { id, error: 'its record went away' };
-      } catch (e) {
-        return { id, error: e instanceof Error ? e.message : String(e) };
-      }
-    })
-    .filter((r) => r.error !== 'its record went away');
+  const { live, hibernated } = await scanRuntimeDir(runtimeDir());
   if (values.json) {
     process.stdout.write(`${JSON.stringify([...live.map(psRowOfLive), ...hibernated.map(psRowOfHibernated)])}\n`);
     return 0;
   }
-  const table = [['ID', 'STATE', 'GUEST RAM RESIDENT', 'MEMORY', 'ON DISK', 'PID']];
+  const table = [['ID', 'STATE', 'GUEST RAM RESIDENT', 'MEMORY', 'ON DISK', 'PID', 'LABELS']];
   for (const row of live) {
     const r = row.response;
-    if (!r) table.push([row.id, 'unresponsive', '-', '-', '-', '-']);
-    else if (!r.vm) table.push([row.id, 'unknown', '-', '-', '-', '-']);
+    const labels = formatLabels(entryOfLive(row, 0).labels);
+    if (!r) table.push([row.id, 'unresponsive', '-', '-', '-', '-', '-']);
+    else if (!r.vm) table.push([row.id, 'unknown', '-', '-', '-', '-', '-']);
     else {
       const m = r.memory;
-      table.push([row.id, r.vm.state, m ? formatBytes(m.guestRamResidentBytes) : '-', formatBytes(r.vm.memoryBytes), m ? formatBytes(m.bytesOnDisk) : '-', String(r.vm.pid)]);
+      table.push([row.id, r.vm.state, m ? formatBytes(m.guestRamResidentBytes) : '-', formatBytes(r.vm.memoryBytes), m ? formatBytes(m.bytesOnDisk) : '-', String(r.vm.pid), labels]);
     }
   }
   for (const row of hibernated) {
-    const h = row.hibernated;
+    const h = row.record;
     // A hibernated VM costs no memory at all: no process, its state on disk.
-    if (h) table.push([row.id, 'hibernated', '0 KiB', formatBytes(h.memoryBytes), formatBytes(h.bytesOnDisk), '-']);
-    else table.push([row.id, 'hibernated (record refused)', '-', '-', '-', '-']);
+    if (h) table.push([row.id, 'hibernated', '0 KiB', formatBytes(h.memoryBytes), formatBytes(h.bytesOnDisk), '-', formatLabels(entryOfHibernated(row).labels)]);
+    else table.push([row.id, 'hibernated (record refused)', '-', '-', '-', '-', '-']);
   }
   const widths = table[0].map((_, c) => Math.max(...table.map((row) => row[c].length)));
   for (const row of table) process.stdout.write(`${row.map((cell, c) => (c === row.length - 1 ? cell : cell.padEnd(widths[c]))).join('  ')}\n`);

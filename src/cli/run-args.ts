@@ -16,6 +16,7 @@ import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import { planComposition } from '../memory/composition';
 import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import type { MemoryStrategy } from '../memory/strategy';
+import { labelsFromText, type Labels } from '../labels';
 import { parseDurationMs } from '../units';
 import { checkVmShape, MAX_VCPUS } from '../vm-shape';
 import { validateVmName } from '../vm-name';
@@ -58,6 +59,10 @@ export interface RunArgs {
   socketPath?: string;
   /** `--console`: the guest's serial console goes to stderr. */
   console: boolean;
+  /** `--quiet`: no progress lines; only CMD's output (and errors that end the run). */
+  quiet: boolean;
+  /** `--label KEY=VALUE`: the VM's labels ({@link VmOptions.labels}). */
+  labels: Labels;
   /** The memory strategies, in composition order. */
   strategies: MemoryStrategy[];
   /** The words after `--`: an argv for the Linux guest, probe steps for the probe guest. */
@@ -81,6 +86,7 @@ export interface RunArgs {
  */
 export const CARRIED_FLAGS: Readonly<Record<string, boolean>> = {
   console: false,
+  label: true,
   publish: true,
   'vm-ram-dedup': false,
   'vm-idle-release': false,
@@ -143,6 +149,8 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
       publish: { type: 'string', multiple: true },
       'net-allow': { type: 'string', multiple: true },
       console: { type: 'boolean', default: false },
+      quiet: { type: 'boolean', short: 'q', default: false },
+      label: { type: 'string', multiple: true },
       'vm-ram-dedup': { type: 'boolean', default: false },
       'vm-idle-release': { type: 'boolean', default: false },
       'vm-offload': { type: 'boolean', default: false },
@@ -209,7 +217,8 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
     else for (const one of Array.isArray(v) ? v : [v]) carriedFlags.push(`--${flag}=${flag === 'vm-backing-dir' || flag === 'vm-pool' ? absolute(String(one)) : String(one)}`);
   }
   const backingDir = absolute(dir ?? DEFAULT_BACKING_DIR);
-  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, strategies, command, publish, carriedFlags, backingDir };
+  const labels = labelsFromText('--label', values.label ?? []);
+  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, quiet: values.quiet, labels, strategies, command, publish, carriedFlags, backingDir };
 }
 
 function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean; net?: string; 'net-allow'?: string[] }): BootSource {

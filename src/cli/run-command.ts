@@ -7,6 +7,7 @@
 import { rmSync } from 'node:fs';
 import { constants as osConstants } from 'node:os';
 import { InvalidOptionError, type PvisorError } from '../errors';
+import { checkKvmHost, requireKernelModeGuests, type KvmHostInfo } from '../backends/kvm/host-check';
 import { formatMiB } from '../units';
 import { Vm, type GuestKind } from '../vm';
 import { ConsoleCopy } from './console-copy';
@@ -23,6 +24,17 @@ export async function cmdRun(argv: string[]): Promise<number> {
   // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
   const steps = machine.guest === 'probe' ? parseUsage('run', () => parseProbeScript(args.command)) : undefined;
   const cursor = steps && new ScriptCursor(steps);
+  // A KVM that cannot run the Linux guest refuses it before anything is claimed or printed, in
+  // the CLI's words. A host without a usable KVM is left to Vm.start, after the options' checks.
+  if (machine.guest === 'linux') {
+    let host: KvmHostInfo | undefined;
+    try {
+      host = checkKvmHost();
+    } catch {
+      host = undefined;
+    }
+    if (host) requireKernelModeGuests(host, 'linux', 'cli');
+  }
   // Claim the id before booting, so that a taken id fails without starting anything.
   const control = await RunControl.open({
     name: args.name,
@@ -30,6 +42,7 @@ export async function cmdRun(argv: string[]): Promise<number> {
     guest: machine.guest,
     memoryBytes: machine.memoryBytes,
     vcpus: machine.vcpus,
+    labels: args.labels,
     carry: { flags: args.carriedFlags, backingDir: args.backingDir, command: args.command, script: cursor },
   }).catch((e: unknown) => {
     // The name was checked as a name above: here it can only be taken by a running VM.
@@ -59,19 +72,23 @@ export interface RunPlan {
 export async function runVm(control: RunControl, plan: RunPlan): Promise<number> {
   const { args, steps, cursor, resumed } = plan;
   const { source } = args;
+  // --quiet: CMD's output and status only; warnings and what ends the run are still said.
+  const progress = (line: string) => args.quiet || process.stderr.write(`pvisor: ${line}\n`);
   try {
-    process.stderr.write(`pvisor: VM ${control.id}, control socket ${control.socketPath}\n`);
+    progress(`VM ${control.id}, control socket ${control.socketPath}`);
     const t0 = performance.now();
     let vm: Vm;
     if (source.kind === 'boot') {
-      process.stderr.write(`pvisor: starting a ${source.memoryText} ${source.guest} VM with ${source.vcpus} vCPU(s)...\n`);
+      progress(`starting a ${source.memoryText} ${source.guest} VM with ${source.vcpus} vCPU(s)...`);
       const { memoryBytes: memory, vcpus, guest, kernel, initrd, rootfs, network } = source;
-      vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies: args.strategies, kernel, initrd, rootfs, network });
-      if (vm.network.mode !== 'none') process.stderr.write(`pvisor: ${vm.name} network ${vm.network.mode}: guest ${vm.network.guestAddress ?? '(unconfigured)'} on ${vm.network.tap}\n`);
+      vm = await Vm.start({ name: control.id, memory, vcpus, guest, strategies: args.strategies, kernel, initrd, rootfs, network, labels: args.labels });
+      if (vm.network.mode !== 'none') progress(`${vm.name} network ${vm.network.mode}: guest ${vm.network.guestAddress ?? '(unconfigured)'} on ${vm.network.tap}`);
     } else {
-      if (resumed) process.stderr.write(`pvisor: ${new Date().toISOString()} resuming the hibernated VM ${control.id} from ${source.dir}...\n`);
-      else process.stderr.write(`pvisor: restoring a ${formatMiB(control.description.memoryBytes)} ${control.description.guest} VM with ${control.description.vcpus} vCPU(s) from ${source.dir}${source.shared ? ", its RAM the snapshot's file shared copy-on-write" : ''}...\n`);
-      vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies });
+      if (resumed) progress(`${new Date().toISOString()} resuming the hibernated VM ${control.id} from ${source.dir}...`);
+      else progress(`restoring a ${formatMiB(control.description.memoryBytes)} ${control.description.guest} VM with ${control.description.vcpus} vCPU(s) from ${source.dir}${source.shared ? ", its RAM the snapshot's file shared copy-on-write" : ''}...`);
+      // No --label: a hibernated VM keeps its own.
+      const labels = Object.keys(args.labels).length ? { labels: args.labels } : {};
+      vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies, ...labels });
       // The VM is back in a process (the restore removed its directory): it is no longer hibernated.
       if (resumed) rmSync(resumed.recordPath, { force: true });
     }
@@ -79,7 +96,7 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
     try {
       for (const p of args.publish) {
         const f = await vm.forward(p.guestPort, { hostPort: p.hostPort });
-        process.stderr.write(`pvisor: ${f.host}:${f.port} reaches the guest's port ${p.guestPort}\n`);
+        progress(`${f.host}:${f.port} reaches the guest's port ${p.guestPort}`);
       }
       if (args.console) {
         const copy = new ConsoleCopy(process.stderr);
@@ -88,7 +105,7 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
       }
       vm.on('warning', (m) => process.stderr.write(`pvisor: warning: ${m}\n`));
       const how = resumed ? ` (resumed from hibernation, guest RAM ${vm.restoreInfo?.ramLoad === 'lazy' ? 'loading lazily' : 'read'})` : source.kind === 'snapshot' ? ' (restored)' : '';
-      process.stderr.write(`pvisor: ${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms${how}\n`);
+      progress(`${vm.name} ready in ${(performance.now() - t0).toFixed(0)} ms${how}`);
       resumed?.onReady(vm);
       if (steps) {
         try {

@@ -7,9 +7,10 @@ import { randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
 import { InvalidOptionError, VmStateError } from '../errors';
 import type { ExecResult } from '../guest/linux-client';
+import type { Labels } from '../labels';
 import { memoryBackedFilesystem } from '../memory/backing-file';
 import type { GuestKind, Vm } from '../vm';
-import { hibernationDirFor, logPathFor, recordPathFor, writeHibernationRecord, type HibernationRecord } from './hibernation-record';
+import { hibernationDirFor, logPathFor, recordPathFor, writeHibernationRecord, type HibernationRecord } from '../snapshot/hibernation-record';
 import { formatProbeScript, parseProbeScript, runProbeScript, type ScriptCursor } from './probe-script';
 import {
   ControlServer,
@@ -41,11 +42,13 @@ export interface RunDescription {
   vcpus: number;
   /** What goes on with the VM if it hibernates. */
   carry: RunCarry;
+  /** `--label`s, for answers while it boots (then the VM's own). */
+  labels?: Labels;
   /** The run continues a hibernated VM: its record is expected beside the socket, not refused. */
   resuming?: boolean;
 }
 
-/** What a hibernation record carries of the run besides the VM (see ./hibernation-record.ts). */
+/** What a hibernation record carries of the run besides the VM (see ../snapshot/hibernation-record.ts). */
 export interface RunCarry {
   /** The run's flags that go on with the VM (RunArgs.carriedFlags). */
   flags: string[];
@@ -74,6 +77,8 @@ export class RunControl {
   private answered: (() => void) | undefined;
   private readonly hibernationAnswered = new Promise<void>((resolve) => (this.answered = resolve));
   private readonly onSignal = (signal: NodeJS.Signals) => this.requestStop(signal as StopCause);
+  /** When the run claimed its id: the VM's age in `pvisor ps` and Vm.list counts from here. */
+  private readonly startedAt = new Date().toISOString();
 
   private constructor(
     /** The VM's id. */
@@ -166,7 +171,7 @@ export class RunControl {
     }
     const vm = this.vm;
     // After any suspend or resume in progress: stopping unmaps guest RAM under a strategy's feet.
-    this.enqueue(async () => vm.stop());
+    void this.enqueue(() => vm.stop());
   }
 
   private enqueue<T>(op: () => Promise<T>): Promise<T> {
@@ -295,7 +300,8 @@ export class RunControl {
 
   private info(): ControlVmInfo {
     const d = this.description;
-    return { id: this.id, pid: process.pid, state: this.vm?.state ?? 'starting', guest: d.guest, memoryBytes: d.memoryBytes, vcpus: d.vcpus };
+    const labels = this.vm?.labels ?? d.labels ?? {};
+    return { id: this.id, pid: process.pid, state: this.vm?.state ?? 'starting', guest: d.guest, memoryBytes: d.memoryBytes, vcpus: d.vcpus, labels, startedAt: this.startedAt };
   }
 
   private memory(): ControlMemory | undefined {

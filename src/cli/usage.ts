@@ -109,7 +109,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
              [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]] [--vm-socket PATH]
              [--kernel BZIMAGE] [--initrd CPIO]
              [--rootfs IMAGE [--rootfs-readonly]] [--net none|nat|tap:NAME [--net-allow CIDR[:PORT]]...]
-             [--publish HOSTPORT:GUESTPORT]... -- CMD [ARGS...]
+             [--publish HOSTPORT:GUESTPORT]... [--label KEY=VALUE]... [--quiet] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
       shell. --kernel/--initrd boot your own instead of the shipped ones.
@@ -132,6 +132,10 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
         The SDK reaches it too: VmHandle.connect(ID).
+      --label KEY=VALUE (repeatable): the VM's labels, shown by pvisor ps and Vm.list()
+        (a key: 1-63 of A-Z a-z 0-9 . _ - /; a value: at most 256 characters; at most 64).
+      -q, --quiet: no progress lines on stderr: only CMD's output (or the steps'), its exit
+        status, and warnings or errors if there are any.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.
       --vm-pool SOCKET: pages this VM has in common with other VMs of its scope (--vm-pool-scope,
@@ -155,7 +159,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       Steps: fill SIZE [repetitive|random|compressible] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
              digest, release [OFFSET SIZE], idle, memory, pause, suspend, resume,
              sleep SECONDS (or 500ms, 2m), wait (last step: until pvisor stop ID or a signal)
-  pvisor run --from DIR [--shared] [--name ID] [--console] [--vm-... memory strategy flags] -- CMD
+  pvisor run --from DIR [--shared] [--name ID] [--console] [--label KEY=VALUE]... [--quiet] [--vm-... memory strategy flags] -- CMD
       Restores the VM a snapshot holds (written by pvisor snapshot or vm.snapshot()) instead of
       booting one, runs CMD in it as above (probe steps for a probe snapshot) and listens on its
       control socket as above. Its memory, vCPUs, guest and disks are the snapshot's: --memory,
@@ -192,7 +196,7 @@ const STOP = `  pvisor stop ID [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt
       Stops the VM; its run ends. A hibernated VM is discarded: its state is removed from disk.
 `;
 const PS = `  pvisor ps [--json]
-      Live and hibernated VMs: id, state, guest RAM resident, memory, bytes on disk, pid.
+      Live and hibernated VMs: id, state, guest RAM resident, memory, bytes on disk, pid, labels.
 `;
 const CONTROL_EXIT = `      Exit status: 0; 2 for a usage error; 1 if no VM of that id is running or hibernated, or if
       the request cannot apply to it as it stands (resume of a running VM, suspend of a suspended

@@ -13,6 +13,7 @@ import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { booleanOption, parseTimeoutMs } from '../units';
 import { GuestOutput } from './guest-output';
+import { mergeEnvironment } from './environment';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
@@ -96,7 +97,10 @@ export type Command = string | readonly string[];
 
 /** Options of {@link Vm.spawn}. */
 export interface SpawnOptions {
-  /** Variables added to (or overriding) the guest's base environment (PATH, HOME). */
+  /**
+   * Variables added to (or overriding) the guest's base environment (PATH, HOME) and the VM's own
+   * ({@link VmOptions.env}).
+   */
   env?: Record<string, string>;
   /** Working directory in the guest. Default `/`. */
   cwd?: string;
@@ -117,6 +121,7 @@ export interface SpawnOptions {
 
 /** What every {@link Vm.exec} takes, whatever the output's encoding. */
 export interface ExecCommonOptions {
+  /** As {@link SpawnOptions.env}: over the VM's {@link VmOptions.env}. */
   env?: Record<string, string>;
   cwd?: string;
   /** Bytes given to the command's stdin, which is then closed. */
@@ -407,8 +412,14 @@ export class LinuxGuest {
   /** Files in the guest. */
   readonly files: GuestFiles;
 
-  /** @internal */
-  constructor(private readonly agent: AgentClient) {
+  /**
+   * @internal
+   * @param sandboxEnv the VM's {@link VmOptions.env}, checked: under every command's own.
+   */
+  constructor(
+    private readonly agent: AgentClient,
+    private readonly sandboxEnv: Readonly<Record<string, string>> = {},
+  ) {
     this.files = new GuestFiles(agent);
   }
 
@@ -428,7 +439,7 @@ export class LinuxGuest {
     const signal = abortSignal(options.signal);
     const argv = typeof command === 'string' ? ['/bin/sh', '-c', command] : [...command];
     if (!argv.length || !argv[0]) throw new InvalidOptionError('command', 'empty command');
-    const env = Object.entries(options.env ?? {}).map(([k, v]) => {
+    const env = Object.entries(mergeEnvironment(this.sandboxEnv, options.env)).map(([k, v]) => {
       if (!k || k.includes('=')) throw new InvalidOptionError('env', `bad variable name ${JSON.stringify(k)}`);
       return `${k}=${v}`;
     });

@@ -19,6 +19,7 @@ import type { PageRun } from '../memory/pages';
 import { fileDataRuns } from '../memory/file-runs';
 import { checkGuestMemoryBytes, checkVmShape } from '../vm-shape';
 import { validateVmName } from '../vm-name';
+import { parseLabels, type Labels } from '../labels';
 import { checkRamFile, dataChunkRanges, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
 import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile, type SnapshotFile } from './snapshot-file';
 
@@ -84,6 +85,8 @@ export interface SnapshotState {
 export interface SnapshotHibernation {
   /** The VM's name, which the restored VM takes unless told otherwise. */
   name: string;
+  /** Its labels (VmOptions.labels), which the restored VM keeps unless told otherwise; absent when none. */
+  labels?: Labels;
 }
 
 /** {@link SnapshotState.rootfs}. */
@@ -336,7 +339,7 @@ function parseHibernation(value: unknown, path: string): SnapshotHibernation {
   const o = objectAt(value, path);
   const name = stringAt(o, 'name', path, 64);
   try {
-    return { name: validateVmName(name, `${path}.name`) };
+    return { name: validateVmName(name, `${path}.name`), ...(o.labels !== undefined && { labels: parseLabels(`${path}.labels`, o.labels) }) };
   } catch (e) {
     throw new SnapshotError((e as Error).message);
   }

@@ -25,7 +25,7 @@ async function withVm(strategy: MemoryStrategy, body: (vm: Vm, digest: string) =
     await vm.probe.fill({ sizeMiB, content: ws.content, seed: ws.seed });
     await body(vm, hexOf(ws));
   } finally {
-    vm.stop();
+    await vm.stop();
   }
 }
 
@@ -123,7 +123,7 @@ describe('faults on the backing path', () => {
       expect(vm.state).toBe('running');
       expect((await vm.probe.digest()).hex).toBe(digest);
       // Stopping cleans up what is ours, which the plant is not.
-      vm.stop();
+      await vm.stop();
       await new Promise((r) => setTimeout(r, 50)); // the closed socket's handle goes on the next tick
       expect(kindOf(path)).toBe(kind);
       expect(await settledNames(dir)).toEqual([basename(path)]); // no target, no file of ours
@@ -341,7 +341,7 @@ describe('a disk that fails with EIO (an ext4 shut down under the VM)', () => {
       await vm.suspend();
       await vm.memoryReleased();
       killFilesystem(mnt);
-      vm.stop();
+      await vm.stop();
       expect(vm.state).toBe('stopped');
     }, { memory: '128MiB', sizeMiB: 48 });
     await new Promise((r) => setTimeout(r, 50)); // a stopped VM's socket handle closes on the next tick

@@ -82,7 +82,7 @@ describe('pvisor suspend --hibernate and pvisor resume (probe guest)', () => {
     expect(JSON.parse(readFileSync(recordOf('H1'), 'utf8'))).toMatchObject({ id: 'H1', dir: state, guest: 'probe', steps: 'wait' });
 
     // A hibernated VM has no process: it costs no memory, and ps says so.
-    expect((await pvisor('ps')).stdout).toMatch(/^H1\s+hibernated\s+0 KiB\s+64\.0 MiB\s+1\d\.\d MiB\s+-$/m);
+    expect((await pvisor('ps')).stdout).toMatch(/^H1\s+hibernated\s+0 KiB\s+64\.0 MiB\s+1\d\.\d MiB\s+-\s+-$/m); // no pid, no labels
     // Its id is not free, and what needs its process is refused (exit 1).
     const taken = await pvisor('run', '--guest', 'probe', '--name', 'H1', '--', 'digest');
     expect(taken.stderr).toMatch(/pvisor: name: H1 is hibernated .*: pvisor resume H1 continues it, pvisor stop H1 discards it/);

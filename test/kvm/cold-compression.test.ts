@@ -24,7 +24,7 @@ async function withVm(options: VmOptions, body: (vm: Vm) => Promise<void>): Prom
   try {
     await body(vm);
   } finally {
-    vm.stop();
+    await vm.stop();
   }
 }
 
@@ -75,7 +75,7 @@ describe('ColdCompression', () => {
         expect((await vm.probe.digest()).hex).toBe(digest);
       });
     } finally {
-      plain.stop();
+      await plain.stop();
     }
   });
 
@@ -127,8 +127,8 @@ describe('ColdCompression', () => {
       expect(figures(a).blocksIncompressible).toBeGreaterThanOrEqual(200);
       expect((await a.probe.digest()).hex).toBe((await b.probe.digest()).hex);
     } finally {
-      a.stop();
-      b.stop();
+      await a.stop();
+      await b.stop();
       for (const [n, v] of saved) writeFileSync(`${KSM}/${n}`, v);
     }
   }, 150_000 * SLOW);
@@ -243,7 +243,7 @@ describe('ColdCompression', () => {
       expect(await digest).toBeInstanceOf(Error);
       expect(vm.state).toBe('crashed');
     } finally {
-      vm.stop();
+      await vm.stop();
     }
     // The vCPU that waited in the fault was let go and joined; the server thread too.
     expect(await waitFor(() => processThreads() <= threadsBefore, 5000 * SLOW)).toBe(true);

@@ -19,7 +19,7 @@ async function withVm(content: 'repetitive' | 'random', body: (vm: Vm, co: Compr
     await vm.probe.fill({ sizeMiB: SIZE_MIB, content, seed: 5 });
     await body(vm, co, hexOf({ content, seed: 5, sizeBytes: SIZE_MIB * MiB, rewrites: [] }));
   } finally {
-    vm.stop();
+    await vm.stop();
   }
 }
 
@@ -109,7 +109,7 @@ describe('CompressedOffload', () => {
       expect(vm.state).toBe('running');
       expect((await vm.probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 3, sizeBytes: 4 * MiB, rewrites: [] }));
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 
@@ -134,7 +134,7 @@ describe('CompressedOffload', () => {
       // The VM's vCPU, plus the workers (min(2, CPUs), each at least a thread), still alive.
       expect(processThreads()).toBeGreaterThanOrEqual(threadsBefore + 1 + Math.min(2, availableParallelism()));
     } finally {
-      vm.stop();
+      await vm.stop();
     }
     await new Promise((r) => setTimeout(r, 300)); // workers end asynchronously
     expect(processThreads()).toBeLessThanOrEqual(threadsBefore);
@@ -157,10 +157,10 @@ describe('CompressedOffload', () => {
       expect((await vm.probe.digest()).hex).toBe(want);
       await vm.suspend();
       const second = co.backingPath!;
-      vm.stop();
+      await vm.stop();
       expect(existsSync(second)).toBe(false);
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 

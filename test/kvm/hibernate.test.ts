@@ -20,8 +20,8 @@ describe('Vm.hibernate and Vm.restore of a hibernated VM (probe guest)', () => {
     // On a disk, as a hibernated VM must be.
     base = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-hibernate-test-'));
   });
-  afterEach(() => {
-    for (const vm of vms.splice(0)) vm.stop();
+  afterEach(async () => {
+    for (const vm of vms.splice(0)) await vm.stop();
     rmSync(base, { recursive: true, force: true });
   });
 
@@ -102,7 +102,7 @@ describe('Vm.hibernate and Vm.restore of a hibernated VM (probe guest)', () => {
     const kept = await Vm.restore(dir, { keep: true });
     vms.push(kept);
     expect(readdirSync(dir).sort()).toEqual(['manifest.json', 'ram', 'state.json']);
-    kept.stop();
+    await kept.stop();
     const again = await Vm.restore(dir);
     vms.push(again);
     expect((await again.probe.digest()).hex).toBe(hexOf(ws));

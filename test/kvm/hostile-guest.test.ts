@@ -289,7 +289,7 @@ const ATTACKS: Attack[] = [
         try {
           expect((await clone.probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 6, sizeBytes: MiB, rewrites: [] }));
         } finally {
-          clone.stop();
+          await clone.stop();
         }
       } finally {
         rmSync(dir, { recursive: true, force: true });
@@ -314,8 +314,8 @@ describe('a hostile guest, from inside, against the host and a second VM', () =>
     threadsBefore = processThreads();
     fdsBefore = readdirSync('/proc/self/fd').length;
   });
-  afterAll(() => {
-    bystander?.stop();
+  afterAll(async () => {
+    await bystander?.stop();
     if (figures.length) console.log(`hostile guest figures (attack, bystander's round trips and slowest, timer's latest and long gaps, RSS and arrayBuffers growth):\n${figures.join('\n')}`);
   });
 
@@ -365,7 +365,7 @@ describe('a hostile guest, from inside, against the host and a second VM', () =>
         expect((await hostile.probe.digest()).hex).toBe(hexOf({ content: 'repetitive', seed: 9, sizeBytes: MiB, rewrites: [] }));
       }
     } finally {
-      hostile.stop();
+      await hostile.stop();
     }
   }, 120_000 * SLOW);
 
@@ -391,7 +391,7 @@ describe('a hostile guest, from inside, against the host and a second VM', () =>
       expect(got.length).toBeLessThanOrEqual(20 + Math.ceil(2 * seconds) + 1);
       figures.push(`default warning limit: ${7 * n} warnings caused in ${seconds.toFixed(1)} s, ${got.length} emitted (${summaries.length} of them counts of the dropped)`);
     } finally {
-      hostile.stop();
+      await hostile.stop();
     }
   });
 

@@ -19,8 +19,8 @@ describe('several VMs and crash isolation', () => {
         expect(vm.memoryUsage().guestRamPssBytes).toBeLessThan(17 * MiB);
       }
     } finally {
-      a.stop();
-      b.stop();
+      await a.stop();
+      await b.stop();
     }
   });
 
@@ -46,8 +46,8 @@ describe('several VMs and crash isolation', () => {
       await bystander.probe.fill({ sizeMiB: 4, content: 'repetitive', seed: 4 });
       expect((await bystander.probe.digest()).hex).toBe(hexOf({ content: 'repetitive', seed: 4, sizeBytes: 4 * MiB, rewrites: [] }));
     } finally {
-      victim.stop();
-      bystander.stop();
+      await victim.stop();
+      await bystander.stop();
     }
   });
 });

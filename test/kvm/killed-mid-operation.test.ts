@@ -55,7 +55,7 @@ describe('a VM process killed mid-operation', () => {
       expect(files().filter((f) => f.includes(`-${v.child.pid}-`))).toEqual([]);
       await vm.resume();
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 });

@@ -86,7 +86,7 @@ if (!existsSync(image)) {
         expect(await agent.request('exit', { timeoutMs: 120_000 })).toEqual({ exit: 0 });
         expect(await agent.process.exited).toEqual({ exitCode: 0, signal: null });
       } finally {
-        vm.stop();
+        await vm.stop();
       }
     }, 1_800_000);
 

@@ -103,7 +103,7 @@ describe('Linux guest floods', () => {
       vm.on('console', () => after++);
       vm.on('warning', () => after++);
     });
-    vm.stop();
+    await vm.stop();
     await sleep(500);
     expect(after).toBe(0);
   }, 120_000 * SLOW);

@@ -104,7 +104,7 @@ describe('Linux guest failures and the CLI', () => {
       expect(error.message).toMatch(/panicked/);
       expect(vm.state).toBe('crashed');
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   }, 200_000);
 

@@ -15,8 +15,8 @@ const MiB = 2 ** 20;
 // On a disk, as backings and snapshots are kept.
 const dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-linux-memory-'));
 const vms: Vm[] = [];
-afterAll(() => {
-  for (const vm of vms) vm.stop();
+afterAll(async () => {
+  for (const vm of vms) await vm.stop();
   rmSync(dir, { recursive: true, force: true });
 });
 

@@ -141,7 +141,7 @@ describeAsRoot('Linux guest networking', () => {
       await expect(vm.snapshot(join(work, 'snap'))).rejects.toThrow(SnapshotError);
       expect(vm.state).toBe('running');
     } finally {
-      vm.stop();
+      await vm.stop();
     }
     expect(ourLinks()).toEqual([]);
     expect(ourTables()).toEqual([]);
@@ -184,7 +184,7 @@ describeAsRoot('Linux guest networking', () => {
       // And the VM still works: the allowed destination answers.
       expect(await get(`http://${OUTSIDE}:8080/`)).toMatchObject({ exitCode: 0 });
     } finally {
-      vm.stop();
+      await vm.stop();
     }
     expect(ourLinks()).toEqual([]);
     expect(ourTables()).toEqual([]);
@@ -214,7 +214,7 @@ describeAsRoot('Linux guest networking', () => {
       const refused = await vm.forward(8001);
       await expect(fetchBytes(`http://127.0.0.1:${refused.port}/`)).rejects.toThrow();
     } finally {
-      vm.stop();
+      await vm.stop();
     }
     await expect(fetchBytes(`http://127.0.0.1:${port}/blob`)).rejects.toThrow(/ECONNREFUSED/);
   }, 200_000);

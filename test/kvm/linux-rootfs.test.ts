@@ -71,7 +71,7 @@ describe('Linux guest with a rootfs image', () => {
       await vm.files.write('/written.bin', data);
       expect((await vm.exec('sync')).exitCode).toBe(0);
     } finally {
-      vm.stop();
+      await vm.stop();
     }
     expect(warnings).toEqual([]);
     // The file is used in place: same size. Check a copy: e2fsck replays the journal (the VM

@@ -83,9 +83,9 @@ describe('Linux guest snapshots (initramfs: the guest\'s files are in RAM)', () 
     snapshotAt = Date.now();
     figures.push(`snapshot of 256 MiB: ${info.ms.toFixed(0)} ms, ${info.ramDataPageCount} pages in the RAM file`);
   }, BOOT_TIMEOUT_MS + 60_000);
-  afterAll(() => {
-    for (const c of clones) c.stop();
-    original?.stop();
+  afterAll(async () => {
+    for (const c of clones) await c.stop();
+    await original?.stop();
   });
 
   it('writes a sealed directory and the VM runs on, its commands in flight untouched', async () => {
@@ -223,8 +223,8 @@ describe('Linux guest snapshots with a rootfs', () => {
       expect(await stdoutOf(original, 'ls /tmp')).toBe('prepared.txt\n');
       expect(await stdoutOf(original, 'cat /marker')).toBe(marker);
     } finally {
-      clone?.stop();
-      original.stop();
+      await clone?.stop();
+      await original.stop();
     }
     // The image touched after the snapshot: the restore is refused before anything runs.
     const before = Vm.liveGuestRam().length;

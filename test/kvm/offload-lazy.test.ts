@@ -22,7 +22,7 @@ async function withLazyVm(body: (vm: Vm, offload: Offload) => Promise<void>, pre
     await vm.probe.fill({ sizeMiB: WS_MIB, content: 'random', seed: SEED });
     await body(vm, offload);
   } finally {
-    vm.stop();
+    await vm.stop();
   }
 }
 
@@ -103,7 +103,7 @@ describe('Offload, lazy reload', () => {
       expect(vm.memoryUsage().guestRamRssBytes).toBeLessThan(MiB);
       expect(fdTargets().length).toBe(fdsBefore); // no loader was left behind
       expect(fdTargets().some((t) => /userfaultfd/.test(t))).toBe(false);
-      vm.stop();
+      await vm.stop();
       expect(vm.state).toBe('stopped');
       rmSync(`${path}.away`);
     }));
@@ -150,7 +150,7 @@ describe('Offload, lazy reload', () => {
       digest = vm.probe.digest().catch((e: unknown) => e); // vCPUs fault their way through
       await new Promise((r) => setTimeout(r, 20));
       expect(figures(vm).lastFullLoadMs).toBeUndefined();
-      vm.stop();
+      await vm.stop();
     });
     expect(await digest).toBeInstanceOf(PvisorError);
     expect(existsSync(path)).toBe(false);
@@ -188,7 +188,7 @@ describe('Offload, lazy reload', () => {
       await vm.memoryReleased();
       path = offload.backingPath!;
       await vm.resume();
-      vm.stop(); // the server is loading pieces in the background
+      await vm.stop(); // the server is loading pieces in the background
     }, true);
     expect(existsSync(path)).toBe(false);
     await tick();
@@ -251,7 +251,7 @@ describe('the userfaultfd server, shared', () => {
       await offload.finishReload();
       expect((await vm.probe.digest()).hex).toBe(expected);
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 });

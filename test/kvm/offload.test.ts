@@ -16,7 +16,7 @@ async function withOffloadVm(body: (vm: Vm, offload: Offload) => Promise<void>):
     await vm.probe.fill({ sizeMiB: 64, content: 'random', seed: 21 });
     await body(vm, offload);
   } finally {
-    vm.stop();
+    await vm.stop();
   }
 }
 
@@ -86,7 +86,7 @@ describe('Offload', () => {
       expect(vm.state).toBe('running');
       expect((await vm.probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 21, sizeBytes: 8 * MiB, rewrites: [] }));
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 
@@ -127,7 +127,7 @@ describe('Offload', () => {
       await new Promise((r) => setTimeout(r, 50));
       expect(releasedEvent).toBe(false); // a release overtaken by a resume says nothing
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 
@@ -138,7 +138,7 @@ describe('Offload', () => {
     await vm.suspend();
     const path = readdirSync(DEFAULT_BACKING_DIR).filter((n) => n.startsWith(`pvisor-${vm.name}-${process.pid}-`));
     expect(path.length).toBe(1);
-    vm.stop();
+    await vm.stop();
     expect(vm.state).toBe('stopped');
     expect(existsSync(join(DEFAULT_BACKING_DIR, path[0]))).toBe(false);
     await new Promise((r) => setTimeout(r, 200)); // the write in flight ends, its fd closes

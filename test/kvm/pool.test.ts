@@ -78,8 +78,8 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
       vms.push(vm);
     }
   });
-  afterAll(() => {
-    for (const vm of vms) vm.stop();
+  afterAll(async () => {
+    for (const vm of vms) await vm.stop();
     peer?.end();
     daemon?.kill('SIGKILL');
   });
@@ -135,7 +135,7 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
       expect((await racers[1].probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 99, sizeBytes: 32 * MiB, rewrites: [] }));
       expect(pool(racers[1]).figures.pagesShared).toBeGreaterThan(0);
     } finally {
-      for (const vm of racers) vm.stop();
+      for (const vm of racers) await vm.stop();
     }
   });
 
@@ -162,7 +162,7 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
       await vmsOf[1].resume();
       expect((await vmsOf[1].probe.digest()).hex).toBe(hexOf({ content: 'random', seed: 123, sizeBytes: 32 * MiB, rewrites: [] }));
     } finally {
-      for (const vm of vmsOf) vm.stop();
+      for (const vm of vmsOf) await vm.stop();
     }
   });
 
@@ -171,7 +171,7 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
     const source = await Vm.start({ guest: 'probe', memory: '256MiB', vcpus: 1 });
     await source.probe.fill({ sizeMiB: 16, content: 'random', seed: 8 });
     await source.snapshot(snap);
-    source.stop();
+    await source.stop();
     const pair = [0, 1].map(() => new PoolClient({ socket, intervalMs: 3_600_000 }));
     const clones = await Promise.all(pair.map((c) => Vm.restore(snap, { strategies: [new SharedSnapshot(), c] })));
     try {
@@ -186,7 +186,7 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
         expect(vm.memoryUsage().guestRamPrivateBytes).toBeLessThan(2 * MiB);
       }
     } finally {
-      for (const vm of clones) vm.stop();
+      for (const vm of clones) await vm.stop();
     }
   });
 
@@ -229,7 +229,7 @@ describe('PoolClient and pvisor-daemon (probe guest)', () => {
       expect(pool(vm).figures.pagesShared).toBeLessThan(64);
       expect(vm.memoryUsage().guestRamPssBytes).toBeLessThanOrEqual(before + 2 * MiB);
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 

@@ -102,7 +102,7 @@ describe('probe guest on KVM', () => {
       expect((await crashed).message).toMatch(/aborted with code 255/);
       expect(lines.join('\n')).toMatch(/probe: abort 0xff: FAULT 3 requested/);
     } finally {
-      other.stop();
+      await other.stop();
     }
   });
 

@@ -69,7 +69,7 @@ describe('guest RAM backings', () => {
       await vm.resume();
       expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 
@@ -127,7 +127,7 @@ describe('guest RAM backings', () => {
       expect((await vm.probe.digest()).hex).toBe(hexOf(ws));
       expect(readFileSync(poolFile).equals(content)).toBe(true); // writes made private copies
     } finally {
-      vm.stop();
+      await vm.stop();
       closeSync(fd);
     }
   });

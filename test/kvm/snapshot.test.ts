@@ -100,7 +100,7 @@ describe('VM snapshots (probe guest)', () => {
       await clone.probe.rewrite({ fraction: 0.5 });
       expect((await clone.probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [{ permille: 500, seed: 22 }] }));
     } finally {
-      clone.stop();
+      await clone.stop();
     }
   });
 
@@ -112,8 +112,8 @@ describe('VM snapshots (probe guest)', () => {
       expect((await b.probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [] }));
       expect((await original.probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [] }));
     } finally {
-      a.stop();
-      b.stop();
+      await a.stop();
+      await b.stop();
     }
   });
 
@@ -161,7 +161,7 @@ describe('VM snapshots (probe guest)', () => {
       const ended = new Promise<unknown>((resolve) => (vm.state === 'crashed' ? resolve(undefined) : vm.once('exit', (info) => resolve(info.error))));
       await expect(vm.probe.digest()).rejects.toThrow();
       err = await ended;
-      vm.stop();
+      await vm.stop();
     } else err = restored.e;
     expect(err).toBeInstanceOf(SnapshotError);
     expect((err as Error).message).toMatch(/the RAM chunk at byte 8388608 cannot be loaded \(CRC32C mismatch\)/);
@@ -176,7 +176,7 @@ describe('VM snapshots (probe guest)', () => {
       await clone.resume();
       expect((await clone.probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [] }));
     } finally {
-      clone.stop();
+      await clone.stop();
     }
   });
 
@@ -204,7 +204,7 @@ describe('VM snapshots (probe guest)', () => {
       await clone.probe.rewrite({ fraction: 0.25, seed: 5 });
       expect((await clone.probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [{ permille: 250, seed: 5 }] }));
     } finally {
-      clone.stop();
+      await clone.stop();
     }
   });
 
@@ -233,7 +233,7 @@ describe('VM snapshots (probe guest)', () => {
       expect((await clone.probe.digest()).hex).toBe(fill64);
       expect(warnings.join('\n')).toMatch(/was in flight when the snapshot was taken; its answer after the restore has no caller/);
     } finally {
-      clone.stop();
+      await clone.stop();
     }
   });
 });
@@ -249,7 +249,7 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       dir = join(base, 'shared');
       await source.snapshot(dir);
     } finally {
-      source.stop();
+      await source.stop();
     }
   });
 
@@ -275,7 +275,7 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       expect(checks.filter((s) => s.figures.ramChunksChecked > 0)).toHaveLength(1);
       expect(checks.filter((s) => s.notes.some((n) => /checked in full for an earlier clone/.test(n)))).toHaveLength(3);
     } finally {
-      for (const c of clones) c.stop();
+      for (const c of clones) await c.stop();
     }
   });
 
@@ -284,7 +284,7 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
     try {
       expect(again.memoryUsage().strategies.find((s) => s.strategy === 'shared-snapshot')!.figures.ramChunksChecked).toBeGreaterThanOrEqual(16);
     } finally {
-      again.stop();
+      await again.stop();
     }
     const tampered = copyOf(dir, 'shared-tampered');
     const fd = openSync(join(tampered, 'ram'), 'r+');
@@ -304,7 +304,7 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
     try {
       await expect(Vm.restore(dir, { strategies: [once] })).rejects.toThrow(/already serves a VM/);
     } finally {
-      vm.stop();
+      await vm.stop();
     }
     await expect(Vm.restore(dir, { strategies: [new SharedSnapshot(), new ColdCompression()] })).rejects.toThrow(StrategyConflictError);
   });
@@ -318,7 +318,7 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       expect(ksm.figures.advisedMappings).toBeGreaterThanOrEqual(1);
       expect((await clone.probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [{ permille: 500, seed: 3 }] }));
     } finally {
-      clone.stop();
+      await clone.stop();
     }
   });
 
@@ -331,7 +331,7 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       expect((await clones[0].probe.digest()).hex).toBe(hexOf({ ...ws, rewrites: [{ permille: 500, seed: 9 }] }));
       expect((await clones[1].probe.digest()).hex).toBe(filled);
     } finally {
-      for (const c of clones) c.stop();
+      for (const c of clones) await c.stop();
     }
   });
 
@@ -364,9 +364,9 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       expect((await bystander.probe.digest()).hex).toBe(filled);
       expect(bystander.state).toBe('running');
     } finally {
-      host.stop();
-      vcpu.stop();
-      bystander.stop();
+      await host.stop();
+      await vcpu.stop();
+      await bystander.stop();
     }
   });
 
@@ -387,7 +387,7 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       await clone.resume();
       expect((await clone.probe.digest()).hex).toBe(rewritten);
     } finally {
-      clone.stop();
+      await clone.stop();
     }
   });
 
@@ -399,7 +399,7 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       await source.probe.fill({ sizeMiB: 32, content: 'random', seed: 31 });
       await source.snapshot(reporting);
     } finally {
-      source.stop();
+      await source.stop();
     }
     const clone = await Vm.restore(reporting, { strategies: [new SharedSnapshot(), new IdleRelease()] });
     // A clone without IdleRelease takes the guest's reports and keeps its pages.
@@ -414,8 +414,8 @@ describe('SharedSnapshot: clones share the snapshot\'s RAM file copy-on-write (p
       expect(keeper.memoryUsage().guestRamPrivateBytes).toBeGreaterThanOrEqual(32 * MiB);
       expect(keeper.state).toBe('running');
     } finally {
-      clone.stop();
-      keeper.stop();
+      await clone.stop();
+      await keeper.stop();
     }
   });
 });
@@ -446,13 +446,13 @@ describe('snapshot figures (probe guest, 512 MiB, 64 MiB working set)', () => {
     const shared2 = await Vm.restore(d, { strategies: [new SharedSnapshot()] });
     await shared2.probe.digest();
     const shared2Ms = performance.now() - t3;
-    shared.stop();
-    shared2.stop();
+    await shared.stop();
+    await shared2.stop();
     console.log(`snapshot of 512 MiB with 64 MiB written: ${info.ms.toFixed(0)} ms, ${info.ramDataPageCount} pages in the RAM file; ` +
       `restore: ${restoredMs.toFixed(0)} ms to running, ${readyMs.toFixed(0)} ms to the first digest answered; ` +
       `fresh start to the first digest: ${freshMs.toFixed(0)} ms (ratio ${(readyMs / freshMs).toFixed(2)}); clone guest RAM RSS ${(usage.guestRamRssBytes / MiB).toFixed(1)} MiB; ` +
       `SharedSnapshot clone to the first digest: ${sharedMs.toFixed(0)} ms (file checked), a second ${shared2Ms.toFixed(0)} ms (ratio to fresh ${(shared2Ms / freshMs).toFixed(2)})`);
-    clone.stop();
-    fresh.stop();
+    await clone.stop();
+    await fresh.stop();
   });
 });

@@ -27,7 +27,7 @@ const STRATEGIES: [string, (dir: string) => MemoryStrategy[]][] = [
 describe('soak', () => {
   it(`8 VMs in one process, ${CYCLES} suspend/resume cycles each, all at once: every digest intact every time, nothing left after`, async () => {
     // What a process opens once for all its VMs (guest RAM's SIGBUS guard) is open before the count.
-    (await Vm.start({ guest: 'probe', memory: '16MiB', vcpus: 1 })).stop();
+    await (await Vm.start({ guest: 'probe', memory: '16MiB', vcpus: 1 })).stop();
     await new Promise((r) => setTimeout(r, 50));
     const threadsBefore = processThreads();
     const fdsBefore = readdirSync('/proc/self/fd').length;
@@ -53,7 +53,7 @@ describe('soak', () => {
         expect((await vm.probe.digest()).hex).toBe(digests[i]);
       }
     } finally {
-      for (const vm of vms) vm.stop();
+      for (const vm of vms) await vm.stop();
     }
     // What ends in the background once the VMs have stopped: kept compression workers terminate,
     // closed sockets' handles go, backing files are unlinked on libuv's pool. Given up to a
@@ -75,7 +75,7 @@ describe('soak', () => {
       expect(r.firstFailure).toMatch(/^cycle 1: the digest is [0-9a-f]{16}, not 0000000000000000$/);
       expect(vm.state).toBe('running');
     } finally {
-      vm.stop();
+      await vm.stop();
     }
   });
 });

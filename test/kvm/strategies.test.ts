@@ -13,7 +13,7 @@ async function withVms(options: VmOptions[], body: (vms: Vm[]) => Promise<void>)
     for (const o of options) vms.push(await Vm.start({ guest: 'probe', vcpus: 1, memory: '128MiB', ...o }));
     await body(vms);
   } finally {
-    for (const vm of vms) vm.stop();
+    for (const vm of vms) await vm.stop();
   }
 }
 
@@ -109,7 +109,7 @@ describe('periodic work of a strategy', () => {
       expect(ticks.every((t) => t.state === 'running')).toBe(true);
       expect(ticks.length).toBeGreaterThan(running);
     } finally {
-      vm.stop();
+      await vm.stop();
     }
     const atStop = ticks.length;
     await new Promise((r) => setTimeout(r, 300));

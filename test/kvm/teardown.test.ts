@@ -22,7 +22,7 @@ describe('teardown', () => {
   it('leaks no fd, mapping or thread across start/stop', async () => {
     // What a process opens once for all its VMs (guest RAM's SIGBUS guard: a socket pair, once
     // per module registry) is open before the first VM's start is compared with its stop.
-    (await Vm.start({ guest: 'probe', memory: '16MiB', vcpus: 1 })).stop();
+    await (await Vm.start({ guest: 'probe', memory: '16MiB', vcpus: 1 })).stop();
     await new Promise((r) => setTimeout(r, 50));
     // Other test files share this process: compare with what is open now, not with zero.
     const threadsBefore = threads();
@@ -36,7 +36,7 @@ describe('teardown', () => {
       await vm.probe.fill({ sizeMiB: 4, content: 'random' });
       await vm.pause();
       await vm.resume();
-      vm.stop();
+      await vm.stop();
       await new Promise((r) => setTimeout(r, 50)); // the closed socket's handle goes on the next tick
       expect(threads()).toBe(threadsBefore);
       expect(kvmFds()).toBe(kvmFdsBefore);
@@ -50,8 +50,8 @@ describe('teardown', () => {
     const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1 });
     const exits: string[] = [];
     vm.on('exit', ({ state }) => exits.push(state));
-    vm.stop();
-    vm.stop();
+    await vm.stop();
+    await vm.stop();
     expect(vm.state).toBe('stopped');
     expect(exits).toEqual(['stopped']);
     await expect(vm.probe.digest()).rejects.toThrow(/stopped/);
@@ -70,7 +70,7 @@ describe('teardown', () => {
     const [ram] = Vm.liveGuestRam();
     await vm.probe.fill({ sizeMiB: 4, content: 'random' });
     await vm.suspend();
-    vm.stop();
+    await vm.stop();
     await new Promise((r) => setTimeout(r, 50));
     expect(vm.state).toBe('stopped');
     expect(closed).toEqual(['fine']);
@@ -94,7 +94,7 @@ describe('teardown', () => {
     const path = offload.backingPath!;
     expect(existsSync(path)).toBe(true);
     expect(threads()).toBeGreaterThan(threadsBefore + 2); // the vCPUs and the server's thread
-    vm.stop();
+    await vm.stop();
     await new Promise((r) => setTimeout(r, 50));
     expect(vm.state).toBe('stopped');
     expect(existsSync(path)).toBe(false);

@@ -2,7 +2,7 @@
 // --version, usage errors exit 2 before anything is started or printed about a VM, and each
 // bench's usage names exactly the options it accepts. No KVM needed: nothing here starts a VM.
 import { spawnSync } from 'node:child_process';
-import { readFileSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { BENCH_VMM_OPTIONS } from '../../src/cli/bench';
 import { BENCH_FLOORS_OPTIONS } from '../../src/cli/bench-floors';
@@ -152,6 +152,20 @@ describe('failures of pvisor itself exit 125', () => {
   it("the reference CLI's line, --executor vm included, is well formed: only the missing image fails it", () => {
     const r = pvisor('run', '--executor', 'vm', '--memory', '512MiB', '--rootfs', '/no/such/agent.img', '--', 'node', '/opt/agent/agent.js');
     expect(r.stderr).toMatch(/rootfs: cannot use \/no\/such\/agent\.img/);
+    expect(r.status).toBe(125);
+  });
+});
+
+// A KVM device that opens (here /dev/null) on a kvm_pvm host: the Linux guest cannot run there.
+const onPvm = existsSync('/sys/module/kvm_pvm');
+if (!onPvm) console.log('pvisor run on kvm_pvm: SKIPPED, this host has no kvm_pvm module');
+(onPvm ? describe : describe.skip)('pvisor run of the Linux guest on a kvm_pvm host', () => {
+  it('is refused before anything is claimed or printed, in the words of the CLI', () => {
+    const r = spawnSync(process.execPath, [bin('main.js'), 'run', '--', 'true'], { encoding: 'utf8', env: { ...process.env, PVISOR_KVM_DEVICE: '/dev/null', PVISOR_RUNTIME_DIR: '/nonexistent/pvisor-usage-test' } });
+    expect(r.stderr).toMatch(/^pvisor: the linux guest cannot run on this host: its KVM is paravirtualised nested KVM \(kvm_pvm\).*--guest probe.*scripts\/with-kvm\.js --linux/s);
+    expect(r.stderr).not.toMatch(/starting|control socket|guest: "probe"/);
+    expect(r.stderr.trim().split('\n')).toHaveLength(1);
+    expect(r.stdout).toBe('');
     expect(r.status).toBe(125);
   });
 });

@@ -8,7 +8,7 @@ import { join } from 'node:path';
 import { CONTROL_PROTOCOL_VERSION, ControlServer, controlRequest, parseRequest, type ControlVmInfo } from '../../src/control-socket';
 import { ControlProtocolError, VmHandle, VmNotFoundError, VmStateError } from '../../src/index';
 
-const vm: ControlVmInfo = { id: 'P1', pid: process.pid, state: 'running', guest: 'probe', memoryBytes: 64 << 20, vcpus: 1 };
+const vm: ControlVmInfo = { id: 'P1', pid: process.pid, state: 'running', guest: 'probe', memoryBytes: 64 << 20, vcpus: 1, labels: {} };
 
 /** Sends one raw line and resolves with the raw answer line. */
 function rawRequest(path: string, line: string): Promise<Record<string, unknown>> {

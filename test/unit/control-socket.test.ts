@@ -18,7 +18,7 @@ import {
 import { ControlSocketError, InvalidOptionError, VmNotFoundError } from '../../src/errors';
 import { validateVmName } from '../../src/vm-name';
 
-const vm = { id: 'T', pid: process.pid, state: 'running' as const, guest: 'probe' as const, memoryBytes: 2 ** 26, vcpus: 1 };
+const vm = { id: 'T', pid: process.pid, state: 'running' as const, guest: 'probe' as const, memoryBytes: 2 ** 26, vcpus: 1, labels: {} };
 
 describe('control socket', () => {
   let dir: string;

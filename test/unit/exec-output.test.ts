@@ -6,6 +6,8 @@ import { randomBytes } from 'node:crypto';
 import { Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { InvalidOptionError } from '../../src';
+import { parseEnvironment } from '../../src/guest/environment';
+import { LinuxGuest } from '../../src/guest/linux-client';
 import { buildAgent, findCompiler, startHostAgent, type HostAgent } from '../host-agent';
 
 const compiler = findCompiler();
@@ -65,5 +67,19 @@ describeWithCompiler('exec output and stdin', () => {
     const { createHash } = await import('node:crypto');
     expect(Buffer.concat(out).toString().split(' ')[0]).toBe(createHash('sha256').update(input).digest('hex'));
     expect(agent.linux.spawn(['true']).stdin).toBeNull();
+  });
+
+  it("the VM's env (Vm.start's env) is every command's, under the command's own, sent with each request", async () => {
+    const sandboxed = new LinuxGuest(agent.client, parseEnvironment('env', { SANDBOX_A: 'sandbox', SANDBOX_B: 'sandbox' }));
+    const r = await sandboxed.exec('echo "$SANDBOX_A $SANDBOX_B $OWN"', { env: { SANDBOX_B: 'own', OWN: 'own' } });
+    expect(r.stdout).toBe('sandbox own own\n');
+    expect((await sandboxed.exec('echo "$SANDBOX_A"')).stdout).toBe('sandbox\n');
+    const p = sandboxed.spawn(['sh', '-c', 'echo "$SANDBOX_B"']);
+    const out: Buffer[] = [];
+    p.stdout.on('data', (b: Buffer) => out.push(b));
+    await p.exited;
+    expect(Buffer.concat(out).toString()).toBe('sandbox\n');
+    // The agent keeps nothing of it: a guest client without it gives none.
+    expect((await agent.linux.exec('echo "[$SANDBOX_A]"')).stdout).toBe('[]\n');
   });
 });

@@ -16,7 +16,7 @@ import {
   recordPathFor,
   writeHibernationRecord,
   type HibernationRecord,
-} from '../../src/cli/hibernation-record';
+} from '../../src/snapshot/hibernation-record';
 import { SnapshotError } from '../../src/errors';
 
 const asRoot = process.getuid?.() === 0;

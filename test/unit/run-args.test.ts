@@ -101,6 +101,16 @@ describe('pvisor run: argument parsing', () => {
     expect(parse).toThrow(`--executor: expected vm (pvisor runs commands only in a VM), got ${JSON.stringify(executor)}`);
   });
 
+  it('--label KEY=VALUE (repeatable) are the labels, checked before anything starts; --quiet or -q silences progress', () => {
+    const a = parseRunArgs(['--guest', 'probe', '--label', 'team=search', '--label', 'task=a=b', '-q', '--', 'wait'], cwd);
+    expect(a.labels).toEqual({ team: 'search', task: 'a=b' });
+    expect(a.quiet).toBe(true);
+    expect(parseRunArgs(['--', 'true'], cwd)).toMatchObject({ labels: {}, quiet: false });
+    expect(() => parseRunArgs(['--label', 'team', '--', 'true'], cwd)).toThrow(/--label: expected KEY=VALUE/);
+    expect(() => parseRunArgs(['--label', 'a=1', '--label', 'a=2', '--', 'true'], cwd)).toThrow(/a is given twice/);
+    expect(() => parseRunArgs(['--label', `v=${'x'.repeat(300)}`, '--', 'true'], cwd)).toThrow(InvalidOptionError);
+  });
+
   it('a chosen suspend-image strategy replaces the default Offload', () => {
     expect(parseRunArgs(['--from', 'snap', '--vm-ram-compression', '--', 'digest'], cwd).strategies.map((s) => s.name)).toEqual(['compressed-offload']);
   });
@@ -114,6 +124,9 @@ describe('pvisor run: the flags that go on with a hibernated VM', () => {
     expect(a.carriedFlags).toEqual(['--console', '--vm-idle-release', '--vm-offload', '--vm-offload-reload=lazy', '--vm-backing-dir=/home/u/work/back', '--vm-pool=/home/u/work/pool.sock', '--vm-pool-scope=a']);
     expect(a.backingDir).toBe('/home/u/work/back');
     expect(parseRunArgs(['--', 'true'], cwd)).toMatchObject({ carriedFlags: [], backingDir: '/var/tmp' });
+    // Labels go on with the VM, as they were given.
+    expect(parseRunArgs(['--label', 'team=a=b', '--', 'true'], cwd).carriedFlags).toEqual(['--label=team=a=b']);
+    expect(parseRunArgs(['--from', '/b/h', ...checkCarriedFlags(['--label=team=a=b']), '--', 'true'], cwd).labels).toEqual({ team: 'a=b' });
     // Repeated flags go on as they were given.
     expect(parseRunArgs(['--publish', '8080:80', '--publish', '8443:443', '--', 'true'], cwd).carriedFlags).toEqual(['--publish=8080:80', '--publish=8443:443']);
   });

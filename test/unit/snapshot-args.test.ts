@@ -27,7 +27,7 @@ describe('pvisor snapshot: argument parsing', () => {
   });
 
   it('says in one sentence where, how many RAM pages, how long, and how the VM is left', () => {
-    const vm = { id: 'T1', pid: 1, guest: 'probe' as const, memoryBytes: 2 ** 28, vcpus: 2 };
+    const vm = { id: 'T1', pid: 1, guest: 'probe' as const, memoryBytes: 2 ** 28, vcpus: 2, labels: {} };
     const snapshot = { dir: '/s/1', ramDataPageCount: 16404, ms: 278.8 };
     expect(formatSnapshotAnswer({ id: 'T1' }, { ok: true, vm: { ...vm, state: 'running' }, snapshot })).toBe('T1 snapshot: 16404 RAM pages (64.1 MiB) written to /s/1 in 278.8 ms; T1 is running');
     expect(formatSnapshotAnswer({ id: 'T1' }, { ok: true, vm: { ...vm, state: 'paused' }, snapshot })).toMatch(/; T1 is paused \(pvisor resume T1 lets it run\)$/);

@@ -2,7 +2,7 @@
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { HostUnsupportedError, InvalidOptionError, Vm } from '../../src';
+import { HostUnsupportedError, InvalidOptionError, Vm, type VmOptions } from '../../src';
 
 describe('bad input is rejected before anything is allocated', () => {
   it.each([
@@ -20,9 +20,23 @@ describe('bad input is rejected before anything is allocated', () => {
     // A timeout of 2^31 ms would fire at once; NaN never.
     [{ bootTimeoutMs: 2 ** 31 }, /bootTimeoutMs: expected a whole number of milliseconds/],
     [{ bootTimeoutMs: NaN }, /bootTimeoutMs/],
+    // Labels, the sandbox's env and the lifetime are checked before the host is.
+    [{ labels: { 'no spaces': 'x' } }, /labels\.no spaces: a label key/],
+    [{ labels: ['a=b'] }, /labels: expected an object/],
+    [{ env: { A: 'x' } }, /env: only the Linux guest runs commands/],
+    [{ timeoutMs: 0 }, /timeoutMs: expected a whole number of milliseconds/],
+    [{ onTimeout: 'pause' }, /onTimeout: expected "suspend", "hibernate" or "stop"/],
+    [{ onTimeout: 'hibernate' }, /hibernateDir: onTimeout: 'hibernate' needs hibernateDir/],
+    [{ hibernateDir: '/tmp/x' }, /hibernateDir: only goes with onTimeout: 'hibernate'/],
   ])('%j', async (opts, message) => {
-    await expect(Vm.start({ guest: 'probe', ...opts })).rejects.toThrow(InvalidOptionError);
-    await expect(Vm.start({ guest: 'probe', ...opts })).rejects.toThrow(message);
+    await expect(Vm.start({ guest: 'probe', ...(opts as VmOptions) })).rejects.toThrow(InvalidOptionError);
+    await expect(Vm.start({ guest: 'probe', ...(opts as VmOptions) })).rejects.toThrow(message);
+  });
+
+  it("the Linux guest's env and lifetime are checked before the host too", async () => {
+    await expect(Vm.start({ env: { 'A=B': 'x' } })).rejects.toThrow(/env: bad variable name "A=B"/);
+    await expect(Vm.start({ env: { A: 'x'.repeat(70_000) } })).rejects.toThrow(/env: more than 65536 bytes/);
+    await expect(Vm.start({ onTimeout: 'hibernate', hibernateDir: '/tmp/h', network: 'nat' })).rejects.toThrow(/onTimeout: 'hibernate' needs a VM that can hibernate: no network/);
   });
 
   it('a missing KVM device is a HostUnsupportedError that says what to do', async () => {

@@ -51,14 +51,17 @@ export function checkKvmHost(): KvmHostInfo {
 /**
  * Throws when the host's KVM cannot run a guest that executes kernel-mode (CPL0) code, such as the
  * Linux guest: on paravirtualised nested KVM every CPL0 instruction is emulated and Linux never
- * reaches userspace (measured: still in early memory setup after 183 s).
+ * reaches userspace (measured: still in early memory setup after 183 s). `audience` words the way
+ * out for an SDK caller (`guest: "probe"`) or a `pvisor run` user (`--guest probe`).
  */
-export function requireKernelModeGuests(info: KvmHostInfo, guest: string): void {
+export function requireKernelModeGuests(info: KvmHostInfo, guest: string, audience: 'sdk' | 'cli' = 'sdk'): void {
   if (info.flavour === 'pvm') {
+    const wayOut = audience === 'cli'
+      ? 'Run the probe guest here (pvisor run --guest probe -- STEPS), run the Linux guest inside the nested harness of the pvisor repository (node scripts/with-kvm.js --linux CMD), or on a host with hardware virtualisation (VT-x/AMD-V, or nested virtualisation enabled).'
+      : 'Use guest: "probe" here, or run on a host with hardware virtualisation (VT-x/AMD-V, or nested virtualisation enabled).';
     throw new HostUnsupportedError(
       `the ${guest} guest cannot run on this host: its KVM is paravirtualised nested KVM (kvm_pvm), where guest kernel code ` +
-        'is instruction-emulated and a Linux kernel does not finish booting. Use guest: "probe" here, or run on a host with ' +
-        'hardware virtualisation (VT-x/AMD-V, or nested virtualisation enabled).',
+        `is instruction-emulated and a Linux kernel does not finish booting. ${wayOut}`,
     );
   }
 }
