@@ -9,8 +9,6 @@ import { IdleRelease } from '../memory/strategies/idle-release';
 import { Offload } from '../memory/strategies/offload';
 import type { MemoryStrategy, StrategyStats } from '../memory/strategy';
 
-/** The study's working set, MiB: its figures compare with this size only. */
-export const STUDY_WORKING_SET_MIB = 64;
 /** The study reads a cell this long after the operation. */
 export const READ_AFTER_MS = 5000;
 /** `compressible` (distinct pages that lz4 shrinks to about 31%) is the study's extra cold case. */

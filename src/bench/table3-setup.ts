@@ -1,6 +1,6 @@
 /**
  * What a Table 3 run is (./table3.ts's header says what it measures): four VMs per cell, the
- * working sets and their seeds, the schemes, when cells are read, and the options checked.
+ * working sets and their seeds, the schemes, when cells are read, and the options type.
  */
 import type { ProbeContent, ProbeWorkingSet } from '../guest/probe-content';
 import type { Table3Scheme, Table3WorkingSet } from './study-figures';
@@ -8,8 +8,6 @@ import type { Table3Scheme, Table3WorkingSet } from './study-figures';
 const MiB = 2 ** 20;
 /** VMs in a cell, one process each. */
 export const VMS = 4;
-/** The study's working set, MiB: its figures compare with this size only. */
-export const STUDY_WORKING_SET_MIB = 64;
 /** The study reads cross-instance cells 2 s after the operation... */
 export const READ_AFTER_MS = 2000;
 /** ...and KSM 60 s after. */

@@ -30,9 +30,9 @@ import { InvalidOptionError } from '../errors';
 import { CellCgroup } from './cell-cgroup';
 import { filesystemOf } from './filesystem';
 import { beside, GoalTable, printTableBlock, progress, stats } from './report';
-import { STUDY_TABLE3, TABLE3_GOALS, savingPercent, type Table3WorkingSet } from './study-figures';
+import { STUDY_TABLE3, STUDY_WORKING_SET_MIB, TABLE3_GOALS, savingPercent, type Table3WorkingSet } from './study-figures';
 import { perVm, runCell, type GroupReading, type Table3Cell } from './table3-cell';
-import { READ_AFTER_MS, SCHEME_NAMES, STUDY_WORKING_SET_MIB, studyScheme, VMS, type MeasuredScheme, type Table3Options } from './table3-setup';
+import { READ_AFTER_MS, SCHEME_NAMES, studyScheme, VMS, type MeasuredScheme, type Table3Options } from './table3-setup';
 
 const MiB = 2 ** 20;
 

@@ -29,9 +29,9 @@ import { CellProcess } from './cell-process';
 import { faultPercentOfNative, printColdTable } from './cold-table';
 import { filesystemOf } from './filesystem';
 import { floorRows, measureMemoryFloors, measureNativeFaultRate, type MemoryFloors, type NativeFaultRate } from './floors';
-import { BENCH_COLD_AFTER_MS, READ_AFTER_MS, STUDY_WORKING_SET_MIB, type BenchGuest, type CellConfig, type CellResult, type Content, type Mode } from './memory-modes';
+import { BENCH_COLD_AFTER_MS, READ_AFTER_MS, type BenchGuest, type CellConfig, type CellResult, type Content, type Mode } from './memory-modes';
 import { beside, GoalTable, printTableBlock, progress } from './report';
-import { GOALS, LINUX_GOALS, STUDY_TABLE1, STUDY_TABLE2, savingPercent, studyRowOf, type Goal, type PerContent } from './study-figures';
+import { GOALS, LINUX_GOALS, STUDY_TABLE1, STUDY_TABLE2, STUDY_WORKING_SET_MIB, savingPercent, studyRowOf, type Goal, type PerContent } from './study-figures';
 
 const MiB = 2 ** 20;
 

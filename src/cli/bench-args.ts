@@ -9,13 +9,13 @@ import { parseArgs } from 'node:util';
 import { parseSignalling } from '../backends/kvm/kvm-machine';
 import { AGENT_ROOTFS_SCRIPT, agentRootfsImage } from '../bench/agent-workload';
 import type { FloorsBenchOptions } from '../bench/floors';
-import type { LinuxBenchOptions } from '../bench/linux';
-import { SIGNALLING_MODES } from '../bench/linux';
-import { LINUX_MODES, MODES, SEEDS, STUDY_WORKING_SET_MIB, type BenchGuest, type Content } from '../bench/memory-modes';
+import { SIGNALLING_MODES, type LinuxBenchOptions } from '../bench/linux';
+import { LINUX_MODES, MODES, SEEDS, type BenchGuest, type Content } from '../bench/memory-modes';
 import type { SnapshotBenchOptions } from '../bench/snapshot';
 import { MAX_WORKING_SET_MIB, SOAK_STRATEGIES, type SoakBenchOptions } from '../bench/soak';
 import type { Tables12Options } from '../bench/tables12';
-import { KSM_READ_AFTER_MS, SCHEMES, STUDY_WORKING_SET_MIB as TABLE3_WORKING_SET_MIB, WORKING_SETS, type Table3Guest, type Table3Options } from '../bench/table3-setup';
+import { STUDY_WORKING_SET_MIB } from '../bench/study-figures';
+import { KSM_READ_AFTER_MS, SCHEMES, WORKING_SETS, type Table3Guest, type Table3Options } from '../bench/table3-setup';
 import type { VmmBenchOptions } from '../bench/vmm';
 import { InvalidOptionError } from '../errors';
 import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
@@ -122,7 +122,7 @@ export const TABLE3_OPTIONS = {
   'working-sets': { type: 'string', default: WORKING_SETS.join(',') },
   schemes: { type: 'string', default: SCHEMES.join(',') },
   // The study's cells use 64 MiB; a smaller set makes a quick check (its figures then do not compare).
-  'working-set': { type: 'string', default: `${TABLE3_WORKING_SET_MIB}MiB` },
+  'working-set': { type: 'string', default: `${STUDY_WORKING_SET_MIB}MiB` },
   // When KSM cells are read (after KSM is turned on, and again after the rewrite).
   'ksm-read-after': { type: 'string', default: `${KSM_READ_AFTER_MS / 1000}s` },
   'snapshot-dir': { type: 'string', default: '/var/tmp/pvisor-bench-snapshots' },
