@@ -6,7 +6,6 @@
 import { existsSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { parseArgs } from 'node:util';
-import { parseSignalling } from '../backends/kvm/kvm-machine';
 import { AGENT_ROOTFS_SCRIPT, agentRootfsImage } from '../bench/agent-workload';
 import type { FloorsBenchOptions } from '../bench/floors';
 import { SIGNALLING_MODES, type LinuxBenchOptions } from '../bench/linux';
@@ -61,7 +60,7 @@ export function parseLinuxArgs(argv: string[]): WithJson<LinuxBenchOptions> {
   }
   if (!Number.isInteger(restores) || restores < 0) throw new InvalidOptionError('--restores', `wants a whole number >= 0, got ${restores}`);
   const modes = values.signalling.split(',');
-  for (const m of modes) if (!parseSignalling(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${SIGNALLING_MODES.join(', ')}`);
+  for (const m of modes) if (!SIGNALLING_MODES.includes(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${SIGNALLING_MODES.join(', ')}`);
   return { runs, execs, fileMib, restores, modes, json: values.json };
 }
 
