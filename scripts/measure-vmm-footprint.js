@@ -10,7 +10,7 @@ const { join } = require('node:path');
 
 const root = join(__dirname, '..');
 const main = join(root, 'dist', 'src', 'cli', 'main.js');
-const { PVISOR_NODE_FLAGS, PVISOR_NODE_ENV } = require(join(root, 'dist', 'src', 'cli', 'node-flags.js'));
+const { PVISOR_NODE_FLAGS, PVISOR_NODE_ENV } = require(join(root, 'dist', 'src', 'node-flags.js'));
 const probe = process.argv.includes('--probe');
 const jsonAt = process.argv.indexOf('--json');
 const name = `fp${process.pid}`;

@@ -26,7 +26,7 @@ async function main(argv: string[]): Promise<number> {
       return cmdPs(rest);
     }
     case 'bench': {
-      const { cmdBench } = await import('./bench');
+      const { cmdBench } = await import('./bench-command');
       return cmdBench(rest);
     }
     case 'help':

@@ -14,7 +14,7 @@ import { ControlServer, errorPayload } from '../control-socket';
 import { InvalidOptionError, PvisorError, SnapshotError, TimeoutError } from '../errors';
 import type { Vm } from '../vm';
 import { checkHibernatedDir, discardHibernated, logPathFor, readHibernationRecord, recordPathFor, type HibernationRecord } from '../snapshot/hibernation-record';
-import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from './node-flags';
+import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from '../node-flags';
 import { parseProbeScript, ScriptCursor } from './probe-script';
 import { checkCarriedFlags, parseRunArgs } from './run-args';
 import { runVm } from './run-command';

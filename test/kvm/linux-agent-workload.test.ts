@@ -9,7 +9,7 @@ import { copyFileSync, existsSync, mkdtempSync, rmSync, statSync } from 'node:fs
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Vm } from '../../src';
-import { AGENT_COMMAND, AGENT_ROOTFS_SCRIPT, AgentSession, agentRootfsImage } from '../../src/cli/agent-workload';
+import { AGENT_COMMAND, AGENT_ROOTFS_SCRIPT, AgentSession, agentRootfsImage } from '../../src/bench/agent-workload';
 
 const MiB = 2 ** 20;
 const image = agentRootfsImage();

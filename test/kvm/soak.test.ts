@@ -4,7 +4,7 @@
 // Needs /dev/kvm.
 import { readdirSync } from 'node:fs';
 import { CompressedOffload, Vm, type MemoryStrategy } from '../../src';
-import { SOAK_STRATEGIES, soakVm } from '../../src/cli/bench-soak';
+import { SOAK_STRATEGIES, soakVm } from '../../src/bench/soak';
 import type { ProbeWorkingSet } from '../../src/guest/probe-content';
 import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { hexOf } from '../probe-digest';

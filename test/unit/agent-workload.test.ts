@@ -3,7 +3,7 @@
 // image has Debian's). No KVM needed.
 import { spawnSync } from 'node:child_process';
 import { join } from 'node:path';
-import { AgentWorkloadError, parseAgentReady, parseAgentStatus } from '../../src/cli/agent-workload';
+import { AgentWorkloadError, parseAgentReady, parseAgentStatus } from '../../src/bench/agent-workload';
 
 const program = join(__dirname, '..', '..', '..', 'scripts', 'agent-workload', 'agent.js');
 

@@ -1,6 +1,6 @@
 import { mkdirSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
-import { floorRows, measureMemoryFloors, type FloorStats } from '../../src/cli/bench-floors';
+import { floorRows, measureMemoryFloors, type FloorStats } from '../../src/bench/floors';
 import { PACKAGE_ROOT } from '../../src/native';
 
 describe('measureMemoryFloors (real gcc, files and userfaultfd)', () => {

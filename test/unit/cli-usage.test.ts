@@ -4,14 +4,8 @@
 import { spawnSync } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { BENCH_VMM_OPTIONS } from '../../src/cli/bench';
-import { BENCH_FLOORS_OPTIONS } from '../../src/cli/bench-floors';
-import { BENCH_LINUX_OPTIONS } from '../../src/cli/bench-linux';
-import { TABLE12_OPTIONS } from '../../src/cli/bench-memory';
-import { BENCH_SNAPSHOT_OPTIONS } from '../../src/cli/bench-snapshot';
-import { BENCH_SOAK_OPTIONS } from '../../src/cli/bench-soak';
-import { TABLE3_OPTIONS } from '../../src/cli/bench-table3';
-import { PVISOR_NODE_ENV, PVISOR_NODE_FLAGS } from '../../src/cli/node-flags';
+import { BENCH_FLOORS_OPTIONS, BENCH_LINUX_OPTIONS, BENCH_SNAPSHOT_OPTIONS, BENCH_SOAK_OPTIONS, BENCH_VMM_OPTIONS, TABLE12_OPTIONS, TABLE3_OPTIONS } from '../../src/cli/bench-args';
+import { PVISOR_NODE_ENV, PVISOR_NODE_FLAGS } from '../../src/node-flags';
 import { BENCH_USAGE, PVISOR_USAGE } from '../../src/cli/usage';
 
 const root = join(__dirname, '..', '..', '..');

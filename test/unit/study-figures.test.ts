@@ -1,4 +1,4 @@
-import { GOALS, STUDY_TABLE1, STUDY_TABLE2, STUDY_TABLE3, TABLE3_GOALS, savingPercent, studyRowOf } from '../../src/cli/study-figures';
+import { GOALS, STUDY_TABLE1, STUDY_TABLE2, STUDY_TABLE3, TABLE3_GOALS, savingPercent, studyRowOf } from '../../src/bench/study-figures';
 
 describe('the study figures the bench prints', () => {
   it('saving is computed as the study does, against the default of the same working set', () => {

@@ -6,19 +6,17 @@
  * a snapshot of a booted VM to agent-ready, against a fresh boot in the same run.
  */
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
-import { parseArgs } from 'node:util';
-import { InvalidOptionError } from '../errors';
-import { parseSignalling } from '../backends/kvm/kvm-machine';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import { Vm } from '../vm';
-import { printTable, progress, sleep, stats } from './bench';
-import { parseUsage } from './usage';
+import { printTable, progress, stats } from './report';
 
 const MiB = 2 ** 20;
-const MODES = ['ioeventfd+irqfd', 'ioeventfd+irq-line', 'exit+irqfd', 'exit+irq-line'];
+/** The ways virtio devices can signal (PVISOR_VIRTIO_SIGNALLING), all run by default. */
+export const SIGNALLING_MODES: readonly string[] = ['ioeventfd+irqfd', 'ioeventfd+irq-line', 'exit+irqfd', 'exit+irq-line'];
 type Stats = ReturnType<typeof stats>;
 
 const ms = (x: Stats) => `${x.min.toFixed(1)} / ${x.median.toFixed(1)} / ${x.max.toFixed(1)}`;
@@ -54,7 +52,7 @@ async function oneRun(mode: string, execs: number, file: Buffer, t: ModeTimes, k
     await vm.stop();
     throw e;
   }
-  if (!keep) vm.stop();
+  if (!keep) await vm.stop();
   return vm;
 }
 
@@ -109,33 +107,21 @@ async function cloneRuns(vm: Vm, restores: number): Promise<CloneTimes> {
   return t;
 }
 
-/** `pvisor bench linux`'s options (its usage in ./usage.ts names each). */
-export const BENCH_LINUX_OPTIONS = {
-  runs: { type: 'string', default: '3' },
-  execs: { type: 'string', default: '20' },
-  'file-mib': { type: 'string', default: '10' },
-  signalling: { type: 'string', default: MODES.join(',') },
-  restores: { type: 'string', default: '3' },
-  json: { type: 'string' },
-} as const;
+/** `pvisor bench linux`'s options, checked. */
+export interface LinuxBenchOptions {
+  /** Boots of each signalling mode. */
+  runs: number;
+  /** Exec round trips per boot. */
+  execs: number;
+  fileMib: number;
+  /** Clones of the snapshot restored (0: none). */
+  restores: number;
+  /** The signalling modes, in the order they run. */
+  modes: string[];
+}
 
-/** Entry of `pvisor bench linux`. */
-export async function benchLinux(argv: string[]): Promise<number> {
-  const { values, runs, execs, fileMib, restores, modes } = parseUsage('bench linux', () => {
-    const { values } = parseArgs({ args: argv, options: BENCH_LINUX_OPTIONS, strict: true });
-    const runs = Number(values.runs);
-    const execs = Number(values.execs);
-    const fileMib = Number(values['file-mib']);
-    const restores = Number(values.restores);
-    for (const [name, v] of [['--runs', runs], ['--execs', execs], ['--file-mib', fileMib]] as const) {
-      if (!Number.isInteger(v) || v < 1) throw new InvalidOptionError(name, `wants a whole number >= 1, got ${v}`);
-    }
-    if (!Number.isInteger(restores) || restores < 0) throw new InvalidOptionError('--restores', `wants a whole number >= 0, got ${restores}`);
-    const modes = values.signalling.split(',');
-    for (const m of modes) if (!parseSignalling(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${MODES.join(', ')}`);
-    return { values, runs, execs, fileMib, restores, modes };
-  });
-
+/** `pvisor bench linux`: measures, prints the tables, returns the JSON. */
+export async function benchLinux({ runs, execs, fileMib, restores, modes }: LinuxBenchOptions): Promise<object> {
   const file = randomBytes(fileMib * MiB);
   const times = new Map(modes.map((m) => [m, { boot: [], exec: [], write: [], read: [] } as ModeTimes]));
   const before = process.env.PVISOR_VIRTIO_SIGNALLING;
@@ -193,13 +179,10 @@ export async function benchLinux(argv: string[]): Promise<number> {
         ['SharedSnapshot clone / fresh boot (medians; issue 11 goal <= 0.1)', clone.sharedRatio.toFixed(3)],
       ]);
     }
-    const json = { runs, execs, fileMib, modes: result, guestRamPssBytes, ...(clone && { clone }) };
-    if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
-    else process.stdout.write(`${JSON.stringify(json)}\n`);
+    return { runs, execs, fileMib, modes: result, guestRamPssBytes, ...(clone && { clone }) };
   } finally {
     await last?.stop();
     if (before === undefined) delete process.env.PVISOR_VIRTIO_SIGNALLING;
     else process.env.PVISOR_VIRTIO_SIGNALLING = before;
   }
-  return 0;
 }

@@ -5,9 +5,9 @@
  * the cell nothing. Tables 1-2 run one such process per cell; Table 3 runs four, one per VM.
  */
 import { spawn, type ChildProcessWithoutNullStreams } from 'node:child_process';
-import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from './node-flags';
+import { pvisorNodeEnv } from '../node-flags';
+import { pvisorBenchArgv } from './bins';
 import type { CellCgroup } from './cell-cgroup';
 
 /** One message: a JSON object per line. */
@@ -36,7 +36,7 @@ export class CellProcess {
    */
   static spawn(cgroup: CellCgroup | string, args: string[], label: string): CellProcess {
     const node = process.execPath;
-    const argv = [...PVISOR_NODE_FLAGS, join(__dirname, 'main.js'), 'bench', ...args];
+    const argv = pvisorBenchArgv(args);
     const [cmd, full] = typeof cgroup === 'string' ? [node, argv] : cgroup.wrap(node, argv);
     return new CellProcess(spawn(cmd, full, { stdio: ['pipe', 'pipe', 'pipe'], env: pvisorNodeEnv() }), label);
   }

@@ -7,17 +7,13 @@
  * clone's digest must equal the host model's, or the bench fails. Last, a SharedSnapshot clone
  * with Offload rewrites 8 MiB and is suspended: what the offload wrote is the clone's own pages.
  */
-import { mkdtempSync, openSync, closeSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, openSync, closeSync, rmSync, statSync } from 'node:fs';
 import { join } from 'node:path';
-import { parseArgs } from 'node:util';
-import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import { Offload } from '../memory/strategies/offload';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import { dropFileCache } from '../sys/libc';
 import { Vm } from '../vm';
-import { printTable, progress, stats } from './bench';
-import { InvalidOptionError } from '../errors';
-import { parseUsage } from './usage';
+import { printTable, progress, stats } from './report';
 
 const MiB = 2 ** 20;
 const WORKING_SET_MIB = 64;
@@ -41,18 +37,16 @@ function dropCache(path: string): void {
   }
 }
 
-/** `pvisor bench snapshot`'s options (its usage in ./usage.ts names each). */
-export const BENCH_SNAPSHOT_OPTIONS = { runs: { type: 'string', default: '5' }, dir: { type: 'string', default: DEFAULT_BACKING_DIR }, json: { type: 'string' } } as const;
+/** `pvisor bench snapshot`'s options, checked. */
+export interface SnapshotBenchOptions {
+  runs: number;
+  /** Where the snapshots (and the clone's offload) go. */
+  dir: string;
+}
 
-/** Entry of `pvisor bench snapshot`. */
-export async function benchSnapshot(argv: string[]): Promise<number> {
-  const { values, runs } = parseUsage('bench snapshot', () => {
-    const { values } = parseArgs({ args: argv, options: BENCH_SNAPSHOT_OPTIONS, strict: true });
-    const runs = Number(values.runs);
-    if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
-    return { values, runs };
-  });
-  const base = mkdtempSync(join(values.dir, 'pvisor-bench-snapshot-'));
+/** `pvisor bench snapshot`: measures, prints the table, returns the JSON. */
+export async function benchSnapshot({ runs, dir: parent }: SnapshotBenchOptions): Promise<object> {
+  const base = mkdtempSync(join(parent, 'pvisor-bench-snapshot-'));
   try {
     const source = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, name: 'bench-snapshot-source' });
     let expected: string;
@@ -104,7 +98,7 @@ export async function benchSnapshot(argv: string[]): Promise<number> {
     }
 
     progress(`offload of a shared clone that rewrote ${CLONE_WRITES_MIB} MiB`);
-    const offload = new Offload({ dir: values.dir });
+    const offload = new Offload({ dir: parent });
     const clone = await Vm.restore(dir, { strategies: [new SharedSnapshot(), offload] });
     let offloadBytes: number;
     try {
@@ -133,10 +127,7 @@ export async function benchSnapshot(argv: string[]): Promise<number> {
       ['RAM file on disk, MiB', (ramFileBytes / MiB).toFixed(1), `${ramDataPageCount} pages written`],
       [`offload of a clone that wrote ${CLONE_WRITES_MIB} MiB, MiB on disk`, (offloadBytes / MiB).toFixed(1), 'issue goal: about 8'],
     ]);
-    const json = { workingSetMiB: WORKING_SET_MIB, runs, ms: s, ramFileBytes, ramDataPageCount, cloneWroteMiB: CLONE_WRITES_MIB, cloneOffloadBytes: offloadBytes };
-    if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
-    else process.stdout.write(`${JSON.stringify(json)}\n`);
-    return 0;
+    return { workingSetMiB: WORKING_SET_MIB, runs, ms: s, ramFileBytes, ramDataPageCount, cloneWroteMiB: CLONE_WRITES_MIB, cloneOffloadBytes: offloadBytes };
   } finally {
     rmSync(base, { recursive: true, force: true });
   }

@@ -6,17 +6,13 @@
  * file's header says what each figure means and which operation it is the floor of.
  */
 import { execFileSync, spawn } from 'node:child_process';
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createInterface } from 'node:readline';
-import { parseArgs } from 'node:util';
-import { HostUnsupportedError, InvalidOptionError } from '../errors';
-import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
+import { HostUnsupportedError } from '../errors';
 import { PACKAGE_ROOT } from '../native';
-import { parseSize } from '../units';
-import { printTable, progress, stats } from './bench';
-import { parseUsage } from './usage';
+import { printTable, progress, stats } from './report';
 
 const MiB = 2 ** 20;
 
@@ -158,33 +154,21 @@ export function floorRows(f: MemoryFloors): string[][] {
   return rows;
 }
 
-/** `pvisor bench floors`' options (its usage in ./usage.ts names each). */
-export const BENCH_FLOORS_OPTIONS = {
-  // On a disk: the floors of writing and reading back are those of the disk under pvisor's
-  // backing files, so by default where they go (tmpfs is refused by the program).
-  dir: { type: 'string', default: join(DEFAULT_BACKING_DIR, 'pvisor-bench-floors') },
-  size: { type: 'string', default: '64MiB' },
-  runs: { type: 'string', default: '5' },
-  json: { type: 'string' },
-} as const;
+/** `pvisor bench floors`' options, checked. */
+export interface FloorsBenchOptions {
+  /** Where the files go: on the disk whose floors are wanted. */
+  dir: string;
+  sizeMiB: number;
+  runs: number;
+}
 
-/** Entry of `pvisor bench floors`. */
-export async function benchFloors(argv: string[]): Promise<number> {
-  const { values, sizeMiB, runs } = parseUsage('bench floors', () => {
-    const { values } = parseArgs({ args: argv, options: BENCH_FLOORS_OPTIONS, strict: true });
-    const sizeMiB = parseSize('--size', values.size) / MiB;
-    if (!Number.isInteger(sizeMiB) || sizeMiB < 1) throw new InvalidOptionError('--size', 'expected whole MiB, at least 1MiB');
-    const runs = Number(values.runs);
-    if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
-    return { values, sizeMiB, runs };
-  });
-  mkdirSync(values.dir, { recursive: true });
-  progress(`physical floors, ${sizeMiB} MiB, ${runs} runs, files in ${resolve(values.dir)}`);
-  const floors = await measureMemoryFloors({ dir: values.dir, sizeMiB, runs });
+/** `pvisor bench floors`: measures, prints the table and its notes, returns the JSON. */
+export async function benchFloors({ dir, sizeMiB, runs }: FloorsBenchOptions): Promise<MemoryFloors> {
+  mkdirSync(dir, { recursive: true });
+  progress(`physical floors, ${sizeMiB} MiB, ${runs} runs, files in ${resolve(dir)}`);
+  const floors = await measureMemoryFloors({ dir, sizeMiB, runs });
   process.stdout.write(`Physical floors: ${sizeMiB} MiB, ${runs} runs, files in ${floors.dir} (${floors.filesystem})\n`);
   printTable(floorRows(floors));
   for (const n of floors.notes) process.stdout.write(`note: ${n}\n`);
-  if (values.json) writeFileSync(values.json, JSON.stringify(floors, null, 2));
-  else process.stdout.write(`${JSON.stringify(floors)}\n`);
-  return 0;
+  return floors;
 }

@@ -4,6 +4,9 @@
  * print them beside pvisor's own.
  */
 
+/** The study's working set in every table, MiB: its figures compare with a cell of this size only. */
+export const STUDY_WORKING_SET_MIB = 64;
+
 /**
  * A figure per working set, as the study prints it (repetitive / random); `compressible`
  * (distinct compressible pages) only where the study measured it.

@@ -9,26 +9,22 @@
  * cycles. Each strategy runs in a process of its own, so that its memory figures are its own.
  */
 import { spawnSync } from 'node:child_process';
-import { mkdirSync, writeFileSync } from 'node:fs';
-import { join, resolve } from 'node:path';
-import { parseArgs } from 'node:util';
-import { InvalidOptionError } from '../errors';
-import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
+import { mkdirSync } from 'node:fs';
 import { CompressedOffload } from '../memory/strategies/compressed-offload';
 import { IdleRelease } from '../memory/strategies/idle-release';
 import { Offload } from '../memory/strategies/offload';
 import type { MemoryStrategy } from '../memory/strategy';
 import { processResident, type ResidentBytes } from '../memory-usage';
-import { parseSize } from '../units';
+import { pvisorNodeEnv } from '../node-flags';
 import { Vm } from '../vm';
-import { printTable, progress } from './bench';
-import { parseUsage } from './usage';
-import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from './node-flags';
+import { pvisorBenchArgv } from './bins';
+import { printTable, progress } from './report';
 
 const MiB = 2 ** 20;
 /** Guest RAM of each VM: room for the largest working set the bench takes, and the probe's own. */
 const VM_MEMORY_MIB = 128;
-const MAX_WORKING_SET_MIB = 96;
+/** The largest working set `--working-set` takes, MiB. */
+export const MAX_WORKING_SET_MIB = 96;
 
 /** The strategies the soak knows, by name: each makes a VM's composition, backing files in `dir`. */
 export const SOAK_STRATEGIES: Record<string, (dir: string) => MemoryStrategy[]> = {
@@ -110,7 +106,8 @@ export interface SoakRun {
   wallMs: number;
 }
 
-interface SoakConfig {
+/** What the parent sends one strategy's process, as JSON on its command line. */
+export interface SoakConfig {
   strategy: string;
   vms: number;
   cycles: number;
@@ -132,8 +129,8 @@ function liveHeapBytes(): number | null {
   return process.memoryUsage().heapUsed;
 }
 
-/** Runs one strategy's soak in this process (the child's side). */
-async function soakChild(config: SoakConfig): Promise<SoakRun> {
+/** `pvisor bench soak-run CONFIG`: runs one strategy's soak in this process (the child's side). */
+export async function soakChild(config: SoakConfig): Promise<SoakRun> {
   const make = SOAK_STRATEGIES[config.strategy];
   const vms: Vm[] = [];
   try {
@@ -186,35 +183,30 @@ async function soakChild(config: SoakConfig): Promise<SoakRun> {
 
 /** Runs one strategy's soak in a fresh process; its progress lines go to our stderr. */
 function runSoak(config: SoakConfig): SoakRun {
-  const r = spawnSync(process.execPath, [...PVISOR_NODE_FLAGS, '--expose-gc', join(__dirname, 'main.js'), 'bench', 'soak-run', JSON.stringify(config)], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'inherit'], maxBuffer: 16 * MiB, env: pvisorNodeEnv() });
+  const r = spawnSync(process.execPath, pvisorBenchArgv(['soak-run', JSON.stringify(config)], ['--expose-gc']), { encoding: 'utf8', stdio: ['ignore', 'pipe', 'inherit'], maxBuffer: 16 * MiB, env: pvisorNodeEnv() });
   if (r.status !== 0) throw new Error(`the soak of ${config.strategy} failed (exit ${r.status ?? r.signal})`);
   return JSON.parse(r.stdout) as SoakRun;
 }
 
-/** `pvisor bench soak`'s options (its usage in ./usage.ts names each). */
-export const BENCH_SOAK_OPTIONS = {
-  cycles: { type: 'string', default: '1000' },
-  strategy: { type: 'string', default: Object.keys(SOAK_STRATEGIES).join(',') },
-  vms: { type: 'string', default: '1' },
-  'working-set': { type: 'string', default: '16MiB' },
-  'backing-dir': { type: 'string', default: DEFAULT_BACKING_DIR },
-  json: { type: 'string' },
-} as const;
+/** `pvisor bench soak`'s options, checked. */
+export interface SoakBenchOptions {
+  cycles: number;
+  vms: number;
+  /** Names in {@link SOAK_STRATEGIES}, each run in a process of its own. */
+  strategies: string[];
+  workingSetMiB: number;
+  /** Where the backing files go (absolute). */
+  dir: string;
+}
 
-async function benchSoak(argv: string[]): Promise<number> {
-  const { values, cycles, vms, strategies, workingSetMiB } = parseUsage('bench soak', () => {
-    const { values } = parseArgs({ args: argv, options: BENCH_SOAK_OPTIONS, strict: true });
-    const cycles = Number(values.cycles);
-    if (!Number.isInteger(cycles) || cycles < 1 || cycles > 1_000_000) throw new InvalidOptionError('--cycles', 'expected 1 to 1000000');
-    const vms = Number(values.vms);
-    if (!Number.isInteger(vms) || vms < 1 || vms > 16) throw new InvalidOptionError('--vms', 'expected 1 to 16');
-    const strategies = values.strategy.split(',');
-    for (const s of strategies) if (!(s in SOAK_STRATEGIES)) throw new InvalidOptionError('--strategy', `unknown strategy ${s}; strategies: ${Object.keys(SOAK_STRATEGIES).join(', ')}`);
-    const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
-    if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1 || workingSetMiB > MAX_WORKING_SET_MIB) throw new InvalidOptionError('--working-set', `expected whole MiB from 1MiB to ${MAX_WORKING_SET_MIB}MiB`);
-    return { values, cycles, vms, strategies, workingSetMiB };
-  });
-  const dir = resolve(values['backing-dir']);
+/** What `pvisor bench soak` found: its JSON. */
+export interface SoakReport {
+  setup: { cycles: number; vms: number; vmMemoryMiB: number; workingSetMiB: number; backingDir: string };
+  runs: SoakRun[];
+}
+
+/** `pvisor bench soak`: runs each strategy's soak, prints the table, returns the JSON. */
+export async function benchSoak({ cycles, vms, strategies, workingSetMiB, dir }: SoakBenchOptions): Promise<SoakReport> {
   mkdirSync(dir, { recursive: true });
 
   const runs: SoakRun[] = [];
@@ -243,15 +235,5 @@ async function benchSoak(argv: string[]): Promise<number> {
   printTable(rows);
   for (const r of runs) process.stdout.write(`${r.strategy}: host RSS MiB after N cycles: ${r.rssByCycles.map((x) => `${x.cycles}: ${f(x.rssBytes)}`).join(', ')}\n`);
   for (const r of runs) if (r.firstFailure) process.stdout.write(`${r.strategy}: first failure: ${r.firstFailure}\n`);
-  const json = { setup: { cycles, vms, vmMemoryMiB: VM_MEMORY_MIB, workingSetMiB, backingDir: dir }, runs };
-  if (values.json) writeFileSync(values.json, JSON.stringify(json, null, 2));
-  else process.stdout.write(`${JSON.stringify(json)}\n`);
-  return runs.some((r) => r.failures > 0) ? 1 : 0;
-}
-
-/** Entry of `pvisor bench soak` and of its internal per-strategy command. */
-export async function cmdBenchSoak(argv: string[], child: boolean): Promise<number> {
-  if (!child) return benchSoak(argv);
-  process.stdout.write(JSON.stringify(await soakChild(JSON.parse(argv[0]) as SoakConfig)));
-  return 0;
+  return { setup: { cycles, vms, vmMemoryMiB: VM_MEMORY_MIB, workingSetMiB, backingDir: dir }, runs };
 }
