@@ -19,11 +19,11 @@ export function faultPercentOfNative(c: CellResult, nativeFaults: NativeFaultRat
 }
 
 /** Prints the table of the cold cells among `cells`, if any. */
-export function printColdTable(cells: CellResult[], nativeFaults: NativeFaultRate | undefined): void {
+export function printColdTable(cells: CellResult[], nativeFaults: NativeFaultRate | undefined, coldCpuShare: number): void {
   const colds = cells.filter((c) => c.faultsPerSecond !== undefined);
   if (!colds.length) return;
   const native = nativeFaults ? `${Math.round(nativeFaults.faultsPerSecond.median)} faults/s (median of ${nativeFaults.faultsPerSecond.runsMs.length} runs)` : 'not measured';
-  process.stdout.write(`Cold compression (coldAfter ${BENCH_COLD_AFTER_MS / 1000} s; "settled" = from the fill until the store last grew; hot refaults counted over ${HOT_WINDOW_MS / 1000} s from ${MIX_SETTLE_MS / 1000} s after the fill; native userfaultfd loop, 64 KiB blocks, this run: ${native})\n`);
+  process.stdout.write(`Cold compression (coldAfter ${BENCH_COLD_AFTER_MS / 1000} s, cpuShare ${coldCpuShare}; "settled" = from the fill until the store last grew; hot refaults counted over ${HOT_WINDOW_MS / 1000} s from ${MIX_SETTLE_MS / 1000} s after the fill; native userfaultfd loop, 64 KiB blocks, this run: ${native})\n`);
   const tc: string[][] = [['mode', 'working set', 'settled after ms', 'blocks stored', 'store MiB', 'incompressible blocks', 'scanner CPU % at idle', 'hot refaults, % of hot pages/s', 'faults/s (host thread touching)', '% of native']];
   for (const c of colds) {
     const f = c.strategies.find((s) => s.strategy === 'cold-compression')?.figures ?? {};

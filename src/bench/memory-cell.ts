@@ -121,7 +121,7 @@ export async function memoryCell(config: CellConfig): Promise<void> {
   try {
     let firstStrategies: MemoryStrategy[] = [];
     for (let i = 0; i < config.vms; i++) {
-      const strategies = mode.strategies(config.backingDir);
+      const strategies = mode.strategies(config.backingDir, config.coldCpuShare);
       if (i === 0) firstStrategies = strategies;
       const c = await startCellVm(config.guest, strategies, config.content);
       cellVms.push(c);

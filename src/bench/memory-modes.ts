@@ -15,6 +15,8 @@ export const READ_AFTER_MS = 5000;
 export const SEEDS = { repetitive: 1, random: 42, compressible: 7 } as const;
 /** Short, so that a cell settles in seconds; what it measures does not depend on it. */
 export const BENCH_COLD_AFTER_MS = 2000;
+/** ColdCompression's default cpuShare (cold-compression.ts), the default of --cold-cpu-share. */
+export const DEFAULT_COLD_CPU_SHARE = 0.05;
 /** The mix cell's hot part, read over and over while the rest goes cold (the study's case). */
 export const HOT_MIB = 16;
 /** A cold cell is settled when its store has not grown for this long... */
@@ -36,7 +38,7 @@ export type Content = keyof typeof SEEDS | 'agent';
 /** A mode of Table 1: the strategies a VM starts with and what is done after the fill. */
 export interface Mode {
   name: string;
-  strategies(backingDir: string): MemoryStrategy[];
+  strategies(backingDir: string, coldCpuShare: number): MemoryStrategy[];
   operation: 'none' | 'release' | 'suspend' | 'cold' | 'cold-mix';
 }
 
@@ -44,8 +46,8 @@ export interface Mode {
 export const MODES: Mode[] = [
   { name: 'default', strategies: () => [], operation: 'none' },
   { name: 'idle-release', strategies: () => [new IdleRelease()], operation: 'release' },
-  { name: 'cold-compression', strategies: () => [new ColdCompression({ coldAfterMs: BENCH_COLD_AFTER_MS })], operation: 'cold' },
-  { name: 'cold-compression-mix', strategies: () => [new ColdCompression({ coldAfterMs: BENCH_COLD_AFTER_MS })], operation: 'cold-mix' },
+  { name: 'cold-compression', strategies: (_, cpuShare) => [new ColdCompression({ coldAfterMs: BENCH_COLD_AFTER_MS, cpuShare })], operation: 'cold' },
+  { name: 'cold-compression-mix', strategies: (_, cpuShare) => [new ColdCompression({ coldAfterMs: BENCH_COLD_AFTER_MS, cpuShare })], operation: 'cold-mix' },
   { name: 'offload', strategies: (dir) => [new Offload({ dir })], operation: 'suspend' },
   { name: 'offload-lazy', strategies: (dir) => [new Offload({ dir, reload: 'lazy' })], operation: 'suspend' },
   { name: 'offload-cached', strategies: (dir) => [new Offload({ dir, pageCache: 'keep' })], operation: 'suspend' },
@@ -65,6 +67,8 @@ export interface CellConfig {
   vms: number;
   workingSetMiB: number;
   backingDir: string;
+  /** ColdCompression's cpuShare in the cold cells (--cold-cpu-share). */
+  coldCpuShare: number;
 }
 
 /** One cell's results. */

@@ -50,6 +50,8 @@ export interface Tables12Options {
   sharedVms: number;
   /** Runs of each physical floor (0: none). */
   floorRuns: number;
+  /** ColdCompression's cpuShare in the cold cells. */
+  coldCpuShare: number;
 }
 
 /** Runs one cell in a fresh process and cgroup; resolves with its results. */
@@ -127,13 +129,13 @@ export async function benchTables12(opts: Tables12Options): Promise<object> {
   const run: Tables12Run = { cells: await runCells(opts), shared: await runSharedCell(opts), floors, nativeFaults };
 
   printTable1(run, opts);
-  printColdTable(run.cells, nativeFaults);
+  printColdTable(run.cells, nativeFaults, opts.coldCpuShare);
   const floorMs = floors && printFloors(floors, workingSetMiB);
   printTable2(run.cells, floorMs);
   const goals = printGoals(run, opts, floorMs);
   process.stdout.write(`Backing files in ${backingDir} (${fsType}). Resident and group memory are never added together.\n`);
   return {
-    setup: { guest, placements: opts.placements, memoryMiB: 512, vcpus: 2, workingSetMiB, readAfterMs: READ_AFTER_MS, backingDir, backingFilesystem: fsType, coldAfterMs: BENCH_COLD_AFTER_MS },
+    setup: { guest, placements: opts.placements, memoryMiB: 512, vcpus: 2, workingSetMiB, readAfterMs: READ_AFTER_MS, backingDir, backingFilesystem: fsType, coldAfterMs: BENCH_COLD_AFTER_MS, coldCpuShare: opts.coldCpuShare },
     floors,
     floorMs,
     nativeFaults,
@@ -169,7 +171,7 @@ async function nativeFaultsOf({ modes, workingSetMiB }: Tables12Options): Promis
 }
 
 /** Every cell of Table 1, one after another: placements, then modes, then working sets. */
-async function runCells({ guest, modes, contents, placements, workingSetMiB, backingDir }: Tables12Options): Promise<CellResult[]> {
+async function runCells({ guest, modes, contents, placements, workingSetMiB, backingDir, coldCpuShare }: Tables12Options): Promise<CellResult[]> {
   const cells: CellResult[] = [];
   const total = modes.length * contents.length * placements.length;
   for (const vms of placements) {
@@ -177,7 +179,7 @@ async function runCells({ guest, modes, contents, placements, workingSetMiB, bac
       for (const content of contents) {
         const label = `[${cells.length + 1}/${total}] ${guest} ${mode.name} ${content}${vms > 1 ? `, ${vms} VMs in one process` : ''}`;
         progress(`${label}: fresh VM${vms > 1 ? 's' : ''}`);
-        cells.push(await runCell({ guest, mode: mode.name, content, vms, workingSetMiB, backingDir }, label));
+        cells.push(await runCell({ guest, mode: mode.name, content, vms, workingSetMiB, backingDir, coldCpuShare }, label));
       }
     }
   }
@@ -185,11 +187,11 @@ async function runCells({ guest, modes, contents, placements, workingSetMiB, bac
 }
 
 /** The goal "<= 8 MiB per VM when four VMs share one process", after offload (the probe's issue 9). */
-async function runSharedCell({ guest, modes, contents, sharedVms, workingSetMiB, backingDir }: Tables12Options): Promise<CellResult | undefined> {
+async function runSharedCell({ guest, modes, contents, sharedVms, workingSetMiB, backingDir, coldCpuShare }: Tables12Options): Promise<CellResult | undefined> {
   if (guest !== 'probe' || !modes.some((m) => m.name === 'offload') || sharedVms === 0) return undefined;
   const label = `[shared] ${sharedVms} x offload ${contents[0]} in one process`;
   progress(`${label}: fresh VMs`);
-  return runCell({ guest, mode: 'offload', content: contents[0], vms: sharedVms, workingSetMiB, backingDir }, label);
+  return runCell({ guest, mode: 'offload', content: contents[0], vms: sharedVms, workingSetMiB, backingDir, coldCpuShare }, label);
 }
 
 /** The cell of `mode` with the same working set and placement, if it ran. */
