@@ -10,7 +10,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
-import { parseSignalling } from '../backends/kvm/kvm-machine';
+import { parseSignalling } from '../backends/kvm/signalling';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import { DEFAULT_BACKING_DIR } from '../memory/backing-file';
 import { Vm } from '../vm';
