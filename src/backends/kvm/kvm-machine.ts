@@ -152,18 +152,7 @@ export class KvmMachine {
         vm.createPit2();
       }
       const signalling = linux ? config.signalling ?? signallingFromEnv() : 'polled';
-      this.serial = new Serial8250((line) => {
-        this.recentConsole.push(line);
-        if (this.recentConsole.length > 50) this.recentConsole.shift();
-        this.hooks.onConsole(line);
-      }, signalling === 'polled' ? () => {} : this.serialInterrupt(signalling));
-      this.pio.add(COM1_BASE, COM1_PORTS, { read: (o) => this.serial.read(o), write: (o, _s, v) => this.serial.write(o, v) });
-      // The probe uses no port I/O (kvm_pvm clears IOPL): it prints and parks through its doorbell.
-      if (!linux) this.mmio.add(PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE, new ProbeDoorbell((byte) => this.serial.write(0, byte)));
-      else {
-        const rtc = (this.rtc = new CmosRtc());
-        this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
-      }
+      ({ serial: this.serial, rtc: this.rtc } = this.platformDevices(signalling));
 
       if (config.net && !linux) throw new InvalidOptionError('network', 'only the Linux guest has a network device');
       const host = {
@@ -183,21 +172,44 @@ export class KvmMachine {
       this.console = this.devices.get('console')!;
 
       this.runner = new VcpuRunner((rec) => this.onRecord(rec));
-      const mmapSize = kvm.vcpuMmapSize();
-      const cpuid = (this.cpuid = kvm.supportedCpuid());
-      for (let i = 0; i < config.vcpus; i++) {
-        const fd = vm.createVcpu(i, mmapSize);
-        this.vcpus.push({ fd, state: 'created', seenUsedIndex: 0 });
-        if (linux) {
-          fd.setCpuid(cpuidForVcpu(cpuid, i));
-          setupLapic(fd);
-        } else fd.setCpuid(cpuid);
-        this.runner.start(i, fd.fd, fd.runAddr);
-      }
+      this.cpuid = kvm.supportedCpuid();
+      this.createVcpus(config.vcpus);
       this.devices.watchNotifications((fd, tag) => this.runner.watch(fd, tag));
     } catch (e) {
       this.releaseGuest(); // the VM and KVM fds are closed by create()
       throw e;
+    }
+  }
+
+  /** The UART on COM1, and the RTC (Linux) or the probe's doorbell: the machine's own devices. */
+  private platformDevices(signalling: VirtioSignalling | 'polled'): { serial: Serial8250; rtc: CmosRtc | undefined } {
+    const serial = new Serial8250((line) => {
+      this.recentConsole.push(line);
+      if (this.recentConsole.length > 50) this.recentConsole.shift();
+      this.hooks.onConsole(line);
+    }, signalling === 'polled' ? () => {} : this.serialInterrupt(signalling));
+    this.pio.add(COM1_BASE, COM1_PORTS, { read: (o) => serial.read(o), write: (o, _s, v) => serial.write(o, v) });
+    if (!this.linux) {
+      // The probe uses no port I/O (kvm_pvm clears IOPL): it prints and parks through its doorbell.
+      this.mmio.add(PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE, new ProbeDoorbell((byte) => serial.write(0, byte)));
+      return { serial, rtc: undefined };
+    }
+    const rtc = new CmosRtc();
+    this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
+    return { serial, rtc };
+  }
+
+  /** `count` vCPUs with their CPUID (and, for Linux, their local APIC), each with its runner thread. */
+  private createVcpus(count: number): void {
+    const mmapSize = this.kvm.vcpuMmapSize();
+    for (let i = 0; i < count; i++) {
+      const fd = this.vm.createVcpu(i, mmapSize);
+      this.vcpus.push({ fd, state: 'created', seenUsedIndex: 0 });
+      if (this.linux) {
+        fd.setCpuid(cpuidForVcpu(this.cpuid, i));
+        setupLapic(fd);
+      } else fd.setCpuid(this.cpuid);
+      this.runner.start(i, fd.fd, fd.runAddr);
     }
   }
 
