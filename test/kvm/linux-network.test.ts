@@ -158,6 +158,7 @@ describeAsRoot('Linux guest networking', () => {
       const original = vm.network;
       for (let i = 0; i < 2; i++) clones.push(await Vm.restore(dir, { readyTimeoutMs: 120_000 }));
       const nets = clones.map((c) => c.network);
+      clones.forEach((c, i) => console.log(`clone ${i}: TAP ${nets[i].tap}, eth0 ${nets[i].guestAddress} via ${nets[i].hostAddress}, MAC ${nets[i].mac}; ready in ${c.restoreInfo!.readyMs.toFixed(0)} ms (agent ${c.restoreInfo!.agentMs.toFixed(0)} ms); the snapshot's: ${original.tap}, ${original.guestAddress}`));
       // Each has a TAP, a /30 and tables of its own, beside the original's; the guest keeps its MAC.
       expect(new Set([original, ...nets].map((n) => n.tap)).size).toBe(3);
       expect(new Set([original, ...nets].map((n) => n.guestAddress)).size).toBe(3);
