@@ -211,7 +211,7 @@ export class DeviceManager {
    */
   constructor(
     options: DeviceOptions,
-    private readonly host: DeviceHost,
+    host: DeviceHost,
     private readonly vm: DeviceVm,
     private readonly signalling: DeviceSignalling,
     mmio: IoBus,
