@@ -14,7 +14,7 @@ const { join, resolve } = require('node:path');
 const dist = resolve(process.argv[2] ?? join(__dirname, '..', 'dist'));
 const { GuestMemory } = require(join(dist, 'src/backends/kvm/guest-memory'));
 const { writeSnapshot } = require(join(dist, 'src/snapshot/snapshot-dir'));
-const { crc32c } = require(join(dist, 'src/memory/uffd-server'));
+const { crc32c } = require(join(dist, 'src/native/crc32c'));
 const MIB = 2 ** 20;
 const hex32 = (v) => `0x${(v >>> 0).toString(16).padStart(8, '0')}`;
 const zeroChunk = hex32(crc32c(Buffer.alloc(2 * MIB)));

@@ -24,6 +24,7 @@ import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
 import { parseWarningLimit, WarningLimiter, type WarningLimit } from './warning-limit';
+import { vmBusy, vmGone, vmIdle, vmStarted } from './sys/process-pages';
 import type { HostNetwork, VmNetworkInfo } from './network/host-network';
 import { natOptionOf, parseNetworkOption, type NetworkOption } from './network/options';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
@@ -465,6 +466,7 @@ export class Vm extends EventEmitter<VmEvents> {
     else this._linux ??= new LinuxGuest(this.agent);
     this.setState('running');
     this.memory.setRunning(true);
+    vmStarted(this);
   }
 
   /**
@@ -736,6 +738,7 @@ export class Vm extends EventEmitter<VmEvents> {
     this.machine.resume();
     this.setState('running');
     this.memory.setRunning(true);
+    vmStarted(this);
   }
 
   /** Everything a snapshot holds besides RAM; the guest is paused. */
@@ -790,6 +793,8 @@ export class Vm extends EventEmitter<VmEvents> {
     const previous = this._state;
     if (previous === state) return;
     this._state = state;
+    if (state === 'stopped' || state === 'crashed') vmGone(this);
+    else if (state !== 'suspended') vmBusy(this);
     this.emit('state', state, previous);
   }
 
@@ -930,10 +935,12 @@ export class Vm extends EventEmitter<VmEvents> {
       }
       this.setState('suspended');
       const resumes = this.resumeCount;
-      this.memory.memoryReleased().then(
-        () => this.resumeCount === resumes && this._state === 'suspended' && this.emit('released', { ms: performance.now() - t0 }),
-        (error: PvisorError) => this.resumeCount === resumes && this._state === 'suspended' && this.emit('released', { ms: performance.now() - t0, error }),
-      );
+      const released = (error?: PvisorError) => {
+        if (this.resumeCount !== resumes || this._state !== 'suspended') return;
+        this.emit('released', error ? { ms: performance.now() - t0, error } : { ms: performance.now() - t0 });
+        vmIdle(this);
+      };
+      this.memory.memoryReleased().then(() => released(), released);
     });
   }
 

@@ -7,7 +7,7 @@ import { connect, type Socket } from 'node:net';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
 import { PoolOp, type PageKey } from '../src/daemon/pool-protocol';
-import { pageHashesOf } from '../src/memory/uffd-server';
+import { pageHashesOf } from '../src/native/crc32c';
 import { PoolLink } from '../src/memory/pool-link';
 import { encodeFrame, FrameDecoder, FrameType, type Frame } from '../src/protocol/frame';
 import { decodeAnswers, encodeOffer, encodePut, encodeSettle, poolRequest } from './pool-wire';

@@ -1,5 +1,5 @@
 /*
- * The agent's reading of agent protocol v1 (docs/probe-guest.md): a frame's 16-byte header
+ * The agent's reading of agent protocol v1 (docs/probe-guest.md): the frames (../include/pv_frame.h)
  * found in the bytes received so far, and the length-prefixed strings inside request payloads.
  * Everything the host sends passes through these before any op sees it, so they are kept apart
  * from agent.c: pure functions over a byte range, no I/O, no allocation, nothing global. The
@@ -13,49 +13,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define PV_HDR 16
-#define PV_MAX_PAYLOAD (1u << 20)
-#define PV_VERSION 1
+#include "../include/pv_frame.h"
 
-static inline uint32_t pv_rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
-static inline uint16_t pv_rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static inline void pv_wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-static inline void pv_wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i); }
 static inline void pv_wr64(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> 8 * i); }
-
-/* One frame found in a byte range; payload points into that range. */
-struct pv_frame {
-  uint8_t type;
-  uint32_t id;
-  uint16_t op;
-  uint16_t flags;
-  uint32_t len;
-  const uint8_t *payload;
-};
-
-enum pv_scan {
-  PV_NEED_MORE, /* no whole frame yet: wait for more bytes (never more than PV_HDR + PV_MAX_PAYLOAD) */
-  PV_FRAME,     /* *f is the first frame; it spans PV_HDR + f->len bytes */
-  PV_BAD,       /* the header is not one of ours (magic, version, or a length over the limit) */
-};
-
-/*
- * The first frame of the `n` bytes at `p`. A bad header is said as soon as its 16 bytes are in,
- * before any of its claimed payload: the agent then drops what it holds and resynchronises.
- */
-static inline enum pv_scan pv_frame_scan(const uint8_t *p, size_t n, struct pv_frame *f) {
-  if (n < PV_HDR) return PV_NEED_MORE;
-  uint32_t len = pv_rd32(p + 12);
-  if (p[0] != 0x50 || p[1] != 0x56 || p[2] != PV_VERSION || len > PV_MAX_PAYLOAD) return PV_BAD;
-  if (n - PV_HDR < len) return PV_NEED_MORE;
-  f->type = p[3];
-  f->id = pv_rd32(p + 4);
-  f->op = pv_rd16(p + 8);
-  f->flags = pv_rd16(p + 10);
-  f->len = len;
-  f->payload = p + PV_HDR;
-  return PV_FRAME;
-}
 
 /*
  * Serves the whole frames at the start of the `n` bytes at `p`, in order: each to `frame`; a bad
@@ -66,14 +26,14 @@ static inline size_t pv_frames_take(const uint8_t *p, size_t n, void (*frame)(vo
   size_t used = 0;
   for (;;) {
     struct pv_frame f;
-    enum pv_scan r = pv_frame_scan(p + used, n - used, &f);
+    enum pv_scan r = pv_frame_scan(p + used, n - used, &f, NULL);
     if (r == PV_NEED_MORE) return used;
     if (r == PV_BAD) {
       bad(ctx);
       return n;
     }
     frame(ctx, &f);
-    used += PV_HDR + (size_t)f.len;
+    used += PV_FRAME_HDR + (size_t)f.len;
   }
 }
 
@@ -128,7 +88,6 @@ static inline void pv_entry_put(uint8_t *at, const uint8_t *name, uint16_t nameL
  * payload: PV_STREAM_WINDOW when it opens, plus what the host grants with CREDIT frames as its
  * consumer reads. One stream nobody reads then stops only itself; the channel goes on.
  */
-#define PV_T_CREDIT 6            /* frame type: the host grants a stream more credit; never answered */
 #define PV_OP_CREDIT 0x0003      /* the op a CREDIT frame carries */
 #define PV_FEATURE_STREAM_CREDIT 1u /* HELLO's features bit: this agent honours stream credit */
 #define PV_STREAM_WINDOW (256u << 10)

@@ -61,11 +61,11 @@
 #include "../linux-guest/workset.h"
 
 /* ---- protocol constants (docs/probe-guest.md, docs/agent-protocol.md) ---- */
-#define HDR PV_HDR
-#define MAX_PAYLOAD PV_MAX_PAYLOAD
+#define HDR PV_FRAME_HDR
+#define MAX_PAYLOAD PV_FRAME_MAX_PAYLOAD
 #define CHUNK_MAX (64u << 10) /* stream chunks carry at most 64 KiB */
 
-enum { T_REQUEST = 1, T_RESPONSE = 2, T_CHUNK = 3, T_ERROR = 4, T_EVENT = 5, T_CREDIT = PV_T_CREDIT };
+enum { T_REQUEST = PV_T_REQUEST, T_RESPONSE = PV_T_RESPONSE, T_CHUNK = PV_T_CHUNK, T_ERROR = PV_T_ERROR, T_EVENT = PV_T_EVENT, T_CREDIT = PV_T_CREDIT };
 enum {
   OP_HELLO = 0x0001,
   OP_PING = 0x0002,
@@ -191,14 +191,7 @@ static struct buf out, in;
 static void send_frame(int type, uint32_t id, uint16_t op, uint16_t flags, const void *a, size_t alen, const void *b, size_t blen) {
   size_t plen = alen + blen;
   uint8_t *h = buf_reserve(&out, HDR + plen);
-  h[0] = 0x50;
-  h[1] = 0x56;
-  h[2] = 1;
-  h[3] = (uint8_t)type;
-  pv_wr32(h + 4, id);
-  pv_wr16(h + 8, op);
-  pv_wr16(h + 10, flags);
-  pv_wr32(h + 12, (uint32_t)plen);
+  pv_frame_header_put(h, (uint8_t)type, id, op, flags, (uint32_t)plen);
   if (alen) memcpy(h + HDR, a, alen);
   if (blen) memcpy(h + HDR + alen, b, blen);
   out.len += HDR + plen;
@@ -209,15 +202,7 @@ static void send_frame(int type, uint32_t id, uint16_t op, uint16_t flags, const
 static uint8_t *chunk_space(void) { return buf_reserve(&out, HDR + CHUNK_MAX) + HDR; }
 
 static void chunk_commit(uint32_t id, uint16_t op, uint16_t flags, size_t n) {
-  uint8_t *h = out.p + out.head + out.len;
-  h[0] = 0x50;
-  h[1] = 0x56;
-  h[2] = 1;
-  h[3] = T_CHUNK;
-  pv_wr32(h + 4, id);
-  pv_wr16(h + 8, op);
-  pv_wr16(h + 10, flags);
-  pv_wr32(h + 12, (uint32_t)n);
+  pv_frame_header_put(out.p + out.head + out.len, T_CHUNK, id, op, flags, (uint32_t)n);
   out.len += HDR + n;
 }
 

@@ -51,7 +51,7 @@ static uint32_t below(uint32_t n) { return n ? (uint32_t)(next64() % n) : 0; }
 /* A payload length: mostly small, sometimes around 64 KiB, now and then up to the limit. */
 static uint32_t some_length(void) {
   switch (below(16)) {
-  case 0: return PV_MAX_PAYLOAD - below(3);
+  case 0: return PV_FRAME_MAX_PAYLOAD - below(3);
   case 1: case 2: return below(70000);
   default: return below(64);
   }
@@ -75,8 +75,8 @@ static uint64_t sum_of(const uint8_t *p, size_t n) {
 
 static void on_frame(void *ctx, const struct pv_frame *f) {
   struct receiver *r = ctx;
-  CHECK(f->len <= PV_MAX_PAYLOAD, "frame of %u bytes", f->len);
-  CHECK(f->payload >= r->lo + PV_HDR && f->payload + f->len <= r->hi, "payload outside the bytes received");
+  CHECK(f->len <= PV_FRAME_MAX_PAYLOAD, "frame of %u bytes", f->len);
+  CHECK(f->payload >= r->lo + PV_FRAME_HDR && f->payload + f->len <= r->hi, "payload outside the bytes received");
   if (r->expect) {
     CHECK(r->served < r->expected, "frame %zu served, only %zu sent", r->served, r->expected);
     const struct sent *s = &r->expect[r->served];
@@ -109,7 +109,7 @@ static void arrive(struct receiver *r, const uint8_t *bytes, size_t k) {
   free(held);
   r->held = rest;
   r->n = left;
-  CHECK(r->n < PV_HDR + PV_MAX_PAYLOAD, "%zu bytes held without a whole frame", r->n);
+  CHECK(r->n < PV_FRAME_HDR + PV_FRAME_MAX_PAYLOAD, "%zu bytes held without a whole frame", r->n);
 }
 
 /*
@@ -123,7 +123,7 @@ static void feed(struct receiver *r, const uint8_t *s, size_t n, const size_t *e
     while (e < nends && ends[e] <= at + 1) e++;
     switch (below(5)) {
     case 0: k = 1; break;
-    case 1: k = 1 + below(PV_HDR * 2); break;
+    case 1: k = 1 + below(PV_FRAME_HDR * 2); break;
     case 2: k = 1 + below(4096); break;
     case 3: k = e < nends ? ends[e] - at - 1 + below(3) : 1; break;
     default: k = 1 + below(300000); break;
@@ -139,19 +139,15 @@ static uint8_t *valid_stream(size_t frames, struct sent *sent, size_t *len, size
   size_t cap = 0;
   for (size_t i = 0; i < frames; i++) {
     sent[i] = (struct sent){.type = (uint8_t)below(256), .id = (uint32_t)next64(), .op = (uint16_t)next64(), .flags = (uint16_t)next64(), .len = some_length()};
-    cap += PV_HDR + sent[i].len;
+    cap += PV_FRAME_HDR + sent[i].len;
   }
   uint8_t *s = malloc(cap ? cap : 1), *p = s;
   CHECK(s != NULL, "malloc");
   for (size_t i = 0; i < frames; i++) {
-    p[0] = 0x50, p[1] = 0x56, p[2] = PV_VERSION, p[3] = sent[i].type;
-    pv_wr32(p + 4, sent[i].id);
-    pv_wr16(p + 8, sent[i].op);
-    pv_wr16(p + 10, sent[i].flags);
-    pv_wr32(p + 12, sent[i].len);
-    for (uint32_t j = 0; j < sent[i].len; j++) p[PV_HDR + j] = (uint8_t)next64();
-    sent[i].sum = sum_of(p + PV_HDR, sent[i].len);
-    p += PV_HDR + sent[i].len;
+    pv_frame_header_put(p, sent[i].type, sent[i].id, sent[i].op, sent[i].flags, sent[i].len);
+    for (uint32_t j = 0; j < sent[i].len; j++) p[PV_FRAME_HDR + j] = (uint8_t)next64();
+    sent[i].sum = sum_of(p + PV_FRAME_HDR, sent[i].len);
+    p += PV_FRAME_HDR + sent[i].len;
     ends[i] = (size_t)(p - s);
   }
   *len = cap;
@@ -178,9 +174,9 @@ static void property_hostile_streams(void) {
     CHECK(s != NULL, "malloc");
     for (size_t i = 0; i < n; i++) s[i] = (uint8_t)next64();
     /* now and then a plausible header inside the noise */
-    for (size_t k = below(8); k-- && n >= PV_HDR;) {
-      uint8_t *h = s + below((uint32_t)(n - PV_HDR + 1));
-      h[0] = 0x50, h[1] = 0x56, h[2] = PV_VERSION;
+    for (size_t k = below(8); k-- && n >= PV_FRAME_HDR;) {
+      uint8_t *h = s + below((uint32_t)(n - PV_FRAME_HDR + 1));
+      h[0] = PV_FRAME_MAGIC0, h[1] = PV_FRAME_MAGIC1, h[2] = PV_FRAME_VERSION;
       pv_wr32(h + 12, below(3) ? some_length() : (uint32_t)next64());
     }
   } else {
@@ -316,19 +312,19 @@ static void on_credit_frame(void *ctx, const struct pv_frame *f) {
 static void property_credit(void) {
   /* CREDIT frames (some well formed, some not: op, flags, length, zero), and other frames. */
   size_t frames = 1 + below(40), cap = 0;
-  uint8_t *s = malloc(frames * (PV_HDR + 8));
+  uint8_t *s = malloc(frames * (PV_FRAME_HDR + 8));
   CHECK(s != NULL, "malloc");
   for (size_t i = 0; i < frames; i++) {
     uint8_t *p = s + cap;
     uint32_t len = below(4) ? 4 : below(9);
-    p[0] = 0x50, p[1] = 0x56, p[2] = PV_VERSION, p[3] = below(4) ? PV_T_CREDIT : (uint8_t)below(8);
+    p[0] = PV_FRAME_MAGIC0, p[1] = PV_FRAME_MAGIC1, p[2] = PV_FRAME_VERSION, p[3] = below(4) ? PV_T_CREDIT : (uint8_t)below(8);
     pv_wr32(p + 4, (uint32_t)next64());
     pv_wr16(p + 8, below(4) ? PV_OP_CREDIT : (uint16_t)next64());
     pv_wr16(p + 10, below(4) ? (uint16_t)(1 + below(2)) : (uint16_t)below(5));
     pv_wr32(p + 12, len);
     uint32_t grant = below(8) == 0 ? 0 : below(8) == 0 ? UINT32_MAX - below(3) : below(3) ? below(PV_STREAM_WINDOW) : (uint32_t)next64();
-    for (uint32_t j = 0; j < len; j++) p[PV_HDR + j] = j < 4 ? (uint8_t)(grant >> 8 * j) : (uint8_t)next64();
-    cap += PV_HDR + len;
+    for (uint32_t j = 0; j < len; j++) p[PV_FRAME_HDR + j] = j < 4 ? (uint8_t)(grant >> 8 * j) : (uint8_t)next64();
+    cap += PV_FRAME_HDR + len;
   }
   struct credit_rx cr = {.credit = PV_STREAM_WINDOW, .granted = PV_STREAM_WINDOW};
   /* arrive in random pieces, as the agent reads its channel */

@@ -54,6 +54,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../include/pv_frame.h"
 #include "crc32c.h"
 #include "pool_grants.h"
 #include "pool_hello.h"
@@ -61,14 +62,8 @@
 #include "pool_pages.h"
 #include "pool_peers.h"
 
-/* Frames (src/protocol/frame.ts). */
-#define HEADER_BYTES 16u
-#define MAX_PAYLOAD_BYTES (1024u * 1024u)
-enum { FRAME_REQUEST = 1, FRAME_RESPONSE = 2, FRAME_ERROR = 4 };
-
-/* The pool's protocol (src/daemon/pool-protocol.ts). */
+/* The pool's protocol (src/daemon/pool-protocol.ts), in frames (../include/pv_frame.h); its version is Hello's (pool_hello.h). */
 enum { OP_HELLO = 1, OP_OFFER = 2, OP_PUT = 3, OP_SETTLE = 4, OP_STATUS = 5 };
-#define PROTOCOL_VERSION 1
 #define OFFER_ENTRY_BYTES 12u
 #define MAX_OFFER_ENTRIES 65536u
 #define MAX_PUT_PAGES 240u
@@ -100,7 +95,7 @@ enum { OP_HELLO = 1, OP_OFFER = 2, OP_PUT = 3, OP_SETTLE = 4, OP_STATUS = 5 };
 /* A client's part buffer: a whole Hello, or a Put's numbers and one page. */
 #define PART_BYTES (PUT_PAGE_AT + POOL_PAGE_BYTES)
 _Static_assert(PART_BYTES >= HELLO_MAX_BYTES, "a Hello fits in a client's part buffer");
-_Static_assert(RECV_BYTES / OFFER_ENTRY_BYTES * ANSWER_BYTES + HEADER_BYTES <= OUT_CHUNK_BYTES, "one read's answers fit in one chunk");
+_Static_assert(RECV_BYTES / OFFER_ENTRY_BYTES * ANSWER_BYTES + PV_FRAME_HDR <= OUT_CHUNK_BYTES, "one read's answers fit in one chunk");
 
 /* What epoll's data points at: each struct it can be starts with its tag. */
 enum { TAG_LISTEN = 1, TAG_SIGNAL, TAG_CLIENT, TAG_CLOSING, TAG_ORPHAN, TAG_DEAD };
@@ -141,7 +136,7 @@ struct client {
   char name[HELLO_MAX_NAME_BYTES + 1];
   struct grants grants;
   /* The frame coming in: its header, then its payload, taken apart as it comes. */
-  uint8_t header[HEADER_BYTES];
+  uint8_t header[PV_FRAME_HDR];
   uint32_t header_fill;
   int in_payload;
   uint16_t op;
@@ -205,29 +200,6 @@ static int64_t now_ms(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
-static void put_u32(uint8_t *b, uint32_t v) {
-  b[0] = (uint8_t)v;
-  b[1] = (uint8_t)(v >> 8);
-  b[2] = (uint8_t)(v >> 16);
-  b[3] = (uint8_t)(v >> 24);
-}
-
-static uint32_t get_u32(const uint8_t *b) {
-  return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-}
-
-static void write_header(uint8_t *h, uint8_t type, uint32_t id, uint16_t op, uint32_t payload) {
-  h[0] = 'P';
-  h[1] = 'V';
-  h[2] = PROTOCOL_VERSION;
-  h[3] = type;
-  put_u32(h + 4, id);
-  h[8] = (uint8_t)op;
-  h[9] = (uint8_t)(op >> 8);
-  h[10] = h[11] = 0;
-  put_u32(h + 12, payload);
 }
 
 static void retire(void *p, int *tag) {
@@ -300,14 +272,14 @@ static uint8_t *reserve(struct link *l, size_t n) {
 }
 
 static void queue_frame(struct link *l, uint8_t type, uint32_t id, uint16_t op, const void *payload, uint32_t len) {
-  uint8_t *p = reserve(l, HEADER_BYTES + len);
-  write_header(p, type, id, op, len);
-  if (len) memcpy(p + HEADER_BYTES, payload, len);
+  uint8_t *p = reserve(l, PV_FRAME_HDR + len);
+  pv_frame_header_put(p, type, id, op, 0, len);
+  if (len) memcpy(p + PV_FRAME_HDR, payload, len);
 }
 
 /* A response's header alone: its `len` bytes of answers follow as they are made. */
 static void queue_header(struct link *l, uint32_t id, uint16_t op, uint32_t len) {
-  write_header(reserve(l, HEADER_BYTES), FRAME_RESPONSE, id, op, len);
+  pv_frame_header_put(reserve(l, PV_FRAME_HDR), PV_T_RESPONSE, id, op, 0, len);
 }
 
 /* Sends what can go of the queue now. -1 if the connection is broken. */
@@ -438,7 +410,7 @@ static void fail(struct client *c, const char *why) {
   c->link.bytes = 0;
   c->link.fd = -1;
   size_t len = strlen(why);
-  queue_frame(&g->link, FRAME_ERROR, 0, 0, why, (uint32_t)(len > 512 ? 512 : len));
+  queue_frame(&g->link, PV_T_ERROR, 0, 0, why, (uint32_t)(len > 512 ? 512 : len));
   push_closing(g);
   end_client(c);
   /* Epoll now reports `g`; the rest goes as the socket takes it. */
@@ -466,10 +438,10 @@ static void refuse(int fd, const char *fmt, ...) {
   va_end(ap);
   if (n < 0) n = 0;
   if ((size_t)n >= sizeof why) n = sizeof why - 1;
-  uint8_t frame[HEADER_BYTES + sizeof why];
-  write_header(frame, FRAME_ERROR, 0, 0, (uint32_t)n);
-  memcpy(frame + HEADER_BYTES, why, (size_t)n);
-  if (send(fd, frame, HEADER_BYTES + (size_t)n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+  uint8_t frame[PV_FRAME_HDR + sizeof why];
+  pv_frame_header_put(frame, PV_T_ERROR, 0, 0, 0, (uint32_t)n);
+  memcpy(frame + PV_FRAME_HDR, why, (size_t)n);
+  if (send(fd, frame, PV_FRAME_HDR + (size_t)n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
     /* The peer is gone already. */
   }
   shutdown(fd, SHUT_WR);
@@ -692,19 +664,19 @@ static void status(struct client *c) {
   }
   out_printf(&t, "],\"scopes\":%" PRIu64 ",\"candidates\":%" PRIu64 ",\"pssBytes\":%" PRIu64 "}", f.scopes, f.candidates, own_pss_bytes());
   free(v.groups);
-  if (t.failed || t.len > MAX_PAYLOAD_BYTES) {
+  if (t.failed || t.len > PV_FRAME_MAX_PAYLOAD) {
     free(t.p);
     return fail(c, t.failed ? "out of memory for the status" : "the status does not fit in a frame");
   }
-  size_t len = HEADER_BYTES + t.len;
+  size_t len = PV_FRAME_HDR + t.len;
   struct uid_usage *u = c->link.usage;
   if (u->status_bytes + len > STATUS_UNREAD_PER_UID || status_unread + len > STATUS_UNREAD_BYTES) {
     free(t.p);
     return failf(c, "uid %u leaves %" PRIu64 " bytes of Status answers unread (the daemon %" PRIu64 "): no more", (unsigned)c->uid, u->status_bytes, status_unread);
   }
   struct chunk *k = new_chunk(len);
-  write_header(k->bytes, FRAME_RESPONSE, c->request_id, OP_STATUS, (uint32_t)t.len);
-  memcpy(k->bytes + HEADER_BYTES, t.p, t.len);
+  pv_frame_header_put(k->bytes, PV_T_RESPONSE, c->request_id, OP_STATUS, 0, (uint32_t)t.len);
+  memcpy(k->bytes + PV_FRAME_HDR, t.p, t.len);
   free(t.p);
   k->len = len;
   k->status = 1;
@@ -728,19 +700,19 @@ static void hello(struct client *c) {
   if (!s) return fail(c, no_scope);
   c->scope = s;
   char welcome[128];
-  int n = snprintf(welcome, sizeof welcome, "{\"version\":%d,\"poolBytes\":%" PRIu64 ",\"clientId\":%u}", PROTOCOL_VERSION, pool_page_count() * POOL_PAGE_BYTES, c->id);
-  struct chunk *k = new_chunk(HEADER_BYTES + (size_t)n);
-  write_header(k->bytes, FRAME_RESPONSE, c->request_id, OP_HELLO, (uint32_t)n);
-  memcpy(k->bytes + HEADER_BYTES, welcome, (size_t)n);
-  k->len = HEADER_BYTES + (size_t)n;
+  int n = snprintf(welcome, sizeof welcome, "{\"version\":%d,\"poolBytes\":%" PRIu64 ",\"clientId\":%u}", POOL_PROTOCOL_VERSION, pool_page_count() * POOL_PAGE_BYTES, c->id);
+  struct chunk *k = new_chunk(PV_FRAME_HDR + (size_t)n);
+  pv_frame_header_put(k->bytes, PV_T_RESPONSE, c->request_id, OP_HELLO, 0, (uint32_t)n);
+  memcpy(k->bytes + PV_FRAME_HDR, welcome, (size_t)n);
+  k->len = PV_FRAME_HDR + (size_t)n;
   /* The descriptor goes with the answer's first byte. */
   k->pass_fd = pool_scope_client_fd(s);
   append_chunk(&c->link, k);
 }
 
 static void offer_entry(struct client *c, const uint8_t *p) {
-  uint32_t page = get_u32(p);
-  uint64_t key = (uint64_t)get_u32(p + 4) | (uint64_t)get_u32(p + 8) << 32;
+  uint32_t page = pv_rd32(p);
+  uint64_t key = (uint64_t)pv_rd32(p + 4) | (uint64_t)pv_rd32(p + 8) << 32;
   int64_t pooled = pool_lookup(c->scope, key);
   uint32_t a;
   if (pooled >= 0 && pool_hold(c->scope, (uint32_t)pooled) == 0) {
@@ -750,8 +722,8 @@ static void offer_entry(struct client *c, const uint8_t *p) {
     a = pool_offered(c->scope, key, c->id) ? ANSWER_SEND : ANSWER_NONE;
   }
   uint8_t *out = reserve(&c->link, ANSWER_BYTES);
-  put_u32(out, page);
-  put_u32(out + 4, a);
+  pv_wr32(out, page);
+  pv_wr32(out + 4, a);
 }
 
 static void put_page(struct client *c, const uint8_t *data) {
@@ -761,8 +733,8 @@ static void put_page(struct client *c, const uint8_t *data) {
   int64_t pooled = pool_put(c->scope, key, data);
   if (pooled >= 0) grant_add(&c->grants, (uint32_t)pooled, 1);
   uint8_t *out = reserve(&c->link, ANSWER_BYTES);
-  put_u32(out, get_u32(c->part + 4 + 4 * c->index));
-  put_u32(out + 4, pooled >= 0 ? (uint32_t)pooled : ANSWER_FULL);
+  pv_wr32(out, pv_rd32(c->part + 4 + 4 * c->index));
+  pv_wr32(out + 4, pooled >= 0 ? (uint32_t)pooled : ANSWER_FULL);
   c->index++;
 }
 
@@ -775,13 +747,17 @@ static void settle_drop(struct client *c, uint32_t page) {
 /* A frame's header is in: checks it, and readies the op for its payload. */
 static void start_frame(struct client *c) {
   const uint8_t *h = c->header;
-  if (h[0] != 'P' || h[1] != 'V') return fail(c, "bad frame magic");
-  if (h[2] != PROTOCOL_VERSION) return failf(c, "unsupported protocol version %u", h[2]);
-  uint32_t len = get_u32(h + 12);
-  if (len > MAX_PAYLOAD_BYTES) return failf(c, "payload length %u exceeds %u", len, MAX_PAYLOAD_BYTES);
-  if (h[3] != FRAME_REQUEST) return failf(c, "a frame of type %u, not a request", h[3]);
-  c->op = (uint16_t)(h[8] | h[9] << 8);
-  c->request_id = get_u32(h + 4);
+  struct pv_frame f;
+  switch (pv_frame_header_get(h, &f)) {
+    case PV_FRAME_OK: break;
+    case PV_FRAME_BAD_MAGIC: return fail(c, "bad frame magic");
+    case PV_FRAME_BAD_VERSION: return failf(c, "unsupported frame version %u (this daemon reads version %u)", h[2], PV_FRAME_VERSION);
+    case PV_FRAME_TOO_LONG: return failf(c, "payload length %u exceeds %u", pv_rd32(h + 12), PV_FRAME_MAX_PAYLOAD);
+  }
+  if (f.type != PV_T_REQUEST) return failf(c, "a frame of type %u, not a request", f.type);
+  uint32_t len = f.len;
+  c->op = f.op;
+  c->request_id = f.id;
   c->payload_len = len;
   c->payload_done = c->part_fill = c->phase = c->index = 0;
   switch (c->op) {
@@ -825,7 +801,7 @@ static void element(struct client *c) {
       return;
     case OP_PUT:
       if (c->phase == 0) {
-        c->count = get_u32(c->part);
+        c->count = pv_rd32(c->part);
         if (c->count < 1 || c->count > MAX_PUT_PAGES || c->payload_len != 4 + c->count * (4 + POOL_PAGE_BYTES)) return failf(c, "a Put of %u bytes", c->payload_len);
         queue_header(&c->link, c->request_id, OP_PUT, c->count * ANSWER_BYTES);
         c->phase = 1;
@@ -839,13 +815,13 @@ static void element(struct client *c) {
       return;
     case OP_SETTLE:
       if (c->phase == 0) {
-        c->keep = get_u32(c->part);
+        c->keep = pv_rd32(c->part);
         uint32_t total = (c->payload_len - 4) / 4;
         if (c->keep > total) return failf(c, "a Settle keeping %u of %u pages", c->keep, total);
         c->phase = 1;
       } else {
         /* The kept pages need nothing: the client holds them already. */
-        if (c->index >= c->keep) settle_drop(c, get_u32(c->part));
+        if (c->index >= c->keep) settle_drop(c, pv_rd32(c->part));
         c->index++;
       }
       c->part_fill = 0;
@@ -875,13 +851,13 @@ static void end_frame(struct client *c) {
 static void feed(struct client *c, const uint8_t *b, size_t n) {
   while (n > 0 && !c->closing) {
     if (!c->in_payload) {
-      size_t take = HEADER_BYTES - c->header_fill;
+      size_t take = PV_FRAME_HDR - c->header_fill;
       if (take > n) take = n;
       memcpy(c->header + c->header_fill, b, take);
       c->header_fill += (uint32_t)take;
       b += take;
       n -= take;
-      if (c->header_fill < HEADER_BYTES) return;
+      if (c->header_fill < PV_FRAME_HDR) return;
       start_frame(c);
       if (!c->closing && c->payload_len == 0) end_frame(c);
       continue;
@@ -915,7 +891,7 @@ static void feed(struct client *c, const uint8_t *b, size_t n) {
  */
 static int read_requests(struct client *c) {
   for (int reads = 0; reads < READS_PER_EVENT; reads++) {
-    size_t want = c->in_payload ? c->payload_len - c->payload_done : HEADER_BYTES - c->header_fill;
+    size_t want = c->in_payload ? c->payload_len - c->payload_done : PV_FRAME_HDR - c->header_fill;
     if (want > RECV_BYTES) want = RECV_BYTES;
     ssize_t n = recv(c->link.fd, receive_buffer, want, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;

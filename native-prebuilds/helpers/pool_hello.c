@@ -288,8 +288,8 @@ int hello_parse(const uint8_t *p, size_t len, char scope[HELLO_MAX_NAME_BYTES + 
     snprintf(why, why_bytes, "Hello: not JSON");
     goto out;
   }
-  if (version->kind != NUMBER || version->number != 1.0) {
-    snprintf(why, why_bytes, "protocol version %.32s; this daemon speaks 1", version->kind == MISSING ? "undefined" : version->kind == STRING ? "(a string)" : (const char *)version->bytes);
+  if (version->kind != NUMBER || version->number != POOL_PROTOCOL_VERSION) {
+    snprintf(why, why_bytes, "protocol version %.32s; this daemon speaks %d", version->kind == MISSING ? "undefined" : version->kind == STRING ? "(a string)" : (const char *)version->bytes, POOL_PROTOCOL_VERSION);
     goto out;
   }
   if (check_name(scope_m, scope, "scope", why, why_bytes) || check_name(name_m, name, "name", why, why_bytes)) goto out;

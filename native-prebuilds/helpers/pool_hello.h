@@ -5,12 +5,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/*
+ * The pool protocol's version (POOL_PROTOCOL_VERSION of pool-protocol.ts): a client says it in its
+ * Hello, the daemon says it in its answer. It is not the frame header's version byte, which is
+ * the frame layout's (../include/pv_frame.h): either can change without the other.
+ */
+#define POOL_PROTOCOL_VERSION 1
+
 /* The longest Hello payload, and the longest scope or VM name (MAX_NAME_BYTES of pool-protocol.ts). */
 #define HELLO_MAX_BYTES 4096u
 #define HELLO_MAX_NAME_BYTES 256u
 
 /*
- * Reads a Hello: a JSON object whose "version" is the number 1, and whose "scope" and "name" are
+ * Reads a Hello: a JSON object whose "version" is the number POOL_PROTOCOL_VERSION, and whose "scope" and "name" are
  * strings of 1 to 256 bytes of UTF-8 without control characters (the last of a repeated member
  * counts, as with JSON.parse; other members are checked as JSON and ignored). Fills scope and
  * name (NUL-terminated) and returns 0; or returns -1 with why (NUL-terminated, at most why_bytes)

@@ -164,11 +164,14 @@ static void send_raw(const void *p, uint32_t len)
     tx_post(slot, (uint64_t)buf, len);
 }
 
+/* A header as pv_frame_header_put writes it, then with the magic and version given (good or bad). */
 static void raw_hdr(uint8_t *h, uint8_t m0, uint8_t m1, uint8_t version, uint8_t type, uint32_t id,
                     uint16_t op, uint32_t len)
 {
-    struct frame_hdr hdr = {m0, m1, version, type, id, op, 0, len};
-    __builtin_memcpy(h, &hdr, FRAME_HDR);
+    pv_frame_header_put(h, type, id, op, 0, len);
+    h[0] = m0;
+    h[1] = m1;
+    h[2] = version;
 }
 
 /* out[0..2]: the op's three counts (docs/probe-guest.md, per kind). */
@@ -304,7 +307,7 @@ static void h_notify_flood(uint32_t count, uint64_t *out)
 static void h_chain_flood(uint32_t count, uint64_t *out)
 {
     for (uint32_t i = 0; i < count; i++)
-        send_frame(T_EVENT, i, HOSTILE_EVENT_OP, 0, 0);
+        send_frame(PV_T_EVENT, i, HOSTILE_EVENT_OP, 0, 0);
     out[0] = count;
 }
 
@@ -316,7 +319,7 @@ static void h_chain_flood(uint32_t count, uint64_t *out)
 static void h_frame_garbage(uint32_t rounds, uint64_t *out)
 {
     uint32_t x = 0x9E3779B9u, sent = 0;
-    uint8_t h[FRAME_HDR + 8];
+    uint8_t h[PV_FRAME_HDR + 8];
     for (uint32_t r = 0; r < rounds; r++) {
         uint32_t slot = tx_slot();
         uint8_t *buf = (uint8_t *)(TXBUF_BASE + (uint64_t)slot * TXBUF_SIZE);
@@ -328,17 +331,17 @@ static void h_frame_garbage(uint32_t rounds, uint64_t *out)
         }
         buf[0] = 0;
         tx_post(slot, (uint64_t)buf, TXBUF_SIZE);
-        raw_hdr(h, FRAME_MAGIC0, 'X', FRAME_VERSION, T_EVENT, 0, HOSTILE_EVENT_OP, 0);
-        send_raw(h, FRAME_HDR);
-        raw_hdr(h, FRAME_MAGIC0, FRAME_MAGIC1, 2, T_EVENT, 0, HOSTILE_EVENT_OP, 0);
-        send_raw(h, FRAME_HDR);
-        raw_hdr(h, FRAME_MAGIC0, FRAME_MAGIC1, FRAME_VERSION, T_RESPONSE, 1, OP_PING, 0xFFFFFFFFu);
-        send_raw(h, FRAME_HDR);
-        raw_hdr(h, FRAME_MAGIC0, FRAME_MAGIC1, FRAME_VERSION, T_RESPONSE, 1, OP_PING,
-                FRAME_MAX_PAYLOAD + 1);
-        send_raw(h, FRAME_HDR);
-        raw_hdr(h, FRAME_MAGIC0, FRAME_MAGIC1, FRAME_VERSION, T_EVENT, 0, HOSTILE_EVENT_OP, 8);
-        wr64(h + FRAME_HDR, r);
+        raw_hdr(h, PV_FRAME_MAGIC0, 'X', PV_FRAME_VERSION, PV_T_EVENT, 0, HOSTILE_EVENT_OP, 0);
+        send_raw(h, PV_FRAME_HDR);
+        raw_hdr(h, PV_FRAME_MAGIC0, PV_FRAME_MAGIC1, 2, PV_T_EVENT, 0, HOSTILE_EVENT_OP, 0);
+        send_raw(h, PV_FRAME_HDR);
+        raw_hdr(h, PV_FRAME_MAGIC0, PV_FRAME_MAGIC1, PV_FRAME_VERSION, PV_T_RESPONSE, 1, OP_PING, 0xFFFFFFFFu);
+        send_raw(h, PV_FRAME_HDR);
+        raw_hdr(h, PV_FRAME_MAGIC0, PV_FRAME_MAGIC1, PV_FRAME_VERSION, PV_T_RESPONSE, 1, OP_PING,
+                PV_FRAME_MAX_PAYLOAD + 1);
+        send_raw(h, PV_FRAME_HDR);
+        raw_hdr(h, PV_FRAME_MAGIC0, PV_FRAME_MAGIC1, PV_FRAME_VERSION, PV_T_EVENT, 0, HOSTILE_EVENT_OP, 8);
+        wr64(h + PV_FRAME_HDR, r);
         send_raw(h, 5);
         send_raw(h + 5, sizeof(h) - 5);
         sent += 7;
@@ -352,13 +355,13 @@ static void h_frame_garbage(uint32_t rounds, uint64_t *out)
  */
 static void h_frame_bytewise(uint32_t id, uint32_t len)
 {
-    uint8_t hdr[FRAME_HDR];
-    fill_hdr(hdr, T_RESPONSE, id, OP_HOSTILE, len);
+    uint8_t hdr[PV_FRAME_HDR];
+    pv_frame_header_put(hdr, PV_T_RESPONSE, id, OP_HOSTILE, 0, len);
     tx_drain();
-    uint32_t total = FRAME_HDR + len, n = 0;
+    uint32_t total = PV_FRAME_HDR + len, n = 0;
     for (uint32_t pos = 0; pos < total; pos++) {
-        uint32_t i = pos - FRAME_HDR;
-        uint8_t b = pos < FRAME_HDR ? hdr[pos] : (uint8_t)(i + (i >> 8));
+        uint32_t i = pos - PV_FRAME_HDR;
+        uint8_t b = pos < PV_FRAME_HDR ? hdr[pos] : (uint8_t)(i + (i >> 8));
         h_desc(&txq.desc[n], (uint64_t)&h_bytes[b], 1, 0, 0);
         vq_push(&txq, (uint16_t)n);
         if (++n == txq.size || pos + 1 == total) {
@@ -382,23 +385,23 @@ static void h_frame_foreign_ids(uint32_t id, uint64_t *out)
     static const uint32_t ids[] = {0, 0xFFFFFFFFu, 0x7FFFFFFFu};
     uint32_t sent = 0;
     for (uint32_t k = 0; k < sizeof(ids) / sizeof(ids[0]); k++) {
-        send_frame(T_RESPONSE, ids[k], OP_HOSTILE, p, sizeof(p));
-        send_frame(T_STREAM, ids[k], OP_HOSTILE, p, 5);
-        send_frame(T_ERROR, ids[k], OP_HOSTILE, p, 8);
+        send_frame(PV_T_RESPONSE, ids[k], OP_HOSTILE, p, sizeof(p));
+        send_frame(PV_T_CHUNK, ids[k], OP_HOSTILE, p, 5);
+        send_frame(PV_T_ERROR, ids[k], OP_HOSTILE, p, 8);
         sent += 3;
     }
     /* An error whose text would forge host log lines and drive a terminal, as long as a frame
      * in one transmit buffer allows. */
     static const char forged[] = "\x1b[2J\x1b]0;pvisor\x07\nhost: all VMs healthy\n";
-    uint8_t e[TXBUF_SIZE - FRAME_HDR];
+    uint8_t e[TXBUF_SIZE - PV_FRAME_HDR];
     wr32(e, ERR_BAD_ARGUMENT);
     memset(e + 4, 'A', sizeof(e) - 4);
     memcpy(e + 4, forged, sizeof(forged) - 1);
-    send_frame(T_ERROR, 0x7FFFFFFEu, OP_HOSTILE, e, sizeof(e));
+    send_frame(PV_T_ERROR, 0x7FFFFFFEu, OP_HOSTILE, e, sizeof(e));
     sent++;
-    send_frame(T_RESPONSE, id - 1, OP_HOSTILE, p, sizeof(p)); /* answered already, or none */
-    send_frame(T_RESPONSE, id + 1, OP_HOSTILE, p, sizeof(p)); /* not asked yet */
-    send_frame(T_ERROR, id + 1, OP_HOSTILE, p, 8);
+    send_frame(PV_T_RESPONSE, id - 1, OP_HOSTILE, p, sizeof(p)); /* answered already, or none */
+    send_frame(PV_T_RESPONSE, id + 1, OP_HOSTILE, p, sizeof(p)); /* not asked yet */
+    send_frame(PV_T_ERROR, id + 1, OP_HOSTILE, p, 8);
     sent += 3;
     uint8_t hello[32];
     wr32(hello, 1);
@@ -406,7 +409,7 @@ static void h_frame_foreign_ids(uint32_t id, uint64_t *out)
     wr64(hello + 8, st.ram_bytes);
     wr64(hello + 16, st.ws_base);
     wr64(hello + 24, st.ws_limit);
-    send_frame(T_EVENT, 0, OP_HELLO, hello, sizeof(hello));
+    send_frame(PV_T_EVENT, 0, OP_HELLO, hello, sizeof(hello));
     sent++;
     out[0] = sent;
 }
@@ -632,7 +635,7 @@ static void op_hostile(uint32_t id, const uint8_t *p, uint32_t len)
         h_frame_garbage(count, out);
         break;
     case H_FRAME_BYTEWISE:
-        if (count > FRAME_MAX_PAYLOAD) {
+        if (count > PV_FRAME_MAX_PAYLOAD) {
             err = ERR_BAD_ARGUMENT;
             break;
         }
@@ -642,7 +645,7 @@ static void op_hostile(uint32_t id, const uint8_t *p, uint32_t len)
         h_frame_foreign_ids(id, out);
         break;
     case H_FRAME_UNKNOWN_TYPE:
-        send_frame(T_STREAM, id, OP_HOSTILE, "chunk", 5);
+        send_frame(PV_T_CHUNK, id, OP_HOSTILE, "chunk", 5);
         send_frame((uint8_t)count, id, OP_HOSTILE, 0, 0);
         return; /* no other answer */
     case H_BALLOON_RANGES:

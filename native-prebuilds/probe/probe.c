@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../include/pv_frame.h"
 #include "content.h"
 #include "virtio.h"
 
@@ -61,19 +62,7 @@
 #define ABORT_VIRTQ_PROTOCOL  9u
 #define ABORT_FAULT_REQUESTED 0xFFu
 
-/* Agent protocol v1. */
-#define FRAME_MAGIC0 0x50 /* 'P' */
-#define FRAME_MAGIC1 0x56 /* 'V' */
-#define FRAME_VERSION 1
-#define FRAME_HDR 16u
-#define FRAME_MAX_PAYLOAD MIB
-
-#define T_REQUEST  1
-#define T_RESPONSE 2
-#define T_STREAM   3
-#define T_ERROR    4
-#define T_EVENT    5
-
+/* Agent protocol v1, in the frames of ../include/pv_frame.h. */
 #define OP_HELLO   0x0001
 #define OP_PING    0x0002
 #define OP_FILL    0x0101
@@ -95,7 +84,7 @@
 
 #define FAULT_MMIO_ADDR 0xD0100000ull
 
-_Static_assert(ACC_CAP >= FRAME_HDR + FRAME_MAX_PAYLOAD + RXQ_SIZE * RXBUF_SIZE, "ACC_CAP");
+_Static_assert(ACC_CAP >= PV_FRAME_HDR + PV_FRAME_MAX_PAYLOAD + RXQ_SIZE * RXBUF_SIZE, "ACC_CAP");
 _Static_assert(ACC_BASE + ACC_CAP <= 0x400000ull, "probe memory");
 _Static_assert(RXBUF_BASE + RXQ_SIZE * RXBUF_SIZE <= TXBUF_BASE, "rx buffers");
 _Static_assert(TXBUF_BASE + TXQ_SIZE * TXBUF_SIZE <= ACC_BASE, "tx buffers");
@@ -112,18 +101,6 @@ struct bootinfo {
     uint32_t reserved;
 };
 _Static_assert(sizeof(struct bootinfo) == 56, "bootinfo");
-
-struct frame_hdr {
-    uint8_t magic0;
-    uint8_t magic1;
-    uint8_t version;
-    uint8_t type;
-    uint32_t id;
-    uint16_t op;
-    uint16_t flags;
-    uint32_t len;
-};
-_Static_assert(sizeof(struct frame_hdr) == FRAME_HDR, "frame_hdr");
 
 /* ---------------------------------------------------------------- entry */
 
@@ -495,21 +472,15 @@ static void tx_post(uint32_t slot, uint64_t addr, uint32_t len)
     vq_kick(&txq);
 }
 
-static void fill_hdr(uint8_t *h, uint8_t type, uint32_t id, uint16_t op, uint32_t len)
-{
-    struct frame_hdr hdr = {FRAME_MAGIC0, FRAME_MAGIC1, FRAME_VERSION, type, id, op, 0, len};
-    __builtin_memcpy(h, &hdr, FRAME_HDR);
-}
-
 /* Send one frame (header + up to TXBUF_SIZE-16 payload bytes) as one descriptor. */
 static void send_frame(uint8_t type, uint32_t id, uint16_t op, const void *payload, uint32_t len)
 {
     uint32_t slot = tx_slot();
     uint8_t *buf = (uint8_t *)(TXBUF_BASE + (uint64_t)slot * TXBUF_SIZE);
-    fill_hdr(buf, type, id, op, len);
+    pv_frame_header_put(buf, type, id, op, 0, len);
     if (len)
-        memcpy(buf + FRAME_HDR, payload, len);
-    tx_post(slot, (uint64_t)buf, FRAME_HDR + len);
+        memcpy(buf + PV_FRAME_HDR, payload, len);
+    tx_post(slot, (uint64_t)buf, PV_FRAME_HDR + len);
 }
 
 /*
@@ -519,15 +490,15 @@ static void send_frame(uint8_t type, uint32_t id, uint16_t op, const void *paylo
 static void send_frame_inplace(uint8_t *frame, uint8_t type, uint32_t id, uint16_t op, uint32_t len)
 {
     tx_drain();
-    fill_hdr(frame, type, id, op, len);
+    pv_frame_header_put(frame, type, id, op, 0, len);
     uint32_t slot = tx_slot();
-    tx_post(slot, (uint64_t)frame, FRAME_HDR + len);
+    tx_post(slot, (uint64_t)frame, PV_FRAME_HDR + len);
     tx_drain();
 }
 
 static void respond(uint32_t id, uint16_t op, const void *payload, uint32_t len)
 {
-    send_frame(T_RESPONSE, id, op, payload, len);
+    send_frame(PV_T_RESPONSE, id, op, payload, len);
 }
 
 /* The answer of the timed ops: a count and the TSC cycles the work took. */
@@ -547,7 +518,7 @@ static void respond_error(uint32_t id, uint16_t op, uint32_t code, const char *t
         n = sizeof(buf) - 4;
     wr32(buf, code);
     memcpy(buf + 4, text, n);
-    send_frame(T_ERROR, id, op, buf, 4 + n);
+    send_frame(PV_T_ERROR, id, op, buf, 4 + n);
 }
 
 /* ---------------------------------------------------------------- balloon free page reporting */
@@ -755,22 +726,20 @@ static void op_fault(uint32_t id, const uint8_t *p, uint32_t len)
 
 #include "hostile.h"
 
-/* Dispatch one complete frame lying at `frame` in the reassembly buffer. */
-static void dispatch(uint8_t *frame)
+/* Dispatch one complete frame `h`, lying at `frame` in the reassembly buffer. */
+static void dispatch(uint8_t *frame, struct pv_frame h)
 {
-    struct frame_hdr h;
-    __builtin_memcpy(&h, frame, FRAME_HDR);
-    const uint8_t *p = frame + FRAME_HDR;
-    if (h.type != T_REQUEST) {
+    const uint8_t *p = h.payload;
+    if (h.type != PV_T_REQUEST) {
         respond_error(h.id, h.op, ERR_BAD_FRAME, "frame is not a request");
         return;
     }
     switch (h.op) {
     case OP_PING:
-        if (h.len <= TXBUF_SIZE - FRAME_HDR)
+        if (h.len <= TXBUF_SIZE - PV_FRAME_HDR)
             respond(h.id, OP_PING, p, h.len);
         else
-            send_frame_inplace(frame, T_RESPONSE, h.id, OP_PING, h.len);
+            send_frame_inplace(frame, PV_T_RESPONSE, h.id, OP_PING, h.len);
         break;
     case OP_FILL:
         op_fill(h.id, p, h.len);
@@ -812,20 +781,20 @@ static void dispatch(uint8_t *frame)
 static void process_frames(void)
 {
     uint32_t pos = 0;
-    while (st.acc_len - pos >= FRAME_HDR) {
-        uint8_t *f = ACC + pos;
-        uint32_t plen = rd32(f + 12);
-        if (f[0] != FRAME_MAGIC0 || f[1] != FRAME_MAGIC1 || f[2] != FRAME_VERSION ||
-            plen > FRAME_MAX_PAYLOAD) {
+    for (;;) {
+        /* st.acc_len is read anew each time: HOSTILE may take more bytes in while it runs. */
+        struct pv_frame f;
+        enum pv_scan r = pv_frame_scan(ACC + pos, st.acc_len - pos, &f, 0);
+        if (r == PV_NEED_MORE)
+            break;
+        if (r == PV_BAD) {
             /* Lost framing: report it and resynchronise by dropping everything buffered. */
             respond_error(0, 0, ERR_BAD_FRAME, "bad frame header (magic/version/length)");
             st.acc_len = 0;
             return;
         }
-        if (st.acc_len - pos < FRAME_HDR + plen)
-            break;
-        dispatch(f);
-        pos += FRAME_HDR + plen;
+        dispatch(ACC + pos, f);
+        pos += PV_FRAME_HDR + f.len;
     }
     if (pos) {
         memmove(ACC, ACC + pos, st.acc_len - pos);
@@ -909,7 +878,7 @@ static void send_hello(void)
     wr64(out + 8, st.ram_bytes);
     wr64(out + 16, st.ws_base);
     wr64(out + 24, st.ws_limit);
-    send_frame(T_EVENT, 0, OP_HELLO, out, sizeof(out));
+    send_frame(PV_T_EVENT, 0, OP_HELLO, out, sizeof(out));
 }
 
 __attribute__((noreturn, used)) void probe_main(uint64_t vcpu, uint64_t bootinfo_gpa)

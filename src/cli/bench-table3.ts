@@ -1,6 +1,8 @@
 /**
- * `pvisor bench memory --table 3`: Table 3 of the reference study, four 512 MiB / 2 vCPU probe VMs
- * side by side, measured on pvisor.
+ * `pvisor bench memory --table 3`: Table 3 of the reference study, four 512 MiB / 2 vCPU VMs side
+ * by side, measured on pvisor: probe VMs (the memory layer's microbenchmark), or with `--guest
+ * linux` the shipped Linux guest, whose working set a process holds (pvisor-workset), as the study's
+ * Linux VMs held theirs.
  *
  * One cell per (working set, scheme): a fresh memory cgroup holding four VM processes, one VM
  * each, as four `pvisor run`s would be (`pvisor bench memory-vm`, driven by lines of JSON), so the
@@ -29,6 +31,8 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError } from '../errors';
+import { LinuxWorkingSet } from '../guest/linux-workset';
+import type { FillOptions, RewriteOptions } from '../guest/probe-client';
 import { expectedDigestHex, type ProbeContent, type ProbeWorkingSet } from '../guest/probe-content';
 import { KsmAdvice } from '../memory/strategies/ksm-advice';
 import { PoolClient } from '../memory/strategies/pool-client';
@@ -98,9 +102,9 @@ const SCHEME_NAMES: Record<MeasuredScheme, string> = {
 
 /** What the parent asks a VM process. */
 type VmRequest =
-  | { op: 'start'; ksm: boolean; pool?: string }
+  | { op: 'start'; guest: Table3Guest; ksm: boolean; pool?: string }
   | { op: 'merge' }
-  | { op: 'restore'; dir: string }
+  | { op: 'restore'; guest: Table3Guest; dir: string }
   | { op: 'fill'; sizeMiB: number; content: ProbeContent; seed: number }
   | { op: 'rewrite'; seed: number }
   | { op: 'digest' }
@@ -108,10 +112,24 @@ type VmRequest =
   | { op: 'stats' }
   | { op: 'stop' };
 
-/** `pvisor bench memory-vm`: one probe VM per process, one request per line, one answer each. */
+/** The guests Table 3 runs on. */
+type Table3Guest = 'probe' | 'linux';
+
+/** What a cell does to a VM's working set: the probe's own ops, or pvisor-workset's in the Linux guest. */
+interface Table3Set {
+  fill(options: FillOptions): Promise<unknown>;
+  rewrite(options: RewriteOptions): Promise<unknown>;
+  digest(): Promise<{ hex: string }>;
+}
+
+/** A boot or a restore of the Linux guest takes seconds natively and minutes in the nested harness. */
+const LINUX_TIMEOUT_MS = 600_000;
+
+/** `pvisor bench memory-vm`: one VM per process, one request per line, one answer each. */
 export async function vmProcess(): Promise<void> {
   const link = parentLink();
   let vm: Vm | undefined;
+  let set: Table3Set | undefined;
   let pool: PoolClient | undefined;
   const ram = () => Vm.liveGuestRam()[0];
   try {
@@ -127,7 +145,13 @@ export async function vmProcess(): Promise<void> {
             // Merges only when the parent asks, so that the cell times and watches them.
             pool = req.pool === undefined ? undefined : new PoolClient({ socket: req.pool, intervalMs: 3_600_000 });
             const strategies = [...(req.ksm ? [new KsmAdvice()] : []), ...(pool ? [pool] : [])];
-            vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies });
+            if (req.guest === 'linux') {
+              vm = await Vm.start({ memory: '512MiB', vcpus: 2, strategies, bootTimeoutMs: LINUX_TIMEOUT_MS });
+              set = await LinuxWorkingSet.start(vm);
+            } else {
+              vm = await Vm.start({ guest: 'probe', memory: '512MiB', vcpus: 2, strategies });
+              set = vm.probe;
+            }
             reply = { guestRam: ram() };
             break;
           }
@@ -138,17 +162,19 @@ export async function vmProcess(): Promise<void> {
             break;
           }
           case 'restore':
-            vm = await Vm.restore(req.dir, { strategies: [new SharedSnapshot()] });
+            vm = await Vm.restore(req.dir, { strategies: [new SharedSnapshot()], ...(req.guest === 'linux' ? { readyTimeoutMs: LINUX_TIMEOUT_MS } : {}) });
+            // The source's holder runs on in the clone: the parent checks its digests with its own model.
+            set = req.guest === 'linux' ? LinuxWorkingSet.attach(vm, undefined) : vm.probe;
             reply = { guestRam: ram() };
             break;
           case 'fill':
-            await vm!.probe.fill({ sizeMiB: req.sizeMiB, content: req.content, seed: req.seed });
+            await set!.fill({ sizeMiB: req.sizeMiB, content: req.content, seed: req.seed });
             break;
           case 'rewrite':
-            await vm!.probe.rewrite({ fraction: 1, seed: req.seed });
+            await set!.rewrite({ fraction: 1, seed: req.seed });
             break;
           case 'digest':
-            reply = { hex: (await vm!.probe.digest()).hex };
+            reply = { hex: (await set!.digest()).hex };
             break;
           case 'snapshot': {
             const info = await vm!.snapshot(req.dir);
@@ -304,6 +330,7 @@ interface Table3Cell {
 
 /** Table 3's options, checked. */
 export interface Table3Options {
+  guest: Table3Guest;
   workingSets: Table3WorkingSet[];
   schemes: MeasuredScheme[];
   workingSetMiB: number;
@@ -343,7 +370,7 @@ async function prepareSnapshot(ws: Table3WorkingSet, opts: Table3Options, label:
   const source = VmProcess.spawn(cgroup, `${label} source VM`);
   let snap: Record<string, unknown>;
   try {
-    await source.call({ op: 'start', ksm: false });
+    await source.call({ op: 'start', guest: opts.guest, ksm: false });
     if (ws !== 'unique-random') {
       await source.call({ op: 'fill', sizeMiB: opts.workingSetMiB, content: CONTENT[ws], seed: fillSeed(ws, 0) });
       await source.expectDigest(wsOf(ws, 0, opts.workingSetMiB, false), 'before the snapshot');
@@ -382,7 +409,12 @@ async function runCell(ws: Table3WorkingSet, scheme: MeasuredScheme, opts: Table
   try {
     const all = <T>(f: (v: VmProcess, i: number) => Promise<T>) => Promise.all(vms.map(f));
     // The operation: fill four fresh VMs; restore four clones (and fill, for unique random).
-    if (scheme !== 'shared-snapshot') await all((v) => v.call({ op: 'start', ksm: scheme === 'ksm', pool: daemon?.socket }));
+    const start = (v: VmProcess) => v.call({ op: 'start', guest: opts.guest, ksm: scheme === 'ksm', pool: daemon?.socket });
+    // Linux guests boot one after another: four kernels booting at once on the nested harness's
+    // one emulated CPU stalled (RCU) past their boot timeout. The study's protocol starts with
+    // booted VMs either way.
+    if (scheme !== 'shared-snapshot' && opts.guest === 'linux') for (const v of vms) await start(v);
+    else if (scheme !== 'shared-snapshot') await all(start);
     const fill = (v: VmProcess, i: number) => v.call({ op: 'fill', sizeMiB: size, content: CONTENT[ws], seed: fillSeed(ws, i) });
     const t0 = performance.now();
     let merged: PoolMerge | undefined;
@@ -397,7 +429,7 @@ async function runCell(ws: Table3WorkingSet, scheme: MeasuredScheme, opts: Table
       });
     } else {
       await all(async (v, i) => {
-        if (snapshot) snapshot.restoreMs[i] = (await v.call({ op: 'restore', dir: snapshot.dir })).ms;
+        if (snapshot) snapshot.restoreMs[i] = (await v.call({ op: 'restore', guest: opts.guest, dir: snapshot.dir })).ms;
         if (!snapshot || ws === 'unique-random') await fill(v, i);
       });
     }
@@ -604,6 +636,8 @@ const perVm = (bytes: number) => (bytes / VMS / MiB).toFixed(1);
 
 /** Table 3's options (those of `pvisor bench memory --table 3`). */
 export const TABLE3_OPTIONS = {
+  // Shared with Tables 1-2 (bench-memory.ts): the same option, the same meaning.
+  guest: { type: 'string', default: 'probe' },
   'working-sets': { type: 'string', default: WORKING_SETS.join(',') },
   schemes: { type: 'string', default: SCHEMES.join(',') },
   // The study's cells use 64 MiB; a smaller set makes a quick check (its figures then do not compare).
@@ -621,6 +655,8 @@ export function parseTable3Options(argv: string[]): Table3Options {
     for (const x of out) if (!known.includes(x as T)) throw new InvalidOptionError(option, `unknown ${x}; expected ${known.join(', ')}`);
     return out as T[];
   };
+  if (values.guest !== 'probe' && values.guest !== 'linux') throw new InvalidOptionError('--guest', `expected probe or linux, got ${JSON.stringify(values.guest)}`);
+  const guest: Table3Guest = values.guest;
   const workingSets = list('--working-sets', values['working-sets'], WORKING_SETS);
   const schemes = list('--schemes', values.schemes, SCHEMES);
   if (!schemes.includes('private')) schemes.unshift('private'); // savings need the baseline
@@ -628,7 +664,7 @@ export function parseTable3Options(argv: string[]): Table3Options {
   if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1 || workingSetMiB > 256) throw new InvalidOptionError('--working-set', 'expected whole MiB, 1MiB to 256MiB');
   const ksmReadAfterMs = parseDurationMs('--ksm-read-after', values['ksm-read-after']);
   const snapshotDir = resolve(values['snapshot-dir']);
-  return { workingSets, schemes: SCHEMES.filter((s) => schemes.includes(s)), workingSetMiB, ksmReadAfterMs, snapshotDir };
+  return { guest, workingSets, schemes: SCHEMES.filter((s) => schemes.includes(s)), workingSetMiB, ksmReadAfterMs, snapshotDir };
 }
 
 /** `pvisor bench memory --table 3`: measures, prints the tables, returns the JSON. */
@@ -659,7 +695,7 @@ export async function benchTable3(opts: Table3Options): Promise<object> {
 function printTable3(cells: Table3Cell[], opts: Table3Options): object {
   const find = (ws: Table3WorkingSet, scheme: MeasuredScheme) => cells.find((c) => c.workingSet === ws && c.scheme === scheme);
   const ksmRead = `${opts.ksmReadAfterMs / 1000} s`;
-  process.stdout.write(`Table 3: four 512 MiB / 2 vCPU VMs, one process each, in one cgroup per cell; ${opts.workingSetMiB} MiB working set (MiB per VM = group PSS / ${VMS}; the study's figure in brackets)\n`);
+  process.stdout.write(`Table 3: four 512 MiB / 2 vCPU ${opts.guest === 'linux' ? 'Linux' : 'probe'} VMs, one process each, in one cgroup per cell; ${opts.workingSetMiB} MiB working set (MiB per VM = group PSS / ${VMS}; the study's figure in brackets)\n`);
   process.stdout.write(`read ${READ_AFTER_MS / 1000} s after the operation (KSM: ${ksmRead} after KSM was turned on, right after the fill), then ${READ_AFTER_MS / 1000} s after a 100% rewrite in every VM, each VM with its own rewrite seed\n`);
   const rows: string[][] = [['working set', 'scheme', 'per VM', 'saving %', 'per VM after rewrite', 'saving after rewrite %', 'guest RAM PSS per VM (after rewrite)', 'rest of the process per VM', 'group memory per VM (after rewrite)']];
   const json: object[] = [];

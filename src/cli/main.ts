@@ -1,4 +1,4 @@
-#!/usr/bin/env -S MALLOC_ARENA_MAX=1 node --max-semi-space-size=1
+#!/usr/bin/env -S MALLOC_ARENA_MAX=1 node --max-semi-space-size=1 --expose-gc
 /**
  * The `pvisor` command.
  */

@@ -10,9 +10,15 @@
  * does on both ends, and keeps them. Measured with `pvisor bench memory --table 3 --schemes
  * private,daemon-pool` (kvm_pvm, probe guest, one run each way): the daemon's PSS 63-79 -> 38-62
  * MiB, a pooled VM of the same repetitive set 53.8 -> 37.1 MiB, a private VM 82.8 -> 80.9 MiB.
+ *
+ * `--expose-gc`: when every VM of the process is idle (and once after a VM starts), pvisor gives
+ * the process's own idle pages back (src/sys/process-pages.ts); a full collection first lets V8
+ * return its free pages too, which it can only do when `gc` is exposed. docs/memory-layer.md
+ * ("The VMM process") has the figures.
+ *
  * A library user's process chooses its own flags: see the README ("Using the SDK").
  */
-export const PVISOR_NODE_FLAGS: readonly string[] = ['--max-semi-space-size=1'];
+export const PVISOR_NODE_FLAGS: readonly string[] = ['--max-semi-space-size=1', '--expose-gc'];
 
 /**
  * Environment for the same processes, set by the `pvisor` bin's `#!` line (through `env -S`) and by

@@ -25,6 +25,11 @@ export const enum PoolOp {
   Status = 5,
 }
 
+/**
+ * The pool protocol's version: the client says it in Hello, the daemon in its answer, each
+ * refusing another. It is not the frame header's version byte, which is the frame layout's
+ * (FRAME_VERSION of ../protocol/frame.ts).
+ */
 export const POOL_PROTOCOL_VERSION = 1;
 export const PAGE_BYTES = 4096;
 /** Most entries in one Offer (12 bytes each: under the frame's 1 MiB). */
@@ -134,6 +139,20 @@ export function decodeJson(p: Buffer, maxBytes: number, what: string): Record<st
   }
   if (typeof v !== 'object' || v === null || Array.isArray(v)) throw new PoolProtocolError(`${what}: not an object`);
   return v as Record<string, unknown>;
+}
+
+/** What the daemon's answer to Hello says, checked. */
+export interface Welcome {
+  poolBytes: number;
+  clientId: number;
+}
+
+/** The daemon's answer to Hello: a {@link POOL_PROTOCOL_VERSION} daemon's, or a {@link PoolProtocolError}. */
+export function decodeWelcome(p: Buffer): Welcome {
+  const w = decodeJson(p, 4096, 'Welcome');
+  if (w.version !== POOL_PROTOCOL_VERSION) throw new PoolProtocolError(`Welcome: the daemon speaks pool protocol version ${JSON.stringify(w.version)}; this pvisor speaks ${POOL_PROTOCOL_VERSION}`);
+  if (typeof w.poolBytes !== 'number' || typeof w.clientId !== 'number') throw new PoolProtocolError('Welcome: poolBytes and clientId are not numbers');
+  return { poolBytes: w.poolBytes, clientId: w.clientId };
 }
 
 /**

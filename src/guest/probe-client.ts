@@ -2,7 +2,7 @@
  * The probe guest's operations as typed calls over the agent protocol.
  */
 import { GuestRequestError, InvalidOptionError } from '../errors';
-import { checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
+import { checkVersion, integerAt, objectAt } from '../persist/state-fields';
 import type { AgentClient } from '../protocol/agent-client';
 import { PROBE_CONTENTS, PROBE_CONTENT_CODES, isProbeContent, type ProbeContent } from './probe-content';
 import { pageMiBOption, u32Option } from '../units';

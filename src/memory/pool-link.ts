@@ -10,7 +10,7 @@ import { PoolUnavailableError } from '../errors';
 import { encodeFrame, FRAME_HEADER_BYTES, FrameDecoder, FrameType, writeFrameHeader, type Frame } from '../protocol/frame';
 import { closeFd } from '../sys/libc';
 import { connectUnixSocket, receiveWithFd } from '../sys/unix-socket';
-import { decodeJson, POOL_PROTOCOL_VERSION, PoolOp, type PoolStatus } from '../daemon/pool-protocol';
+import { decodeJson, decodeWelcome, POOL_PROTOCOL_VERSION, PoolOp, type PoolStatus } from '../daemon/pool-protocol';
 
 /** A live connection to the pool. */
 export class PoolLink {
@@ -59,10 +59,8 @@ export class PoolLink {
         if (frames.length) {
           const f = frames[0];
           if (f.type === FrameType.Error) throw new PoolUnavailableError(`the pool refused: ${f.payload.toString('utf8')}`);
-          const welcome = decodeJson(f.payload, 4096, 'Welcome');
-          if (poolFd === undefined || typeof welcome.poolBytes !== 'number' || typeof welcome.clientId !== 'number') {
-            throw new PoolUnavailableError('the pool answered without its memory');
-          }
+          const welcome = decodeWelcome(f.payload);
+          if (poolFd === undefined) throw new PoolUnavailableError('the pool answered without its memory');
           const socket = new Socket({ fd, readable: true, writable: true });
           return new PoolLink(socket, poolFd, welcome.poolBytes, welcome.clientId);
         }

@@ -22,7 +22,7 @@ export interface FileRange {
   length: number;
   /** Byte offset of the range's bytes in the file; page-aligned (the fd may be O_DIRECT). */
   fileOffset: number;
-  /** CRC32C (Castagnoli; `crc32c` in this module computes it) of the range's bytes; needed when the source checks them. */
+  /** CRC32C (Castagnoli; `crc32c` of ../native/crc32c.ts computes it) of the range's bytes; needed when the source checks them. */
   checksum?: number;
 }
 
@@ -123,7 +123,6 @@ const fns = define({
   pv_uffd_touch_order: { library: LIB, retType: I32, paramsType: [U64, I32, BYTES, I32] },
   pv_uffd_figure: { library: LIB, retType: U64, paramsType: [U64, I32, I32] },
   pv_uffd_destroy: { library: LIB, retType: DataType.Void, paramsType: [U64] },
-  pv_crc32c: { library: LIB, retType: U32, paramsType: [BYTES, U64] },
   pv_uffd_cold_attach: { library: LIB, retType: I32, paramsType: [U64, U64] },
   pv_uffd_cold_scan: { library: LIB, retType: I32, paramsType: [U64, U32, I32, BYTES] },
   pv_uffd_cold_begin: { library: LIB, retType: I32, paramsType: [U64, BYTES, I32, BYTES] },
@@ -135,46 +134,7 @@ const fns = define({
   pv_uffd_cold_damage: { library: LIB, retType: I32, paramsType: [U64, U32] },
   pv_uffd_cold_save: { library: LIB, retType: I32, paramsType: [U64, I32] },
   pv_uffd_cold_load: { library: LIB, retType: I32, paramsType: [U64] },
-  pv_crc32c_sw: { library: LIB, retType: U32, paramsType: [BYTES, U64] },
-  pv_page_hashes: { library: LIB, retType: DataType.Void, paramsType: [U64, U64, BYTES] },
 });
-// The same function over a Buffer's pages.
-const ofBuffer = define({ pv_page_hashes: { library: LIB, retType: DataType.Void, paramsType: [BYTES, U64, BYTES] } });
-// The same function over an address (guest RAM, read in place): ffi-rs names a descriptor by its key.
-const atAddress = define({ pv_crc32c: { library: LIB, retType: U32, paramsType: [U64, U64] } });
-
-/**
- * CRC32C (Castagnoli) of a buffer, or of native memory such as guest RAM without copying it (the
- * caller keeps it mapped). The SSE4.2 instruction when the CPU has it: 64 MiB in a few ms.
- */
-export function crc32c(data: Buffer | { addr: number; length: number }): number {
-  if (Buffer.isBuffer(data)) return fns.pv_crc32c([data, data.length]) as number;
-  return atAddress.pv_crc32c([data.addr, data.length]) as number;
-}
-
-/**
- * A 64-bit content key of each of `pages` 4 KiB pages at `addr` (native memory such as guest RAM,
- * read in place) into `out`: CRC32C of the first half in the low word, of the second in the high.
- * Pages with equal content have equal keys; pages with equal keys must still be compared.
- */
-export function pageHashes(addr: number, pages: number, out: BigUint64Array): void {
-  if (!Number.isSafeInteger(pages) || pages < 0 || out.length < pages) throw new InvalidOptionError('pages', `${pages} pages for ${out.length} keys`);
-  if (pages === 0) return;
-  fns.pv_page_hashes([addr, pages, Buffer.from(out.buffer, out.byteOffset, pages * 8)]);
-}
-
-/** {@link pageHashes} of the whole 4 KiB pages in `data`. */
-export function pageHashesOf(data: Buffer, out: BigUint64Array): void {
-  const pages = Math.floor(data.length / 4096);
-  if (out.length < pages) throw new InvalidOptionError('out', `${pages} pages for ${out.length} keys`);
-  if (pages === 0) return;
-  ofBuffer.pv_page_hashes([data, pages, Buffer.from(out.buffer, out.byteOffset, pages * 8)]);
-}
-
-/** The portable path of {@link crc32c} alone (slicing by 8), for tests that compare the two. */
-export function crc32cPortable(data: Buffer): number {
-  return fns.pv_crc32c_sw([data, data.length]) as number;
-}
 
 function u64(table: Buffer, at: number, value: number, what: string): void {
   if (!Number.isSafeInteger(value) || value < 0) throw new InvalidOptionError('ranges', `${what} must be a non-negative integer, got ${value}`);

@@ -4,7 +4,7 @@
  * streams under their own credit (./stream-window.ts).
  */
 import { abortError, GuestRequestError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
-import { arrayAt, base64Of, bytesAt, checkVersion, integerAt, objectAt } from '../backends/kvm/state-fields';
+import { arrayAt, base64Of, bytesAt, checkVersion, integerAt, objectAt } from '../persist/state-fields';
 import { encodeFrame, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES, type Frame } from './frame';
 import { STREAM_WINDOW_BYTES, StreamWindow } from './stream-window';
 

@@ -1,6 +1,8 @@
 /**
- * pvisor's agent protocol v1 framing, spoken by both guests (docs/probe-guest.md): a 16-byte
- * header (magic "PV", version, type, request id, op, flags, payload length) and a binary payload.
+ * pvisor's frames, spoken by both guests (docs/probe-guest.md) and the page pool's daemon: a
+ * 16-byte header (magic "PV", version, type, request id, op, flags, payload length) and a binary
+ * payload. The C side is native-prebuilds/include/pv_frame.h, one header for the agent, the probe
+ * and the daemon; test/unit/frame-vectors.test.ts checks the two against each other.
  */
 
 /** Frame types. */
@@ -24,7 +26,11 @@ export interface Frame {
 }
 
 export const FRAME_HEADER_BYTES = 16;
-export const PROTOCOL_VERSION = 1;
+/**
+ * The version of the frame layout (header byte 2), not of a protocol carried in frames: the agent
+ * protocol says its version in its HELLO event, the pool protocol in its Hello request.
+ */
+export const FRAME_VERSION = 1;
 /** Largest payload either side accepts. */
 export const MAX_PAYLOAD_BYTES = 1024 * 1024;
 const MAGIC0 = 0x50; // 'P'
@@ -47,7 +53,7 @@ export function writeFrameHeader(b: Buffer, f: { type: FrameType; id: number; op
   if (f.length > MAX_PAYLOAD_BYTES) throw new RangeError(`payload of ${f.length} bytes exceeds ${MAX_PAYLOAD_BYTES}`);
   b[0] = MAGIC0;
   b[1] = MAGIC1;
-  b[2] = PROTOCOL_VERSION;
+  b[2] = FRAME_VERSION;
   b[3] = f.type;
   b.writeUInt32LE(f.id >>> 0, 4);
   b.writeUInt16LE(f.op, 8);
@@ -55,8 +61,12 @@ export function writeFrameHeader(b: Buffer, f: { type: FrameType; id: number; op
   b.writeUInt32LE(f.length, 12);
 }
 
-/** The byte stream does not hold valid frames (bad magic, version or length). */
-export class FrameError extends Error {}
+/** The byte stream does not hold valid frames: `reason` says which check of the header failed first. */
+export class FrameError extends Error {
+  constructor(readonly reason: 'magic' | 'version' | 'length', message: string) {
+    super(message);
+  }
+}
 
 /**
  * Reassembles frames from a byte stream that may split or join them anywhere. Linear in the bytes
@@ -131,10 +141,10 @@ export class FrameDecoder {
 
   /** The header's frame, with a payload buffer of its length to fill. Lost framing throws. */
   private parseHeader(b: Buffer): Frame {
-    if (b[0] !== MAGIC0 || b[1] !== MAGIC1) throw new FrameError('bad frame magic');
-    if (b[2] !== PROTOCOL_VERSION) throw new FrameError(`unsupported protocol version ${b[2]}`);
+    if (b[0] !== MAGIC0 || b[1] !== MAGIC1) throw new FrameError('magic', 'bad frame magic');
+    if (b[2] !== FRAME_VERSION) throw new FrameError('version', `unsupported protocol version ${b[2]}`);
     const length = b.readUInt32LE(12);
-    if (length > MAX_PAYLOAD_BYTES) throw new FrameError(`payload length ${length} exceeds ${MAX_PAYLOAD_BYTES}`);
+    if (length > MAX_PAYLOAD_BYTES) throw new FrameError('length', `payload length ${length} exceeds ${MAX_PAYLOAD_BYTES}`);
     const payload = this.options.reusePayloads ? (this.assembly ??= Buffer.allocUnsafe(MAX_PAYLOAD_BYTES)).subarray(0, length) : Buffer.allocUnsafe(length);
     return { type: b[3] as FrameType, id: b.readUInt32LE(4), op: b.readUInt16LE(8), flags: b.readUInt16LE(10), payload };
   }

@@ -7,7 +7,8 @@
 import { closeSync, fstatSync, fsyncSync, ftruncateSync, openSync, readSync, writeSync } from 'node:fs';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
 import { SnapshotError } from '../errors';
-import { crc32c, type FileRange } from '../memory/uffd-server';
+import type { FileRange } from '../memory/uffd-server';
+import { crc32c } from '../native/crc32c';
 import { adviseRandomAccess } from '../sys/libc';
 import { fileDataRuns } from '../memory/file-runs';
 

@@ -10,10 +10,11 @@
 import { chmodSync, closeSync, fstatSync, fsyncSync, mkdirSync, openSync, readdirSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
-import { arrayAt, booleanAt, checkVersion, choiceAt, integerAt, objectAt, stringAt } from '../backends/kvm/state-fields';
+import { arrayAt, booleanAt, checkVersion, choiceAt, integerAt, objectAt, stringAt } from '../persist/state-fields';
 import { InvalidOptionError, SnapshotError } from '../errors';
 import { hostMemTotalBytes } from '../memory-usage';
-import { crc32c, type FileRange } from '../memory/uffd-server';
+import type { FileRange } from '../memory/uffd-server';
+import { crc32c } from '../native/crc32c';
 import type { PageRun } from '../memory/pages';
 import { fileDataRuns } from '../memory/file-runs';
 import { checkGuestMemoryBytes, checkVmShape } from '../vm-shape';

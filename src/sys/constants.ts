@@ -22,6 +22,7 @@ export const MADV_MERGEABLE = 12;
 export const MADV_UNMERGEABLE = 13;
 export const MADV_HUGEPAGE = 14;
 export const MADV_NOHUGEPAGE = 15;
+export const MADV_PAGEOUT = 21; // Linux 5.4+
 export const MADV_POPULATE_WRITE = 23; // Linux 5.14+
 
 // <linux/memfd.h>

@@ -187,6 +187,11 @@ export function madvise(addr: number, length: number, advice: number, name: stri
   check(`madvise(${name})`, fns.madvise([addr, length, advice]) as ErrnoResult<number>);
 }
 
+/** madvise(2) that reports failure instead of throwing: for advice whose failure costs nothing. */
+export function tryMadvise(addr: number, length: number, advice: number): boolean {
+  return (fns.madvise([addr, length, advice]) as ErrnoResult<number>).value === 0;
+}
+
 /**
  * mincore(2): which pages of [addr, addr+length) are resident. `vecAddr` is native memory of at
  * least length/4096 bytes; bit 0 of each byte is set for a resident page.

@@ -7,7 +7,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { ColdCompression, HostUnsupportedError, IdleRelease, InvalidOptionError, KsmAdvice, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
 import { fileDataRuns } from '../../src/memory/file-runs';
-import { crc32c } from '../../src/memory/uffd-server';
+import { crc32c } from '../../src/native/crc32c';
 import { hex32 } from '../../src/snapshot/ram-file';
 import { hexOf } from '../probe-digest';
 

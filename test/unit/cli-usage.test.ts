@@ -113,6 +113,7 @@ describe('usage errors exit 2 before anything is started or printed', () => {
     ['bench memory --modes nope', ['bench', 'memory', '--modes', 'nope', '--floor-runs', '0'], /unknown mode nope/],
     ['bench memory --table 4', ['bench', 'memory', '--table', '4'], /--table: expected a list of 1, 2 and 3/],
     ['bench memory --schemes with table 1', ['bench', 'memory', '--schemes', 'ksm'], /--schemes: is not an option of --table 1,2/],
+    ['bench memory --table 3 --guest nope', ['bench', 'memory', '--table', '3', '--guest', 'nope'], /--guest: expected probe or linux/],
   ];
   it.each(cases)('%s', (_, args, message) => {
     const r = pvisor(...args);

@@ -11,7 +11,7 @@ import { join } from 'node:path';
 import { SharedSnapshot, SnapshotError, Vm } from '../../src';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { hostMemTotalBytes } from '../../src/memory-usage';
-import { crc32c } from '../../src/memory/uffd-server';
+import { crc32c } from '../../src/native/crc32c';
 import { hex32, RAM_CHUNK_BYTES } from '../../src/snapshot/ram-file';
 import { manifestBytesLimit, MAX_STATE_BYTES, SnapshotReader, writeSnapshot, type SnapshotState } from '../../src/snapshot/snapshot-dir';
 

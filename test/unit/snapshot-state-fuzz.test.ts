@@ -27,7 +27,7 @@ import { SnapshotError } from '../../src/errors';
 import { ProbeGuest } from '../../src/guest/probe-client';
 import { AgentClient } from '../../src/protocol/agent-client';
 import { encodeFrame } from '../../src/protocol/frame';
-import { crc32c } from '../../src/memory/uffd-server';
+import { crc32c } from '../../src/native/crc32c';
 import { hostMemTotalBytes } from '../../src/memory-usage';
 import { hex32, RAM_CHUNK_BYTES } from '../../src/snapshot/ram-file';
 import { manifestBytesLimit, MAX_STATE_BYTES, SnapshotReader, writeSnapshot } from '../../src/snapshot/snapshot-dir';

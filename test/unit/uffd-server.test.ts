@@ -8,7 +8,8 @@ import { join } from 'node:path';
 import { SystemCallError } from '../../src/errors';
 import { MAP_ANONYMOUS, MAP_NORESERVE, MAP_PRIVATE, PAGE_SIZE, PROT_READ, PROT_WRITE } from '../../src/sys/constants';
 import { mmap, munmap, viewAt } from '../../src/sys/libc';
-import { RangeState, UffdServer, crc32c, crc32cPortable, type FileRange, type UffdSourceEvent } from '../../src/memory/uffd-server';
+import { RangeState, UffdServer, type FileRange, type UffdSourceEvent } from '../../src/memory/uffd-server';
+import { crc32c, crc32cPortable } from '../../src/native/crc32c';
 import { processThreads } from '../process-threads';
 
 const MiB = 2 ** 20;

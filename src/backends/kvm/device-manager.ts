@@ -26,7 +26,7 @@ import type { GuestMemory } from './guest-memory';
 import type { IoBus } from './io-bus';
 import type { VmFd } from './ioctls';
 import type { VirtioSignalling } from './signalling';
-import { arrayAt, choiceAt, integerAt, objectAt } from './state-fields';
+import { arrayAt, choiceAt, integerAt, objectAt } from '../../persist/state-fields';
 import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type TransportState, type VirtioDevice } from './virtio/mmio-transport';
 
 /** Notify-record tags: slot * QUEUES_PER_TAG + queue index. */

@@ -22,7 +22,7 @@ import { MACHINE_STATE_VERSION, parseMachineState, type MachineState, type VcpuA
 import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
 import { captureVcpu, checkVcpuStateFits, restoreVcpu, vcpuStateFormat, type VcpuStateFormat } from './vcpu-state';
 import { captureVm, checkVmStateFits, restoreVm } from './vm-state';
-import { objectAt } from './state-fields';
+import { objectAt } from '../../persist/state-fields';
 import { linuxShutdownCrash, quoteConsole } from './console-claims';
 
 // Resolve the runner's native functions while this module loads, on the main thread.

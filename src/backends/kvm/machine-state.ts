@@ -4,7 +4,7 @@
  * parked or idled it). Versioned and JSON-serialisable; a later snapshot step writes it into a
  * checksummed manifest. Device state is not part of it yet.
  */
-import { arrayAt, checkVersion, choiceAt, integerAt, objectAt } from './state-fields';
+import { arrayAt, checkVersion, choiceAt, integerAt, objectAt } from '../../persist/state-fields';
 import { parseVcpuState, type VcpuState } from './vcpu-state';
 import { parseVmState, type VmState } from './vm-state';
 

@@ -10,7 +10,7 @@
 import { SnapshotError } from '../../errors';
 import * as C from '../../sys/constants';
 import { MAX_MSRS_PER_CALL, type Kvm, type MsrEntry, type VcpuFd, type VmFd } from './ioctls';
-import { arrayAt, base64Of, bytesAt, checkVersion, choiceAt, hexU64, integerAt, kvmTakes, objectAt, u64At } from './state-fields';
+import { arrayAt, base64Of, bytesAt, checkVersion, choiceAt, hexU64, integerAt, kvmTakes, objectAt, u64At } from '../../persist/state-fields';
 
 /** The version of {@link VcpuState} this code writes and reads. */
 export const VCPU_STATE_VERSION = 1;

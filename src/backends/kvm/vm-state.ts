@@ -5,7 +5,7 @@
  */
 import * as C from '../../sys/constants';
 import type { VmFd } from './ioctls';
-import { base64Of, bytesAt, checkVersion, kvmTakes, objectAt } from './state-fields';
+import { base64Of, bytesAt, checkVersion, kvmTakes, objectAt } from '../../persist/state-fields';
 import { SnapshotError } from '../../errors';
 
 /** The version of {@link VmState} this code writes and reads. */

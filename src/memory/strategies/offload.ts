@@ -309,12 +309,12 @@ export class Offload implements MemoryStrategy {
   }
 
   /**
-   * The native side (CRC32C, the server's binding), loaded while the VM starts, when native code
-   * loads anyway: importing pvisor loads none, and the first suspend does not wait for it.
+   * The native side (CRC32C), imported while the VM starts, when native code loads anyway:
+   * importing pvisor loads none, and the first suspend does not wait for the import.
    */
-  private nativeModule: Promise<typeof import('../uffd-server')> | undefined;
-  private native(): Promise<typeof import('../uffd-server')> {
-    return (this.nativeModule ??= import('../uffd-server'));
+  private nativeModule: Promise<typeof import('../../native/crc32c')> | undefined;
+  private native(): Promise<typeof import('../../native/crc32c')> {
+    return (this.nativeModule ??= import('../../native/crc32c'));
   }
 
   map(): void {

@@ -291,7 +291,7 @@ export class PoolClient implements MemoryStrategy {
       }
     }
     // Key every own page not yet shared, except zero pages (the guest's free memory: IdleRelease's).
-    const { pageHashes, pageHashesOf } = await import('../uffd-server');
+    const { pageHashes, pageHashesOf } = await import('../../native/crc32c');
     const keys = scratch.keys;
     if (this.zeroKey === undefined) {
       const one = new BigUint64Array(1);

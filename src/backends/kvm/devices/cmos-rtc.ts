@@ -4,7 +4,7 @@
  * unclaimed port would read all ones, i.e. "update in progress" forever, and the kernel would
  * give up with "Unable to read current time from RTC" after polling it.
  */
-import { checkVersion, integerAt, objectAt } from '../state-fields';
+import { checkVersion, integerAt, objectAt } from '../../../persist/state-fields';
 
 /** The index port; 0x71 is data. */
 export const CMOS_BASE = 0x70;

@@ -4,7 +4,7 @@
  * and, once userspace writes to the port, waits for the "transmitter empty" interrupt on IRQ 4.
  * Transmit completes at once; there is no receive path (input goes through the agent channel).
  */
-import { base64Of, booleanAt, bytesAt, checkVersion, integerAt, objectAt } from '../state-fields';
+import { base64Of, booleanAt, bytesAt, checkVersion, integerAt, objectAt } from '../../../persist/state-fields';
 
 /** First port of COM1. */
 export const COM1_BASE = 0x3f8;

@@ -3,7 +3,7 @@
  * the guest hands back ranges it has freed, the host drops the pages behind them. No inflate or
  * deflate: pvisor never asks a guest to give memory up, it takes back what the guest freed.
  */
-import { checkVersion, objectAt } from '../state-fields';
+import { checkVersion, objectAt } from '../../../persist/state-fields';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import type { SplitQueue } from '../virtio/queue';
 

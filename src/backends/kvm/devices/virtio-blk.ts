@@ -34,7 +34,7 @@ import { closeSync, fdatasyncSync, fstatSync, openSync, readSync, writeSync, con
 import { tryLockFile } from '../../../sys/libc';
 import { InvalidOptionError, SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
-import { booleanAt, checkVersion, integerAt, objectAt, stringAt } from '../state-fields';
+import { booleanAt, checkVersion, integerAt, objectAt, stringAt } from '../../../persist/state-fields';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import type { Descriptor, SplitQueue } from '../virtio/queue';
 

@@ -10,7 +10,7 @@
  * multiport and gets the plain two-queue console.
  */
 import type { GuestMemory } from '../guest-memory';
-import { arrayAt, base64Of, bytesAt, checkVersion, objectAt } from '../state-fields';
+import { arrayAt, base64Of, bytesAt, checkVersion, objectAt } from '../../../persist/state-fields';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import type { Descriptor, SplitQueue } from '../virtio/queue';
 

@@ -25,7 +25,7 @@ import { SnapshotError } from '../../../errors';
 import { EVENTFD_ONE } from '../../../sys/libc';
 import * as C from '../../../sys/constants';
 import type { GuestMemory } from '../guest-memory';
-import { arrayAt, checkVersion, objectAt, stringAt } from '../state-fields';
+import { arrayAt, checkVersion, objectAt, stringAt } from '../../../persist/state-fields';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import { QueueError, type QueueConfig, type SplitQueue } from '../virtio/queue';
 

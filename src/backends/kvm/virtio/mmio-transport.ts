@@ -4,7 +4,7 @@
  */
 import { SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
-import { arrayAt, booleanAt, checkVersion, integerAt, objectAt, u64At, hexU64 } from '../state-fields';
+import { arrayAt, booleanAt, checkVersion, integerAt, objectAt, u64At, hexU64 } from '../../../persist/state-fields';
 import { QueueError, SplitQueue, parseQueueState, type QueueState } from './queue';
 
 /** Register window size of one virtio-mmio device. */

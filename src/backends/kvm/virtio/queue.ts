@@ -5,7 +5,7 @@
  */
 import { SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
-import { checkVersion, integerAt, objectAt } from '../state-fields';
+import { checkVersion, integerAt, objectAt } from '../../../persist/state-fields';
 
 // Descriptor flags (virtio 1.x, 2.7.5; <linux/virtio_ring.h>).
 export const VIRTQ_DESC_F_NEXT = 1;

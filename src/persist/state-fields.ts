@@ -6,7 +6,7 @@
  * Byte blobs travel as base64 strings: JSON has no bytes, and a number array would be four times
  * larger. 64-bit values travel as `0x`-prefixed hex strings, since a JSON number holds 53 bits.
  */
-import { SnapshotError, SystemCallError } from '../../errors';
+import { SnapshotError, SystemCallError } from '../errors';
 
 /** `value` as a plain object, or a SnapshotError naming `path`. */
 export function objectAt(value: unknown, path: string): Record<string, unknown> {
