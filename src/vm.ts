@@ -30,7 +30,7 @@ import { parseLabels, type Labels } from './labels';
 import { Lifetime, parseLifetimeOptions, type LifetimeOptions, type TimeoutAction } from './lifetime';
 import { listVms, type VmListOptions, type VmListEntry } from './vm-list';
 import type { HostNetwork, VmNetworkInfo } from './network/host-network';
-import { parseNetworkOption, type NetworkOption } from './network/options';
+import { natOptionOf, parseNetworkOption, type NetworkOption } from './network/options';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 
 /** Which guest a VM runs. */
@@ -593,6 +593,15 @@ export class Vm extends EventEmitter<VmEvents> {
    * readiness (see {@link RestoreOptions.readyTimeoutMs}), so {@link exec} works as soon as this
    * resolves. What the snapshotted VM had in flight is not this VM's: see {@link restoreInfo}.
    * A host whose KVM cannot run the Linux guest refuses it as {@link Vm.start} does.
+   *
+   * A snapshot of a VM with `network: 'nat'` gives each VM restored from it a network of its own,
+   * with the snapshot's policy (`allow`, `subnetRange`, `dns`): a new TAP and /30 on the host,
+   * set up as {@link Vm.start} does (it needs CAP_NET_ADMIN; a failure is a
+   * {@link NetworkSetupError}). The guest keeps its MAC, and before this resolves its agent gives
+   * `eth0` the clone's own address, gateway and resolver, so {@link network} says what the guest
+   * uses and clones never share an address. Connections the snapshotted guest had open are gone
+   * in the clone (their address is); servers it ran listen on. See docs/networking.md,
+   * "Snapshots and clones".
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
     const t0 = performance.now();
@@ -655,9 +664,18 @@ export class Vm extends EventEmitter<VmEvents> {
     if (state.guest === 'linux') requireKernelModeGuests(host, 'linux');
     const disk = state.rootfs && { path: state.rootfs.path, readOnly: true };
     vm.rootfs = disk;
+    if (state.network) {
+      // A network of its own, with the snapshot's policy and MAC (docs/networking.md, "Snapshots and clones").
+      const { HostNetwork } = await import('./network/host-network');
+      const { parseMac } = await import('./network/addresses');
+      const plan = parseNetworkOption(state.network.option);
+      if (plan.kind !== 'nat') throw new SnapshotError("snapshot.network.option: only a 'nat' network is restored");
+      vm.hostNetwork = HostNetwork.setup(plan, { mac: parseMac(state.network.mac) });
+    }
     try {
       await vm.build(host.devicePath, disk, true);
     } catch (e) {
+      vm.releaseNetwork();
       if (disk && e instanceof InvalidOptionError) throw new SnapshotError(`the snapshot's rootfs cannot be attached again: ${e.message}`, { cause: e });
       throw e;
     }
@@ -690,6 +708,8 @@ export class Vm extends EventEmitter<VmEvents> {
       vm.machine.resume();
       // A crash meanwhile closes the agent client, which rejects this at once.
       if (vm._linux) report = await vm._linux.restored({ timeoutMs: readyTimeoutMs });
+      const netConfig = vm.hostNetwork?.guestConfig;
+      if (vm._linux && netConfig) await vm._linux.configureNetwork(netConfig, { timeoutMs: readyTimeoutMs });
       phases.agentMs = performance.now() - tResume;
       // It may have ended meanwhile (a chunk of a lazy load failed its check).
       if (vm.endError) throw vm.endError;
@@ -719,6 +739,10 @@ export class Vm extends EventEmitter<VmEvents> {
    * then shares the image, read-only, with its own writes in RAM (its `/tmp`). A VM with a
    * writable rootfs is refused with a {@link SnapshotError} before it is paused: its image goes
    * on changing after the snapshot, under the clones' feet.
+   *
+   * Network: a VM with `network: 'nat'` can be snapshotted; each clone gets its own TAP and address
+   * (see {@link Vm.restore}). One on the user's TAP (`{ tap }`) is refused with a
+   * {@link SnapshotError} before it is paused: its clones would each need a TAP of their own.
    *
    * A state larger than a restore reads (4 MiB of JSON: only bytes in flight on the agent
    * channel, requests the guest has not taken yet, make it that large) is refused with a
@@ -755,7 +779,8 @@ export class Vm extends EventEmitter<VmEvents> {
    * their output dropped (docs/agent-protocol.md, RESTORED).
    *
    * Needs the VM running or paused (a suspended VM's RAM is offloaded: resume it first), and what
-   * a snapshot needs: no writable rootfs, no network. If writing fails (a full disk), or
+   * a snapshot needs: no writable rootfs, no user TAP (`network: 'nat'` is fine: the restored VM
+   * gets a new TAP and address, see {@link Vm.restore}). If writing fails (a full disk), or
    * {@link HibernateOptions.beforeStop} throws, what was written is removed and the VM goes on as
    * it was.
    */
@@ -800,8 +825,11 @@ export class Vm extends EventEmitter<VmEvents> {
           'Start the VM with rootfs: { path, readOnly: true } (the guest then writes to its /tmp, in RAM).',
       );
     }
-    if (this.hostNetwork) {
-      throw new SnapshotError(`${this.name} has a network device (network: ${this.hostNetwork.info.mode}): ${what} of a networked VM is not supported yet; start it with network: 'none'`);
+    if (this.hostNetwork && this.hostNetwork.plan.kind !== 'nat') {
+      throw new SnapshotError(
+        `${this.name} has its network on the user's TAP ${this.hostNetwork.info.tap}: ${what} of it is not supported, since each VM restored from it would need a TAP of its own; ` +
+          "start it with network: 'nat', whose clones each get their own TAP and address, or 'none'",
+      );
     }
   }
 
@@ -830,6 +858,7 @@ export class Vm extends EventEmitter<VmEvents> {
       memoryBytes: this.memoryBytes,
       vcpus: this.vcpus,
       ...(this.rootfs && { rootfs: { path: this.rootfs.path, readOnly: true } }),
+      ...(this.hostNetwork?.plan.kind === 'nat' && { network: { mac: this.hostNetwork.info.mac!, option: natOptionOf(this.hostNetwork.plan) } }),
       machine: await this.machine.captureState(),
       devices: this.machine.captureDevices(),
       agent: this.agent.saveState(),

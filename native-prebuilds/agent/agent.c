@@ -89,6 +89,7 @@ enum {
   OP_DROP_CACHES = 0x0221,
   OP_SHUTDOWN = 0x0230,
   OP_RESTORED = 0x0231,
+  OP_NET_CONFIGURE = 0x0232,
 };
 enum { E_UNSUPPORTED = 1, E_BADARG = 2, E_BADFRAME = 5, E_OS = 6, E_NOPROC = 7, E_BUSY = 8, E_RESTORED = 9, E_CANCELLED = 10 };
 enum { CH_STDOUT = 1, CH_STDERR = 2, CH_STARTED = 4 };
@@ -1184,6 +1185,24 @@ static void op_restored(uint32_t id, const uint8_t *p, size_t n) {
   logmsg("restored: RNG reseeded with %zu bytes, clock set, %u processes detached, %u requests ended", bytes, detached, ended);
 }
 
+/*
+ * NET_CONFIGURE {ADDRESS/PREFIX,GATEWAY[,DNS] as text, no NUL} -> {}: eth0 taken down and given
+ * this configuration, as pvisor.net= gives it at boot (agent-net.h); sent to a clone restored
+ * from a snapshot, whose network on the host is its own.
+ */
+static int net_apply(const char *spec, int reconfigure, const char **why); /* agent-net.h */
+static void op_net_configure(uint32_t id, const uint8_t *p, size_t n) {
+  char spec[128];
+  if (n == 0 || n >= sizeof spec || memchr(p, 0, n)) return send_error(id, OP_NET_CONFIGURE, E_BADARG, "NET_CONFIGURE wants 1 to %zu bytes of text", sizeof spec - 1);
+  memcpy(spec, p, n);
+  spec[n] = 0;
+  const char *why = "";
+  int e = net_apply(spec, 1, &why);
+  if (e == EINVAL && !strcmp(why, "ADDRESS/PREFIX,GATEWAY[,DNS]")) return send_error(id, OP_NET_CONFIGURE, E_BADARG, "NET_CONFIGURE wants ADDRESS/PREFIX,GATEWAY[,DNS], got %s", spec);
+  if (e) return send_os_error(id, OP_NET_CONFIGURE, e, why);
+  respond(id, OP_NET_CONFIGURE, NULL, 0);
+}
+
 static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n) {
   switch (op) {
   case OP_PING: return respond(id, op, p, n);
@@ -1206,6 +1225,7 @@ static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n)
   case OP_DROP_CACHES: return op_drop_caches(id, p, n);
   case OP_SHUTDOWN: return op_shutdown(id);
   case OP_RESTORED: return op_restored(id, p, n);
+  case OP_NET_CONFIGURE: return op_net_configure(id, p, n);
   default: return send_error(id, op, E_UNSUPPORTED, "unsupported op 0x%04x", op);
   }
 }

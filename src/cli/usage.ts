@@ -177,7 +177,8 @@ const SUSPEND = `  pvisor suspend ID [--vm-offload] [--hibernate] [--vm-socket P
         --vm-backing-dir (default /var/tmp), and its process ends: a hibernated VM costs no
         memory at all. A probe step under way finishes first; the steps left go on after the
         resume. In the Linux guest, CMD and every process keep running after it, detached (their
-        output dropped, stdin closed). Refused for a suspended VM, a writable rootfs or a network.
+        output dropped, stdin closed). Refused for a suspended VM, a writable rootfs or a user's
+        TAP (--net tap:NAME); with --net nat the resumed VM gets a new TAP and address.
 `;
 const RESUME = `  pvisor resume ID [--vm-load] [--foreground] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Lets it run again; RAM that a suspend offloaded is loaded back and verified first.

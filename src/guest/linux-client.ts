@@ -25,6 +25,7 @@ const enum LinuxOp {
   DropCaches = 0x0221,
   Shutdown = 0x0230,
   Restored = 0x0231,
+  NetConfigure = 0x0232,
 }
 
 /** Host entropy sent with RESTORED: 512 bits, twice what the kernel's CRNG is keyed with. */
@@ -562,6 +563,23 @@ export class LinuxGuest {
       throw new GuestRequestError(0, `the guest answered RESTORED with ${detachedProcesses} detached processes and ${endedRequests} ended requests, more than its agent can have`);
     }
     return { detachedProcesses, endedRequests };
+  }
+
+  /**
+   * Gives the guest's eth0 a configuration of its own, `ADDRESS/PREFIX,GATEWAY[,DNS]` as the
+   * kernel command line's `pvisor.net=` does at boot: eth0 is taken down (dropping the routes and
+   * neighbours it had), given the address, brought up with the default route, and the resolver
+   * written (docs/agent-protocol.md, NET_CONFIGURE). For a clone restored from a snapshot.
+   */
+  async configureNetwork(spec: string, options: { timeoutMs: number }): Promise<void> {
+    try {
+      await this.agent.request(LinuxOp.NetConfigure, Buffer.from(spec), { timeoutMs: options.timeoutMs });
+    } catch (e) {
+      if (e instanceof GuestRequestError && e.guestCode === 1) {
+        throw new GuestRequestError(1, "the guest agent does not know NET_CONFIGURE (op 0x0232): its initramfs was built before pvisor could restore networked snapshots; rebuild it with this pvisor's agent");
+      }
+      throw e;
+    }
   }
 
   /**

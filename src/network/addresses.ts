@@ -97,3 +97,10 @@ export function macFor(seed: Buffer): Buffer {
 export function formatMac(mac: Buffer): string {
   return [...mac].map((b) => b.toString(16).padStart(2, '0')).join(':');
 }
+
+/** `aa:bb:cc:dd:ee:ff` (lower case, as {@link formatMac} writes it) of a unicast address, or undefined. */
+export function parseMac(text: string): Buffer | undefined {
+  if (!/^([0-9a-f]{2}:){5}[0-9a-f]{2}$/.test(text)) return undefined;
+  const mac = Buffer.from(text.split(':').map((h) => parseInt(h, 16)));
+  return mac[0] & 1 ? undefined : mac; // a multicast address is no interface's
+}

@@ -157,6 +157,15 @@ function asSetupError(e: unknown, what: string): NetworkSetupError {
   return new NetworkSetupError('failed', `${what}: ${(e as Error).message}`, { cause: e });
 }
 
+/** Options of {@link HostNetwork.setup}. */
+export interface HostNetworkOptions {
+  /**
+   * The guest's MAC; default a new random one. A clone of a snapshot keeps its snapshot's: each
+   * TAP is a link of its own, so clones with one MAC never meet.
+   */
+  mac?: Buffer;
+}
+
 /** One VM's host networking, set up; {@link close} removes it. */
 export class HostNetwork {
   private closed = false;
@@ -168,18 +177,25 @@ export class HostNetwork {
     /** `pvisor.net=...` for the guest's kernel command line, when the guest is to configure eth0. */
     readonly kernelArg: string | undefined,
     private readonly table: string | undefined,
+    /** What was set up. */
+    readonly plan: Exclude<NetworkPlan, { kind: 'none' }>,
   ) {}
+
+  /** The guest's configuration, `ADDRESS/PREFIX,GATEWAY[,DNS]` (the value of {@link kernelArg}). */
+  get guestConfig(): string | undefined {
+    return this.kernelArg?.slice('pvisor.net='.length);
+  }
 
   /**
    * Sets up what `plan` asks (not `none`) for a VM, whose vhost-net will serve the TAP. Throws
    * {@link NetworkSetupError}; nothing is left then.
    */
-  static setup(plan: Exclude<NetworkPlan, { kind: 'none' }>): HostNetwork {
+  static setup(plan: Exclude<NetworkPlan, { kind: 'none' }>, options: HostNetworkOptions = {}): HostNetwork {
     if (plan.kind === 'nat' && !hasNetAdmin()) {
       throw new NetworkSetupError('permission', "network 'nat' needs CAP_NET_ADMIN (run as root, or give node the capability) to create a TAP device and nftables rules; use network 'none', or { tap: NAME } with a TAP made for you");
     }
     checkDevice(VHOST_NET_PATH, 'vhost-net (CONFIG_VHOST_NET, module vhost_net)');
-    return HostNetwork.create(plan);
+    return HostNetwork.create(plan, options);
   }
 
   /**
@@ -187,8 +203,8 @@ export class HostNetwork {
    * reader of the TAP's fd other than vhost (test/hostile-tap-guest.ts plays a hostile guest on
    * it, on hosts with no vhost-net too).
    */
-  static create(plan: Exclude<NetworkPlan, { kind: 'none' }>): HostNetwork {
-    const mac = macFor(randomBytes(4));
+  static create(plan: Exclude<NetworkPlan, { kind: 'none' }>, options: HostNetworkOptions = {}): HostNetwork {
+    const mac = options.mac ?? macFor(randomBytes(4));
     if (plan.kind === 'tap') {
       if (!existsSync(`/sys/class/net/${plan.name}`)) throw new NetworkSetupError('failed', `there is no network interface named ${plan.name} (create it with: ip tuntap add ${plan.name} mode tap user $USER)`);
       let tap: Tap;
@@ -201,7 +217,7 @@ export class HostNetwork {
       const kernelArg = g && `pvisor.net=${formatIpv4(g.address)}/${g.prefixLength},${g.gateway === undefined ? '0.0.0.0' : formatIpv4(g.gateway)}${g.dns === undefined ? '' : `,${formatIpv4(g.dns)}`}`;
       return new HostNetwork(
         { mode: 'tap', tap: plan.name, mac: formatMac(mac), ...(g && { guestAddress: `${formatIpv4(g.address)}/${g.prefixLength}` }), ...(g?.gateway !== undefined && { hostAddress: formatIpv4(g.gateway) }), ...(g?.dns !== undefined && { dns: formatIpv4(g.dns) }) },
-        tap, mac, kernelArg, undefined,
+        tap, mac, kernelArg, undefined, plan,
       );
     }
     checkDevice(TUN_PATH, 'TUN/TAP (CONFIG_TUN, module tun)');
@@ -232,7 +248,7 @@ export class HostNetwork {
         const host = formatIpv4(subnet.hostAddress);
         return new HostNetwork(
           { mode: 'nat', tap: name, mac: formatMac(mac), guestAddress: `${guest}/30`, hostAddress: host, ...(dns && { dns }), allow: plan.allow === 'all' ? 'all' : plan.allow.map(formatAllowRule), nftTable: table },
-          tap, mac, `pvisor.net=${guest}/30,${host}${dns ? `,${dns}` : ''}`, table,
+          tap, mac, `pvisor.net=${guest}/30,${host}${dns ? `,${dns}` : ''}`, table, plan,
         );
       });
     } catch (e) {

@@ -115,6 +115,19 @@ export function parseNetworkOption(value: unknown): NetworkPlan {
   throw new InvalidOptionError('network', 'expected "none", "nat", { mode: "nat", allow } or { tap }');
 }
 
+/**
+ * The option that makes `plan` again: what a snapshot records of a NAT network, so that each clone
+ * gets the same policy (its own /30 and TAP).
+ */
+export function natOptionOf(plan: Extract<NetworkPlan, { kind: 'nat' }>): NatNetworkOptions {
+  return {
+    mode: 'nat',
+    ...(plan.allow !== 'all' && { allow: plan.allow.map(formatAllowRule) }),
+    subnetRange: formatCidr(plan.range),
+    ...(plan.dns !== undefined && { dns: plan.dns }),
+  };
+}
+
 /** `--net none|nat|tap:NAME` and `--net-allow` values of `pvisor run`, as a {@link NetworkOption}. */
 export function networkFromCli(net: string, allow: readonly string[]): NetworkOption {
   if (net === 'none' || net === 'nat') {

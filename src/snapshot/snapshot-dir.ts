@@ -20,6 +20,8 @@ import { fileDataRuns } from '../memory/file-runs';
 import { checkGuestMemoryBytes, checkVmShape } from '../vm-shape';
 import { validateVmName } from '../vm-name';
 import { parseLabels, type Labels } from '../labels';
+import { parseMac } from '../network/addresses';
+import { parseNetworkOption, type NatNetworkOptions } from '../network/options';
 import { checkRamFile, dataChunkRanges, hex32, RAM_CHUNK_BYTES, readRamFile, writeRamFile } from './ram-file';
 import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile, type SnapshotFile } from './snapshot-file';
 
@@ -65,6 +67,11 @@ export interface SnapshotState {
    * initramfs, in RAM). A writable rootfs is never saved.
    */
   rootfs?: SnapshotRootfs;
+  /**
+   * The Linux guest's network, when it had one (only `'nat'` is saved): every clone gets a network
+   * of its own with this policy (see docs/networking.md, "Snapshots and clones").
+   */
+  network?: SnapshotNetwork;
   /** {@link KvmMachine.captureState}. */
   machine: unknown;
   /** {@link KvmMachine.captureDevices}. */
@@ -87,6 +94,14 @@ export interface SnapshotHibernation {
   name: string;
   /** Its labels (VmOptions.labels), which the restored VM keeps unless told otherwise; absent when none. */
   labels?: Labels;
+}
+
+/** {@link SnapshotState.network}. */
+export interface SnapshotNetwork {
+  /** The guest's MAC (`aa:bb:cc:dd:ee:ff`), which every clone keeps: its device and driver have it. */
+  mac: string;
+  /** The `network` option that makes the policy again (a clone gets its own /30 and TAP from it). */
+  option: NatNetworkOptions;
 }
 
 /** {@link SnapshotState.rootfs}. */
@@ -327,6 +342,7 @@ function parseState(value: unknown, manifest: Manifest): SnapshotState {
     memoryBytes,
     vcpus,
     ...(o.rootfs !== undefined && { rootfs: parseRootfs(o.rootfs, guest, `${path}.rootfs`) }),
+    ...(o.network !== undefined && { network: parseNetwork(o.network, guest, `${path}.network`) }),
     machine: o.machine,
     devices: o.devices,
     agent: o.agent,
@@ -343,6 +359,23 @@ function parseHibernation(value: unknown, path: string): SnapshotHibernation {
   } catch (e) {
     throw new SnapshotError((e as Error).message);
   }
+}
+
+function parseNetwork(value: unknown, guest: SnapshotState['guest'], path: string): SnapshotNetwork {
+  if (guest !== 'linux') throw new SnapshotError(`${path}: only the Linux guest has a network device, the snapshot is of the ${guest} guest`);
+  const o = objectAt(value, path);
+  const mac = stringAt(o, 'mac', path, 17);
+  if (!parseMac(mac)) throw new SnapshotError(`${path}.mac: expected a unicast MAC address as aa:bb:cc:dd:ee:ff, got ${JSON.stringify(mac)}`);
+  const option = objectAt(o.option, `${path}.option`);
+  if (option.mode !== 'nat') throw new SnapshotError(`${path}.option.mode: only a 'nat' network is saved, the state says ${String(JSON.stringify(option.mode)).slice(0, 40)}`);
+  // The checks of Vm.start's network option, with its words (the option it names, e.g. network.allow).
+  try {
+    parseNetworkOption(option);
+  } catch (e) {
+    if (!(e instanceof InvalidOptionError)) throw e;
+    throw new SnapshotError(`${path}.option: ${e.message}`, { cause: e });
+  }
+  return { mac, option: option as unknown as NatNetworkOptions };
 }
 
 function parseRootfs(value: unknown, guest: SnapshotState['guest'], path: string): SnapshotRootfs {

@@ -227,6 +227,7 @@ export const VHOST_SET_MEM_TABLE = 0x4008af03; // _IOW(0xAF, 0x03, struct vhost_
 export const VHOST_SET_VRING_NUM = 0x4008af10; // _IOW(0xAF, 0x10, struct vhost_vring_state)
 export const VHOST_SET_VRING_ADDR = 0x4028af11; // _IOW(0xAF, 0x11, struct vhost_vring_addr)
 export const VHOST_SET_VRING_BASE = 0x4008af12; // _IOW(0xAF, 0x12, struct vhost_vring_state)
+export const VHOST_GET_VRING_BASE = 0xc008af12; // _IOWR(0xAF, 0x12, struct vhost_vring_state)
 export const VHOST_SET_VRING_KICK = 0x4008af20; // _IOW(0xAF, 0x20, struct vhost_vring_file)
 export const VHOST_SET_VRING_CALL = 0x4008af21; // _IOW(0xAF, 0x21, struct vhost_vring_file)
 export const VHOST_NET_SET_BACKEND = 0x4008af30; // _IOW(0xAF, 0x30, struct vhost_vring_file)

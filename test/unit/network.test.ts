@@ -2,10 +2,10 @@
 // names that tell a dead owner's leftovers apart. No root, no nft (network-hostile-guest.test.ts
 // runs the rules).
 import { InvalidOptionError } from '../../src/errors';
-import { allocateSubnet, formatCidr, formatIpv4, parseCidr, parseIpAddrShow, parseIpv4 } from '../../src/network/addresses';
+import { allocateSubnet, formatCidr, formatIpv4, formatMac, parseCidr, parseIpAddrShow, parseIpv4, parseMac } from '../../src/network/addresses';
 import { tapName, tapOwner } from '../../src/network/host-network';
 import { deleteTablesScript, natRuleset, parseTableList, tableName, tableOwner } from '../../src/network/nft-rules';
-import { parseAllowRule, parseNetworkOption } from '../../src/network/options';
+import { natOptionOf, parseAllowRule, parseNetworkOption } from '../../src/network/options';
 
 describe('network option', () => {
   it("is 'none' by default, and 'nat' allows every destination from the default range", () => {
@@ -35,6 +35,23 @@ describe('network option', () => {
     expect(() => parseNetworkOption({ tap: 'x'.repeat(16) })).toThrow(/^network.tap/);
     expect(() => parseNetworkOption({ tap: 'tap0', address: '192.168.7.2' })).toThrow(/^network.address/);
     expect(() => parseNetworkOption({ tap: 'tap0', gateway: '192.168.7.1' })).toThrow(/need address/);
+  });
+});
+
+describe("what a snapshot records of a 'nat' network", () => {
+  it('the option it writes makes the same plan again, for each clone', () => {
+    for (const option of ['nat', { mode: 'nat', allow: ['192.0.2.0/24', '198.51.100.7/32:443'], subnetRange: '10.77.0.0/24', dns: '192.0.2.53' }, { mode: 'nat', allow: [], dns: null }] as const) {
+      const plan = parseNetworkOption(option) as Extract<ReturnType<typeof parseNetworkOption>, { kind: 'nat' }>;
+      const saved = JSON.parse(JSON.stringify(natOptionOf(plan)));
+      expect(parseNetworkOption(saved)).toEqual(plan);
+    }
+    expect(natOptionOf(parseNetworkOption('nat') as never)).toEqual({ mode: 'nat', subnetRange: '10.200.0.0/16' });
+  });
+
+  it("reads back the MAC it wrote, and refuses one that is not a unicast address in that form", () => {
+    const mac = Buffer.from([0x02, 0x70, 0xab, 0, 1, 0xff]);
+    expect(parseMac(formatMac(mac))).toEqual(mac);
+    for (const bad of ['03:70:ab:00:01:ff', '02:70:AB:00:01:ff', '02:70:ab:00:01', '02-70-ab-00-01-ff', '02:70:ab:00:01:ff:00', '']) expect(parseMac(bad)).toBeUndefined();
   });
 });
 

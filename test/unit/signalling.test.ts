@@ -1,4 +1,4 @@
-import { parseSignalling } from '../../src/backends/kvm/kvm-machine';
+import { parseSignalling } from '../../src/backends/kvm/signalling';
 
 describe('virtio signalling choice (PVISOR_VIRTIO_SIGNALLING, bench --signalling)', () => {
   it('reads NOTIFY+INTERRUPT', () => {

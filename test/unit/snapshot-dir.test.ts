@@ -84,6 +84,28 @@ describe('snapshot state: guest kind and rootfs', () => {
     }
   });
 
+  it("a networked VM's state says its MAC and NAT policy, checked as Vm.start checks the option; only 'nat' is taken", () => {
+    const network = { mac: '02:70:0a:0b:0c:0d', option: { mode: 'nat', allow: ['198.18.0.0/30:8080'], subnetRange: '10.200.0.0/16' } };
+    expect(SnapshotReader.open(snapshotWith({ ...linux, network })).state.network).toEqual(network);
+    expect(SnapshotReader.open(snapshotWith(linux)).state.network).toBeUndefined();
+    const cases: [unknown, RegExp][] = [
+      [{ ...linux, guest: 'probe', rootfs: undefined, network }, /snapshot\.network: only the Linux guest has a network device/],
+      [{ ...linux, network: { ...network, mac: '03:70:0a:0b:0c:0d' } }, /snapshot\.network\.mac: expected a unicast MAC address/],
+      [{ ...linux, network: { ...network, mac: '02:70:0A:0b:0c:0d' } }, /snapshot\.network\.mac: expected a unicast MAC address/],
+      [{ ...linux, network: { ...network, mac: 7 } }, /snapshot\.network\.mac: expected a string/],
+      [{ ...linux, network: { ...network, option: { tap: 'tap0' } } }, /snapshot\.network\.option\.mode: only a 'nat' network is saved/],
+      [{ ...linux, network: { ...network, option: { ...network.option, allow: ['10.0.0.1/8'] } } }, /snapshot\.network\.option: network\.allow: "10\.0\.0\.1\/8" is not CIDR/],
+      [{ ...linux, network: { ...network, option: { ...network.option, subnetRange: '10.0.0.0/31' } } }, /snapshot\.network\.option: network\.subnetRange/],
+      [{ ...linux, network: { ...network, option: { ...network.option, extra: 1 } } }, /snapshot\.network\.option: network: unknown field extra/],
+      [{ ...linux, network: 'nat' }, /snapshot\.network: expected an object/],
+    ];
+    for (const [state, message] of cases) {
+      const dir = snapshotWith(state);
+      expect(() => SnapshotReader.open(dir)).toThrow(SnapshotError);
+      expect(() => SnapshotReader.open(dir)).toThrow(message);
+    }
+  });
+
   it("a hibernated VM's state says its name, checked as a VM name; its files may be 0400", () => {
     const dir = join(base, 'hibernated');
     writeSnapshot(dir, mem, { ...linux, hibernated: { name: 'job-7' } }, { fileMode: 0o400 });

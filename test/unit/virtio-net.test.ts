@@ -1,5 +1,6 @@
 // virtio-net negotiates and hands the rings to vhost; packets never pass through it. A recording
 // data path stands in for /dev/vhost-net; the transport and guest memory are real. No KVM.
+import { SnapshotError } from '../../src';
 import { createEventFd, closeFd } from '../../src/sys/libc';
 import { readSync } from 'node:fs';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
@@ -33,6 +34,9 @@ class FakeVhost implements NetDataPath {
   }
   setBackend(index: number, fd: number): void {
     this.calls.push(`backend ${index} ${fd}`);
+  }
+  vringBase(index: number): number {
+    return index === 0 ? 7 : 3;
   }
   close(): void {
     this.calls.push('close');
@@ -136,5 +140,54 @@ describe('virtio-net over vhost', () => {
     expect(net.serving).toBe(false);
     net.close();
     expect(vhost.calls.slice(-3)).toEqual(['backend 0 -1', 'backend 1 -1', 'close']);
+  });
+
+  it("saves the MAC and vhost's ring positions only while detached; a restore gives vhost the rings at those bases and, at its first attach, raises the interrupt once", () => {
+    driverUp(t, VIRTIO_F_VERSION_1, [RX, TX]);
+    expect(() => t.saveState()).toThrow(/still attached/);
+    net.pause();
+    const state = JSON.parse(JSON.stringify(t.saveState()));
+    expect(state.active.device).toEqual({ version: 1, mac: '027001020304', ringBases: [7, 3] });
+
+    const v2 = new FakeVhost();
+    const n2 = new VirtioNet(mem, { fd: 78, setOffload: () => {} }, v2, MAC, () => {});
+    const fds2 = [createEventFd(), createEventFd(), createEventFd()];
+    n2.bindKernelSignals([fds2[0], fds2[1]], fds2[2]);
+    try {
+      n2.pause();
+      new MmioTransport(0xd0003000, n2, mem).restoreState(state);
+      expect(v2.calls.filter((c) => c.startsWith('vring'))).toEqual(['vring 0 base 7', 'vring 1 base 3']);
+      expect(n2.serving).toBe(false);
+      n2.resume();
+      expect(n2.serving).toBe(true);
+      const counter = Buffer.alloc(8);
+      expect(readSync(fds2[2], counter)).toBe(8); // the interrupt owed
+      expect(counter.readBigUInt64LE(0)).toBe(1n);
+      n2.pause();
+      n2.resume(); // not again
+      expect(() => readSync(fds2[2], counter)).toThrow(/EAGAIN/);
+    } finally {
+      fds2.forEach(closeFd);
+    }
+  });
+
+  it('refuses a state of another MAC, or with a ring position out of range, before vhost is told anything', () => {
+    driverUp(t, VIRTIO_F_VERSION_1, [RX, TX]);
+    net.pause();
+    const state = JSON.parse(JSON.stringify(t.saveState()));
+    for (const [device, message] of [
+      [{ ...state.active.device, mac: '027001020305' }, /mac: the saved guest has MAC 027001020305, this device 027001020304/],
+      [{ ...state.active.device, ringBases: [7, 65536] }, /ringBases\[1\]: expected an integer in \[0, 65535\]/],
+      [{ ...state.active.device, ringBases: [7] }, /ringBases: expected 2 entries/],
+      [{ ...state.active.device, version: 2 }, /version/],
+    ] as const) {
+      const v2 = new FakeVhost();
+      const n2 = new VirtioNet(mem, { fd: 78, setOffload: () => {} }, v2, MAC, () => {});
+      n2.bindKernelSignals([fds[0], fds[1]], fds[2]);
+      const bad = { ...state, active: { ...state.active, device } };
+      expect(() => new MmioTransport(0xd0003000, n2, mem).restoreState(bad)).toThrow(SnapshotError);
+      expect(() => new MmioTransport(0xd0003000, n2, mem).restoreState(bad)).toThrow(message);
+      expect(v2.calls).toEqual([]);
+    }
   });
 });

@@ -9,11 +9,9 @@ import { closeFd, createEventFd, EVENTFD_ONE } from '../../sys/libc';
 import { CmosRtc, CMOS_BASE, CMOS_PORTS, type CmosState } from './devices/cmos-rtc';
 import { Serial8250, COM1_BASE, COM1_IRQ, COM1_PORTS, type SerialState } from './devices/serial';
 import { ProbeDoorbell, PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE } from './devices/probe-doorbell';
-import { VirtioBalloon, type FreePageSink } from './devices/virtio-balloon';
-import { VirtioConsole } from './devices/virtio-console';
-import { VirtioLayout, type VirtioRole } from './device-layout';
-import { VirtioBlk, type DiskConfig } from './devices/virtio-blk';
-import { VirtioNet, type NetDataPath, type NetTap } from './devices/virtio-net';
+import { DeviceManager, virtioStatesOf, type DeviceOptions, type VirtioDeviceState } from './device-manager';
+import type { VirtioConsole } from './devices/virtio-console';
+import { signallingFromEnv, type VirtioSignalling } from './signalling';
 import type { RamBacking } from '../../memory/ram-backing';
 import { GuestMemory } from './guest-memory';
 import { IoBus, type VcpuAction } from './io-bus';
@@ -24,42 +22,11 @@ import { MACHINE_STATE_VERSION, parseMachineState, type MachineState, type VcpuA
 import { RecordKind, VcpuRunner, loadVcpuRunner, type VcpuRecord } from './vcpu-runner';
 import { captureVcpu, checkVcpuStateFits, restoreVcpu, vcpuStateFormat, type VcpuStateFormat } from './vcpu-state';
 import { captureVm, checkVmStateFits, restoreVm } from './vm-state';
-import { arrayAt, checkVersion, objectAt } from '../../persist/state-fields';
-import { MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_SIZE, type TransportState, type VirtioDevice } from './virtio/mmio-transport';
+import { objectAt } from '../../persist/state-fields';
 import { linuxShutdownCrash, quoteConsole } from './console-claims';
 
 // Resolve the runner's native functions while this module loads, on the main thread.
 loadVcpuRunner();
-
-/** Notify-record tags: device index * QUEUES_PER_TAG + queue index. */
-const QUEUES_PER_TAG = 256;
-
-/**
- * How virtio devices and a Linux guest signal each other, two independent choices:
- * - queue notifications: `ioeventfd` (the guest's QueueNotify write completes inside KVM; a native
- *   thread reports it) or `exit` (an MMIO exit, handled before the vCPU goes on);
- * - interrupts: `irqfd` (one write(2); KVM injects from a kernel worker) or `irq-line` (two
- *   KVM_IRQ_LINE calls, injected at once).
- * The probe guest polls and always uses exits and no interrupts. `PVISOR_VIRTIO_SIGNALLING`
- * (e.g. `exit+irq-line`) overrides the default, which `pvisor bench linux` measures against the
- * others.
- */
-export interface VirtioSignalling {
-  notify: 'ioeventfd' | 'exit';
-  interrupt: 'irqfd' | 'irq-line';
-}
-
-/**
- * What pvisor uses unless told otherwise. `pvisor bench linux` in the nested harness, all four
- * pairs interleaved, 3 fresh VMs each, medians (ioeventfd+irqfd / ioeventfd+irq-line /
- * exit+irqfd / exit+irq-line): guest to host 7.5 / 14.8 / 5.3 / 3.9 MiB/s, host to guest
- * 24.5 / 20.2 / 22.5 / 17.0 MiB/s, exec round trip 32 / 30 / 32 / 26 ms, boot to agent ready
- * 5.0 / 5.6 / 4.9 / 3.9 s. An ioeventfd wins the bulk transfers (the guest's vCPU never stops for
- * a notification); between irqfd and KVM_IRQ_LINE the figures are split and noisy, and an irqfd
- * costs the event loop one write(2) instead of two ioctls through ffi-rs. Exits also wedged the
- * nested harness's L1 more often.
- */
-export const DEFAULT_SIGNALLING: VirtioSignalling = { notify: 'ioeventfd', interrupt: 'irqfd' };
 
 /** Identity-map/TSS pages Intel VMX wants somewhere unused in the guest-physical space. */
 const TSS_GPA = 0xfffbd000;
@@ -99,7 +66,7 @@ export type MachineBoot =
  * What to build: the machine's description. Building makes RAM, devices and vCPUs; it neither
  * loads a guest nor sets registers, so the machine can then be booted or given saved state.
  */
-export interface MachineConfig {
+export interface MachineConfig extends DeviceOptions {
   memoryBytes: number;
   vcpus: number;
   guest: MachineGuest;
@@ -108,31 +75,15 @@ export interface MachineConfig {
    * mapped, which takes over its fd. Default: private anonymous memory.
    */
   openRamBacking?: () => RamBacking;
-  /** What happens to ranges the guest reports free; undefined: reports are taken and nothing is dropped. */
-  freePageSink?: FreePageSink;
-  /**
-   * Whether the balloon offers free page reporting. Default: when there is a sink. A machine that
-   * will be given saved state offers it always, so that a guest which negotiated it goes on.
-   */
-  offerFreePageReporting?: boolean;
   /** Linux guest only; default from PVISOR_VIRTIO_SIGNALLING, else {@link DEFAULT_SIGNALLING}. */
   signalling?: VirtioSignalling;
-  /** A disk (virtio-blk) after console and balloon: the guest's /dev/vda. */
-  disk?: DiskConfig;
-  /** A network device (virtio-net over vhost-net), last: the guest's eth0. Linux guest only. */
-  net?: NetConfig;
 }
 
-/** The guest's network device: its TAP (the caller's, still open after the machine stops), its data path and MAC. */
-export interface NetConfig {
-  tap: NetTap;
-  /** Opens the data path; called once while the machine is built, closed when it stops. */
-  openDataPath: () => NetDataPath;
-  mac: Buffer;
-}
-
-/** The version of {@link DevicesState} this code writes and reads. */
-export const DEVICES_STATE_VERSION = 1;
+/**
+ * The version of {@link DevicesState} this code writes. It reads version 1 too (see
+ * {@link virtioStatesOf}).
+ */
+export const DEVICES_STATE_VERSION = 2;
 
 /** Every device of a machine, as {@link KvmMachine.captureDevices} saves them. */
 export interface DevicesState {
@@ -140,8 +91,8 @@ export interface DevicesState {
   serial: SerialState;
   /** The RTC (the Linux machine only). */
   cmos?: CmosState;
-  /** Every virtio-mmio transport in build order: console, balloon, then the disk if any. */
-  transports: TransportState[];
+  /** Every virtio device, each with its role and slot (see device-manager.ts). */
+  virtio: VirtioDeviceState[];
 }
 
 /** `settling`: in KVM_RUN with immediate_exit set, only to finish its last exit (see {@link KvmMachine.captureState}). */
@@ -156,11 +107,9 @@ interface Vcpu {
 /** A running (or paused) KVM VM. */
 export class KvmMachine {
   readonly memory: GuestMemory;
-  private balloon!: VirtioBalloon;
-  private console!: VirtioConsole;
-  private disk: VirtioBlk | undefined;
-  private net: VirtioNet | undefined;
-  private readonly layout: VirtioLayout;
+  private readonly devices: DeviceManager;
+  /** The agent channel: bytes to the guest, and what an idle vCPU waits for. */
+  private readonly console: VirtioConsole;
   /** Booted or restored: a machine is either, once. */
   private prepared = false;
   private readonly serial: Serial8250;
@@ -176,9 +125,8 @@ export class KvmMachine {
   private heldNotifies = new Set<number>();
   /** Device state was restored: pending interrupts are raised again at the next resume. */
   private restoredInterrupts = false;
-  private readonly transports: MmioTransport[] = [];
-  /** irqfds and ioeventfds, closed once the vCPU threads and the watcher are gone. */
-  private readonly eventFds: number[] = [];
+  /** The serial line's irqfd, closed once the vCPU threads are gone. */
+  private serialIrqFd: number | undefined;
   private readonly linux: boolean;
   /** The guest's last console lines, to say why a Linux guest ended. */
   private readonly recentConsole: string[] = [];
@@ -195,7 +143,6 @@ export class KvmMachine {
     config: MachineConfig,
     private readonly hooks: MachineHooks,
   ) {
-    const deviceError = (m: string) => this.hooks.onDeviceError(m);
     this.memory = GuestMemory.map(config.memoryBytes, config.openRamBacking?.(), () => this.crash(this.ramLostError()!));
     try {
       this.memory.register(vm);
@@ -204,105 +151,65 @@ export class KvmMachine {
         vm.createIrqchip();
         vm.createPit2();
       }
-      const signalling: VirtioSignalling = linux ? config.signalling ?? signallingFromEnv() : { notify: 'exit', interrupt: 'irq-line' };
-      // Edge-triggered ISA lines: a pulse per event (the probe polls and needs none).
-      const pulse = (irq: number): (() => void) => {
-        if (!linux) return () => {};
-        if (signalling.interrupt === 'irq-line') {
-          return () => {
-            this.vm.irqLine(irq, 1);
-            this.vm.irqLine(irq, 0);
-          };
-        }
-        const fd = this.eventFd();
-        vm.irqfd(fd, irq);
-        return () => writeSync(fd, EVENTFD_ONE);
-      };
-      this.serial = new Serial8250((line) => {
-        this.recentConsole.push(line);
-        if (this.recentConsole.length > 50) this.recentConsole.shift();
-        this.hooks.onConsole(line);
-      }, pulse(COM1_IRQ));
-      this.pio.add(COM1_BASE, COM1_PORTS, { read: (o) => this.serial.read(o), write: (o, _s, v) => this.serial.write(o, v) });
-      // The probe uses no port I/O (kvm_pvm clears IOPL): it prints and parks through its doorbell.
-      if (!linux) this.mmio.add(PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE, new ProbeDoorbell((byte) => this.serial.write(0, byte)));
-      else {
-        const rtc = (this.rtc = new CmosRtc());
-        this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
-      }
+      const signalling = linux ? config.signalling ?? signallingFromEnv() : 'polled';
+      ({ serial: this.serial, rtc: this.rtc } = this.platformDevices(signalling));
 
       if (config.net && !linux) throw new InvalidOptionError('network', 'only the Linux guest has a network device');
-      const layout = (this.layout = new VirtioLayout({ disk: config.disk !== undefined, net: config.net !== undefined }));
-      const transports = this.transports;
-      const used = (i: number) => () => transports[i]?.signalUsed();
-      const devices: Record<VirtioRole, () => VirtioDevice> = {
-        console: () => (this.console = new VirtioConsole(this.memory, (b) => this.hooks.onAgentData(b), () => this.wakeIdle(), used(0), deviceError)),
-        // Free page reporting is offered only when something takes the reports (or to restore a guest that uses it).
-        balloon: () => (this.balloon = new VirtioBalloon(config.freePageSink ?? (() => {}), used(1), deviceError, config.offerFreePageReporting ?? config.freePageSink !== undefined)),
-        disk: () => (this.disk = new VirtioBlk(this.memory, config.disk!, used(2), deviceError)),
-        net: () => {
-          const net = config.net!;
-          const path = net.openDataPath();
-          try {
-            return (this.net = new VirtioNet(this.memory, net.tap, path, net.mac, deviceError));
-          } catch (e) {
-            path.close();
-            throw e;
-          }
-        },
-      };
-      for (const slot of layout.slots) {
-        const d = transports.length;
+      const host = {
+        memory: this.memory,
+        onAgentData: (b: Buffer) => this.hooks.onAgentData(b),
+        onAgentDelivered: () => this.wakeIdle(),
+        onDeviceError: (m: string) => this.hooks.onDeviceError(m),
         // Work a queue's budget left for a later turn is a notification like any other: held
         // while the machine is paused, dropped once it has stopped.
-        const goOnLater = (q: number) => {
+        goOnLater: (tag: number) => {
           if (this.ended) return;
-          if (this.pausing) this.heldNotifies.add(d * QUEUES_PER_TAG + q);
-          else transports[d].notify(q);
-        };
-        const device = devices[slot.role]();
-        const t = new MmioTransport(slot.base, device, this.memory, pulse(slot.irq), deviceError, goOnLater);
-        transports.push(t);
-        if (device.bindKernelSignals) {
-          // Served in the kernel whatever the signalling: KVM hands the guest's notifications to
-          // the device's eventfds and the device's interrupts to the irqchip, never to this thread.
-          const kicks = Array.from({ length: device.queueCount }, (_, q) => {
-            const fd = this.eventFd();
-            vm.ioeventfd(fd, slot.base + VIRTIO_MMIO_QUEUE_NOTIFY, 4, q);
-            return fd;
-          });
-          const call = this.eventFd();
-          vm.irqfd(call, slot.irq);
-          device.bindKernelSignals(kicks, call);
-        }
-        this.mmio.add(slot.base, VIRTIO_MMIO_SIZE, { read: (o, s) => t.read(o, s), write: (o, s, v) => t.write(o, s, v) });
-      }
+          if (this.pausing) this.heldNotifies.add(tag);
+          else this.devices.notify(tag);
+        },
+      };
+      this.devices = new DeviceManager(config, host, vm, signalling, this.mmio);
+      this.console = this.devices.get('console')!;
 
       this.runner = new VcpuRunner((rec) => this.onRecord(rec));
-      const mmapSize = kvm.vcpuMmapSize();
-      const cpuid = (this.cpuid = kvm.supportedCpuid());
-      for (let i = 0; i < config.vcpus; i++) {
-        const fd = vm.createVcpu(i, mmapSize);
-        this.vcpus.push({ fd, state: 'created', seenUsedIndex: 0 });
-        if (linux) {
-          fd.setCpuid(cpuidForVcpu(cpuid, i));
-          setupLapic(fd);
-        } else fd.setCpuid(cpuid);
-        this.runner.start(i, fd.fd, fd.runAddr);
-      }
-      if (signalling.notify === 'ioeventfd') {
-        transports.forEach((t, d) => {
-          if (t.servedInKernel) return;
-          for (let q = 0; q < t.queueCount; q++) {
-            const fd = this.eventFd();
-            vm.ioeventfd(fd, t.base + VIRTIO_MMIO_QUEUE_NOTIFY, 4, q);
-            this.runner.watch(fd, d * QUEUES_PER_TAG + q);
-          }
-        });
-      }
+      this.cpuid = kvm.supportedCpuid();
+      this.createVcpus(config.vcpus);
+      this.devices.watchNotifications((fd, tag) => this.runner.watch(fd, tag));
     } catch (e) {
       this.releaseGuest(); // the VM and KVM fds are closed by create()
       throw e;
+    }
+  }
+
+  /** The UART on COM1, and the RTC (Linux) or the probe's doorbell: the machine's own devices. */
+  private platformDevices(signalling: VirtioSignalling | 'polled'): { serial: Serial8250; rtc: CmosRtc | undefined } {
+    const serial = new Serial8250((line) => {
+      this.recentConsole.push(line);
+      if (this.recentConsole.length > 50) this.recentConsole.shift();
+      this.hooks.onConsole(line);
+    }, signalling === 'polled' ? () => {} : this.serialInterrupt(signalling));
+    this.pio.add(COM1_BASE, COM1_PORTS, { read: (o) => serial.read(o), write: (o, _s, v) => serial.write(o, v) });
+    if (!this.linux) {
+      // The probe uses no port I/O (kvm_pvm clears IOPL): it prints and parks through its doorbell.
+      this.mmio.add(PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE, new ProbeDoorbell((byte) => serial.write(0, byte)));
+      return { serial, rtc: undefined };
+    }
+    const rtc = new CmosRtc();
+    this.pio.add(CMOS_BASE, CMOS_PORTS, { read: (o) => rtc.read(o), write: (o, _s, v) => rtc.write(o, v) });
+    return { serial, rtc };
+  }
+
+  /** `count` vCPUs with their CPUID (and, for Linux, their local APIC), each with its runner thread. */
+  private createVcpus(count: number): void {
+    const mmapSize = this.kvm.vcpuMmapSize();
+    for (let i = 0; i < count; i++) {
+      const fd = this.vm.createVcpu(i, mmapSize);
+      this.vcpus.push({ fd, state: 'created', seenUsedIndex: 0 });
+      if (this.linux) {
+        fd.setCpuid(cpuidForVcpu(this.cpuid, i));
+        setupLapic(fd);
+      } else fd.setCpuid(this.cpuid);
+      this.runner.start(i, fd.fd, fd.runAddr);
     }
   }
 
@@ -314,12 +221,13 @@ export class KvmMachine {
     this.prepare(boot.kind);
     const vcpus = this.vcpus.length;
     if (boot.kind === 'probe') {
-      const info = { consoleMmio: this.layout.slot('console').base, balloonMmio: this.layout.slot('balloon').base, vcpuCount: vcpus };
+      const layout = this.devices.layout;
+      const info = { consoleMmio: layout.slot('console').base, balloonMmio: layout.slot('balloon').base, vcpuCount: vcpus };
       loadProbe(this.memory, boot.image, info);
       this.vcpus.forEach((v, i) => setupProbeVcpu(v.fd, i));
       return;
     }
-    const cmdline = `${boot.cmdline} ${this.layout.linuxCmdline()}`;
+    const cmdline = `${boot.cmdline} ${this.devices.linuxCmdline()}`;
     const entry = loadLinux(this.memory, { kernel: boot.kernel, initrd: boot.initrd, vcpus, cmdline });
     // Application processors stay in wait-for-SIPI inside KVM until the kernel starts them.
     setupLinuxBootVcpu(this.vcpus[0].fd, entry);
@@ -334,7 +242,7 @@ export class KvmMachine {
   async restoreSaved(saved: { machine: unknown; devices: unknown }): Promise<void> {
     this.prepare(this.linux ? 'linux' : 'probe');
     this.pausing = true;
-    this.console.holdTransmit(true);
+    this.devices.pause();
     this.restoreDevices(saved.devices);
     await this.restoreState(saved.machine);
   }
@@ -375,8 +283,7 @@ export class KvmMachine {
   /** Stops every vCPU and resolves once none is inside KVM_RUN. */
   pause(): Promise<void> {
     this.pausing = true;
-    this.console.holdTransmit(true);
-    this.net?.pause();
+    this.devices.pause();
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'running') this.runner.kick(i);
     return new Promise((resolve) => {
       this.pauseWaiters.push(resolve);
@@ -388,22 +295,21 @@ export class KvmMachine {
   resume(): void {
     if (this.settling.size > 0) throw new VmStateError('the machine is capturing or restoring its state: resume after it has finished');
     this.pausing = false;
-    this.console.holdTransmit(false);
     const notifies = [...this.heldNotifies];
     this.heldNotifies.clear();
     for (const tag of notifies) this.onRecord({ index: tag, kind: RecordKind.Notify, err: 0 });
     if (this.restoredInterrupts) {
       this.restoredInterrupts = false;
-      for (const t of this.transports) t.raisePendingInterrupt();
+      this.devices.raisePendingInterrupts();
     }
     for (let i = 0; i < this.vcpus.length; i++) if (this.vcpus[i].state === 'held') this.continueVcpu(i);
-    this.console.deliver();
-    this.net?.resume();
+    // The console takes its transmit queue again and delivers what was held for the guest.
+    this.devices.resume();
   }
 
   /** Whether the network device's data path is attached to its TAP now (detached while paused). */
   get networkServing(): boolean {
-    return this.net?.serving ?? false;
+    return this.devices.get('net')?.serving ?? false;
   }
 
   /**
@@ -452,7 +358,7 @@ export class KvmMachine {
 
   /**
    * The paused machine's device state: the UART, the RTC when there is one, and every virtio
-   * transport with its device, in the order they were built (see {@link DevicesState}).
+   * device with its role and slot (see {@link DevicesState}).
    */
   captureDevices(): DevicesState {
     this.requirePausedFor('capture');
@@ -460,7 +366,7 @@ export class KvmMachine {
       version: DEVICES_STATE_VERSION,
       serial: this.serial.saveState(),
       ...(this.rtc && { cmos: this.rtc.saveState() }),
-      transports: this.transports.map((t) => t.saveState()),
+      virtio: this.devices.saveState(),
     };
   }
 
@@ -468,22 +374,20 @@ export class KvmMachine {
    * Puts a {@link captureDevices} value (unchecked, from a file) into this paused machine, which
    * must be freshly built the same way and not yet run. A malformed or mismatched state is a
    * {@link SnapshotError} naming the field; devices before it may have taken their part, so a
-   * machine whose restore failed is stopped, never run. Every live queue is notified once at resume: a guest
-   * may have notified while the snapshotted machine was paused, and a spare notification is harmless.
+   * machine whose restore failed is stopped, never run. Virtio devices are matched by role (see
+   * device-manager.ts); a version 1 state (before roles were saved) is read by place.
+   * Every live queue is notified once at resume: a guest may have notified while the snapshotted
+   * machine was paused, and a spare notification is harmless.
    */
   restoreDevices(value: unknown, path = 'devices'): void {
     this.requirePausedFor('restore');
     const o = objectAt(value, path);
-    checkVersion(o, path, DEVICES_STATE_VERSION);
-    const transports = arrayAt(o, 'transports', path, 16);
-    if (transports.length !== this.transports.length) throw new SnapshotError(`${path}.transports: the state has ${transports.length} virtio devices, this machine ${this.transports.length}`);
+    const virtio = virtioStatesOf(o, path, DEVICES_STATE_VERSION);
     if ((o.cmos !== undefined) !== (this.rtc !== undefined)) throw new SnapshotError(`${path}.cmos: the state ${o.cmos === undefined ? 'has no' : 'has an'} RTC, this machine ${this.rtc ? 'has one' : 'none'}`);
+    this.devices.restoreState(virtio.list, virtio.path);
     this.serial.restoreState(o.serial, `${path}.serial`);
     if (this.rtc) this.rtc.restoreState(o.cmos, `${path}.cmos`);
-    transports.forEach((t, i) => this.transports[i].restoreState(t, `${path}.transports[${i}]`));
-    this.transports.forEach((t, d) => {
-      for (let q = 0; q < t.queueCount; q++) this.heldNotifies.add(d * QUEUES_PER_TAG + q);
-    });
+    for (const tag of this.devices.queueTags()) this.heldNotifies.add(tag);
     this.restoredInterrupts = true;
   }
 
@@ -597,7 +501,7 @@ export class KvmMachine {
 
   /** Whether the guest's balloon driver negotiated free page reporting and set up its queue. */
   get freePageReportingActive(): boolean {
-    return this.balloon.reportingActive;
+    return this.devices.get('balloon')!.reportingActive;
   }
 
   private release(): void {
@@ -612,14 +516,17 @@ export class KvmMachine {
    * would crash the process); every later step runs whatever the others do.
    */
   private releaseGuest(): void {
-    // vhost's worker touches guest RAM: it stops before RAM is unmapped.
-    this.tryStep('network device close', () => this.net?.close());
+    const step = (what: string, work: () => void) => this.tryStep(what, work);
+    // Devices stop before RAM is unmapped (vhost's worker touches it).
+    this.devices?.close(step);
     this.runner?.destroy();
-    for (const fd of this.eventFds.splice(0)) this.tryStep('eventfd close', () => closeFd(fd));
+    this.devices?.releaseEventFds(step);
+    const irqFd = this.serialIrqFd;
+    this.serialIrqFd = undefined;
+    if (irqFd !== undefined) this.tryStep('eventfd close', () => closeFd(irqFd));
     for (const v of this.vcpus) this.tryStep('vCPU fd close', () => v.fd.close());
     this.vcpus.length = 0;
     this.tryStep('guest RAM unmap', () => this.memory?.unmap());
-    this.tryStep('disk close', () => this.disk?.close());
   }
 
   private crash(error: PvisorError): void {
@@ -628,10 +535,17 @@ export class KvmMachine {
     this.hooks.onCrash(error);
   }
 
-  private eventFd(): number {
-    const fd = createEventFd();
-    this.eventFds.push(fd);
-    return fd;
+  /** COM1's edge (ISA line 4), as the virtio devices' lines are raised (see {@link VirtioSignalling}). */
+  private serialInterrupt(signalling: VirtioSignalling): () => void {
+    if (signalling.interrupt === 'irq-line') {
+      return () => {
+        this.vm.irqLine(COM1_IRQ, 1);
+        this.vm.irqLine(COM1_IRQ, 0);
+      };
+    }
+    const fd = (this.serialIrqFd = createEventFd());
+    this.vm.irqfd(fd, COM1_IRQ);
+    return () => writeSync(fd, EVENTFD_ONE);
   }
 
   private checkPaused(): void {
@@ -686,7 +600,7 @@ export class KvmMachine {
       if (rec.kind === RecordKind.Notify) {
         // While paused, guest RAM belongs to the memory strategies: devices wait for resume.
         if (this.pausing) this.heldNotifies.add(rec.index);
-        else this.transports[Math.floor(rec.index / QUEUES_PER_TAG)]?.notify(rec.index % QUEUES_PER_TAG);
+        else this.devices.notify(rec.index);
         return;
       }
       let action: VcpuAction;
@@ -782,19 +696,4 @@ function activityOf(v: Vcpu): VcpuActivity {
   if (v.state === 'idle') return { kind: 'idle', seenUsedIndex: v.seenUsedIndex };
   if (v.state === 'parked') return { kind: 'parked' };
   return { kind: 'runnable' };
-}
-
-/** `NOTIFY+INTERRUPT`, e.g. `exit+irq-line`: the format of PVISOR_VIRTIO_SIGNALLING and the bench. */
-export function parseSignalling(text: string): VirtioSignalling | undefined {
-  const [notify, interrupt, extra] = text.split('+');
-  if (extra !== undefined || (notify !== 'ioeventfd' && notify !== 'exit') || (interrupt !== 'irqfd' && interrupt !== 'irq-line')) return undefined;
-  return { notify, interrupt };
-}
-
-function signallingFromEnv(): VirtioSignalling {
-  const v = process.env.PVISOR_VIRTIO_SIGNALLING;
-  if (v === undefined || v === '') return DEFAULT_SIGNALLING;
-  const parsed = parseSignalling(v);
-  if (!parsed) throw new InvalidOptionError('PVISOR_VIRTIO_SIGNALLING', `must be NOTIFY+INTERRUPT with NOTIFY ioeventfd or exit and INTERRUPT irqfd or irq-line, not "${v}"`);
-  return parsed;
 }

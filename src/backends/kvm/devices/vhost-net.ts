@@ -74,6 +74,18 @@ export class VhostNet {
     this.vringFile(C.VHOST_SET_VRING_CALL, 'VHOST_SET_VRING_CALL', index, callFd);
   }
 
+  /**
+   * Where vhost has got to in ring `index`: the next available entry it will take (its
+   * last_avail_idx), what {@link setVring}'s `base` puts back. Read with the ring detached, it
+   * no longer moves.
+   */
+  vringBase(index: number): number {
+    const s = scratchStruct(8);
+    s.view.writeUInt32LE(index, 0);
+    ioctl(this.fd, C.VHOST_GET_VRING_BASE, s.addr, 'VHOST_GET_VRING_BASE');
+    return s.view.readUInt32LE(4);
+  }
+
   /** Attaches ring `index` to the TAP `fd`, or with -1 detaches it (the worker stops touching the ring). */
   setBackend(index: number, fd: number): void {
     this.vringFile(C.VHOST_NET_SET_BACKEND, 'VHOST_NET_SET_BACKEND', index, fd);

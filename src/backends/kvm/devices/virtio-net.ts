@@ -13,12 +13,19 @@
  * While the machine is paused the TAP is detached from the rings, so no packet is written into
  * guest RAM that belongs to the memory strategies or to a snapshot; at resume it is attached
  * again and both queues kicked (a notification that came meanwhile was dropped by vhost).
- * No saved state: a networked VM cannot be snapshotted yet.
+ *
+ * Saved state ({@link NetState}): the MAC and where vhost had got to in each ring. The
+ * transport's own queue positions mean nothing for this device (vhost, not this process, takes
+ * its rings); vhost's are read back with VHOST_GET_VRING_BASE while the rings are detached, and
+ * a restore hands them to vhost as the rings' bases. A packet vhost had taken but not finished is
+ * not lost: detaching waits for vhost's worker, which returns or puts back what it took.
  */
 import { writeSync } from 'node:fs';
+import { SnapshotError } from '../../../errors';
 import { EVENTFD_ONE } from '../../../sys/libc';
 import * as C from '../../../sys/constants';
 import type { GuestMemory } from '../guest-memory';
+import { arrayAt, checkVersion, objectAt, stringAt } from '../../../persist/state-fields';
 import { VIRTIO_F_VERSION_1, type VirtioDevice } from '../virtio/mmio-transport';
 import { QueueError, type QueueConfig, type SplitQueue } from '../virtio/queue';
 
@@ -47,7 +54,21 @@ export interface NetDataPath {
   setMemTable(mem: GuestMemory): void;
   setVring(index: number, mem: GuestMemory, ring: QueueConfig, base: number, kickFd: number, callFd: number): void;
   setBackend(index: number, fd: number): void;
+  /** The next available entry vhost will take in ring `index` (VHOST_GET_VRING_BASE). */
+  vringBase(index: number): number;
   close(): void;
+}
+
+/** The version of {@link NetState} this code writes and reads. */
+export const NET_STATE_VERSION = 1;
+
+/** virtio-net's own saved state (see the header comment). */
+export interface NetState {
+  version: typeof NET_STATE_VERSION;
+  /** The MAC the guest was given, 12 hex digits: a restore must give it the same. */
+  mac: string;
+  /** vhost's next available entry in the receive and the transmit ring. */
+  ringBases: [number, number];
 }
 
 /** The TAP the device's packets go through. */
@@ -85,6 +106,8 @@ export class VirtioNet implements VirtioDevice {
   private active = false;
   private attached = false;
   private paused = false;
+  /** Restored: the first attach raises the interrupt once (see {@link restoreState}). */
+  private interruptOwed = false;
 
   /**
    * @param mac the guest's MAC address (6 bytes)
@@ -124,13 +147,48 @@ export class VirtioNet implements VirtioDevice {
     const tx = queues[TRANSMITQ];
     if (!rx || !tx) throw new QueueError('virtio-net needs both its receive and transmit queues ready');
     if (this.callFd < 0) throw new QueueError('virtio-net was not given its eventfds');
+    this.start([rx, tx], acked, [0, 0]);
+  }
+
+  private start(rings: SplitQueue[], acked: bigint, bases: readonly number[]): void {
     const v = this.vhost;
     v.setFeatures(vhostFeaturesFor(acked, v.features()));
     v.setMemTable(this.mem);
-    [rx, tx].forEach((q, i) => v.setVring(i, this.mem, q.config, 0, this.kickFds[i], this.callFd));
+    rings.forEach((q, i) => v.setVring(i, this.mem, q.config, bases[i], this.kickFds[i], this.callFd));
     this.tap.setOffload(tapOffloadsFor(acked));
     this.active = true;
     if (!this.paused) this.attach();
+  }
+
+  /** See {@link NetState}; the rings must be detached (the machine paused). */
+  saveState(): NetState {
+    if (this.attached) throw new SnapshotError('virtio-net: its rings are still attached to the TAP; pause the machine first');
+    return { version: NET_STATE_VERSION, mac: this.mac.toString('hex'), ringBases: [this.vhost.vringBase(RECEIVEQ), this.vhost.vringBase(TRANSMITQ)] };
+  }
+
+  /**
+   * Takes a {@link saveState} value (unchecked) in place of {@link activate}: vhost is given the
+   * rings where it had left them. Another MAC, or a ring missing, is a {@link SnapshotError}
+   * before vhost is told anything. The guest may have missed an interrupt vhost raised just before
+   * the snapshot (an irqfd's injection is not in the saved irqchip state), so the first attach
+   * raises it once; a spare one costs the driver a look at its rings.
+   */
+  restoreState(value: unknown, queues: (SplitQueue | null)[], acked: bigint, path: string): void {
+    const o = objectAt(value, path);
+    checkVersion(o, path, NET_STATE_VERSION);
+    const mac = stringAt(o, 'mac', path, 12, /^[0-9a-f]{12}$/);
+    if (mac !== this.mac.toString('hex')) throw new SnapshotError(`${path}.mac: the saved guest has MAC ${mac}, this device ${this.mac.toString('hex')}`);
+    const bases = arrayAt(o, 'ringBases', path, 2).map((b, i) => {
+      if (typeof b !== 'number' || !Number.isInteger(b) || b < 0 || b > 0xffff) throw new SnapshotError(`${path}.ringBases[${i}]: expected an integer in [0, 65535]`);
+      return b;
+    });
+    if (bases.length !== 2) throw new SnapshotError(`${path}.ringBases: expected 2 entries, got ${bases.length}`);
+    const rx = queues[RECEIVEQ];
+    const tx = queues[TRANSMITQ];
+    if (!rx || !tx) throw new SnapshotError(`${path}: an active virtio-net has both its queues, the state lacks one`);
+    if (this.callFd < 0) throw new SnapshotError(`${path}: this virtio-net was not given its eventfds`);
+    this.interruptOwed = true;
+    this.start([rx, tx], acked, bases);
   }
 
   notify(): void {
@@ -140,6 +198,7 @@ export class VirtioNet implements VirtioDevice {
   reset(): void {
     this.detach();
     this.active = false;
+    this.interruptOwed = false;
   }
 
   /** The machine is pausing: vhost lets go of the rings (see the header comment). */
@@ -172,6 +231,10 @@ export class VirtioNet implements VirtioDevice {
     this.attached = true;
     // Notifications the guest gave while detached were dropped: look at both rings now.
     for (const fd of this.kickFds) writeSync(fd, EVENTFD_ONE);
+    if (this.interruptOwed) {
+      this.interruptOwed = false;
+      writeSync(this.callFd, EVENTFD_ONE);
+    }
   }
 
   private detach(): void {
