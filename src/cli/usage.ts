@@ -132,10 +132,8 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
         The SDK reaches it too: VmHandle.connect(ID).
-      --label KEY=VALUE (repeatable): the VM's labels, shown by pvisor ps and Vm.list()
-        (a key: 1-63 of A-Z a-z 0-9 . _ - /; a value: at most 256 characters; at most 64).
-      -q, --quiet: no progress lines on stderr: only CMD's output (or the steps'), its exit
-        status, and warnings or errors if there are any.
+      --label KEY=VALUE (repeatable, at most 64): labels shown by pvisor ps and Vm.list().
+      -q, --quiet: no progress lines on stderr, only CMD's output, warnings and errors.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.
       --vm-pool SOCKET: pages this VM has in common with other VMs of its scope (--vm-pool-scope,
