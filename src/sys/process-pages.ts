@@ -1,5 +1,6 @@
 /**
- * The VMM process's own pages, given back while every VM in it is suspended.
+ * The VMM process's own pages, given back when it need not hold them: a moment after a VM starts,
+ * and while every VM in it is suspended.
  *
  * A suspended VM whose strategies offloaded its RAM still costs the process around it: Node's
  * text that only this process touched, V8's heap, malloc's free chunks. None of it is needed
@@ -66,7 +67,12 @@ function settle(): void {
   if (settleTimer) settleTimer.refresh();
   else settleTimer = setTimeout(() => {
     settleTimer = undefined;
-    releaseIdleProcessPages();
+    try {
+      releaseIdleProcessPages();
+    } catch {
+      // Advice only: a process that cannot read its maps or reach libc keeps its pages, and a
+      // timer's exception must not end the process and every VM in it.
+    }
   }, SETTLE_MS).unref();
 }
 
