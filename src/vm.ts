@@ -255,11 +255,16 @@ interface Sandbox {
   lifetime: LifetimeOptions;
 }
 
-/** The sandbox options of a start or a restore, checked; `ownLabels`: a hibernated VM's. */
-function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels): Sandbox {
+/**
+ * The sandbox options of a start or a restore, checked; `ownLabels`: a hibernated VM's. `guest`,
+ * once known, with the words that say whose guest it is: only the Linux guest runs commands.
+ */
+function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels, guest?: { kind: GuestKind; whose: string }): Sandbox {
+  const env = parseEnvironment('env', options.env);
+  if (guest && guest.kind !== 'linux' && Object.keys(env).length) throw new InvalidOptionError('env', `only the Linux guest runs commands (${guest.whose} the ${guest.kind} guest)`);
   return {
     labels: options.labels === undefined && ownLabels ? ownLabels : parseLabels('labels', options.labels),
-    env: parseEnvironment('env', options.env),
+    env,
     lifetime: parseLifetimeOptions(options),
   };
 }
@@ -456,8 +461,7 @@ export class Vm extends EventEmitter<VmEvents> {
     const warningLimit = parseWarningLimit(options.warningLimit);
     const strategies = [...(options.strategies ?? [])];
     if (strategies.some((s) => s instanceof SharedSnapshot)) throw new InvalidOptionError('strategies', "SharedSnapshot maps a snapshot's RAM: give it to Vm.restore, not Vm.start");
-    const sandbox = parseSandbox(options);
-    if (guest !== 'linux' && Object.keys(sandbox.env).length) throw new InvalidOptionError('env', `only the Linux guest runs commands (this VM runs the ${guest} guest)`);
+    const sandbox = parseSandbox(options, undefined, { kind: guest, whose: 'this VM runs' });
     const network = parseNetworkOption(options.network);
     if (network.kind !== 'none' && guest !== 'linux') throw new InvalidOptionError('network', `only the Linux guest has a network device (this VM runs the ${guest} guest)`);
     if (sandbox.lifetime.onTimeout === 'hibernate' && (network.kind !== 'none' || (disk && !disk.readOnly))) {
@@ -617,8 +621,7 @@ export class Vm extends EventEmitter<VmEvents> {
     try {
       const { state } = snapshot;
       const name = givenName ?? state.hibernated?.name ?? `vm-${++vmCounter}`;
-      const sandbox = parseSandbox(options, state.hibernated?.labels);
-      if (state.guest !== 'linux' && Object.keys(sandbox.env).length) throw new InvalidOptionError('env', `only the Linux guest runs commands (the snapshot is of the ${state.guest} guest)`);
+      const sandbox = parseSandbox(options, state.hibernated?.labels, { kind: state.guest, whose: 'the snapshot is of' });
       if (!state.hibernated) return await Vm.restoreFrom(snapshot, name, t0, { readyTimeoutMs, warningLimit, verify, strategies: options.strategies, sandbox });
       // A hibernated VM continues in one process: the restore claims it, and consumes it once done.
       const { claimHibernatedDir } = await import('./snapshot/hibernation-dir');
