@@ -29,7 +29,8 @@ import { parseEnvironment } from './guest/environment';
 import { parseLabels, type Labels } from './labels';
 import { Lifetime, parseLifetimeOptions, type LifetimeOptions, type TimeoutAction } from './lifetime';
 import { listVms, type VmListOptions, type VmListEntry } from './vm-list';
-import type { HostNetwork, VmNetworkInfo } from './network/host-network';
+import type { HostNetwork } from './network/host-network';
+import { noNetwork, type VmNetwork } from './network/vm-network';
 import { natOptionOf, parseNetworkOption, type NetworkOption } from './network/options';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 
@@ -476,7 +477,7 @@ export class Vm extends EventEmitter<VmEvents> {
     vm.rootfs = disk;
     if (network.kind !== 'none') {
       const { HostNetwork } = await import('./network/host-network');
-      vm.hostNetwork = HostNetwork.setup(network);
+      vm.hostNetwork = await HostNetwork.setup(network);
       if (vm.hostNetwork.kernelArg && boot.kind === 'linux') boot.cmdline = `${boot.cmdline} ${vm.hostNetwork.kernelArg}`;
     }
     try {
@@ -673,7 +674,7 @@ export class Vm extends EventEmitter<VmEvents> {
       const { parseMac } = await import('./network/addresses');
       const plan = parseNetworkOption(state.network.option);
       if (plan.kind !== 'nat') throw new SnapshotError("snapshot.network.option: only a 'nat' network is restored");
-      vm.hostNetwork = HostNetwork.setup(plan, { mac: parseMac(state.network.mac) });
+      vm.hostNetwork = await HostNetwork.setup(plan, { mac: parseMac(state.network.mac) });
     }
     try {
       await vm.build(host.devicePath, disk, true);
@@ -1210,10 +1211,11 @@ export class Vm extends EventEmitter<VmEvents> {
 
   /**
    * The guest's network: `{ mode: 'none' }`, or its TAP, addresses, MAC, resolver and policy
-   * (see {@link VmOptions.network}).
+   * (see {@link VmOptions.network}), as they are when read; `vm.network.update({ allow, deny })`
+   * replaces a `'nat'` VM's egress rules while it runs ({@link VmNetwork.update}).
    */
-  get network(): VmNetworkInfo {
-    return this.hostNetwork?.info ?? { mode: 'none' };
+  get network(): VmNetwork {
+    return this.hostNetwork?.view() ?? noNetwork();
   }
 
   /**

@@ -76,7 +76,7 @@ describe('pvisor run: argument parsing', () => {
     expect(parseRunArgs(['--net', 'tap:tap0', '--', 'true'], cwd).source).toMatchObject({ network: { tap: 'tap0' } });
     expect(() => parseRunArgs(['--net', 'bridge', '--', 'true'], cwd)).toThrow(/^--net: expected none, nat or tap:NAME/);
     expect(() => parseRunArgs(['--net-allow', '10.0.0.0/8', '--', 'true'], cwd)).toThrow(/^--net-allow: only goes with --net nat/);
-    expect(() => parseRunArgs(['--net', 'nat', '--net-allow', '10.0.0.1/8', '--', 'true'], cwd)).toThrow(/^network.allow: "10.0.0.1\/8" is not CIDR/);
+    expect(() => parseRunArgs(['--net', 'nat', '--net-allow', '10.0.0.1/8', '--', 'true'], cwd)).toThrow(/^network.allow\[0\]: "10.0.0.1\/8" is not CIDR/);
     expect(() => parseRunArgs(['--net', 'nat', '--guest', 'probe', '--', 'digest'], cwd)).toThrow(/^--net: is for the Linux guest/);
     expect(() => parseRunArgs(['--from', 'snap', '--net', 'nat', '--', 'digest'], cwd)).toThrow(/^--net: does not go with --from/);
   });
