@@ -93,7 +93,9 @@ export interface VmOptions {
    * Linux guest: the guest's network, off by default. `'none'`: no network device (the agent
    * channel still works). `'nat'`: a virtio-net device (eth0) on a TAP that pvisor creates, with a
    * /30 of its own and NAT to the host's uplinks, every destination allowed but the host itself;
-   * `{ mode: 'nat', allow: ['CIDR[:PORT]', ...] }`: only those. IPv4 only: the host drops the
+   * `{ mode: 'nat', allow: ['api.openai.com', '*.pypi.org', '10.1.0.0/16:443'], deny: [...] }`:
+   * only those (hostnames through pvisor's resolver, see `NatNetworkOptions.allow`;
+   * `vm.network.update` changes them at runtime). IPv4 only: the host drops the
    * guest's IPv6, and whatever it sends from an address or MAC other than its own. Needs CAP_NET_ADMIN, /dev/net/tun,
    * /dev/vhost-net, nft and ip; otherwise the start fails with a {@link NetworkSetupError} and
    * nothing is left on the host. `{ tap: NAME }`: the user's own TAP, nothing configured on the host.
