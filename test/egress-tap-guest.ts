@@ -45,6 +45,32 @@ function queryOf(name: string, edns = false, id = nextId++): Buffer {
   });
 }
 
+/**
+ * One query over TCP from the guest, by hand: SYN, ACK, the framed query (2-byte length), then the
+ * server's data until a whole framed answer is there. The answer, or undefined.
+ */
+async function tcpExchange(g: TapGuest, query: Buffer): Promise<Buffer | undefined> {
+  const sport = nextPort++;
+  const ours = (f: F.Frame) => f.tcp?.dport === sport && f.tcp.sport === 53;
+  g.sendIp(g.address, g.hostAddress, F.PROTO_TCP, F.tcp(g.address, g.hostAddress, { sport, dport: 53, seq: 1000, ack: 0, flags: F.TCP_SYN }));
+  const synAck = await g.waitFor(ANSWER_MS, ours);
+  if (!synAck || !(synAck.tcp!.flags & F.TCP_SYN)) return undefined;
+  const framed = Buffer.concat([Buffer.from([query.length >> 8, query.length & 255]), query]);
+  const serverSeq = synAck.tcp!.seq + 1;
+  g.sendIp(g.address, g.hostAddress, F.PROTO_TCP, F.tcp(g.address, g.hostAddress, { sport, dport: 53, seq: 1001, ack: serverSeq, flags: F.TCP_ACK }));
+  g.sendIp(g.address, g.hostAddress, F.PROTO_TCP, F.tcp(g.address, g.hostAddress, { sport, dport: 53, seq: 1001, ack: serverSeq, flags: F.TCP_ACK | F.TCP_PSH, data: framed }));
+  let got = Buffer.alloc(0);
+  for (;;) {
+    const f = await g.waitFor(ANSWER_MS, (fr) => ours(fr) && fr.tcp!.data.length > 0);
+    if (!f) return undefined;
+    got = Buffer.concat([got, f.tcp!.data]);
+    g.sendIp(g.address, g.hostAddress, F.PROTO_TCP, F.tcp(g.address, g.hostAddress, { sport, dport: 53, seq: 1001 + framed.length, ack: f.tcp!.seq + f.tcp!.data.length, flags: F.TCP_ACK }));
+    if (got.length >= 2 && got.length >= 2 + got.readUInt16BE(0)) break;
+  }
+  g.sendIp(g.address, g.hostAddress, F.PROTO_TCP, F.tcp(g.address, g.hostAddress, { sport, dport: 53, seq: 1001 + framed.length, ack: 0, flags: F.TCP_RST }));
+  return got.subarray(2, 2 + got.readUInt16BE(0));
+}
+
 interface Resolved {
   rcode: string;
   truncated: boolean;
@@ -55,10 +81,10 @@ interface Resolved {
   elapsedMs: number;
 }
 
-async function resolve(g: TapGuest, name: string, edns = false): Promise<Resolved | undefined> {
+async function resolve(g: TapGuest, name: string, edns = false, transport: 'udp' | 'tcp' = 'udp'): Promise<Resolved | undefined> {
   const q = queryOf(name, edns);
   const start = Date.now();
-  const r = await exchange(g, q);
+  const r = transport === 'udp' ? await exchange(g, q) : await tcpExchange(g, q);
   if (!r) return undefined;
   const p = dnsPacket.decode(r) as dnsPacket.DecodedPacket & { rcode: string };
   const records = (p.answers ?? []) as { type: string; data: unknown; ttl?: number }[];
@@ -109,6 +135,9 @@ async function main(): Promise<void> {
       wrongQuestion: await resolve(g, 'wrongq.wild.test'),
       bigWithEdns: await resolve(g, 'big.wild.test', true),
       bigWithoutEdns: await resolve(g, 'big.wild.test', false),
+      // What a guest does on a truncated answer: ask again over TCP.
+      bigOverTcp: await resolve(g, 'big.wild.test', false, 'tcp'),
+      deniedOverTcp: await resolve(g, 'denied.test', false, 'tcp'),
     };
 
     // Hostile queries: none gets an answer, and the resolver goes on.
