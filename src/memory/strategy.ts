@@ -155,7 +155,7 @@ export interface MemoryStrategy {
    * The backing this strategy provides for guest RAM, if any (at most one strategy of a VM may
    * provide one; without one, guest RAM is private anonymous memory).
    */
-  readonly ramBacking?: RamBackingRequest;
+  readonly ramBacking?: RamBackingRequest | undefined;
   /** Guest RAM has been mapped and registered, no vCPU has run yet. */
   map?(ctx: StrategyContext): void;
   /**
