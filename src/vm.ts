@@ -19,7 +19,7 @@ import type { SnapshotReader, SnapshotState } from './snapshot/snapshot-dir';
 import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
-import { booleanOption, parseTimeoutMs, type Size } from './units';
+import { booleanOption, elapsedMs, parseTimeoutMs, type Size } from './units';
 import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
@@ -164,7 +164,7 @@ export interface SnapshotInfo {
   dir: string;
   /** Guest RAM pages written to the RAM file; the rest of RAM was zero and is a hole in it. */
   ramDataPageCount: number;
-  /** Milliseconds from the call to the directory being sealed (including the pause). */
+  /** Milliseconds from the call to the directory being sealed (including the pause); fractional, to the microsecond. */
   ms: number;
 }
 
@@ -186,7 +186,7 @@ export interface HibernateInfo {
   ramDataPageCount: number;
   /** What the directory takes on disk. */
   bytesOnDisk: number;
-  /** Milliseconds from the call to the directory being synced (including the pause). */
+  /** Milliseconds from the call to the directory being synced (including the pause); fractional, to the microsecond. */
   ms: number;
 }
 
@@ -273,7 +273,7 @@ function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels, g
 export interface RestoreInfo {
   /** The snapshot directory. */
   dir: string;
-  /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered). */
+  /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered); fractional, to the microsecond, as every duration here. */
   readyMs: number;
   /**
    * How guest RAM came from the snapshot: `read` (read and checked in full before the VM ran),
@@ -699,7 +699,7 @@ export class Vm extends EventEmitter<VmEvents> {
           new SnapshotError(`${snapshot.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
         );
       }
-      phases.ramMs = performance.now() - tRam;
+      phases.ramMs = elapsedMs(tRam);
       vm.agent.restoreState(state.agent, 'snapshot.agent');
       if (state.guest === 'probe') (vm._probe = new ProbeGuest(vm.agent)).restoreState(state.guestClient, 'snapshot.guestClient');
       else vm._linux = new LinuxGuest(vm.agent, vm.sandboxEnv);
@@ -713,14 +713,14 @@ export class Vm extends EventEmitter<VmEvents> {
       if (vm._linux) report = await vm._linux.restored({ timeoutMs: readyTimeoutMs });
       const netConfig = vm.hostNetwork?.guestConfig;
       if (vm._linux && netConfig) await vm._linux.configureNetwork(netConfig, { timeoutMs: readyTimeoutMs });
-      phases.agentMs = performance.now() - tResume;
+      phases.agentMs = elapsedMs(tResume);
       // It may have ended meanwhile (a chunk of a lazy load failed its check).
       if (vm.endError) throw vm.endError;
     } catch (e) {
       await vm.stop();
       throw e;
     }
-    vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report, hibernated: false };
+    vm._restoreInfo = { dir, readyMs: elapsedMs(t0), ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report, hibernated: false };
     vm.becomeRunning();
     return vm;
   }
@@ -760,7 +760,7 @@ export class Vm extends EventEmitter<VmEvents> {
       try {
         const { writeSnapshot } = await import('./snapshot/snapshot-dir');
         const written = writeSnapshot(dir, this.machine.memory, await this.captureSnapshotState());
-        return { dir, ramDataPageCount: written.ramDataPageCount, ms: performance.now() - t0 };
+        return { dir, ramDataPageCount: written.ramDataPageCount, ms: elapsedMs(t0) };
       } finally {
         if (wasRunning && !options.leavePaused && this._state === 'paused') this.resumeAfterSaving();
       }
@@ -804,7 +804,7 @@ export class Vm extends EventEmitter<VmEvents> {
         const written = writeSnapshot(dir, this.machine.memory, state, { fileMode: 0o400 });
         syncDir(dir);
         this.checkNotEnded('hibernate');
-        info = { dir, ramDataPageCount: written.ramDataPageCount, bytesOnDisk: diskUsageBytes(dir), ms: performance.now() - t0 };
+        info = { dir, ramDataPageCount: written.ramDataPageCount, bytesOnDisk: diskUsageBytes(dir), ms: elapsedMs(t0) };
         await options.beforeStop?.(info);
       } catch (e) {
         clearHibernationDir(dir, created);
@@ -1050,7 +1050,7 @@ export class Vm extends EventEmitter<VmEvents> {
       const resumes = this.resumeCount;
       const released = (error?: PvisorError) => {
         if (this.resumeCount !== resumes || this._state !== 'suspended') return;
-        this.emit('released', error ? { ms: performance.now() - t0, error } : { ms: performance.now() - t0 });
+        this.emit('released', error ? { ms: elapsedMs(t0), error } : { ms: elapsedMs(t0) });
         vmIdle(this);
       };
       this.memory.memoryReleased().then(() => released(), released);
