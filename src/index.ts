@@ -16,6 +16,7 @@ export type { ControlMemory, ControlVmInfo } from './control-socket';
 export type { VmListEntry, VmListOptions } from './vm-list';
 export type { Labels } from './labels';
 export type { TimeoutAction } from './lifetime';
+export type { Logger, LogFields } from './logger';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, HibernateOptions, HibernateInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';

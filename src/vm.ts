@@ -20,6 +20,7 @@ import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
 import { booleanOption, elapsedMs, parseTimeoutMs, type Size } from './units';
+import { parseLogger, VmLog, type Logger } from './logger';
 import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
@@ -134,6 +135,13 @@ export interface VmOptions {
   onTimeout?: TimeoutAction;
   /** With `onTimeout: 'hibernate'` (and only then): the directory the VM hibernates into, new or empty when it does. */
   hibernateDir?: string;
+  /**
+   * Where this VM's trace goes: each agent request (`debug`, with its call and `ms`), each
+   * strategy operation (`debug`: map, suspend, resume, periodic work, with `ms`), state changes,
+   * lifetimes and exits (`info`), warnings (`warn`), a crash (`error`). Every line's fields carry
+   * `vm`, the VM's name. `console` works as it is. Default: silent.
+   */
+  logger?: Logger;
 }
 
 /** A root filesystem image and how to attach it. See {@link VmOptions.rootfs}. */
@@ -218,6 +226,8 @@ export interface RestoreOptions {
   onTimeout?: TimeoutAction;
   /** As {@link VmOptions.hibernateDir}. */
   hibernateDir?: string;
+  /** As {@link VmOptions.logger}. */
+  logger?: Logger;
   /**
    * Read and check all of guest RAM before the VM runs. By default a restore into private memory
    * is lazy: the VM runs at once, and each chunk of the RAM file is read and checked against the
@@ -239,12 +249,12 @@ export interface RestoreOptions {
 const VM_OPTION_KEYS = optionKeys<VmOptions>({
   memory: true, vcpus: true, guest: true, kernel: true, initrd: true, kernelArgs: true, rootfs: true,
   bootTimeoutMs: true, name: true, strategies: true, warningLimit: true, network: true,
-  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true,
 });
 const ROOTFS_OPTION_KEYS = optionKeys<RootfsOptions>({ path: true, readOnly: true });
 const RESTORE_OPTION_KEYS = optionKeys<RestoreOptions>({
   name: true, keep: true, strategies: true, warningLimit: true, verify: true, readyTimeoutMs: true,
-  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true,
 });
 const LIST_OPTION_KEYS = optionKeys<VmListOptions>({ labels: true });
 
@@ -253,6 +263,7 @@ interface Sandbox {
   labels: Labels;
   env: Readonly<Record<string, string>>;
   lifetime: LifetimeOptions;
+  logger: Logger | undefined;
 }
 
 /**
@@ -266,6 +277,7 @@ function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels, g
     labels: options.labels === undefined && ownLabels ? ownLabels : parseLabels('labels', options.labels),
     env,
     lifetime: parseLifetimeOptions(options),
+    logger: parseLogger(options.logger),
   };
 }
 
@@ -417,6 +429,8 @@ export class Vm extends EventEmitter<VmEvents> {
   private rootfs: DiskConfig | undefined;
   private _restoreInfo: RestoreInfo | undefined;
   private readonly warnings: WarningLimiter;
+  /** Where the VM's trace goes (`logger`); silent without one. */
+  private readonly log: VmLog;
   /** The host side of the guest's network, when it has one. */
   private hostNetwork: HostNetwork | undefined;
   /** Ports forwarded into the guest ({@link forward}), closed when the VM ends. */
@@ -439,10 +453,13 @@ export class Vm extends EventEmitter<VmEvents> {
     this.memoryBytes = memoryBytes;
     this.vcpus = vcpus;
     this.guest = guest;
+    this.log = new VmLog(sandbox.logger, name);
+    this.log.followEvents(this);
     this.memory = new MemoryComposition(strategies, name, {
       fail: (error) => this.failByStrategy(error),
       warn: (message) => this.warnings.warn(message),
       withGuestPaused: (work) => this.withGuestPaused(work),
+      ...(this.log.enabled && { trace: (hook, strategy, ms) => this.log.write('debug', `${strategy}.${hook}`, { strategy, hook, ms: Math.round(ms * 1000) / 1000 }) }),
     });
   }
 
@@ -543,6 +560,7 @@ export class Vm extends EventEmitter<VmEvents> {
       (bytes) => this.machine.sendToAgent(bytes),
       (f) => this.onAgentEvent(f),
       (message) => this.warnings.warn(`agent protocol: ${message}`),
+      this.log.enabled ? ({ op, call, ms, error }) => this.log.write('debug', `${call ?? `op 0x${op.toString(16)}`}${error ? `: ${error.message}` : ''}`, { op, ms, ok: !error }) : undefined,
     );
     this.machine = KvmMachine.create(
       {
