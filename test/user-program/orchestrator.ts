@@ -25,6 +25,7 @@ async function orchestrate(): Promise<void> {
     timeoutMs: 60_000,
     onTimeout: 'suspend',
     network: { mode: 'nat', allow: ['10.1.0.0/16:443'] },
+    logger: console,
   };
   await using vm = await Vm.start(options);
   vm.on('state', (state) => console.log(state));
