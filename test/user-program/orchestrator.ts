@@ -14,12 +14,28 @@ import {
   type ExecResult,
   type VmOptions,
 } from 'pvisor';
+import type { MemoryStrategy, StrategyContext, StrategyStats } from 'pvisor/strategy';
+
+/** A strategy of the user's own, written against 'pvisor/strategy'. */
+class CountSuspends implements MemoryStrategy {
+  readonly name = 'count-suspends';
+  readonly needs = [] as const;
+  readonly exclusive = [] as const;
+  private suspends = 0;
+  async suspend(ctx: StrategyContext): Promise<void> {
+    this.suspends++;
+    ctx.warn(`${ctx.vmName} suspended ${this.suspends} times`);
+  }
+  stats(): StrategyStats {
+    return { strategy: this.name, figures: { suspends: this.suspends }, notes: [] };
+  }
+}
 
 async function orchestrate(): Promise<void> {
   const options: VmOptions = {
     memory: '512MiB',
     vcpus: 1,
-    strategies: [new IdleRelease(), new Offload({ dir: '/var/tmp' }), new KsmAdvice()],
+    strategies: [new IdleRelease(), new Offload({ dir: '/var/tmp' }), new KsmAdvice(), new CountSuspends()],
     labels: { team: 'agents' },
     env: { LANG: 'C.UTF-8' },
     timeoutMs: 60_000,
