@@ -9,13 +9,17 @@
 import { InvalidOptionError } from './errors';
 import type { EventEmitter } from 'eventemitter3';
 
-/** Structured fields of one log line; `vm` is always the VM's name. */
+/**
+ * Structured fields of one log line; `vm` is always the VM's name.
+ * @category VM
+ */
 export type LogFields = Readonly<Record<string, string | number | boolean | null>>;
 
 /**
  * Where a VM's trace goes. `console` is one; a pino or winston logger fits through a one-line
  * adapter (their argument order differs). Levels: `debug` for each agent request and strategy
  * operation, `info` for state changes and lifetimes, `warn` for warnings, `error` for crashes.
+ * @category VM
  */
 export interface Logger {
   debug(message: string, fields: LogFields): void;

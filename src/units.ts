@@ -8,7 +8,10 @@ const UNIT_BYTES: Record<string, number> = {
   t: 1024 ** 4, tb: 1000 ** 4, tib: 1024 ** 4,
 };
 
-/** A size as bytes, or a string with a unit: `512MiB`, `1G`, `65536`. */
+/**
+ * A size as bytes, or a string with a unit: `512MiB`, `1G`, `65536`.
+ * @category VM
+ */
 export type Size = number | string;
 
 /**

@@ -34,10 +34,16 @@ import type { HostNetwork, VmNetworkInfo } from './network/host-network';
 import { natOptionOf, parseNetworkOption, type NetworkOption } from './network/options';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 
-/** Which guest a VM runs. */
+/**
+ * Which guest a VM runs.
+ * @category VM
+ */
 export type GuestKind = 'linux' | 'probe';
 
-/** Options of {@link Vm.start}. */
+/**
+ * Options of {@link Vm.start}.
+ * @category VM
+ */
 export interface VmOptions {
   /** Guest RAM: bytes or a size string such as `512MiB`. Default `512MiB`. A multiple of 4 KiB. */
   memory?: Size;
@@ -144,7 +150,10 @@ export interface VmOptions {
   logger?: Logger;
 }
 
-/** A root filesystem image and how to attach it. See {@link VmOptions.rootfs}. */
+/**
+ * A root filesystem image and how to attach it. See {@link VmOptions.rootfs}.
+ * @category VM
+ */
 export interface RootfsOptions {
   /** The image file (e.g. made with `mke2fs -t ext4 -d DIR rootfs.img 256M`). */
   path: string;
@@ -160,13 +169,19 @@ export interface RootfsOptions {
   readOnly?: boolean;
 }
 
-/** Options of {@link Vm.snapshot}. */
+/**
+ * Options of {@link Vm.snapshot}.
+ * @category VM
+ */
 export interface SnapshotOptions {
   /** Leave the VM paused after the snapshot instead of resuming it (when it was running). Default false. */
   leavePaused?: boolean;
 }
 
-/** What {@link Vm.snapshot} wrote. */
+/**
+ * What {@link Vm.snapshot} wrote.
+ * @category VM
+ */
 export interface SnapshotInfo {
   /** The snapshot directory. */
   dir: string;
@@ -176,7 +191,10 @@ export interface SnapshotInfo {
   ms: number;
 }
 
-/** Options of {@link Vm.hibernate}. */
+/**
+ * Options of {@link Vm.hibernate}.
+ * @category VM
+ */
 export interface HibernateOptions {
   /**
    * Runs once the VM's state is written and synced, while the VM is still paused: e.g. to record
@@ -186,7 +204,10 @@ export interface HibernateOptions {
   beforeStop?: (info: HibernateInfo) => void | Promise<void>;
 }
 
-/** What {@link Vm.hibernate} wrote. */
+/**
+ * What {@link Vm.hibernate} wrote.
+ * @category VM
+ */
 export interface HibernateInfo {
   /** The directory that now holds the VM. */
   dir: string;
@@ -198,7 +219,10 @@ export interface HibernateInfo {
   ms: number;
 }
 
-/** Options of {@link Vm.restore}. */
+/**
+ * Options of {@link Vm.restore}.
+ * @category VM
+ */
 export interface RestoreOptions {
   /**
    * A name for the restored VM, as {@link VmOptions.name}. Default: a hibernated VM's own name
@@ -281,7 +305,10 @@ function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels, g
   };
 }
 
-/** How a VM came from a snapshot: {@link Vm.restoreInfo}. */
+/**
+ * How a VM came from a snapshot: {@link Vm.restoreInfo}.
+ * @category VM
+ */
 export interface RestoreInfo {
   /** The snapshot directory. */
   dir: string;
@@ -320,10 +347,14 @@ export interface RestoreInfo {
 /**
  * Lifecycle states. `paused`: vCPUs stopped, RAM as it was. `suspended`: vCPUs stopped and every
  * memory strategy's suspend hook has run (e.g. RAM offloaded). `crashed` and `stopped` are final.
+ * @category VM
  */
 export type VmState = 'starting' | 'running' | 'paused' | 'suspended' | 'stopped' | 'crashed';
 
-/** Events a {@link Vm} emits. */
+/**
+ * Events a {@link Vm} emits.
+ * @category VM
+ */
 export interface VmEvents {
   /** The state changed. */
   state: (state: VmState, previous: VmState) => void;
@@ -361,7 +392,10 @@ export interface VmEvents {
   released: (info: { ms: number; error?: PvisorError }) => void;
 }
 
-/** Memory figures of one VM, in bytes. See {@link Vm.memoryUsage}. */
+/**
+ * Memory figures of one VM, in bytes. See {@link Vm.memoryUsage}.
+ * @category VM
+ */
 export interface VmMemoryUsage {
   /** Guest RAM capacity. */
   capacityBytes: number;
@@ -390,7 +424,10 @@ export interface VmMemoryUsage {
 const live = new Set<Vm>();
 let vmCounter = 0;
 
-/** A virtual machine. Create one with {@link Vm.start}. */
+/**
+ * A virtual machine. Create one with {@link Vm.start}.
+ * @category VM
+ */
 export class Vm extends EventEmitter<VmEvents> {
   /** Name given in the options, or `vm-<n>`. */
   readonly name: string;

@@ -19,7 +19,10 @@ import { booleanOption } from '../units';
  */
 export const DEFAULT_BACKING_DIR = '/var/tmp';
 
-/** Where a strategy that writes guest RAM to a file (Offload, CompressedOffload) puts it. */
+/**
+ * Where a strategy that writes guest RAM to a file (Offload, CompressedOffload) puts it.
+ * @category Strategies
+ */
 export interface BackingDirOptions {
   /**
    * Directory for the backing file; it must exist and be on a disk (see

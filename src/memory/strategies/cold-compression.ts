@@ -31,6 +31,7 @@ import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, 
  * Options of {@link ColdCompression}. `dir` and `allowMemoryBackedDir` are for the file that holds
  * the compressed blocks while the VM is suspended (they are written there as they are, never
  * decompressed, and read back on resume).
+ * @category Strategies
  */
 export interface ColdCompressionOptions extends BackingDirOptions {
   /**
@@ -90,7 +91,10 @@ const MAX_BACKOFF = 6;
 /** A refault within this many of its waits after the drop counts as a wrong guess. */
 const SOON_PERIODS = 4;
 
-/** The guest read back, or wrote into, a block that failed its integrity check. */
+/**
+ * The guest read back, or wrote into, a block that failed its integrity check.
+ * @category Errors
+ */
 export class ColdBlockError extends PvisorError {
   /** Offset of the block in guest RAM. */
   readonly offset: number;
@@ -100,7 +104,10 @@ export class ColdBlockError extends PvisorError {
   }
 }
 
-/** Compresses cold guest RAM into host memory while the VM runs. */
+/**
+ * Compresses cold guest RAM into host memory while the VM runs.
+ * @category Strategies
+ */
 export class ColdCompression implements MemoryStrategy {
   readonly name = 'cold-compression';
   readonly needs = ['userfaultfd-missing', 'userfaultfd-write-protect'] as const;

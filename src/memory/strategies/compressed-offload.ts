@@ -23,7 +23,10 @@ import type { Offload } from './offload';
 import { loadZstd } from '../zstd-binding';
 import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats, type SuspendWork } from '../strategy';
 
-/** Options of {@link CompressedOffload}. */
+/**
+ * Options of {@link CompressedOffload}.
+ * @category Strategies
+ */
 export interface CompressedOffloadOptions extends BackingDirOptions {
   /**
    * zstd compression level: -7 to -1 (faster, larger) or 1 to 22 (slower, smaller). Default 1,
@@ -82,6 +85,7 @@ interface WriteOut {
  *
  * Needs the optional dependency zstd-napi: without it the constructor throws an
  * {@link OptionalDependencyError} that says how to install it (see the README).
+ * @category Strategies
  */
 export class CompressedOffload implements MemoryStrategy {
   readonly name = 'compressed-offload';

@@ -30,10 +30,14 @@ import { WriteOut, type WrittenPiece } from '../write-out';
  * - `eager`: every piece is back and verified before any vCPU runs; resume costs the whole load.
  * - `lazy`: resume returns at once; a piece is loaded (and verified) on its first touch and the
  *   rest in the background; a corrupt piece ends the VM as a crash with a {@link BackingFileError}.
+ * @category Strategies
  */
 export type OffloadReload = 'eager' | 'lazy';
 
-/** Options of {@link Offload}. */
+/**
+ * Options of {@link Offload}.
+ * @category Strategies
+ */
 export interface OffloadOptions extends BackingDirOptions {
   /** How resume brings RAM back. Default `eager`. */
   reload?: OffloadReload;
@@ -76,7 +80,10 @@ interface Image {
   direct: boolean;
 }
 
-/** Suspends a VM's RAM to a backing file and brings it back on resume. */
+/**
+ * Suspends a VM's RAM to a backing file and brings it back on resume.
+ * @category Strategies
+ */
 export class Offload implements MemoryStrategy {
   readonly name = 'offload';
   /** Zero pages are not written: dropped, they must read back as zero. Lazy reload serves faults. */

@@ -46,7 +46,10 @@ import { FROM_GONE_POOL, PoolPlaces } from '../pool-places';
 import { FRAME_HEADER_BYTES } from '../../protocol/frame';
 import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, type StrategyRam, type StrategyStats } from '../strategy';
 
-/** Options of {@link PoolClient}. */
+/**
+ * Options of {@link PoolClient}.
+ * @category Strategies
+ */
 export interface PoolClientOptions {
   /** The daemon's socket (`pvisor-daemon serve --memory-pool --socket PATH`). */
   socket: string;
@@ -119,7 +122,10 @@ interface PoolGeneration {
   views: Buffer[];
 }
 
-/** Shares the VM's pages with other VMs through pvisor-daemon's page pool. */
+/**
+ * Shares the VM's pages with other VMs through pvisor-daemon's page pool.
+ * @category Strategies
+ */
 export class PoolClient implements MemoryStrategy {
   readonly name = 'pool-client';
   readonly needs = [] as const;
