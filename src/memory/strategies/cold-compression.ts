@@ -36,30 +36,30 @@ import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, 
 export interface ColdCompressionOptions extends BackingDirOptions {
   /**
    * How long a block's content must stay unchanged before it is compressed. Default 10 s, an
-   * agent's pause between tool calls. What bears on it, measured on kvm_pvm (docs/cold-compression.md):
-   * a wrong guess costs the guest one fault (a 64 KiB block comes back at 22-27k blocks per second)
-   * and doubles that block's wait, and a read-hot working set settles after two such guesses per
-   * block, then stays resident; a shorter delay gives memory back sooner for that price.
+   * agent's pause between tool calls. What bears on it (docs/cold-compression.md): a wrong guess
+   * costs the guest one fault and doubles that block's wait, and a read-hot working set settles
+   * after two such guesses per block, then stays resident; a shorter delay gives memory back
+   * sooner for that price.
    */
   coldAfterMs?: number;
   /**
    * Bytes per block, the unit that is compressed, dropped and brought back by one fault: a power of
    * two from 16 KiB to 4 MiB. Default 64 KiB: lz4 finds most of what larger blocks would, and a
-   * fault maps one block in one UFFDIO_COPY (64 KiB pieces place 64 MiB in about 34 ms on these
-   * hosts, against 55 ms in 4 KiB pieces: host-facts.md).
+   * fault maps one block in one UFFDIO_COPY, which places pieces of that size much faster than
+   * 4 KiB ones (docs/design-figures.md).
    */
   blockBytes?: number;
   /**
    * Most host memory the compressed blocks may take; beyond it, cold blocks stay resident.
-   * Default a quarter of guest RAM: room for all of it at 4:1 (measured: lz4 does 3.2:1 on the
-   * probe's distinct compressible pages, 200:1 on repetitive ones), and never more than a quarter
-   * of what the VM could cost without the strategy.
+   * Default a quarter of guest RAM: room for all of it at 4:1, which lz4 reaches on compressible
+   * content (docs/design-figures.md), and never more than a quarter of what the VM could cost
+   * without the strategy.
    */
   maxStoreBytes?: number;
   /**
    * Share of one CPU the scans and compression on the event loop may take, from 0.001 to 1.
-   * Default 0.05. Measured: an idle VM's scans take 0.1-0.9% of a CPU, so the share binds only
-   * while a working set is being compressed (about 50 ms per 64 MiB).
+   * Default 0.05: an idle VM's scans take far less, so the share binds only while a working set
+   * is being compressed (docs/design-figures.md).
    */
   cpuShare?: number;
   /**
@@ -256,10 +256,9 @@ export class ColdCompression implements MemoryStrategy {
   }
 
   /**
-   * Compresses one batch in C on this thread (a few ms for 1 MiB: the longest measured was 7.6 ms,
-   * for content lz4 cannot shrink, on a loaded host): the store's bytes never pass through JavaScript or the libuv
-   * pool, whose allocations stay behind in malloc arenas (lz4-napi on the pool made a VM of random
-   * content cost 57 MiB more than without the strategy).
+   * Compresses one batch in C on this thread (a few ms for 1 MiB): the store's bytes never pass
+   * through JavaScript or the libuv pool, whose allocations stay behind in malloc arenas
+   * (docs/design-figures.md has both figures).
    */
   private compressBatch(store: ColdStore, batch: number[]): void {
     const scanned = batch.map((b) => this.pending.get(b));

@@ -362,9 +362,8 @@ function copyNonZeroPages(frame: Buffer, ram: StrategyRam, guestOffset: number):
 let canPopulate = true;
 /**
  * Allocates the pages of a range before a copy writes them (MADV_POPULATE_WRITE, Linux 5.14+):
- * one system call instead of a page fault per 4 KiB. Measured on resumes of 64 MiB: random
- * content 65-97 ms against 84-130 without, repetitive no different. Skipped where the kernel
- * does not know it.
+ * one system call instead of a page fault per 4 KiB, which shortens a resume of random content
+ * (docs/design-figures.md). Skipped where the kernel does not know it.
  */
 function populate(ram: StrategyRam, offset: number, length: number): void {
   if (!canPopulate) return;

@@ -65,8 +65,7 @@ export interface OffloadOptions extends BackingDirOptions {
 /**
  * Pieces of at most 2 MiB, never crossing a 2 MiB boundary (so never a view chunk either): large
  * enough that loading one amortises a fault, small enough that a fault waits for little
- * (`pvisor bench floors`: UFFDIO_COPY is as fast in 64 KiB pieces as in 2 MiB ones, and a faulted
- * 2 MiB piece of a file came back in about 1.2 ms here).
+ * (`pvisor bench floors`; docs/design-figures.md).
  */
 const PIECE_BYTES = 2 * 1024 * 1024;
 /** The write-out syncs and drops every 16 MiB, so memory comes back progressively. */
