@@ -50,8 +50,8 @@ const DNS_PORT = 53;
 const OPCODE_QUERY = 0;
 const RCODE = { NOERROR: 0, SERVFAIL: 2, NXDOMAIN: 3, REFUSED: 5 } as const;
 
-/** What the resolver did, for tests and diagnostics. */
-export interface ResolverStats {
+/** What the resolver did, for tests and diagnostics (a type, not an interface: it is also a record of numbers). */
+export type ResolverStats = {
   /** Queries taken (decoded, within bounds and rate). */
   queries: number;
   /** Answered with records or an upstream's negative answer. */
@@ -66,7 +66,7 @@ export interface ResolverStats {
   limited: number;
   /** Upstream messages ignored: wrong id, question or source, malformed, too large. */
   badUpstream: number;
-}
+};
 
 export interface EgressResolverOptions {
   /** Where it listens: the host's end of the TAP. */

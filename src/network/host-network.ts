@@ -216,8 +216,12 @@ export class HostNetwork {
     return this.kernelArg?.slice('pvisor.net='.length);
   }
 
-  /** The resolver's counters, when the VM has pvisor's resolver (tests and diagnostics). */
-  get resolverStats() {
+  /**
+   * The resolver's counters (egress-resolver.ts `ResolverStats`), when the VM has pvisor's
+   * resolver: tests and diagnostics. Typed loosely so that this module's declarations do not
+   * reach the DNS codec's types.
+   */
+  get resolverStats(): Readonly<Record<string, number>> | undefined {
     return this.egress?.resolver.stats;
   }
 

@@ -6,7 +6,10 @@
 import { VmStateError } from '../errors';
 import type { VmNetworkInfo } from './host-network';
 
-/** The rules {@link VmNetwork.update} takes: each list given replaces the VM's; one left out stays. */
+/**
+ * The rules {@link VmNetwork.update} takes: each list given replaces the VM's; one left out stays.
+ * @category Network
+ */
 export interface EgressRulesUpdate {
   /** Hostnames, `*.domain`, `CIDR` and `CIDR:PORT` the guest may reach (see `NatNetworkOptions.allow`). */
   allow?: readonly string[];
@@ -14,7 +17,10 @@ export interface EgressRulesUpdate {
   deny?: readonly string[];
 }
 
-/** {@link Vm.network}: what the VM's network is, and the change it takes while the VM runs. */
+/**
+ * {@link Vm.network}: what the VM's network is, and the change it takes while the VM runs.
+ * @category Network
+ */
 export class VmNetwork implements VmNetworkInfo {
   declare mode: VmNetworkInfo['mode'];
   declare tap?: string;
