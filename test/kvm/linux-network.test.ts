@@ -254,7 +254,7 @@ describeAsRoot('Linux guest networking', () => {
     expect(sh('ip -4 -o addr show')).not.toMatch(/inet 10\.200\./);
   }, 300_000);
 
-  it('hostname rules: the guest resolves an allowed name through pvisor\'s resolver and reaches it; a denied name neither by name nor by address; update changes it at runtime', async () => {
+  it('hostname rules: the guest resolves an allowed name through pvisor\'s resolver and reaches it; a denied name neither by name nor by address; update changes it at runtime; a clone keeps the rules', async () => {
     // The names live on a DNS server in the outside namespace (test/dns-test-server.ts), on a second
     // address there, so that the two names' addresses differ.
     const zone: Zone = { 'allowed.test': { A: [OUTSIDE], ttl: 5 }, 'denied.test': { A: [OUTSIDE_2] }, 'www.alias.test': { CNAME: 'allowed.test' } };
@@ -296,6 +296,21 @@ describeAsRoot('Linux guest networking', () => {
       expect(await get(`http://denied.test:8080/`)).toMatchObject({ exitCode: 0, stdout: 'hello 8080 from 198.18.0.1' });
       expect((await get('http://allowed.test:8080/')).exitCode).not.toBe(0);
       await expect(vm.network.update({ allow: ['fine.test', 'not a name'] })).rejects.toThrow(/network\.update\.allow\[1\]: "not a name"/);
+
+      // A snapshot carries the rules in force; its clone gets a resolver of its own, on its own TAP.
+      const dir = join(work, 'egress-snapshot');
+      await vm.snapshot(dir);
+      const clone = await Vm.restore(dir, { readyTimeoutMs: 120_000 });
+      try {
+        const cn = clone.network;
+        expect(cn).toMatchObject({ mode: 'nat', allow: ['denied.test'], deny: [], upstreamDns: OUTSIDE, dns: cn.hostAddress });
+        expect(cn.hostAddress).not.toBe(net.hostAddress);
+        expect((await clone.exec('cat /etc/resolv.conf')).stdout).toContain(`nameserver ${cn.hostAddress}`);
+        expect(await clone.exec(['timeout', '10', 'wget', '-q', '-O', '-', 'http://denied.test:8080/'])).toMatchObject({ exitCode: 0, stdout: 'hello 8080 from 198.18.0.1' });
+        expect((await clone.exec(['timeout', '10', 'wget', '-q', '-O', '-', 'http://allowed.test:8080/'])).exitCode).not.toBe(0);
+      } finally {
+        await clone.stop();
+      }
     } finally {
       await vm.stop();
       dns.kill();
