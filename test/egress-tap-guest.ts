@@ -7,6 +7,7 @@
  * they resolved. It prints one JSON line of what it saw; the test judges.
  */
 import { execFileSync } from 'node:child_process';
+import { createSocket } from 'node:dgram';
 import * as dnsPacket from 'dns-packet';
 import { HostNetwork } from '../src/network/host-network';
 import { parseNetworkOption } from '../src/network/options';
@@ -192,7 +193,19 @@ async function main(): Promise<void> {
     }
     const afterBadUpdate = { allow: net.info.allow };
     const stats = { ...net.resolverStats! };
-    return void console.log(JSON.stringify({ setup, before, names, set, reachAfter, upstream, hostile, afterHostile, flood, afterFlood, updateMs, afterUpdate, afterCidrDeny, badUpdate, afterBadUpdate, stats, teardown: teardown(net) }));
+    const down = teardown(net);
+    // Another DNS server on every address's port 53: the setup fails, naming it, and leaves nothing.
+    const squatter = createSocket('udp4');
+    await new Promise<void>((r) => squatter.bind(53, '0.0.0.0', r));
+    let portTaken = '';
+    try {
+      (await HostNetwork.create(plan)).close();
+    } catch (e) {
+      portTaken = `${(e as Error).name}: ${(e as Error).message}`;
+    }
+    squatter.close();
+    const afterPortTaken = { tables: sh('nft list tables').trim(), links: sh('ip -o link show').split('\n').filter((l) => /: pv[0-9]+n[0-9]+[:@]/.test(l)) };
+    return void console.log(JSON.stringify({ setup, before, names, set, reachAfter, upstream, hostile, afterHostile, flood, afterFlood, updateMs, afterUpdate, afterCidrDeny, badUpdate, afterBadUpdate, stats, teardown: down, portTaken, afterPortTaken }));
   } catch (e) {
     net.close();
     throw e;

@@ -315,6 +315,9 @@ export class HostNetwork {
           upstream,
           policy: () => (net!.plan as Extract<NetworkPlan, { kind: 'nat' }>).egress,
           open: (addresses, timeoutS, chain) => set.open(addresses, timeoutS, chain),
+        }).catch((e: NodeJS.ErrnoException) => {
+          if (e.code !== 'EADDRINUSE') throw e;
+          throw new NetworkSetupError('failed', `the VM's resolver cannot listen on ${net!.info.hostAddress}:53, which another DNS server holds (one listening on every address, e.g. dnsmasq without bind-interfaces); make it listen on its own addresses only`, { cause: e });
         });
         net.egress = { resolver, set };
       }

@@ -28,7 +28,7 @@ const ZONE: Zone = {
   'big.wild.test': { A: Array.from({ length: 30 }, (_, i) => `198.18.1.${i + 1}`), truncateUdp: true },
 };
 const options: EgressGuestOptions = { upstream: UPSTREAM, allow: ['allowed.test', '*.wild.test'], deny: ['denied.test', 'bad.wild.test'], tcpPort: TCP_PORT };
-const OUTSIDE_TCP = `require('net').createServer((s) => s.end('outside')).listen(${TCP_PORT}, '0.0.0.0', () => console.log('ready'));`;
+const OUTSIDE_TCP = `require('net').createServer((s) => s.on('error', () => {}).end('outside')).listen(${TCP_PORT}, '0.0.0.0', () => console.log('ready'));`;
 
 function missing(): string | undefined {
   if (process.getuid?.() !== 0) return 'not root';
@@ -161,5 +161,11 @@ const why = missing();
     expect(r.teardown.problem).toBeUndefined();
     expect(r.teardown.tables).not.toMatch(/pvisor_/);
     expect(r.teardown.udp53).toBe(false);
+  });
+
+  it('a DNS server already on every address\'s port 53 fails the setup with a NetworkSetupError naming the conflict, and nothing is left', () => {
+    expect(r.portTaken).toMatch(/^NetworkSetupError: .*cannot listen on 10\.200\.[0-9.]+:53, which another DNS server holds/);
+    expect(r.afterPortTaken.tables).not.toMatch(/pvisor_/);
+    expect(r.afterPortTaken.links).toEqual([]);
   });
 });
