@@ -122,6 +122,11 @@ export function addressDenied(policy: EgressPolicy, address: number): boolean {
   return policy.deny.some((r) => r.kind === 'cidr' && r.port === undefined && inNetwork(address, r.network));
 }
 
+/** Whether a rule of `policy` names a host (the VM then needs pvisor's resolver to enforce it). */
+export function hasHostRules(policy: EgressPolicy): boolean {
+  return [...(policy.allow === 'all' ? [] : policy.allow), ...policy.deny].some((r) => r.kind === 'host');
+}
+
 /** The CIDR rules of a list. */
 export function cidrRules(rules: readonly EgressRule[]): CidrRule[] {
   return rules.filter((r): r is CidrRule => r.kind === 'cidr');

@@ -302,7 +302,7 @@ export class HostNetwork {
         return new HostNetwork(
           {
             mode: 'nat', tap: name, mac: formatMac(mac), guestAddress: `${guest}/30`, hostAddress: host, ...(dns && { dns }),
-            ...(plan.resolver && upstream && { upstreamDns: upstream }), ...rulesInfo(plan.egress, plan.resolver), nftTable: table,
+            ...(plan.resolver && upstream && { upstreamDns: upstream }), ...rulesInfo(plan.egress), nftTable: table,
           },
           tap, mac, `pvisor.net=${guest}/30,${host}${dns ? `,${dns}` : ''}`, table, plan,
         );
@@ -340,7 +340,7 @@ export class HostNetwork {
     const egress: EgressPolicy = { allow: rules.allow === undefined ? plan.egress.allow : given.allow, deny: rules.deny === undefined ? plan.egress.deny : given.deny };
     if (!plan.resolver) {
       const host = [...(egress.allow === 'all' ? [] : egress.allow), ...egress.deny].find((r) => r.kind === 'host');
-      if (host) throw new InvalidOptionError('network.update', `"${formatEgressRule(host)}": hostname rules need the VM started with allow or deny (its resolver is then pvisor's); this one was started with plain 'nat'`);
+      if (host) throw new InvalidOptionError('network.update', `"${formatEgressRule(host)}": hostname rules need the VM started with one (its resolver is then pvisor's); this one was started with network rules only`);
     }
     try {
       await nftAsync(egressUpdateScript(this.table!, egress, plan.resolver));
@@ -348,8 +348,8 @@ export class HostNetwork {
       throw new NetworkSetupError('failed', `replacing the egress rules of ${this.table}: ${(e as Error).message}`, { cause: e });
     }
     this.plan = { ...plan, egress };
-    Object.assign(this.info, rulesInfo(egress, plan.resolver));
-    if (!plan.resolver) delete this.info.deny;
+    Object.assign(this.info, rulesInfo(egress));
+    if (!hasRules(egress)) delete this.info.deny;
     // Addresses stay open only if an answer that opened them is still allowed now.
     await this.egress?.set.retain((address, chain) => !addressDenied(egress, address) && nameAllowed(egress, chain[0]) && !chain.slice(1).some((n) => nameDenied(egress, n)));
   }
@@ -371,8 +371,13 @@ export class HostNetwork {
 }
 
 /** What {@link VmNetworkInfo} says of the rules. */
-function rulesInfo(egress: EgressPolicy, resolver: boolean): Pick<VmNetworkInfo, 'allow' | 'deny'> {
-  return { allow: egress.allow === 'all' ? 'all' : egress.allow.map(formatEgressRule), ...(resolver && { deny: egress.deny.map(formatEgressRule) }) };
+function rulesInfo(egress: EgressPolicy): Pick<VmNetworkInfo, 'allow' | 'deny'> {
+  return { allow: egress.allow === 'all' ? 'all' : egress.allow.map(formatEgressRule), ...(hasRules(egress) && { deny: egress.deny.map(formatEgressRule) }) };
+}
+
+/** Whether the VM has egress rules at all (plain 'nat' has none: its info says no deny list). */
+function hasRules(egress: EgressPolicy): boolean {
+  return egress.allow !== 'all' || egress.deny.length > 0;
 }
 
 /** Deletes the VM's tables, both in one transaction; a table already gone is no error. */

@@ -4,7 +4,7 @@
  */
 import { InvalidOptionError } from '../errors';
 import { DEFAULT_SUBNET_RANGE, formatCidr, parseCidr, parseIpv4, type Cidr } from './addresses';
-import { formatEgressRule, parseEgressPolicy, type EgressPolicy } from './egress-rules';
+import { formatEgressRule, hasHostRules, parseEgressPolicy, type EgressPolicy } from './egress-rules';
 
 const ALLOW_ALL: EgressPolicy = { allow: 'all', deny: [] };
 
@@ -30,7 +30,7 @@ export interface NatNetworkOptions {
    * dropped, the host's own addresses included. Default: every destination but the host itself.
    * `[]` denies everything.
    *
-   * With `allow` or `deny` given, the guest's resolver is pvisor's, on the host's end of the TAP:
+   * With a hostname in `allow` or `deny`, the guest's resolver is pvisor's, on the host's end of the TAP:
    * it answers only allowed names (others get REFUSED), asks {@link dns} for them, and opens
    * exactly the IPv4 addresses of each answer for the answer's TTL (at least 30 s, at most 1 h;
    * connections made meanwhile go on after it). A hostname rule allows every port of those
@@ -47,9 +47,9 @@ export interface NatNetworkOptions {
   /** The range each VM's /30 comes from. Default `10.200.0.0/16`. */
   subnetRange?: string;
   /**
-   * The resolver: without `allow` and `deny`, the one written in the guest's /etc/resolv.conf
+   * The resolver: without a hostname rule, the one written in the guest's /etc/resolv.conf
    * (default: the first nameserver of the host's /etc/resolv.conf that is not a loopback address;
-   * none if there is no such one). With them, the upstream that pvisor's resolver asks (default:
+   * none if there is no such one). With one, the upstream that pvisor's resolver asks (default:
    * the host's first nameserver, loopback included, since it is asked from the host). `null`:
    * none.
    */
@@ -77,7 +77,7 @@ export type NetworkPlan =
       kind: 'nat';
       /** The rules; `{ allow: 'all', deny: [] }` for plain NAT. */
       egress: EgressPolicy;
-      /** Whether `allow` or `deny` was given: then the VM gets pvisor's resolver. */
+      /** Whether a rule names a host: then the VM gets pvisor's resolver. */
       resolver: boolean;
       range: Cidr;
       dns: string | null | undefined;
@@ -109,7 +109,9 @@ export function parseNetworkOption(value: unknown): NetworkPlan {
     const range = o.subnetRange === undefined ? parseCidr(DEFAULT_SUBNET_RANGE)! : typeof o.subnetRange === 'string' ? parseCidr(o.subnetRange) : undefined;
     if (!range || range.prefixLength > 30) throw new InvalidOptionError('network.subnetRange', `expected a network of /30 or larger such as 10.200.0.0/16, got ${JSON.stringify(o.subnetRange)}`);
     if (o.dns !== undefined && o.dns !== null) ipv4('dns');
-    return { kind: 'nat', egress, resolver: o.allow !== undefined || o.deny !== undefined, range, dns: o.dns as string | null | undefined };
+    // pvisor's resolver only when a rule names a host: a list of networks alone keeps the guest's
+    // own resolver, which the list may allow ('RESOLVER/32:53'), as before hostname rules existed.
+    return { kind: 'nat', egress, resolver: hasHostRules(egress), range, dns: o.dns as string | null | undefined };
   }
   if (o.mode !== undefined) throw new InvalidOptionError('network.mode', `expected "nat", got ${JSON.stringify(o.mode)}`);
   if (o.tap !== undefined) {
@@ -133,8 +135,8 @@ export function parseNetworkOption(value: unknown): NetworkPlan {
 export function natOptionOf(plan: Extract<NetworkPlan, { kind: 'nat' }>): NatNetworkOptions {
   return {
     mode: 'nat',
-    ...(plan.resolver && plan.egress.allow !== 'all' && { allow: plan.egress.allow.map(formatEgressRule) }),
-    ...(plan.resolver && { deny: plan.egress.deny.map(formatEgressRule) }),
+    ...(plan.egress.allow !== 'all' && { allow: plan.egress.allow.map(formatEgressRule) }),
+    ...(plan.egress.deny.length > 0 && { deny: plan.egress.deny.map(formatEgressRule) }),
     subnetRange: formatCidr(plan.range),
     ...(plan.dns !== undefined && { dns: plan.dns }),
   };

@@ -46,7 +46,7 @@ export class VmNetwork implements VmNetworkInfo {
    * before anything changes ({@link InvalidOptionError} naming the bad entry). Once this
    * resolves, new connections follow the new rules, and addresses the resolver had opened for
    * names no longer allowed (or now denied) are closed; connections already made go on.
-   * Hostname rules need the VM to have been started with `allow` or `deny` (so that its resolver
+   * Hostname rules need the VM to have been started with a hostname rule in `allow` or `deny` (so that its resolver
    * is pvisor's); a VM started with plain `'nat'` takes CIDR rules only.
    *
    * @throws {@link VmStateError} when the VM has no `'nat'` network (or it has stopped).

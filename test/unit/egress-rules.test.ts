@@ -158,10 +158,18 @@ describe('the option, the CLI flags and what a snapshot records', () => {
     expect(() => networkFromCli('tap:tap0', ['a.test'], [])).toThrow(/^--net-allow: needs --net nat/);
   });
 
-  it('gives the resolver only to a VM with allow or deny, and a snapshot of one records both lists', () => {
+  it('gives the resolver only to a VM with a hostname rule, and a snapshot of one records both lists', () => {
     expect(parseNetworkOption('nat')).toMatchObject({ resolver: false });
     expect(parseNetworkOption({ mode: 'nat' })).toMatchObject({ resolver: false });
-    expect(parseNetworkOption({ mode: 'nat', deny: [] })).toMatchObject({ resolver: true, egress: { allow: 'all', deny: [] } });
+    expect(parseNetworkOption({ mode: 'nat', deny: [] })).toMatchObject({ resolver: false, egress: { allow: 'all', deny: [] } });
+    // Networks alone keep the guest's own resolver (which the list may allow, as before hostnames).
+    expect(parseNetworkOption({ mode: 'nat', allow: ['192.0.2.53/32:53'], deny: ['10.0.0.0/8'] })).toMatchObject({ resolver: false });
+    expect(parseNetworkOption({ mode: 'nat', deny: ['evil.test'] })).toMatchObject({ resolver: true });
+    expect(parseNetworkOption({ mode: 'nat', allow: ['10.1.0.0/16', 'api.openai.com'] })).toMatchObject({ resolver: true });
+    // A snapshot of a VM with networks only keeps its deny list too.
+    const cidrOnly = parseNetworkOption({ mode: 'nat', allow: ['192.0.2.0/24'], deny: ['192.0.2.7/32'] });
+    if (cidrOnly.kind !== 'nat') throw new Error('not nat');
+    expect(parseNetworkOption(JSON.parse(JSON.stringify(natOptionOf(cidrOnly))))).toEqual(cidrOnly);
     const plan = parseNetworkOption({ mode: 'nat', allow: ['api.openai.com', '*.pypi.org', '10.1.0.0/16:443'], deny: ['evil.pypi.org'], dns: '192.0.2.53' });
     if (plan.kind !== 'nat') throw new Error('not nat');
     const saved = JSON.parse(JSON.stringify(natOptionOf(plan)));

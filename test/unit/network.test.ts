@@ -19,7 +19,7 @@ describe('network option', () => {
 
   it('takes an allow list of CIDR[:PORT] and refuses what is not one, naming it', () => {
     const plan = parseNetworkOption({ mode: 'nat', allow: ['192.0.2.0/24', '198.51.100.7:443'] });
-    expect(plan).toMatchObject({ kind: 'nat', resolver: true, egress: { allow: [{ network: parseCidr('192.0.2.0/24') }, { network: parseCidr('198.51.100.7/32'), port: 443 }], deny: [] } });
+    expect(plan).toMatchObject({ kind: 'nat', resolver: false, egress: { allow: [{ network: parseCidr('192.0.2.0/24') }, { network: parseCidr('198.51.100.7/32'), port: 443 }], deny: [] } });
     for (const bad of ['10.0.0.1/8', '10.0.0.0/33', '10.0.0.0/8:0', '10.0.0.0/8:65536', 'example.com:443', '10.0.0.0/8:80:1', '256.0.0.0/8']) {
       expect(() => parseAllowRule(bad)).toThrow(InvalidOptionError);
     }
