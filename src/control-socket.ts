@@ -486,7 +486,13 @@ function serve(conn: Socket, handler: ControlHandler, streams: ControlStreamHand
       }
       if (request && isStreamRequest(request)) {
         // A stream owns its connection: it must be the first request, and nothing follows it in JSON.
-        if (lines > 0 || !streams) return refuse(`control request: ${request.op} must be the first request of its connection`);
+        if (lines > 0 || !streams) {
+          // After the answers to the requests before it, in order; nothing after it is read.
+          upgraded = true;
+          const message = `control request: ${request.op} must be the first request of its connection`;
+          chain = chain.then(() => refuse(message));
+          return;
+        }
         upgraded = true;
         conn.off('data', onData);
         conn.off('drain', pump);

@@ -182,6 +182,11 @@ export class ControlStream {
     switch (f.type) {
       case FrameType.StreamChunk: {
         const out = this.outputs.get(f.op);
+        if (out && f.payload.length === 0) {
+          // The channel's end: all it had has come.
+          if (!out.readable.destroyed && !out.readable.readableEnded) out.readable.push(null);
+          return;
+        }
         if (!out || !out.window.receive(f.payload.length)) throw new Error(`data on channel ${f.op} beyond its credit`);
         if (out.readable.destroyed) {
           const g = out.window.takeGrant();
@@ -219,7 +224,7 @@ export class ControlStream {
   private finish(value: unknown): void {
     if (this.ended) return;
     this.ended = new ControlSocketError(this.what, 'the stream has ended');
-    for (const { readable } of this.outputs.values()) if (!readable.destroyed) readable.push(null);
+    for (const { readable } of this.outputs.values()) if (!readable.destroyed && !readable.readableEnded) readable.push(null);
     this.settleResult.resolve(value);
     this.settleAll(this.ended);
   }

@@ -6,7 +6,8 @@
  * ({@link StreamWindow}), so one connection carries one stream's channels and nothing else:
  *
  * - `StreamChunk`, op = channel (0 input, 1 stdout or file content, 2 stderr): data, at most
- *   {@link STREAM_CHUNK_BYTES}, never more than the receiver has granted;
+ *   {@link STREAM_CHUNK_BYTES}, never more than the receiver has granted; an empty one from the
+ *   server ends that output channel;
  * - `Credit`, op = channel, payload u32: the receiver took that many bytes more;
  * - `Request` id N, op 1 (end of input) or 2 (signal, payload u32), answered by a `Response` or
  *   an `Error` (JSON `{code, message}`) of id N;
@@ -84,7 +85,6 @@ export function serveStream(conn: Socket, leftover: Buffer, session: StreamSessi
   let inputQueue: Buffer[] = [];
   let inputQueuedBytes = 0;
   let writing = false;
-  let inputChain: Promise<void> = Promise.resolve();
   let pending = 0;
   let finished = false;
   let result: { ok: true; value: unknown } | { ok: false; error: unknown } | undefined;
@@ -137,10 +137,16 @@ export function serveStream(conn: Socket, leftover: Buffer, session: StreamSessi
     credit.set(ch, STREAM_WINDOW_BYTES);
     source!.on('readable', () => pump(ch, source!));
     const end = () => {
+      if (ended.has(ch)) return;
       ended.add(ch);
       finishIfDone();
     };
-    source!.once('end', end);
+    source!.once('end', () => {
+      // All of it was sent (a source ends only once read out): the client's channel ends here,
+      // before the result (a process's stdout may end long before it exits).
+      if (!finished) send({ type: FrameType.StreamChunk, id: 0, op: ch, payload: Buffer.alloc(0) });
+      end();
+    });
     source!.once('close', end);
     // Why it failed reaches the client through the result.
     source!.on('error', () => {});
@@ -158,7 +164,18 @@ export function serveStream(conn: Socket, leftover: Buffer, session: StreamSessi
   );
 
   // Input: the client may send a window ahead of what was written; each write grants it back.
+  let drainedWaiters: (() => void)[] = [];
+  /** Resolves once every byte received so far has been written (or refused). */
+  const inputDrained = () => new Promise<void>((resolve) => {
+    if (!writing && !inputQueuedBytes) resolve();
+    else drainedWaiters.push(resolve);
+  });
   const pumpInput = () => {
+    if (!writing && !inputQueuedBytes) {
+      const waiters = drainedWaiters;
+      drainedWaiters = [];
+      for (const w of waiters) w();
+    }
     if (writing || !inputQueuedBytes || !session.input) return;
     const data = inputQueue.length === 1 ? inputQueue[0] : Buffer.concat(inputQueue, inputQueuedBytes);
     inputQueue = [];
@@ -171,15 +188,18 @@ export function serveStream(conn: Socket, leftover: Buffer, session: StreamSessi
         send({ type: FrameType.Credit, id: 0, op: StreamChannel.Input, payload: u32(data.length) });
         pumpInput();
       },
-      () => {
-        // The writer refused (a process gone, a file that failed): the result says why.
+      (e: unknown) => {
+        // The writer refused (a process gone, a file that failed): the result says why, and the
+        // end of input, if asked, fails with it.
         writing = false;
         inputQueue = [];
         inputQueuedBytes = 0;
+        inputFailure ??= e;
+        pumpInput();
       },
     );
-    inputChain = inputChain.then(() => written);
   };
+  let inputFailure: unknown;
   const answer = (id: number, work: Promise<void>) => {
     work.then(
       () => send({ type: FrameType.Response, id, op: 0, payload: Buffer.alloc(0) }),
@@ -211,8 +231,7 @@ export function serveStream(conn: Socket, leftover: Buffer, session: StreamSessi
         if (f.op === StreamRequestOp.EndInput && session.input && f.payload.length === 0) {
           const input = session.input;
           // After every write before it.
-          const ending = inputChain.then(() => input.end());
-          inputChain = ending.catch(() => {});
+          const ending = inputDrained().then(() => (inputFailure === undefined ? input.end() : Promise.reject(inputFailure)));
           return answer(f.id, ending);
         }
         if (f.op === StreamRequestOp.Signal && session.signal && f.payload.length === 4) {
