@@ -104,7 +104,7 @@ export function serveStream(conn: Socket, leftover: Buffer, session: StreamSessi
     session.abort(why);
   };
   const finishIfDone = () => {
-    if (finished || !result) return;
+    if (finished || !result || pending > 0) return;
     for (const ch of Object.keys(session.outputs)) if (!ended.has(Number(ch))) return;
     finished = true;
     if (result.ok) send({ type: FrameType.Event, id: 0, op: STREAM_END_EVENT, payload: json(result.value) });
@@ -204,7 +204,11 @@ export function serveStream(conn: Socket, leftover: Buffer, session: StreamSessi
     work.then(
       () => send({ type: FrameType.Response, id, op: 0, payload: Buffer.alloc(0) }),
       (e: unknown) => send({ type: FrameType.Error, id, op: 0, payload: json(errorPayload(e)) }),
-    ).finally(() => pending--);
+    ).finally(() => {
+      pending--;
+      // The end comes after the answers: an end of input is answered before the stream's end.
+      finishIfDone();
+    });
   };
 
   const onFrame = (f: Frame) => {

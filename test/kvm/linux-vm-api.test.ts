@@ -2,7 +2,7 @@
 // VmHandle to a `pvisor run` child, both through VmApi, on the Linux guest with real KVM. Each
 // boots one VM for all of its cases (the nested harness boots slowly). Needs /dev/kvm.
 import { createHash, randomBytes } from 'node:crypto';
-import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { connect } from 'node:net';
 import { join } from 'node:path';
 import { Readable } from 'node:stream';
@@ -26,6 +26,8 @@ interface Subject {
 }
 
 const dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-vm-api-'));
+// The Offload backing directories, on a disk.
+for (const d of ['local', 'remote']) mkdirSync(join(dir, d));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 const factories: [string, () => Promise<Subject>][] = [
