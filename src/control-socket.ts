@@ -405,7 +405,8 @@ export class ControlServer {
     if (Buffer.byteLength(path) > MAX_SOCKET_PATH_BYTES) {
       throw new InvalidOptionError('control socket', `${path} is longer than the ${MAX_SOCKET_PATH_BYTES} bytes a Unix socket path may have; set PVISOR_RUNTIME_DIR to a shorter directory`);
     }
-    const server = createServer((conn) => serve(conn, handler, streams));
+    const openStreams = { count: 0 };
+    const server = createServer((conn) => serve(conn, handler, streams, openStreams));
     // Two runs of one id racing: both may see no socket, one of them gets EADDRINUSE and looks again.
     for (let attempt = 0; ; attempt++) {
       const found = await probeSocket(path);
@@ -443,6 +444,11 @@ export class ControlServer {
 }
 
 /**
+ * Streams (spawned processes, file streams, watches) a VM's socket serves at once, from all its
+ * clients: each holds a connection and up to a window per channel, so their number is bounded too.
+ */
+export const MAX_OPEN_STREAMS = 256;
+/**
  * Requests of one connection that may wait for their answer at once: beyond it the connection is
  * not read (the kernel's socket buffer fills and the client waits), so a client pipelining
  * requests cannot grow the VM's process (294k queued requests grew it by 681 MiB).
@@ -456,7 +462,7 @@ const MAX_QUEUED_REQUESTS = 16;
  */
 const MAX_UNSENT_ANSWER_BYTES = 64 * 1024;
 
-function serve(conn: Socket, handler: ControlHandler, streams: ControlStreamHandler | undefined): void {
+function serve(conn: Socket, handler: ControlHandler, streams: ControlStreamHandler | undefined, openStreams: { count: number }): void {
   // Bytes, not text: after a stream request the connection carries frames.
   let buffered: Buffer = Buffer.alloc(0);
   let chain = Promise.resolve();
@@ -494,6 +500,9 @@ function serve(conn: Socket, handler: ControlHandler, streams: ControlStreamHand
           return;
         }
         upgraded = true;
+        if (openStreams.count >= MAX_OPEN_STREAMS) return refuse(`control request: ${MAX_OPEN_STREAMS} streams of this VM are open; ${request.op} refused`);
+        openStreams.count++;
+        conn.once('close', () => openStreams.count--);
         conn.off('data', onData);
         conn.off('drain', pump);
         conn.pause();

@@ -7,7 +7,7 @@ import { createConnection, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Readable } from 'node:stream';
-import { ControlServer, controlRequest, errorFromPayload, errorPayload, parseRequest, type ControlHandler, type ControlStreamRequest } from '../../src/control-socket';
+import { ControlServer, controlRequest, errorFromPayload, errorPayload, MAX_OPEN_STREAMS, parseRequest, type ControlHandler, type ControlStreamRequest } from '../../src/control-socket';
 import { MAX_PENDING_STREAM_REQUESTS, MAX_UNSENT_STREAM_BYTES, serveStream, StreamChannel, type StreamSession } from '../../src/control-stream';
 import { ControlStream } from '../../src/control-stream-client';
 import { CommandNotFoundError, GuestRequestError, InvalidOptionError, OutputLimitError, PvisorError, TimeoutError } from '../../src/errors';
@@ -203,6 +203,26 @@ describe('control socket streams', () => {
     expect(lines[0].ok).toBe(true);
     expect(lines[1]).toMatchObject({ ok: false, error: { message: expect.stringMatching(/watch must be the first request/) } });
     expect(sessions).toHaveLength(0);
+  });
+
+  it(`at most ${MAX_OPEN_STREAMS} streams are open at once; one more is refused, and taken once one has closed`, async () => {
+    make = () => ({ outputs: {}, result: new Promise(() => {}) });
+    const open: Socket[] = [];
+    for (let i = 0; i < MAX_OPEN_STREAMS; i++) {
+      const c = await connect();
+      c.write(`${JSON.stringify({ v: 1, op: 'watch' })}\n`);
+      open.push(c);
+    }
+    while (sessions.length < MAX_OPEN_STREAMS) await settle(10);
+    const extra = await connect();
+    extra.write(`${JSON.stringify({ v: 1, op: 'watch' })}\n`);
+    expect(JSON.parse((await readAll(extra)).toString())).toMatchObject({ ok: false, error: { message: expect.stringMatching(/streams of this VM are open/) } });
+    open.pop()!.destroy();
+    await settle(100);
+    const next = await connect();
+    next.write(`${JSON.stringify({ v: 1, op: 'watch' })}\n`);
+    while (sessions.length < MAX_OPEN_STREAMS + 1) await settle(10);
+    for (const c of [...open, next]) c.destroy();
   });
 
   it('a failed stream ends with its typed error, the outputs closed', async () => {
