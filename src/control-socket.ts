@@ -69,7 +69,10 @@ export function isStreamRequest(r: ControlRequest): r is ControlStreamRequest {
   return STREAM_OPS.has(r.op);
 }
 
-/** Who the VM is and what state it is in. */
+/**
+ * Who the VM is and what state it is in.
+ * @category VM
+ */
 export interface ControlVmInfo {
   id: string;
   /** The `pvisor run` process. */
@@ -86,8 +89,10 @@ export interface ControlVmInfo {
 }
 
 /**
+/**
  * A VM's memory figures, in bytes: those of {@link VmMemoryUsage} (what {@link Vm.memoryUsage}
  * gives in the VM's process) and two of the control protocol's own.
+ * @category VM
  */
 export interface ControlMemory extends VmMemoryUsage {
   /** PSS of guest RAM: what its pages cost the host. */
@@ -314,6 +319,7 @@ export function errorPayload(e: unknown): ControlErrorPayload {
 /**
  * An error as it travels: its code and message, and the fields its class carries (a guest
  * error's errno and call, an output limit, an option's name), so the client rebuilds the class.
+ * @category VM
  */
 export interface ControlErrorPayload {
   code: string;

@@ -34,6 +34,7 @@ import type { GuestFiles, GuestProcess } from './guest/linux-client';
  * A process started by {@link VmApi.spawn}: a {@link GuestProcess} in this process, a process
  * streamed over the control socket from a {@link VmHandle}. Its output streams are under credit
  * either way: one nobody reads holds only its own process in the guest.
+ * @category Guest
  */
 export interface VmProcess {
   /** The command's standard output; read it, pipe it or destroy it (the process ends only once its output has come). */
@@ -57,6 +58,7 @@ export interface VmProcess {
 /**
  * Files of a VM's Linux guest ({@link GuestFiles} in this process): read, write (whole or
  * streamed), list, stat, mkdir, remove, rename. Every call takes `timeoutMs` and an AbortSignal.
+ * @category Guest
  */
 export interface VmFiles {
   /** The whole content of a regular file; larger than `maxBytes` (default 256 MiB) rejects with an OutputLimitError. */
@@ -79,7 +81,10 @@ export interface VmFiles {
   rename(from: string, to: string, options?: FilesCallOptions): Promise<void>;
 }
 
-/** The events every {@link VmApi} emits: its state changes and its end. */
+/**
+ * The events every {@link VmApi} emits: its state changes and its end.
+ * @category VM
+ */
 export type VmApiEvents = Pick<VmEvents, 'state' | 'exit'>;
 
 /**
@@ -105,6 +110,7 @@ export type VmApiEvents = Pick<VmEvents, 'state' | 'exit'>;
  * await tryIt(await Vm.start({ guest: 'linux' }));
  * await tryIt(await VmHandle.connect('T1'));
  * ```
+ * @category VM
  */
 export interface VmApi {
   /** The VM's name (a {@link VmHandle}'s id). */

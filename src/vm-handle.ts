@@ -18,13 +18,22 @@ import type { GuestProcess } from './guest/linux-client';
 // For {@link} in the documentation only.
 import type { Vm } from './vm';
 
-/** Who a VM of another process is and what state it is in: the answer of {@link VmHandle.status}. */
+/**
+ * Who a VM of another process is and what state it is in: the answer of {@link VmHandle.status}.
+ * @category VM
+ */
 export type VmHandleStatus = ControlVmInfo;
 
-/** A VM's memory figures as its process reports them: the answer of {@link VmHandle.memoryUsage}. */
+/**
+ * A VM's memory figures as its process reports them: the answer of {@link VmHandle.memoryUsage}.
+ * @category VM
+ */
 export type VmHandleMemoryUsage = ControlMemory;
 
-/** Options of {@link VmHandle.connect}. */
+/**
+ * Options of {@link VmHandle.connect}.
+ * @category VM
+ */
 export interface ConnectOptions {
   /**
    * The VM's control socket, if `pvisor run` was given `--vm-socket PATH`. Default: `ID.sock` in
@@ -40,7 +49,10 @@ export interface ConnectOptions {
   operationTimeoutMs?: number;
 }
 
-/** Options of {@link VmHandle.exec}: those of {@link Vm.exec} ({@link ExecOptions}). */
+/**
+ * Options of {@link VmHandle.exec}: those of {@link Vm.exec} ({@link ExecOptions}).
+ * @category VM
+ */
 export type HandleExecOptions = ExecOptions;
 
 const STATUS_TIMEOUT_MS = 10_000;
@@ -69,6 +81,7 @@ const VM_STATES: ReadonlySet<string> = new Set(['starting', 'running', 'paused',
  * await vm.resume();
  * console.log((await vm.exec(['uname', '-a'])).stdout);
  * ```
+ * @category VM
  */
 export class VmHandle extends EventEmitter<VmApiEvents> implements VmApi {
   /** Files of the VM's Linux guest, as {@link Vm.files}. */
