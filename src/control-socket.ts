@@ -19,11 +19,14 @@
 import { lstatSync, mkdirSync, rmSync, chmodSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import { basename, isAbsolute, join } from 'node:path';
-import { ControlProtocolError, ControlSocketError, InvalidOptionError, PvisorError, TimeoutError, VmNotFoundError, VmStateError } from './errors';
+import { AbortError, CommandNotFoundError, ControlProtocolError, ControlSocketError, GuestRequestError, InvalidOptionError, OutputLimitError, PvisorError, TimeoutError, VmNotFoundError, VmStateError } from './errors';
 import type { ExecResult } from './guest/linux-client';
 import type { StrategyStats } from './memory/strategy';
 import type { Labels } from './labels';
-import type { GuestKind, SnapshotInfo, VmState } from './vm';
+import type { GuestKind, SnapshotInfo, VmMemoryUsage, VmState } from './vm';
+import type { DirEntry, FileStat } from './guest/file-wire';
+// For {@link} in the documentation only.
+import type { Vm } from './vm';
 
 /** The version of the control protocol this pvisor speaks; see docs/control-protocol.md. */
 export const CONTROL_PROTOCOL_VERSION = 1;
@@ -36,7 +39,35 @@ export type ControlRequest =
   | { op: 'resume' }
   | { op: 'snapshot'; dir: string; leavePaused: boolean }
   | { op: 'hibernate' }
-  | { op: 'stop' };
+  | { op: 'stop' }
+  | ControlFilesRequest
+  | ControlStreamRequest;
+
+/** A files call that is one request and one answer (docs/control-protocol.md, "Files"). */
+export type ControlFilesRequest =
+  | { op: 'files'; call: 'stat'; path: string; followSymlinks?: boolean; timeoutMs?: number }
+  | { op: 'files'; call: 'list'; path: string; maxEntries?: number; timeoutMs?: number }
+  | { op: 'files'; call: 'mkdir'; path: string; recursive?: boolean; mode?: number; timeoutMs?: number }
+  | { op: 'files'; call: 'remove'; path: string; recursive?: boolean; timeoutMs?: number }
+  | { op: 'files'; call: 'rename'; path: string; to: string; timeoutMs?: number };
+
+/**
+ * A request that turns its connection into a stream (docs/control-protocol.md, "Streams"): it
+ * must be the connection's first line; after its answer the connection carries frames.
+ */
+export type ControlStreamRequest =
+  | { op: 'spawn'; command: string | string[]; env?: Record<string, string>; cwd?: string; stdin: boolean; timeoutMs?: number }
+  | { op: 'files.readStream'; path: string; timeoutMs?: number }
+  | { op: 'files.writeStream'; path: string; mode?: number; timeoutMs?: number }
+  | { op: 'watch' };
+
+/** The ops of {@link ControlStreamRequest}. */
+const STREAM_OPS: ReadonlySet<string> = new Set(['spawn', 'files.readStream', 'files.writeStream', 'watch']);
+
+/** Is `r` a request that turns its connection into a stream? */
+export function isStreamRequest(r: ControlRequest): r is ControlStreamRequest {
+  return STREAM_OPS.has(r.op);
+}
 
 /**
  * Who the VM is and what state it is in.
@@ -58,10 +89,12 @@ export interface ControlVmInfo {
 }
 
 /**
- * A VM's memory figures, in bytes.
+/**
+ * A VM's memory figures, in bytes: those of {@link VmMemoryUsage} (what {@link Vm.memoryUsage}
+ * gives in the VM's process) and two of the control protocol's own.
  * @category VM
  */
-export interface ControlMemory {
+export interface ControlMemory extends VmMemoryUsage {
   /** PSS of guest RAM: what its pages cost the host. */
   guestRamResidentBytes: number;
   guestRamRssBytes: number;
@@ -86,11 +119,33 @@ export interface ControlHibernation {
 
 /** An answer from a VM's control socket. */
 export type ControlResponse =
-  | { ok: true; vm: ControlVmInfo; memory?: ControlMemory; before?: ControlMemory; tookMs?: number; releasedMs?: number; snapshot?: SnapshotInfo; exec?: ExecResult; hibernation?: ControlHibernation }
-  | { ok: false; error: { code: string; message: string }; vm?: ControlVmInfo; memory?: ControlMemory };
+  | {
+      ok: true;
+      vm: ControlVmInfo;
+      memory?: ControlMemory;
+      before?: ControlMemory;
+      tookMs?: number;
+      releasedMs?: number;
+      snapshot?: SnapshotInfo;
+      exec?: ExecResult;
+      hibernation?: ControlHibernation;
+      /** A spawn's guest pid. */
+      pid?: number;
+      /** A files call's answer: a stat's, a listing's entries. */
+      stat?: FileStat;
+      entries?: DirEntry[];
+    }
+  | { ok: false; error: ControlErrorPayload; vm?: ControlVmInfo; memory?: ControlMemory };
 
 /** What the server does with a request: the answer, and what to do once it has been sent. */
 export type ControlHandler = (request: ControlRequest) => Promise<{ response: ControlResponse; afterSent?: () => void }>;
+
+/**
+ * What the server does with a stream request ({@link ControlStreamRequest}), the first line of
+ * `conn`: it answers on `conn` and serves the stream; `leftover` is what the client sent after the
+ * line. `conn` is paused: the handler reads it when it is ready.
+ */
+export type ControlStreamHandler = (request: ControlStreamRequest, conn: Socket, leftover: Buffer) => void;
 
 /** A longer line is not a request: the connection is closed. */
 const MAX_LINE_BYTES = 64 * 1024;
@@ -169,30 +224,149 @@ export function parseRequest(line: string): ControlRequest {
       if (r!.leavePaused !== undefined && typeof r!.leavePaused !== 'boolean') throw new InvalidOptionError('control request', 'snapshot: leavePaused must be true or false');
       return { op: 'snapshot', dir: r!.dir, leavePaused: r!.leavePaused === true };
     }
+    case 'spawn': {
+      const command = r!.command;
+      const argv = Array.isArray(command) && command.length > 0 && command.every((w) => typeof w === 'string');
+      if (!argv && !(typeof command === 'string' && command.trim())) throw new InvalidOptionError('control request', 'spawn: command must be a non-empty string or array of strings');
+      const env = r!.env;
+      if (env !== undefined && (env === null || typeof env !== 'object' || Array.isArray(env) || !Object.values(env).every((v) => typeof v === 'string'))) {
+        throw new InvalidOptionError('control request', 'spawn: env must be an object of strings');
+      }
+      return {
+        op: 'spawn',
+        command: command as string | string[],
+        ...(env !== undefined && { env: { ...(env as Record<string, string>) } }),
+        ...optionalField(r!, 'spawn', 'cwd', 'string'),
+        stdin: booleanField(r!, 'spawn', 'stdin') ?? false,
+        ...timeoutField(r!, 'spawn'),
+      };
+    }
+    case 'files.readStream':
+      return { op: 'files.readStream', path: pathField(r!, 'files.readStream', 'path'), ...timeoutField(r!, 'files.readStream') };
+    case 'files.writeStream':
+      return { op: 'files.writeStream', path: pathField(r!, 'files.writeStream', 'path'), ...optionalField(r!, 'files.writeStream', 'mode', 'number'), ...timeoutField(r!, 'files.writeStream') };
+    case 'watch':
+      return { op: 'watch' };
+    case 'files':
+      return parseFilesRequest(r!);
     default:
-      throw new InvalidOptionError('control request', `expected {"v": 1, "op": "status" | "exec" | "suspend" | "resume" | "snapshot" | "hibernate" | "stop"}, got ${JSON.stringify(line.slice(0, 80))}`);
+      throw new InvalidOptionError('control request', `expected {"v": 1, "op": "status" | "exec" | "suspend" | "resume" | "snapshot" | "hibernate" | "stop" | "files" | "spawn" | "files.readStream" | "files.writeStream" | "watch"}, got ${JSON.stringify(line.slice(0, 80))}`);
   }
 }
 
+/** A files call's request, its fields checked for type (their values are checked where they are used, as for a call in the VM's own process). */
+function parseFilesRequest(r: Record<string, unknown>): ControlFilesRequest {
+  const what = `files.${String(r.call)}`;
+  const path = pathField(r, what, 'path');
+  const timeout = timeoutField(r, what);
+  switch (r.call) {
+    case 'stat':
+      return { op: 'files', call: 'stat', path, ...optionalField(r, what, 'followSymlinks', 'boolean'), ...timeout };
+    case 'list':
+      return { op: 'files', call: 'list', path, ...optionalField(r, what, 'maxEntries', 'number'), ...timeout };
+    case 'mkdir':
+      return { op: 'files', call: 'mkdir', path, ...optionalField(r, what, 'recursive', 'boolean'), ...optionalField(r, what, 'mode', 'number'), ...timeout };
+    case 'remove':
+      return { op: 'files', call: 'remove', path, ...optionalField(r, what, 'recursive', 'boolean'), ...timeout };
+    case 'rename':
+      return { op: 'files', call: 'rename', path, to: pathField(r, what, 'to'), ...timeout };
+    default:
+      throw new InvalidOptionError('control request', `files: call must be "stat", "list", "mkdir", "remove" or "rename", got ${JSON.stringify(r.call)}`.slice(0, 200));
+  }
+}
+
+/** The longest path a request carries (the agent's own bound is PATH_MAX; this only keeps junk short). */
+const MAX_REQUEST_PATH_CHARS = 4096;
+
+function pathField(r: Record<string, unknown>, what: string, key: string): string {
+  const v = r[key];
+  if (typeof v !== 'string' || !v || v.length > MAX_REQUEST_PATH_CHARS) throw new InvalidOptionError('control request', `${what}: ${key} must be a path of 1 to ${MAX_REQUEST_PATH_CHARS} characters`);
+  return v;
+}
+
+function booleanField(r: Record<string, unknown>, what: string, key: string): boolean | undefined {
+  const v = r[key];
+  if (v !== undefined && typeof v !== 'boolean') throw new InvalidOptionError('control request', `${what}: ${key} must be true or false`);
+  return v;
+}
+
+function optionalField<K extends string, T extends 'string' | 'number' | 'boolean'>(r: Record<string, unknown>, what: string, key: K, type: T): { [k in K]?: T extends 'string' ? string : T extends 'number' ? number : boolean } {
+  const v = r[key];
+  if (v === undefined) return {};
+  if (typeof v !== type || (type === 'number' && !Number.isFinite(v as number)) || (type === 'string' && (v as string).length > MAX_REQUEST_PATH_CHARS)) {
+    throw new InvalidOptionError('control request', `${what}: ${key} must be a ${type}`);
+  }
+  return { [key]: v } as { [k in K]?: T extends 'string' ? string : T extends 'number' ? number : boolean };
+}
+
+function timeoutField(r: Record<string, unknown>, what: string): { timeoutMs?: number } {
+  const v = r.timeoutMs;
+  if (v === undefined) return {};
+  if (typeof v !== 'number' || !Number.isSafeInteger(v) || v < 1 || v > 2 ** 31 - 1) throw new InvalidOptionError('control request', `${what}: timeoutMs must be a whole number of ms from 1 to 2^31-1`);
+  return { timeoutMs: v };
+}
+
 /** An error as it travels in a response. */
-export function errorPayload(e: unknown): { code: string; message: string } {
+export function errorPayload(e: unknown): ControlErrorPayload {
+  if (e instanceof CommandNotFoundError) return { code: e.code, message: e.message, kind: 'command-not-found', command: e.command, guestCode: e.guestCode, op: e.op, ...(e.call !== undefined && { call: e.call }), ...(e.errno !== undefined && { errno: e.errno }) };
+  if (e instanceof GuestRequestError) return { code: e.code, message: e.message, guestCode: e.guestCode, op: e.op, ...(e.call !== undefined && { call: e.call }), ...(e.errno !== undefined && { errno: e.errno }) };
+  if (e instanceof OutputLimitError) return { code: e.code, message: e.message, limitBytes: e.limitBytes };
+  if (e instanceof InvalidOptionError) return { code: e.code, message: e.message, option: e.option };
   if (e instanceof PvisorError) return { code: e.code, message: e.message };
   return { code: 'PVISOR_INTERNAL', message: e instanceof Error ? e.message : String(e) };
+}
+
+/**
+ * An error as it travels: its code and message, and the fields its class carries (a guest
+ * error's errno and call, an output limit, an option's name), so the client rebuilds the class.
+ * @category VM
+ */
+export interface ControlErrorPayload {
+  code: string;
+  message: string;
+  kind?: 'command-not-found';
+  command?: string;
+  guestCode?: number;
+  op?: number;
+  call?: string;
+  errno?: string;
+  limitBytes?: number;
+  option?: string;
 }
 
 /**
  * The error an answer carries, as the typed error the client throws: the classes a caller is
  * likely to handle by kind keep theirs, the others are a {@link PvisorError} with the same code.
  */
-export function errorFromPayload(error: { code: string; message: string }): PvisorError {
+export function errorFromPayload(error: ControlErrorPayload): PvisorError {
+  const message = String(error.message).slice(0, 4096);
+  const str = (v: unknown) => (typeof v === 'string' ? v.slice(0, 4096) : undefined);
+  const int = (v: unknown) => (typeof v === 'number' && Number.isSafeInteger(v) ? v : 0);
   switch (error.code) {
     case 'PVISOR_VM_STATE':
-      return new VmStateError(error.message);
+      return new VmStateError(message);
     case 'PVISOR_TIMEOUT':
-      return new TimeoutError(error.message);
+      return new TimeoutError(message);
+    case 'PVISOR_ABORTED':
+      return new AbortError(message);
+    case 'PVISOR_OUTPUT_LIMIT':
+      return new OutputLimitError(typeof error.limitBytes === 'number' ? error.limitBytes : 0, message);
+    case 'PVISOR_INVALID_OPTION':
+      return withMessage(new InvalidOptionError(str(error.option) ?? 'option', ''), message);
+    case 'PVISOR_GUEST_REQUEST': {
+      const cause = new GuestRequestError(int(error.guestCode), message, { op: int(error.op), call: str(error.call), errno: str(error.errno) });
+      if (error.kind !== 'command-not-found' || typeof error.command !== 'string') return cause;
+      return withMessage(new CommandNotFoundError(error.command.slice(0, 4096), cause), message);
+    }
     default:
-      return new PvisorError(error.code, error.message);
+      return new PvisorError(String(error.code).slice(0, 100), message);
   }
+}
+
+/** `e` with the message it had where it was thrown (a constructor that words its own would word it twice). */
+function withMessage<E extends Error>(e: E, message: string): E {
+  Object.defineProperty(e, 'message', { value: message, writable: true, configurable: true });
+  return e;
 }
 
 /** Is somebody listening on `path`? A file there that is not a socket is an error. */
@@ -233,11 +407,12 @@ export class ControlServer {
    * Claims `path` for VM `id` and answers requests with `handler`. A live socket there is an
    * {@link InvalidOptionError} (the id is taken); a stale one (no listener) is replaced.
    */
-  static async listen(path: string, id: string, handler: ControlHandler): Promise<ControlServer> {
+  static async listen(path: string, id: string, handler: ControlHandler, streams?: ControlStreamHandler): Promise<ControlServer> {
     if (Buffer.byteLength(path) > MAX_SOCKET_PATH_BYTES) {
       throw new InvalidOptionError('control socket', `${path} is longer than the ${MAX_SOCKET_PATH_BYTES} bytes a Unix socket path may have; set PVISOR_RUNTIME_DIR to a shorter directory`);
     }
-    const server = createServer((conn) => serve(conn, handler));
+    const openStreams = { count: 0 };
+    const server = createServer((conn) => serve(conn, handler, streams, openStreams));
     // Two runs of one id racing: both may see no socket, one of them gets EADDRINUSE and looks again.
     for (let attempt = 0; ; attempt++) {
       const found = await probeSocket(path);
@@ -275,6 +450,11 @@ export class ControlServer {
 }
 
 /**
+ * Streams (spawned processes, file streams, watches) a VM's socket serves at once, from all its
+ * clients: each holds a connection and up to a window per channel, so their number is bounded too.
+ */
+export const MAX_OPEN_STREAMS = 256;
+/**
  * Requests of one connection that may wait for their answer at once: beyond it the connection is
  * not read (the kernel's socket buffer fills and the client waits), so a client pipelining
  * requests cannot grow the VM's process (294k queued requests grew it by 681 MiB).
@@ -288,27 +468,61 @@ const MAX_QUEUED_REQUESTS = 16;
  */
 const MAX_UNSENT_ANSWER_BYTES = 64 * 1024;
 
-function serve(conn: Socket, handler: ControlHandler): void {
-  let buffered = '';
+function serve(conn: Socket, handler: ControlHandler, streams: ControlStreamHandler | undefined, openStreams: { count: number }): void {
+  // Bytes, not text: after a stream request the connection carries frames.
+  let buffered: Buffer = Buffer.alloc(0);
   let chain = Promise.resolve();
   let queued = 0;
-  conn.setEncoding('utf8');
+  let lines = 0;
+  let upgraded = false;
   conn.on('error', () => {}); // a client that goes away mid-answer is not the VM's problem
+  const refuse = (message: string) => {
+    conn.end(`${JSON.stringify({ v: CONTROL_PROTOCOL_VERSION, ok: false, error: { code: 'PVISOR_INVALID_OPTION', message } })}\n`);
+    buffered = Buffer.alloc(0);
+  };
   // Takes complete lines off the buffer while fewer than the bound wait and the client takes its
   // answers; reads on only then. Over the bound, a write returned false: 'drain' follows.
   const full = () => queued >= MAX_QUEUED_REQUESTS || conn.writableLength > MAX_UNSENT_ANSWER_BYTES;
   const pump = () => {
     let nl: number;
-    while (!full() && (nl = buffered.indexOf('\n')) >= 0) {
-      const line = buffered.slice(0, nl).trim();
-      buffered = buffered.slice(nl + 1);
+    while (!upgraded && !full() && (nl = buffered.indexOf(0x0a)) >= 0) {
+      const line = buffered.subarray(0, nl).toString('utf8').trim();
+      buffered = buffered.subarray(nl + 1);
       if (!line) continue;
+      let request: ControlRequest | undefined;
+      let refusal: unknown;
+      try {
+        request = parseRequest(line);
+      } catch (e) {
+        refusal = e;
+      }
+      if (request && isStreamRequest(request)) {
+        // A stream owns its connection: it must be the first request, and nothing follows it in JSON.
+        if (lines > 0 || !streams) {
+          // After the answers to the requests before it, in order; nothing after it is read.
+          upgraded = true;
+          const message = `control request: ${request.op} must be the first request of its connection`;
+          chain = chain.then(() => refuse(message));
+          return;
+        }
+        upgraded = true;
+        if (openStreams.count >= MAX_OPEN_STREAMS) return refuse(`control request: ${MAX_OPEN_STREAMS} streams of this VM are open; ${request.op} refused`);
+        openStreams.count++;
+        conn.once('close', () => openStreams.count--);
+        conn.off('data', onData);
+        conn.off('drain', pump);
+        conn.pause();
+        streams(request, conn, buffered);
+        return;
+      }
+      lines++;
       queued++;
       // One connection's requests are answered in order.
       chain = chain.then(async () => {
         let answer: Awaited<ReturnType<ControlHandler>>;
         try {
-          answer = await handler(parseRequest(line));
+          if (!request) throw refusal;
+          answer = await handler(request);
         } catch (e) {
           answer = { response: { ok: false, error: errorPayload(e) } };
         }
@@ -318,19 +532,17 @@ function serve(conn: Socket, handler: ControlHandler): void {
         pump();
       });
     }
+    if (upgraded) return;
     if (full()) conn.pause();
     else if (!conn.destroyed) conn.resume();
   };
-  conn.on('drain', pump);
-  conn.on('data', (chunk: string) => {
-    buffered += chunk;
-    if (buffered.length > MAX_LINE_BYTES && !buffered.slice(0, MAX_LINE_BYTES + 1).includes('\n')) {
-      conn.end(`${JSON.stringify({ v: CONTROL_PROTOCOL_VERSION, ok: false, error: { code: 'PVISOR_INVALID_OPTION', message: `control request: longer than ${MAX_LINE_BYTES} bytes` } })}\n`);
-      buffered = '';
-      return;
-    }
+  const onData = (chunk: Buffer) => {
+    buffered = buffered.length ? Buffer.concat([buffered, chunk]) : chunk;
+    if (buffered.length > MAX_LINE_BYTES && buffered.subarray(0, MAX_LINE_BYTES + 1).indexOf(0x0a) < 0) return refuse(`control request: longer than ${MAX_LINE_BYTES} bytes`);
     pump();
-  });
+  };
+  conn.on('drain', pump);
+  conn.on('data', onData);
 }
 
 /**

@@ -12,7 +12,8 @@
 export { Vm } from './vm';
 export { VmHandle } from './vm-handle';
 export type { ConnectOptions, HandleExecOptions, VmHandleStatus, VmHandleMemoryUsage } from './vm-handle';
-export type { ControlMemory, ControlVmInfo } from './control-socket';
+export type { VmApi, VmApiEvents, VmFiles, VmProcess } from './vm-api';
+export type { ControlMemory, ControlVmInfo, ControlErrorPayload } from './control-socket';
 export type { VmListEntry, VmListOptions } from './vm-list';
 export type { Labels } from './labels';
 export type { TimeoutAction } from './lifetime';

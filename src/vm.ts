@@ -24,6 +24,7 @@ import { parseLogger, VmLog, type Logger } from './logger';
 import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
+import type { VmApi } from './vm-api';
 import { parseWarningLimit, WarningLimiter, type WarningLimit } from './warning-limit';
 import { vmBusy, vmGone, vmIdle, vmStarted } from './sys/process-pages';
 import { parseEnvironment } from './guest/environment';
@@ -431,7 +432,7 @@ let vmCounter = 0;
  * A virtual machine. Create one with {@link Vm.start}.
  * @category VM
  */
-export class Vm extends EventEmitter<VmEvents> {
+export class Vm extends EventEmitter<VmEvents> implements VmApi {
   /** Name given in the options, or `vm-<n>`. */
   readonly name: string;
   /** Guest RAM capacity in bytes. */

@@ -27,6 +27,7 @@ import {
   type ControlVmInfo,
 } from '../control-socket';
 import { validateVmName } from '../vm-name';
+import { filesCall, serveRunStream } from './run-streams';
 
 /** What ended a run from outside its steps. */
 export type StopCause = 'pvisor stop' | 'SIGINT' | 'SIGTERM';
@@ -69,7 +70,8 @@ const SIGNAL_EXIT: Record<StopCause, number> = {
 
 /** The control socket and signal handling of one `pvisor run`. */
 export class RunControl {
-  private vm: Vm | undefined;
+  /** @internal The VM once booted (its streams are served against it). */
+  vm: Vm | undefined;
   /** Control operations run one at a time: two suspends at once would pause twice. */
   private queue: Promise<unknown> = Promise.resolve();
   private cause: StopCause | undefined;
@@ -103,7 +105,12 @@ export class RunControl {
       if (!explicit) ensureRuntimeDir(runtimeDir());
       try {
         const self: { control?: RunControl } = {};
-        const server = await ControlServer.listen(path, id, (r) => self.control!.handle(r));
+        const server = await ControlServer.listen(
+          path,
+          id,
+          (r) => self.control!.handle(r),
+          (r, conn, leftover) => serveRunStream(self.control!.vm, () => self.control!.info(), r, conn, leftover),
+        );
         // Holding the socket, the id is ours to check: a hibernated VM of this id has no process
         // listening, and a new VM must not take its id from under it.
         if (!description.resuming && existsSync(recordPathFor(path))) {
@@ -182,7 +189,7 @@ export class RunControl {
 
   private readonly handle: ControlHandler = (request: ControlRequest) =>
     // A command may run for long: it is not queued behind, nor holds up, pause, resume or stop.
-    request.op === 'exec' ? this.exec(request) : this.enqueue(async () => {
+    request.op === 'exec' ? this.exec(request) : request.op === 'files' ? this.files(request) : this.enqueue(async () => {
       const vm = this.vm;
       if (!vm) return { response: { ok: false, error: errorPayload(new VmStateError(`${this.id} is starting`)), vm: this.info() } };
       try {
@@ -219,6 +226,9 @@ export class RunControl {
           }
           case 'stop':
             return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop('pvisor stop') };
+          default:
+            // Streams are served on their own connections (ControlServer), files calls above.
+            throw new VmStateError(`${request.op} is not a queued request`);
         }
       } catch (e) {
         return { response: { ok: false, error: errorPayload(e), vm: this.info(), memory: this.memory() } };
@@ -298,7 +308,18 @@ export class RunControl {
     }
   }
 
-  private info(): ControlVmInfo {
+  /** A files call: as exec, not queued behind lifecycle operations. */
+  private async files(request: ControlRequest & { op: 'files' }): Promise<{ response: ControlResponse }> {
+    try {
+      if (!this.vm) throw new VmStateError(`${this.id} is starting`);
+      return { response: { ok: true, vm: this.info(), ...(await filesCall(this.vm, request)) } };
+    } catch (e) {
+      return { response: { ok: false, error: errorPayload(e), vm: this.info() } };
+    }
+  }
+
+  /** @internal Who the VM is, for answers. */
+  info(): ControlVmInfo {
     const d = this.description;
     const labels = this.vm?.labels ?? d.labels ?? {};
     return { id: this.id, pid: process.pid, state: this.vm?.state ?? 'starting', guest: d.guest, memoryBytes: d.memoryBytes, vcpus: d.vcpus, labels, startedAt: this.startedAt };
@@ -311,6 +332,7 @@ export class RunControl {
     let bytesOnDisk = 0;
     for (const s of u.strategies) bytesOnDisk += s.figures.bytesOnDisk ?? 0;
     return {
+      ...u,
       guestRamResidentBytes: u.guestRamPssBytes,
       guestRamRssBytes: u.guestRamRssBytes,
       processPssBytes: u.processPssBytes,

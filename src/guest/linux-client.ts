@@ -13,6 +13,7 @@ import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { booleanOption, parseTimeoutMs } from '../units';
 import { GuestOutput } from './guest-output';
+import type { VmFiles, VmProcess } from '../vm-api';
 import { mergeEnvironment } from './environment';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
@@ -275,7 +276,7 @@ function signalNumber(signal: NodeJS.Signals | number): number {
  * A process running in the guest.
  * @category Guest
  */
-export class GuestProcess {
+export class GuestProcess implements VmProcess {
   /**
    * The command's standard output. Up to 256 KiB (the stream's credit window) waits for a
    * consumer; beyond it the guest sends nothing more of it until it is read, and the command
@@ -707,7 +708,7 @@ function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
  * UTF-8 without NUL, relative ones relative to `/`.
  * @category Guest
  */
-export class GuestFiles {
+export class GuestFiles implements VmFiles {
   /** @internal */
   constructor(private readonly agent: AgentClient) {}
 

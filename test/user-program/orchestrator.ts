@@ -12,6 +12,7 @@ import {
   Vm,
   VmHandle,
   type ExecResult,
+  type VmApi,
   type VmOptions,
 } from 'pvisor';
 import type { MemoryStrategy, StrategyContext, StrategyStats } from 'pvisor/strategy';
@@ -71,6 +72,26 @@ async function orchestrate(): Promise<void> {
   for (const entry of await Vm.list({ labels: { team: 'agents' } })) console.log(entry.name, entry.state);
   const handle = await VmHandle.connect('agent-1');
   console.log((await handle.exec('true')).exitCode);
+  // One function for a VM of this process and one of another.
+  await useEither(vm);
+  await useEither(handle);
+}
+
+/** What a strict user writes against VmApi, for a Vm or a VmHandle alike. */
+async function useEither(vm: VmApi): Promise<void> {
+  vm.on('state', (state, previous) => console.log(`${vm.name}: ${previous} -> ${state}`));
+  await vm.files.write('/tmp/in.txt', 'hello');
+  const r = await vm.exec('wc -c < /tmp/in.txt', { env: { LANG: 'C' }, cwd: '/tmp', onStdout: (t) => console.log(t) });
+  const bytes = await vm.exec(['cat', '/tmp/in.txt'], { encoding: 'buffer' });
+  console.log(r.stdout.trim(), bytes.stdout.length);
+  const p = vm.spawn(['cat'], { stdin: true });
+  p.stdout.pipe(process.stdout);
+  await p.write('x');
+  await p.end();
+  console.log(await p.pid, (await p.exited).exitCode);
+  console.log((await vm.memoryUsage()).guestRamPssBytes);
+  await vm.suspend();
+  await vm.resume();
 }
 
 orchestrate().catch((e: unknown) => {
