@@ -33,6 +33,8 @@ export {
   GuestCrashError,
   GuestRequestError,
   CommandNotFoundError,
+  UnknownUserError,
+  GuestFeatureError,
   VmStateError,
   TimeoutError,
   AbortError,

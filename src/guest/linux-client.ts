@@ -14,6 +14,7 @@ import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { booleanOption, parseTimeoutMs } from '../units';
 import { GuestOutput } from './guest-output';
 import { mergeEnvironment } from './environment';
+import { userOption } from './guest-user';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
@@ -76,6 +77,12 @@ export interface FilesCallOptions extends RequestTimeout {
    * rename) is not undone if it was already sent.
    */
   signal?: AbortSignal;
+  /**
+   * Linux guest: the user the call runs as, a name from the guest's /etc/passwd (with its groups
+   * from /etc/group) or `"uid:gid"`: the guest checks every path as that user's, and what the
+   * call creates is that user's. Default: root. An unknown name is an {@link UnknownUserError}.
+   */
+  user?: string;
 }
 
 function requestTimeout(options: RequestTimeout | undefined): number {
@@ -88,9 +95,9 @@ function abortSignal(value: unknown): AbortSignal | undefined {
   throw new InvalidOptionError('signal', `expected an AbortSignal, got ${value === null ? 'null' : typeof value}`);
 }
 
-/** The timeout and signal of a files call, checked. */
-function callLimits(options: FilesCallOptions): { timeoutMs: number; signal: AbortSignal | undefined } {
-  return { timeoutMs: requestTimeout(options), signal: abortSignal(options.signal) };
+/** The timeout, signal and user of a files call, checked. */
+function callLimits(agent: AgentClient, options: FilesCallOptions): { timeoutMs: number; signal: AbortSignal | undefined; user: string | undefined } {
+  return { timeoutMs: requestTimeout(options), signal: abortSignal(options.signal), user: userOption(agent, options.user) };
 }
 
 /** A command: an argv array, or a string that `/bin/sh -c` runs. */
@@ -118,6 +125,14 @@ export interface SpawnOptions {
    * {@link AbortError}; a signal that has already aborted starts nothing.
    */
   signal?: AbortSignal;
+  /**
+   * The user the command runs as: a name from the guest's /etc/passwd (its groups from
+   * /etc/group, HOME, USER and LOGNAME from its entry), or `"uid:gid"` (no other groups, HOME
+   * `/`). Groups, gid, then uid are set before the command's cwd is entered and it is executed.
+   * Default: root. An unknown name rejects with an {@link UnknownUserError}; a malformed one, or an
+   * agent that cannot run as a user, throws.
+   */
+  user?: string;
 }
 
 /** What every {@link Vm.exec} takes, whatever the output's encoding. */
@@ -135,6 +150,8 @@ export interface ExecCommonOptions {
   timeoutMs?: number;
   /** Aborting kills the command (SIGKILL) and rejects with an {@link AbortError}. */
   signal?: AbortSignal;
+  /** As {@link SpawnOptions.user}. */
+  user?: string;
   /**
    * The most bytes of stdout, and of stderr, that are collected: beyond it the command is killed
    * (SIGKILL) and exec rejects with an {@link OutputLimitError}. A whole number of bytes, or
@@ -169,8 +186,8 @@ export interface ExecBufferOptions extends ExecCommonOptions {
   onStderr?: (chunk: Buffer) => void;
 }
 
-const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true });
-const EXEC_OPTION_KEYS = optionKeys<ExecOptions | ExecBufferOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, maxBuffer: true, encoding: true, onStdout: true, onStderr: true });
+const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true });
+const EXEC_OPTION_KEYS = optionKeys<ExecOptions | ExecBufferOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true, maxBuffer: true, encoding: true, onStdout: true, onStderr: true });
 
 /** Default of {@link ExecOptions.maxBuffer}. */
 const DEFAULT_MAX_BUFFER = 1024 * 1024;
@@ -284,7 +301,7 @@ export class GuestProcess {
     private readonly agent: AgentClient,
     argvPayload: Buffer,
     limits: { timeoutMs?: number; signal?: AbortSignal } = {},
-    what: { call?: string; argv0?: string; stdin?: boolean } = {},
+    what: { call?: string; argv0?: string; stdin?: boolean; user?: string } = {},
   ) {
     this.stdinOpen = what.stdin === true;
     const stdout = new GuestOutput(agent, CHUNK_STDOUT);
@@ -311,6 +328,7 @@ export class GuestProcess {
       },
       holdsChunks: true,
       call: what.call,
+      user: what.user,
     });
     this.handle = req.id;
     stdout.attach(req.id);
@@ -438,6 +456,7 @@ export class LinuxGuest {
   private startProcess(method: string, command: Command, options: SpawnOptions): GuestProcess {
     const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const signal = abortSignal(options.signal);
+    const user = userOption(this.agent, options.user);
     const argv = typeof command === 'string' ? ['/bin/sh', '-c', command] : [...command];
     if (!argv.length || !argv[0]) throw new InvalidOptionError('command', 'empty command');
     const env = Object.entries(mergeEnvironment(this.sandboxEnv, options.env)).map(([k, v]) => {
@@ -451,7 +470,7 @@ export class LinuxGuest {
       ...env.map((e) => str(e, 'env')),
     ]);
     if (payload.length > MAX_PAYLOAD_BYTES) throw new InvalidOptionError('command', 'command line and environment exceed 1 MiB');
-    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0], stdin: options.stdin === true });
+    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0], stdin: options.stdin === true, user });
   }
 
   /** Runs a command to its end and collects its output. */
@@ -467,7 +486,7 @@ export class LinuxGuest {
       stdout: callbackOption('onStdout', options.onStdout as ((b: Buffer) => void) | undefined),
       stderr: callbackOption('onStderr', options.onStderr as ((b: Buffer) => void) | undefined),
     };
-    const p = this.startProcess('exec', command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal });
+    const p = this.startProcess('exec', command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal, user: options.user });
     const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
     const sizes = { stdout: 0, stderr: 0 };
     const collect = (name: 'stdout' | 'stderr') => (b: Buffer) => {
@@ -668,11 +687,11 @@ export class GuestFiles {
    */
   async read(path: string, options: ReadOptions = {}): Promise<Buffer> {
     const maxBytes = byteLimit('maxBytes', options.maxBytes, DEFAULT_MAX_FILE_BYTES);
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const parts: Buffer[] = [];
     let size = 0;
     const req = this.agent.start(FileOp.Read, pathField(path), {
-      call: callText('files.read', path),
+      call: callText('files.read', path), user,
       onChunk: (_f, p) => {
         size += p.length;
         if (size > maxBytes) {
@@ -701,7 +720,7 @@ export class GuestFiles {
    * differs from what it sent. Destroying it before its end closes the file in the guest.
    */
   readStream(path: string, options: FilesCallOptions = {}): Readable {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const payload = pathField(path);
     if (signal?.aborted) return new Readable({ read() {} }).destroy(abortError(`reading ${path}`, signal)); // nothing sent
     let received = 0;
@@ -721,7 +740,7 @@ export class GuestFiles {
     const s = out.readable;
     const onAbort = () => s.destroy(abortError(`reading ${path}`, signal!));
     const req = this.agent.start(FileOp.Read, payload, {
-      call: callText('files.readStream', path),
+      call: callText('files.readStream', path), user,
       onChunk: (_f, p) => {
         received += p.length;
         if (out.deliver(p)) arm();
@@ -774,7 +793,7 @@ export class GuestFiles {
       await pipeline(data, this.writeStream(path, options));
       return;
     }
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const mode = modeField('mode', options.mode, 0o644);
     const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data.buffer, data.byteOffset, data.byteLength);
     const p = pathField(path);
@@ -785,7 +804,7 @@ export class GuestFiles {
     let i = 0;
     for (const chunk of frameChunks(bytes)) {
       const flags = WRITE_MKDIRS | (i++ > 0 ? WRITE_APPEND : 0);
-      await this.agent.request(FileOp.Write, Buffer.concat([u32s(flags, mode), p, chunk]), { timeoutMs, signal, call: callText('files.write', path) });
+      await this.agent.request(FileOp.Write, Buffer.concat([u32s(flags, mode), p, chunk]), { timeoutMs, signal, call: callText('files.write', path), user });
     }
   }
 
@@ -800,7 +819,7 @@ export class GuestFiles {
    * guest; what was written stays.
    */
   writeStream(path: string, options: WriteOptions = {}): Writable {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const mode = modeField('mode', options.mode, 0o644);
     const payload = Buffer.concat([u32s(WRITE_MKDIRS, mode), pathField(path)]);
     if (signal?.aborted) return new Writable({ write: (_c, _e, cb) => cb() }).destroy(abortError(`writing ${path}`, signal)); // nothing sent
@@ -809,7 +828,7 @@ export class GuestFiles {
     let opened!: () => void;
     const open = new Promise<void>((resolve) => (opened = resolve));
     const handle = this.agent.start(FileOp.WriteOpen, payload, {
-      call: callText('files.writeStream', path),
+      call: callText('files.writeStream', path), user,
       onChunk: (flags) => {
         if (flags === CHUNK_OPENED) opened();
       },
@@ -865,11 +884,11 @@ export class GuestFiles {
    * {@link GuestRequestError} (`ENOTDIR`).
    */
   async list(path: string, options: ListOptions = {}): Promise<DirEntry[]> {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const maxEntries = byteLimit('maxEntries', options.maxEntries, DEFAULT_MAX_ENTRIES, 'entries');
     const entries: DirEntry[] = [];
     const req = this.agent.start(FileOp.List, pathField(path), {
-      call: callText('files.list', path),
+      call: callText('files.list', path), user,
       onChunk: (_f, p) => {
         try {
           decodeEntries(p, entries);
@@ -890,30 +909,30 @@ export class GuestFiles {
 
   /** A file's type, mode, owner, size and mtime; a symlink's own unless `followSymlinks`, with its target. */
   async stat(path: string, options: StatOptions = {}): Promise<FileStat> {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const follow = booleanOption('followSymlinks', options.followSymlinks, false);
-    return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.stat', path) }));
+    return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.stat', path), user }));
   }
 
   /** Creates a directory (mode default 0o755, set exactly); an existing one is `EEXIST` unless `recursive`. */
   async mkdir(path: string, options: MkdirOptions = {}): Promise<void> {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const recursive = booleanOption('recursive', options.recursive, false);
     const mode = modeField('mode', options.mode, 0o755);
-    await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal, call: callText('files.mkdir', path) });
+    await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal, call: callText('files.mkdir', path), user });
   }
 
   /** Removes a file, a symlink or an empty directory; with `recursive`, a whole tree. */
   async remove(path: string, options: RemoveOptions = {}): Promise<void> {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const recursive = booleanOption('recursive', options.recursive, false);
-    decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.remove', path) }), 'FILE_REMOVE');
+    decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.remove', path), user }), 'FILE_REMOVE');
   }
 
   /** Renames (moves) `from` to `to` within the guest's filesystem, replacing `to` as rename(2) does. */
   async rename(from: string, to: string, options: FilesCallOptions = {}): Promise<void> {
-    const { timeoutMs, signal } = callLimits(options);
-    await this.agent.request(FileOp.Rename, Buffer.concat([pathField(from, 'from'), pathField(to, 'to')]), { timeoutMs, signal, call: callText('files.rename', from, to) });
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
+    await this.agent.request(FileOp.Rename, Buffer.concat([pathField(from, 'from'), pathField(to, 'to')]), { timeoutMs, signal, call: callText('files.rename', from, to), user });
   }
 }
 
