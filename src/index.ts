@@ -19,6 +19,8 @@ export type { TimeoutAction } from './lifetime';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, HibernateOptions, HibernateInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
+export { GuestPty, GuestPtys } from './guest/pty';
+export type { PtyCreateOptions, PtySize } from './guest/pty';
 export type { Command, ExecCommonOptions, ExecOptions, ExecBufferOptions, ExecResult, ExecBufferResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout, FilesCallOptions, ReadOptions, WriteOptions, ListOptions, StatOptions, MkdirOptions, RemoveOptions } from './guest/linux-client';
 export type { DirEntry, FileStat, FileType } from './guest/file-wire';
 export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ZeroOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';

@@ -9,6 +9,7 @@ import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
 import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
+import type { GuestPtys } from './guest/pty';
 import { LinuxGuest, type Command, type ExecBufferOptions, type ExecBufferResult, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
@@ -957,6 +958,14 @@ export class Vm extends EventEmitter<VmEvents> {
    */
   get files(): GuestFiles {
     return this.linuxGuest.files;
+  }
+
+  /**
+   * Terminals of the Linux guest: `vm.pty.create({ cols, rows, cmd })` runs a command on a new
+   * pseudo-terminal, with its output, input, `resize` and `kill` ({@link GuestPtys}).
+   */
+  get pty(): GuestPtys {
+    return this.linuxGuest.pty;
   }
 
   /** The Linux guest's own memory figures (/proc/meminfo). */

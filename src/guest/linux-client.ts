@@ -15,6 +15,7 @@ import { booleanOption, parseTimeoutMs } from '../units';
 import { GuestOutput } from './guest-output';
 import { mergeEnvironment } from './environment';
 import { userOption } from './guest-user';
+import { GuestPtys } from './pty';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
@@ -46,6 +47,8 @@ const CHUNK_STDOUT = 1;
 const CHUNK_STDERR = 2;
 const CHUNK_STARTED = 4;
 const EXEC_STDIN = 1;
+/** EXEC's flags bit 1: the command runs on a new terminal (docs/agent-protocol.md, EXEC). */
+const EXEC_PTY = 2;
 const WRITE_APPEND = 1;
 const WRITE_MKDIRS = 2;
 /** Data per STDIN_WRITE / FILE_WRITE frame, well inside the 1 MiB payload limit. */
@@ -420,6 +423,11 @@ export class GuestProcess {
     return next;
   }
 
+  /** The EXEC's request id, which names the process in the agent's requests. @internal */
+  get requestId(): number {
+    return this.handle;
+  }
+
   /** Sends a signal to the process and everything it started (its process group). */
   async kill(signal: NodeJS.Signals | number = 'SIGTERM', options?: RequestTimeout): Promise<void> {
     await this.agent.request(LinuxOp.Kill, u32s(this.handle, signalNumber(signal)), { timeoutMs: requestTimeout(options) });
@@ -430,6 +438,8 @@ export class GuestProcess {
 export class LinuxGuest {
   /** Files in the guest. */
   readonly files: GuestFiles;
+  /** Terminals in the guest. */
+  readonly pty: GuestPtys;
 
   /**
    * @internal
@@ -440,6 +450,7 @@ export class LinuxGuest {
     private readonly sandboxEnv: Readonly<Record<string, string>> = {},
   ) {
     this.files = new GuestFiles(agent);
+    this.pty = new GuestPtys(agent, (method, command, options, terminal) => this.startProcess(method, command, options, terminal));
   }
 
   /**
@@ -452,8 +463,12 @@ export class LinuxGuest {
     return this.startProcess('spawn', command, options);
   }
 
-  /** {@link spawn} for `method` (spawn or exec), which the process's errors name. */
-  private startProcess(method: string, command: Command, options: SpawnOptions): GuestProcess {
+  /**
+   * {@link spawn} for `method` (spawn, exec, pty.create), which the process's errors name; with a
+   * `terminal`, on a new terminal of that size (EXEC_PTY: its stdin, stdout and stderr).
+   * @internal
+   */
+  startProcess(method: string, command: Command, options: SpawnOptions, terminal?: { cols: number; rows: number }): GuestProcess {
     const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const signal = abortSignal(options.signal);
     const user = userOption(this.agent, options.user);
@@ -464,7 +479,7 @@ export class LinuxGuest {
       return `${k}=${v}`;
     });
     const payload = Buffer.concat([
-      u32s(options.stdin ? EXEC_STDIN : 0, argv.length, env.length, 0),
+      u32s((options.stdin ? EXEC_STDIN : 0) | (terminal ? EXEC_PTY : 0), argv.length, env.length, terminal ? terminal.cols + terminal.rows * 0x10000 : 0),
       str(options.cwd ?? '', 'cwd'),
       ...argv.map((a) => str(a, 'command')),
       ...env.map((e) => str(e, 'env')),
