@@ -21,6 +21,8 @@ export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
 export { GuestPty, GuestPtys } from './guest/pty';
 export type { PtyCreateOptions, PtySize } from './guest/pty';
+export type { GuestProcessInfo } from './guest/process-registry';
+export type { OutputMode } from './guest/output-ring';
 export type { Command, ExecCommonOptions, ExecOptions, ExecBufferOptions, ExecResult, ExecBufferResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout, FilesCallOptions, ReadOptions, WriteOptions, ListOptions, StatOptions, MkdirOptions, RemoveOptions } from './guest/linux-client';
 export type { DirEntry, FileStat, FileType } from './guest/file-wire';
 export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ZeroOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';

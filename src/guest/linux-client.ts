@@ -16,6 +16,8 @@ import { GuestOutput } from './guest-output';
 import { mergeEnvironment } from './environment';
 import { userOption } from './guest-user';
 import { GuestPtys } from './pty';
+import { OutputRing, parseOutputMode, type OutputMode } from './output-ring';
+import { ProcessRegistry, type GuestProcessInfo } from './process-registry';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
@@ -136,6 +138,17 @@ export interface SpawnOptions {
    * agent that cannot run as a user, throws.
    */
   user?: string;
+  /**
+   * What becomes of the command's stdout: `'pipe'` (the default), the {@link GuestProcess.stdout}
+   * stream, which holds the command once a window of it waits unread; `'ignore'`, dropped as it
+   * comes (`stdout` is an empty stream); `{ keep: bytes }`, for a background process: drained as it
+   * comes, its last `bytes` (1 to 64 MiB) kept, to be read later with {@link GuestProcess.keptOutput}
+   * or followed with {@link GuestProcess.output}, also after {@link Vm.process} found it again
+   * (`stdout` is an empty stream).
+   */
+  stdout?: OutputMode;
+  /** As {@link stdout}, for stderr. */
+  stderr?: OutputMode;
 }
 
 /** What every {@link Vm.exec} takes, whatever the output's encoding. */
@@ -189,7 +202,7 @@ export interface ExecBufferOptions extends ExecCommonOptions {
   onStderr?: (chunk: Buffer) => void;
 }
 
-const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true });
+const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true, stdout: true, stderr: true });
 const EXEC_OPTION_KEYS = optionKeys<ExecOptions | ExecBufferOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true, maxBuffer: true, encoding: true, onStdout: true, onStderr: true });
 
 /** Default of {@link ExecOptions.maxBuffer}. */
@@ -288,6 +301,8 @@ export class GuestProcess {
   private readonly stdinOpen: boolean;
   /** The guest pid, once the program has started. */
   readonly pid: Promise<number>;
+  /** The kept tails of stdout and stderr (`{ keep }`), else undefined. */
+  private readonly rings: [OutputRing | undefined, OutputRing | undefined];
   /** Resolves when the process has ended and its output is complete; rejects if it never started. */
   readonly exited: Promise<ExitStatus>;
   private stdinQueue: Promise<unknown> = Promise.resolve();
@@ -304,13 +319,29 @@ export class GuestProcess {
     private readonly agent: AgentClient,
     argvPayload: Buffer,
     limits: { timeoutMs?: number; signal?: AbortSignal } = {},
-    what: { call?: string; argv0?: string; stdin?: boolean; user?: string } = {},
+    what: { call?: string; argv0?: string; stdin?: boolean; user?: string; stdout?: OutputMode; stderr?: OutputMode } = {},
   ) {
     this.stdinOpen = what.stdin === true;
     const stdout = new GuestOutput(agent, CHUNK_STDOUT);
     const stderr = new GuestOutput(agent, CHUNK_STDERR);
-    this.stdout = stdout.readable;
-    this.stderr = stderr.readable;
+    const modes = [what.stdout ?? 'pipe', what.stderr ?? 'pipe'] as const;
+    this.rings = [undefined, undefined];
+    const outputs = [stdout, stderr].map((o, i) => {
+      const mode = modes[i];
+      if (mode === 'pipe') return o.readable;
+      // Drained as it comes: a destroyed stream grants back all that comes; a kept one takes it.
+      if (mode === 'ignore') o.readable.destroy();
+      else {
+        const ring = (this.rings[i] = new OutputRing(mode.keep));
+        o.readable.on('data', (b: Buffer) => ring.push(b));
+        o.readable.on('error', () => {});
+      }
+      const empty = new Readable({ read() {} });
+      empty.push(null);
+      return empty;
+    });
+    this.stdout = outputs[0];
+    this.stderr = outputs[1];
     let started!: (pid: number) => void;
     let neverStarted!: (e: Error) => void;
     this.pid = new Promise((resolve, reject) => {
@@ -423,6 +454,49 @@ export class GuestProcess {
     return next;
   }
 
+  /**
+   * The last bytes of stdout and stderr kept by `{ keep }` (oldest first; empty for a stream not
+   * kept), with how many bytes each carried in all.
+   */
+  keptOutput(): { stdout: Buffer; stderr: Buffer; stdoutBytes: number; stderrBytes: number } {
+    const [o, e] = this.rings;
+    return { stdout: o?.kept() ?? Buffer.alloc(0), stderr: e?.kept() ?? Buffer.alloc(0), stdoutBytes: o?.totalBytes ?? 0, stderrBytes: e?.totalBytes ?? 0 };
+  }
+
+  /**
+   * Follows the kept streams (`{ keep }`): each callback gets what was kept first, then every
+   * chunk as it comes, until the returned function is called or the output ends. A stream not
+   * kept gives nothing here (a `'pipe'` one belongs to {@link stdout} / {@link stderr}). A
+   * callback that throws is removed; the process goes on.
+   */
+  output(listeners: { onStdout?: (chunk: Buffer) => void; onStderr?: (chunk: Buffer) => void }): () => void {
+    const stops: (() => void)[] = [];
+    const follow = (ring: OutputRing | undefined, listener: ((chunk: Buffer) => void) | undefined, name: string) => {
+      if (!ring || listener === undefined) return;
+      if (typeof listener !== 'function') throw new InvalidOptionError(name, `expected a function, got ${typeof listener}`);
+      let stop = () => {};
+      const safe = (chunk: Buffer) => {
+        try {
+          listener(chunk);
+        } catch {
+          stop();
+        }
+      };
+      const kept = ring.kept();
+      stop = ring.listen(safe);
+      stops.push(stop);
+      if (kept.length) safe(kept);
+    };
+    follow(this.rings[0], listeners.onStdout, 'onStdout');
+    follow(this.rings[1], listeners.onStderr, 'onStderr');
+    return () => stops.forEach((s) => s());
+  }
+
+  /** Whether stdout or stderr is kept (`{ keep }`). */
+  get keepsOutput(): boolean {
+    return this.rings[0] !== undefined || this.rings[1] !== undefined;
+  }
+
   /** The EXEC's request id, which names the process in the agent's requests. @internal */
   get requestId(): number {
     return this.handle;
@@ -440,6 +514,7 @@ export class LinuxGuest {
   readonly files: GuestFiles;
   /** Terminals in the guest. */
   readonly pty: GuestPtys;
+  private readonly registry = new ProcessRegistry();
 
   /**
    * @internal
@@ -460,7 +535,22 @@ export class LinuxGuest {
    */
   spawn(command: Command, options: SpawnOptions = {}): GuestProcess {
     checkOptionKeys('spawn', options, SPAWN_OPTION_KEYS);
-    return this.startProcess('spawn', command, options);
+    const p = this.startProcess('spawn', command, options);
+    this.registry.add(p, typeof command === 'string' ? command : command.join(' '));
+    return p;
+  }
+
+  /**
+   * The processes started with {@link spawn} that this VM still has: every one running, and the
+   * last 64 that ended with output kept (`{ keep }`).
+   */
+  processes(): GuestProcessInfo[] {
+    return this.registry.list();
+  }
+
+  /** The spawned process of guest pid `pid` that {@link processes} lists, or undefined. */
+  process(pid: number): GuestProcess | undefined {
+    return this.registry.get(pid);
   }
 
   /**
@@ -472,6 +562,7 @@ export class LinuxGuest {
     const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const signal = abortSignal(options.signal);
     const user = userOption(this.agent, options.user);
+    const outputModes = { stdout: parseOutputMode('stdout', options.stdout), stderr: parseOutputMode('stderr', options.stderr) };
     const argv = typeof command === 'string' ? ['/bin/sh', '-c', command] : [...command];
     if (!argv.length || !argv[0]) throw new InvalidOptionError('command', 'empty command');
     const env = Object.entries(mergeEnvironment(this.sandboxEnv, options.env)).map(([k, v]) => {
@@ -485,7 +576,7 @@ export class LinuxGuest {
       ...env.map((e) => str(e, 'env')),
     ]);
     if (payload.length > MAX_PAYLOAD_BYTES) throw new InvalidOptionError('command', 'command line and environment exceed 1 MiB');
-    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0], stdin: options.stdin === true, user });
+    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0], stdin: options.stdin === true, user, ...outputModes });
   }
 
   /** Runs a command to its end and collects its output. */
