@@ -5,7 +5,8 @@
  * console /dev/hvc0, a tty put in raw mode), announces itself with the HELLO event and then
  * serves agent protocol v1 (docs/probe-guest.md for framing, docs/agent-protocol.md for the
  * Linux ops) from one poll() loop: processes with streamed stdout/stderr and stdin, signals,
- * files, memory figures.
+ * terminals, files, memory figures; processes and file ops as a user of the guest's /etc/passwd
+ * (agent-users.h) when a request says so.
  *
  * A VM restored from a snapshot wakes up inside that same loop: the host's first request is then
  * RESTORED, which reseeds the kernel's RNG with the host's entropy and sets the wall clock (every
