@@ -325,16 +325,26 @@ static gid_t own_groups[256];
 static int own_ngroups;
 
 /* All of etc_dir/name in a NUL-terminated buffer of *len bytes (the caller frees it); NULL with
- * errno set, E2BIG for a file over PV_ETC_FILE_MAX (not read further: the guest's, untrusted). */
+ * errno set, E2BIG for a file over PV_ETC_FILE_MAX (not read further: the guest's, untrusted).
+ * The buffer starts at the file's size, so the usual few hundred bytes cost no more. */
 static char *read_etc(const char *name, size_t *len) {
   char path[512];
   snprintf(path, sizeof path, "%s/%s", etc_dir, name);
   int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   if (fd < 0) return NULL;
-  char *buf = xmalloc(PV_ETC_FILE_MAX + 2);
+  struct stat st;
+  size_t cap = !fstat(fd, &st) && st.st_size >= 0 && (uint64_t)st.st_size < PV_ETC_FILE_MAX ? (size_t)st.st_size + 1 : PV_ETC_FILE_MAX + 1;
+  char *buf = xmalloc(cap + 1);
   size_t got = 0;
   for (;;) {
-    ssize_t r = read(fd, buf + got, PV_ETC_FILE_MAX + 1 - got);
+    if (got == cap && cap <= PV_ETC_FILE_MAX) { /* it grew since fstat: take more, up to the bound */
+      cap = cap * 2 > PV_ETC_FILE_MAX + 1 ? PV_ETC_FILE_MAX + 1 : cap * 2;
+      char *more = realloc(buf, cap + 1);
+      if (!more) die("realloc");
+      buf = more;
+    }
+    if (got == cap) break;
+    ssize_t r = read(fd, buf + got, cap - got);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
       int e = errno;
@@ -343,8 +353,8 @@ static char *read_etc(const char *name, size_t *len) {
       errno = e;
       return NULL;
     }
+    if (r == 0) break;
     got += (size_t)r;
-    if (r == 0 || got > PV_ETC_FILE_MAX) break;
   }
   close(fd);
   if (got > PV_ETC_FILE_MAX) {
