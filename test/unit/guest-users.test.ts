@@ -6,7 +6,9 @@
 import { chmodSync, mkdirSync, mkdtempSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { GuestRequestError, InvalidOptionError, UnknownUserError } from '../../src';
+import { GuestFeatureError, GuestRequestError, InvalidOptionError, UnknownUserError } from '../../src';
+import { LinuxGuest } from '../../src/guest/linux-client';
+import { AgentClient, CommonOp } from '../../src/protocol/agent-client';
 import { FileOp } from '../../src/guest/file-wire';
 import { isUserSpec } from '../../src/guest/guest-user';
 import { encodeFrame, FrameType } from '../../src/protocol/frame';
@@ -42,6 +44,36 @@ describe('user specs the host accepts (as the agent does)', () => {
   it('takes names and uid:gid, refuses the rest', () => {
     for (const ok of ['nobody', 'www-data', '_apt', 'a', 'x'.repeat(32), 'machine$', '0:0', '65534:65534', '4294967294:1']) expect(isUserSpec(ok)).toBe(true);
     for (const bad of ['', '-x', 'x'.repeat(33), 'a b', 'a:b', '1:', ':1', '01:1', '4294967295:0', '1:2:3', 'r\u00e9mi', '$', 'a$b', '../root']) expect(isUserSpec(bad)).toBe(false);
+  });
+});
+
+describe('an agent whose HELLO lacks USERS or PTY (an initramfs built before them)', () => {
+  it('is sent nothing as a user and no terminal: a GuestFeatureError says to rebuild', async () => {
+    const sent: Buffer[] = [];
+    const client = new AgentClient((b) => sent.push(b), () => {}, () => {});
+    // The HELLO of an agent with stream credit only (features = 1).
+    const hello = Buffer.alloc(36);
+    hello.writeUInt32LE(1, 0);
+    hello.writeUInt32LE(2, 4);
+    hello.writeUInt32LE(1, 32);
+    client.receive(encodeFrame({ type: FrameType.Event, id: 0, op: CommonOp.Hello, payload: hello }));
+    const linux = new LinuxGuest(client);
+    const e = await linux.exec('id -u', { user: 'nobody' }).catch((err: unknown) => err);
+    expect(e).toBeInstanceOf(GuestFeatureError);
+    expect(e).toMatchObject({ feature: 'users' });
+    expect((e as Error).message).toMatch(/rebuild it/);
+    expect(() => linux.spawn('id', { user: '1:1' })).toThrow(GuestFeatureError);
+    await expect(linux.files.read('/x', { user: 'nobody' })).rejects.toBeInstanceOf(GuestFeatureError);
+    let pty: unknown;
+    try {
+      linux.pty.create({ cols: 80, rows: 24 });
+    } catch (err) {
+      pty = err;
+    }
+    expect(pty).toBeInstanceOf(GuestFeatureError);
+    expect(pty).toMatchObject({ feature: 'pty' });
+    expect(sent).toHaveLength(0);
+    client.close();
   });
 });
 
