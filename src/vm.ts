@@ -21,7 +21,8 @@ import type { SnapshotReader, SnapshotState } from './snapshot/snapshot-dir';
 import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
-import { booleanOption, parseTimeoutMs, type Size } from './units';
+import { booleanOption, elapsedMs, parseTimeoutMs, type Size } from './units';
+import { parseLogger, VmLog, type Logger } from './logger';
 import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
@@ -35,10 +36,16 @@ import type { HostNetwork, VmNetworkInfo } from './network/host-network';
 import { natOptionOf, parseNetworkOption, type NetworkOption } from './network/options';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 
-/** Which guest a VM runs. */
+/**
+ * Which guest a VM runs.
+ * @category VM
+ */
 export type GuestKind = 'linux' | 'probe';
 
-/** Options of {@link Vm.start}. */
+/**
+ * Options of {@link Vm.start}.
+ * @category VM
+ */
 export interface VmOptions {
   /** Guest RAM: bytes or a size string such as `512MiB`. Default `512MiB`. A multiple of 4 KiB. */
   memory?: Size;
@@ -136,9 +143,19 @@ export interface VmOptions {
   onTimeout?: TimeoutAction;
   /** With `onTimeout: 'hibernate'` (and only then): the directory the VM hibernates into, new or empty when it does. */
   hibernateDir?: string;
+  /**
+   * Where this VM's trace goes: each agent request (`debug`, with its call and `ms`), each
+   * strategy operation (`debug`: map, suspend, resume, periodic work, with `ms`), state changes,
+   * lifetimes and exits (`info`), warnings (`warn`), a crash (`error`). Every line's fields carry
+   * `vm`, the VM's name. `console` works as it is. Default: silent.
+   */
+  logger?: Logger;
 }
 
-/** A root filesystem image and how to attach it. See {@link VmOptions.rootfs}. */
+/**
+ * A root filesystem image and how to attach it. See {@link VmOptions.rootfs}.
+ * @category VM
+ */
 export interface RootfsOptions {
   /** The image file (e.g. made with `mke2fs -t ext4 -d DIR rootfs.img 256M`). */
   path: string;
@@ -154,23 +171,32 @@ export interface RootfsOptions {
   readOnly?: boolean;
 }
 
-/** Options of {@link Vm.snapshot}. */
+/**
+ * Options of {@link Vm.snapshot}.
+ * @category VM
+ */
 export interface SnapshotOptions {
   /** Leave the VM paused after the snapshot instead of resuming it (when it was running). Default false. */
   leavePaused?: boolean;
 }
 
-/** What {@link Vm.snapshot} wrote. */
+/**
+ * What {@link Vm.snapshot} wrote.
+ * @category VM
+ */
 export interface SnapshotInfo {
   /** The snapshot directory. */
   dir: string;
   /** Guest RAM pages written to the RAM file; the rest of RAM was zero and is a hole in it. */
   ramDataPageCount: number;
-  /** Milliseconds from the call to the directory being sealed (including the pause). */
+  /** Milliseconds from the call to the directory being sealed (including the pause); fractional, to the microsecond. */
   ms: number;
 }
 
-/** Options of {@link Vm.hibernate}. */
+/**
+ * Options of {@link Vm.hibernate}.
+ * @category VM
+ */
 export interface HibernateOptions {
   /**
    * Runs once the VM's state is written and synced, while the VM is still paused: e.g. to record
@@ -180,7 +206,10 @@ export interface HibernateOptions {
   beforeStop?: (info: HibernateInfo) => void | Promise<void>;
 }
 
-/** What {@link Vm.hibernate} wrote. */
+/**
+ * What {@link Vm.hibernate} wrote.
+ * @category VM
+ */
 export interface HibernateInfo {
   /** The directory that now holds the VM. */
   dir: string;
@@ -188,11 +217,14 @@ export interface HibernateInfo {
   ramDataPageCount: number;
   /** What the directory takes on disk. */
   bytesOnDisk: number;
-  /** Milliseconds from the call to the directory being synced (including the pause). */
+  /** Milliseconds from the call to the directory being synced (including the pause); fractional, to the microsecond. */
   ms: number;
 }
 
-/** Options of {@link Vm.restore}. */
+/**
+ * Options of {@link Vm.restore}.
+ * @category VM
+ */
 export interface RestoreOptions {
   /**
    * A name for the restored VM, as {@link VmOptions.name}. Default: a hibernated VM's own name
@@ -220,6 +252,8 @@ export interface RestoreOptions {
   onTimeout?: TimeoutAction;
   /** As {@link VmOptions.hibernateDir}. */
   hibernateDir?: string;
+  /** As {@link VmOptions.logger}. */
+  logger?: Logger;
   /**
    * Read and check all of guest RAM before the VM runs. By default a restore into private memory
    * is lazy: the VM runs at once, and each chunk of the RAM file is read and checked against the
@@ -241,12 +275,12 @@ export interface RestoreOptions {
 const VM_OPTION_KEYS = optionKeys<VmOptions>({
   memory: true, vcpus: true, guest: true, kernel: true, initrd: true, kernelArgs: true, rootfs: true,
   bootTimeoutMs: true, name: true, strategies: true, warningLimit: true, network: true,
-  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true,
 });
 const ROOTFS_OPTION_KEYS = optionKeys<RootfsOptions>({ path: true, readOnly: true });
 const RESTORE_OPTION_KEYS = optionKeys<RestoreOptions>({
   name: true, keep: true, strategies: true, warningLimit: true, verify: true, readyTimeoutMs: true,
-  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true,
 });
 const LIST_OPTION_KEYS = optionKeys<VmListOptions>({ labels: true });
 
@@ -255,6 +289,7 @@ interface Sandbox {
   labels: Labels;
   env: Readonly<Record<string, string>>;
   lifetime: LifetimeOptions;
+  logger: Logger | undefined;
 }
 
 /**
@@ -268,14 +303,18 @@ function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels, g
     labels: options.labels === undefined && ownLabels ? ownLabels : parseLabels('labels', options.labels),
     env,
     lifetime: parseLifetimeOptions(options),
+    logger: parseLogger(options.logger),
   };
 }
 
-/** How a VM came from a snapshot: {@link Vm.restoreInfo}. */
+/**
+ * How a VM came from a snapshot: {@link Vm.restoreInfo}.
+ * @category VM
+ */
 export interface RestoreInfo {
   /** The snapshot directory. */
   dir: string;
-  /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered). */
+  /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered); fractional, to the microsecond, as every duration here. */
   readyMs: number;
   /**
    * How guest RAM came from the snapshot: `read` (read and checked in full before the VM ran),
@@ -310,10 +349,14 @@ export interface RestoreInfo {
 /**
  * Lifecycle states. `paused`: vCPUs stopped, RAM as it was. `suspended`: vCPUs stopped and every
  * memory strategy's suspend hook has run (e.g. RAM offloaded). `crashed` and `stopped` are final.
+ * @category VM
  */
 export type VmState = 'starting' | 'running' | 'paused' | 'suspended' | 'stopped' | 'crashed';
 
-/** Events a {@link Vm} emits. */
+/**
+ * Events a {@link Vm} emits.
+ * @category VM
+ */
 export interface VmEvents {
   /** The state changed. */
   state: (state: VmState, previous: VmState) => void;
@@ -351,7 +394,10 @@ export interface VmEvents {
   released: (info: { ms: number; error?: PvisorError }) => void;
 }
 
-/** Memory figures of one VM, in bytes. See {@link Vm.memoryUsage}. */
+/**
+ * Memory figures of one VM, in bytes. See {@link Vm.memoryUsage}.
+ * @category VM
+ */
 export interface VmMemoryUsage {
   /** Guest RAM capacity. */
   capacityBytes: number;
@@ -380,7 +426,10 @@ export interface VmMemoryUsage {
 const live = new Set<Vm>();
 let vmCounter = 0;
 
-/** A virtual machine. Create one with {@link Vm.start}. */
+/**
+ * A virtual machine. Create one with {@link Vm.start}.
+ * @category VM
+ */
 export class Vm extends EventEmitter<VmEvents> {
   /** Name given in the options, or `vm-<n>`. */
   readonly name: string;
@@ -419,6 +468,8 @@ export class Vm extends EventEmitter<VmEvents> {
   private rootfs: DiskConfig | undefined;
   private _restoreInfo: RestoreInfo | undefined;
   private readonly warnings: WarningLimiter;
+  /** Where the VM's trace goes (`logger`); silent without one. */
+  private readonly log: VmLog;
   /** The host side of the guest's network, when it has one. */
   private hostNetwork: HostNetwork | undefined;
   /** Ports forwarded into the guest ({@link forward}), closed when the VM ends. */
@@ -441,10 +492,13 @@ export class Vm extends EventEmitter<VmEvents> {
     this.memoryBytes = memoryBytes;
     this.vcpus = vcpus;
     this.guest = guest;
+    this.log = new VmLog(sandbox.logger, name);
+    this.log.followEvents(this);
     this.memory = new MemoryComposition(strategies, name, {
       fail: (error) => this.failByStrategy(error),
       warn: (message) => this.warnings.warn(message),
       withGuestPaused: (work) => this.withGuestPaused(work),
+      ...(this.log.enabled && { trace: (hook, strategy, ms) => this.log.write('debug', `${strategy}.${hook}`, { strategy, hook, ms: Math.round(ms * 1000) / 1000 }) }),
     });
   }
 
@@ -545,6 +599,7 @@ export class Vm extends EventEmitter<VmEvents> {
       (bytes) => this.machine.sendToAgent(bytes),
       (f) => this.onAgentEvent(f),
       (message) => this.warnings.warn(`agent protocol: ${message}`),
+      this.log.enabled ? ({ op, call, ms, error }) => this.log.write('debug', `${call ?? `op 0x${op.toString(16)}`}${error ? `: ${error.message}` : ''}`, { op, ms, ok: !error }) : undefined,
     );
     this.machine = KvmMachine.create(
       {
@@ -701,7 +756,7 @@ export class Vm extends EventEmitter<VmEvents> {
           new SnapshotError(`${snapshot.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
         );
       }
-      phases.ramMs = performance.now() - tRam;
+      phases.ramMs = elapsedMs(tRam);
       vm.agent.restoreState(state.agent, 'snapshot.agent');
       if (state.guest === 'probe') (vm._probe = new ProbeGuest(vm.agent)).restoreState(state.guestClient, 'snapshot.guestClient');
       else vm._linux = new LinuxGuest(vm.agent, vm.sandboxEnv);
@@ -715,14 +770,14 @@ export class Vm extends EventEmitter<VmEvents> {
       if (vm._linux) report = await vm._linux.restored({ timeoutMs: readyTimeoutMs });
       const netConfig = vm.hostNetwork?.guestConfig;
       if (vm._linux && netConfig) await vm._linux.configureNetwork(netConfig, { timeoutMs: readyTimeoutMs });
-      phases.agentMs = performance.now() - tResume;
+      phases.agentMs = elapsedMs(tResume);
       // It may have ended meanwhile (a chunk of a lazy load failed its check).
       if (vm.endError) throw vm.endError;
     } catch (e) {
       await vm.stop();
       throw e;
     }
-    vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report, hibernated: false };
+    vm._restoreInfo = { dir, readyMs: elapsedMs(t0), ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report, hibernated: false };
     vm.becomeRunning();
     return vm;
   }
@@ -762,7 +817,7 @@ export class Vm extends EventEmitter<VmEvents> {
       try {
         const { writeSnapshot } = await import('./snapshot/snapshot-dir');
         const written = writeSnapshot(dir, this.machine.memory, await this.captureSnapshotState());
-        return { dir, ramDataPageCount: written.ramDataPageCount, ms: performance.now() - t0 };
+        return { dir, ramDataPageCount: written.ramDataPageCount, ms: elapsedMs(t0) };
       } finally {
         if (wasRunning && !options.leavePaused && this._state === 'paused') this.resumeAfterSaving();
       }
@@ -806,7 +861,7 @@ export class Vm extends EventEmitter<VmEvents> {
         const written = writeSnapshot(dir, this.machine.memory, state, { fileMode: 0o400 });
         syncDir(dir);
         this.checkNotEnded('hibernate');
-        info = { dir, ramDataPageCount: written.ramDataPageCount, bytesOnDisk: diskUsageBytes(dir), ms: performance.now() - t0 };
+        info = { dir, ramDataPageCount: written.ramDataPageCount, bytesOnDisk: diskUsageBytes(dir), ms: elapsedMs(t0) };
         await options.beforeStop?.(info);
       } catch (e) {
         clearHibernationDir(dir, created);
@@ -1078,7 +1133,7 @@ export class Vm extends EventEmitter<VmEvents> {
       const resumes = this.resumeCount;
       const released = (error?: PvisorError) => {
         if (this.resumeCount !== resumes || this._state !== 'suspended') return;
-        this.emit('released', error ? { ms: performance.now() - t0, error } : { ms: performance.now() - t0 });
+        this.emit('released', error ? { ms: elapsedMs(t0), error } : { ms: elapsedMs(t0) });
         vmIdle(this);
       };
       this.memory.memoryReleased().then(() => released(), released);

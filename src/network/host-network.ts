@@ -24,7 +24,10 @@ import { Tap, TUN_PATH } from './tap';
 import { restrictTap } from './tap-sysctls';
 import { processGone } from '../sys/processes';
 
-/** What {@link Vm.network} says of a VM's network. */
+/**
+ * What {@link Vm.network} says of a VM's network.
+ * @category Network
+ */
 export interface VmNetworkInfo {
   /** `none`: no network device. */
   mode: 'none' | 'nat' | 'tap';

@@ -9,10 +9,14 @@ import { DEFAULT_SUBNET_RANGE, formatCidr, parseCidr, parseIpv4, type Cidr } fro
  * `'none'` (the default): no network device. `'nat'`: a TAP pvisor creates, NAT to the host's
  * uplinks, every destination allowed. {@link NatNetworkOptions}: NAT with a policy.
  * {@link TapNetworkOptions}: the user's own TAP, nothing configured on the host.
+ * @category Network
  */
 export type NetworkOption = 'none' | 'nat' | NatNetworkOptions | TapNetworkOptions;
 
-/** NAT through a TAP that pvisor creates and removes. Needs CAP_NET_ADMIN. */
+/**
+ * NAT through a TAP that pvisor creates and removes. Needs CAP_NET_ADMIN.
+ * @category Network
+ */
 export interface NatNetworkOptions {
   mode: 'nat';
   /**
@@ -32,7 +36,10 @@ export interface NatNetworkOptions {
   dns?: string | null;
 }
 
-/** The user's own TAP device (it must exist); pvisor configures nothing on the host. */
+/**
+ * The user's own TAP device (it must exist); pvisor configures nothing on the host.
+ * @category Network
+ */
 export interface TapNetworkOptions {
   tap: string;
   /** The guest's `ADDRESS/PREFIX` on eth0; without it the guest's eth0 stays unconfigured. */
