@@ -125,6 +125,7 @@ export class CommandNotFoundError extends GuestRequestError {
  * does not have: nothing ran. A user that is neither a name nor `uid:gid` is an
  * {@link InvalidOptionError} instead, and one whose passwd or group entry is malformed a
  * {@link GuestRequestError} (guest code 2).
+ * @category Errors
  */
 export class UnknownUserError extends GuestRequestError {
   /** The user as given. */
@@ -139,6 +140,7 @@ export class UnknownUserError extends GuestRequestError {
  * The guest's agent cannot do what was asked (run as a user, open a terminal): its HELLO lacks
  * the feature, because its initramfs was built before this pvisor. Nothing was sent; rebuild the
  * initramfs with this pvisor's agent (native-prebuilds/linux-guest/build-initramfs.sh).
+ * @category Errors
  */
 export class GuestFeatureError extends PvisorError {
   /** The feature the agent lacks, e.g. `users` or `pty`. */

@@ -9,7 +9,10 @@ import { InvalidOptionError } from '../errors';
 /** The largest `keep`: a background process's output is a tail to look at, not a file. */
 export const MAX_KEEP_BYTES = 64 * 1024 * 1024;
 
-/** How one output stream of a spawned process is handled. */
+/**
+ * How one output stream of a spawned process is handled.
+ * @category Guest
+ */
 export type OutputMode = 'pipe' | 'ignore' | { keep: number };
 
 /** The `stdout` / `stderr` option checked. */

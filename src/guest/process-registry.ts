@@ -9,7 +9,10 @@ import type { ExitStatus, GuestProcess } from './linux-client';
 /** Ended processes with kept output that stay listed: their tails are what a caller looks for. */
 export const MAX_ENDED_KEPT = 64;
 
-/** A spawned process as {@link Vm.processes} reports it. */
+/**
+ * A spawned process as {@link Vm.processes} reports it.
+ * @category Guest
+ */
 export interface GuestProcessInfo {
   /** Its pid in the guest. */
   pid: number;

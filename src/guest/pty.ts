@@ -19,7 +19,10 @@ const DEFAULT_TERM = 'xterm-256color';
 /** The agent answers RESIZE at once: a silent one is a broken one. */
 const RESIZE_TIMEOUT_MS = 30_000;
 
-/** A terminal's size in character cells. */
+/**
+ * A terminal's size in character cells.
+ * @category Guest
+ */
 export interface PtySize {
   /** Columns, 1 to 65535. */
   cols: number;
@@ -27,7 +30,10 @@ export interface PtySize {
   rows: number;
 }
 
-/** Options of {@link GuestPtys.create}. */
+/**
+ * Options of {@link GuestPtys.create}.
+ * @category Guest
+ */
 export interface PtyCreateOptions extends PtySize {
   /** The command on the terminal: an argv array, or a string `/bin/sh -c` runs. Default `/bin/sh` (an interactive shell). */
   cmd?: Command;
@@ -53,7 +59,10 @@ function cells(option: string, value: unknown): number {
   return value;
 }
 
-/** A command running on a terminal in the guest. */
+/**
+ * A command running on a terminal in the guest.
+ * @category Guest
+ */
 export class GuestPty {
   /**
    * What the terminal shows, as bytes (the command's output, with the terminal's echo of its
@@ -113,7 +122,10 @@ export class GuestPty {
   }
 }
 
-/** The terminals of a Linux guest: `vm.pty.create(...)`. */
+/**
+ * The terminals of a Linux guest: `vm.pty.create(...)`.
+ * @category Guest
+ */
 export class GuestPtys {
   /** @internal */
   constructor(
