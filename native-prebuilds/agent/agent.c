@@ -469,20 +469,23 @@ static char **make_env(char **req, uint32_t n, const struct cred *c) {
 extern char **environ;
 
 /*
- * A terminal of cols x rows for a child: *master (the agent's end) and *slave (the child's), both
- * close-on-exec; the slave is given to the user the child runs as, as login(1) does. 0, or -1
- * with errno set and nothing left open.
+ * A terminal of cols x rows for a child: *master (the agent's end, which its output is read
+ * from), *input (a dup of it, which its input is written to and STDIN_CLOSE closes) and *slave
+ * (the child's), all close-on-exec; the slave is given to the user the child runs as, as login(1)
+ * does. 0, or -1 with errno set (EMFILE included: nothing here may end the agent) and nothing
+ * left open.
  */
-static int open_pty(int *master, int *slave, uint16_t cols, uint16_t rows, const struct cred *c) {
+static int open_pty(int *master, int *input, int *slave, uint16_t cols, uint16_t rows, const struct cred *c) {
   char name[64];
   struct winsize ws = {.ws_row = rows, .ws_col = cols};
-  *slave = -1;
+  *slave = *input = -1;
   *master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
   if (*master < 0) return -1;
   if (grantpt(*master) || unlockpt(*master) || ptsname_r(*master, name, sizeof name) || (*slave = open(name, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0 ||
-      ioctl(*master, TIOCSWINSZ, &ws) || (c && fchown(*slave, c->uid, (gid_t)-1))) {
+      ioctl(*master, TIOCSWINSZ, &ws) || (c && fchown(*slave, c->uid, (gid_t)-1)) || (*input = fcntl(*master, F_DUPFD_CLOEXEC, 0)) < 0) {
     int e = errno;
     close_fd(master);
+    close_fd(input);
     close_fd(slave);
     errno = e;
     return -1;
@@ -531,7 +534,7 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   free_strv(reqenv);
 
   int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pfail[2] = {-1, -1}, master = -1, slave = -1;
-  int bad = pty ? (open_pty(&master, &slave, cols, rows, c) ? 1 : 0) : (((flags & EXEC_STDIN) && pipe2(pin, O_CLOEXEC)) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC)) ? 2 : 0;
+  int bad = pty ? (open_pty(&master, &pin[1], &slave, cols, rows, c) ? 1 : 0) : (((flags & EXEC_STDIN) && pipe2(pin, O_CLOEXEC)) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC)) ? 2 : 0;
   if (!bad && pipe2(pfail, O_CLOEXEC)) bad = 2;
   if (bad) {
     int e = errno;
@@ -600,11 +603,10 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   pr->id = id;
   pr->pid = pid;
   pr->pty = pty;
-  pr->in_fd = pty ? fcntl(master, F_DUPFD_CLOEXEC, 0) : pin[1];
+  pr->in_fd = pin[1]; /* a terminal's: the dup of its master */
   pr->out_fd = pty ? master : pout[0];
   pr->err_fd = pty ? -1 : perr[0];
   pr->credit[0] = pr->credit[1] = PV_STREAM_WINDOW;
-  if (pty && pr->in_fd < 0) die("dup of a terminal");
   if (pr->in_fd >= 0) set_nonblock(pr->in_fd);
   set_nonblock(pr->out_fd);
   if (pr->err_fd >= 0) set_nonblock(pr->err_fd);
