@@ -32,7 +32,8 @@ import { parseEnvironment } from './guest/environment';
 import { parseLabels, type Labels } from './labels';
 import { Lifetime, parseLifetimeOptions, type LifetimeOptions, type TimeoutAction } from './lifetime';
 import { listVms, type VmListOptions, type VmListEntry } from './vm-list';
-import type { HostNetwork, VmNetworkInfo } from './network/host-network';
+import type { HostNetwork } from './network/host-network';
+import { noNetwork, type VmNetwork } from './network/vm-network';
 import { natOptionOf, parseNetworkOption, type NetworkOption } from './network/options';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 
@@ -101,7 +102,9 @@ export interface VmOptions {
    * Linux guest: the guest's network, off by default. `'none'`: no network device (the agent
    * channel still works). `'nat'`: a virtio-net device (eth0) on a TAP that pvisor creates, with a
    * /30 of its own and NAT to the host's uplinks, every destination allowed but the host itself;
-   * `{ mode: 'nat', allow: ['CIDR[:PORT]', ...] }`: only those. IPv4 only: the host drops the
+   * `{ mode: 'nat', allow: ['api.openai.com', '*.pypi.org', '10.1.0.0/16:443'], deny: [...] }`:
+   * only those (hostnames through pvisor's resolver, see `NatNetworkOptions.allow`;
+   * `vm.network.update` changes them at runtime). IPv4 only: the host drops the
    * guest's IPv6, and whatever it sends from an address or MAC other than its own. Needs CAP_NET_ADMIN, /dev/net/tun,
    * /dev/vhost-net, nft and ip; otherwise the start fails with a {@link NetworkSetupError} and
    * nothing is left on the host. `{ tap: NAME }`: the user's own TAP, nothing configured on the host.
@@ -532,7 +535,7 @@ export class Vm extends EventEmitter<VmEvents> {
     vm.rootfs = disk;
     if (network.kind !== 'none') {
       const { HostNetwork } = await import('./network/host-network');
-      vm.hostNetwork = HostNetwork.setup(network);
+      vm.hostNetwork = await HostNetwork.setup(network);
       if (vm.hostNetwork.kernelArg && boot.kind === 'linux') boot.cmdline = `${boot.cmdline} ${vm.hostNetwork.kernelArg}`;
     }
     try {
@@ -730,7 +733,7 @@ export class Vm extends EventEmitter<VmEvents> {
       const { parseMac } = await import('./network/addresses');
       const plan = parseNetworkOption(state.network.option);
       if (plan.kind !== 'nat') throw new SnapshotError("snapshot.network.option: only a 'nat' network is restored");
-      vm.hostNetwork = HostNetwork.setup(plan, { mac: parseMac(state.network.mac) });
+      vm.hostNetwork = await HostNetwork.setup(plan, { mac: parseMac(state.network.mac) });
     }
     try {
       await vm.build(host.devicePath, disk, true);
@@ -1293,10 +1296,11 @@ export class Vm extends EventEmitter<VmEvents> {
 
   /**
    * The guest's network: `{ mode: 'none' }`, or its TAP, addresses, MAC, resolver and policy
-   * (see {@link VmOptions.network}).
+   * (see {@link VmOptions.network}), as they are when read; `vm.network.update({ allow, deny })`
+   * replaces a `'nat'` VM's egress rules while it runs ({@link VmNetwork.update}).
    */
-  get network(): VmNetworkInfo {
-    return this.hostNetwork?.info ?? { mode: 'none' };
+  get network(): VmNetwork {
+    return this.hostNetwork?.view() ?? noNetwork();
   }
 
   /**
