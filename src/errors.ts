@@ -121,6 +121,37 @@ export class CommandNotFoundError extends GuestRequestError {
 }
 
 /**
+ * A command or file call was asked to run as a user (`user: 'name'`) that the guest's /etc/passwd
+ * does not have: nothing ran. A user that is neither a name nor `uid:gid` is an
+ * {@link InvalidOptionError} instead, and one whose passwd or group entry is malformed a
+ * {@link GuestRequestError} (guest code 2).
+ * @category Errors
+ */
+export class UnknownUserError extends GuestRequestError {
+  /** The user as given. */
+  readonly user: string;
+  constructor(user: string, cause: GuestRequestError) {
+    super(cause.guestCode, cause.message, { op: cause.op, call: cause.call, errno: cause.errno });
+    this.user = user;
+  }
+}
+
+/**
+ * The guest's agent cannot do what was asked (run as a user, open a terminal): its HELLO lacks
+ * the feature, because its initramfs was built before this pvisor. Nothing was sent; rebuild the
+ * initramfs with this pvisor's agent (native-prebuilds/linux-guest/build-initramfs.sh).
+ * @category Errors
+ */
+export class GuestFeatureError extends PvisorError {
+  /** The feature the agent lacks, e.g. `users` or `pty`. */
+  readonly feature: string;
+  constructor(feature: string, message: string) {
+    super('PVISOR_GUEST_FEATURE', message);
+    this.feature = feature;
+  }
+}
+
+/**
  * A guest command's output, a guest file or a guest directory listing was larger than the caller
  * allowed (`maxBuffer`, `maxBytes`, `maxEntries`): the host stopped collecting it (and killed the
  * command, or closed the file or directory in the guest), so a guest that prints without end

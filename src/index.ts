@@ -21,6 +21,10 @@ export type { Logger, LogFields } from './logger';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, HibernateOptions, HibernateInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
+export { GuestPty, GuestPtys } from './guest/pty';
+export type { PtyCreateOptions, PtySize } from './guest/pty';
+export type { GuestProcessInfo } from './guest/process-registry';
+export type { OutputMode } from './guest/output-ring';
 export type { Command, ExecCommonOptions, ExecOptions, ExecBufferOptions, ExecResult, ExecBufferResult, SpawnOptions, ExitStatus, GuestMemInfo, RequestTimeout, FilesCallOptions, ReadOptions, WriteOptions, ListOptions, StatOptions, MkdirOptions, RemoveOptions } from './guest/linux-client';
 export type { DirEntry, FileStat, FileType } from './guest/file-wire';
 export type { FillOptions, RewriteOptions, TouchOptions, ReleaseOptions, ZeroOptions, ProbeDigest, ProbeTiming } from './guest/probe-client';
@@ -35,6 +39,8 @@ export {
   GuestCrashError,
   GuestRequestError,
   CommandNotFoundError,
+  UnknownUserError,
+  GuestFeatureError,
   VmStateError,
   TimeoutError,
   AbortError,

@@ -9,6 +9,8 @@ import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
 import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
+import type { GuestPtys } from './guest/pty';
+import type { GuestProcessInfo } from './guest/process-registry';
 import { LinuxGuest, type Command, type ExecBufferOptions, type ExecBufferResult, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
 import { ProbeGuest } from './guest/probe-client';
 import { SharedSnapshot } from './memory/strategies/shared-snapshot';
@@ -1016,6 +1018,32 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    */
   get files(): GuestFiles {
     return this.linuxGuest.files;
+  }
+
+  /**
+   * The processes {@link spawn} started in the Linux guest that this VM still has: each running
+   * one, and the last 64 ended ones whose output was kept (`stdout: { keep }`), with pid, command
+   * and state.
+   */
+  processes(): GuestProcessInfo[] {
+    return this.linuxGuest.processes();
+  }
+
+  /**
+   * The spawned process of guest pid `pid` that {@link processes} lists (undefined if none): the
+   * same {@link GuestProcess}, to follow its kept output ({@link GuestProcess.output}), signal it,
+   * write to it or await its end.
+   */
+  process(pid: number): GuestProcess | undefined {
+    return this.linuxGuest.process(pid);
+  }
+
+  /**
+   * Terminals of the Linux guest: `vm.pty.create({ cols, rows, cmd })` runs a command on a new
+   * pseudo-terminal, with its output, input, `resize` and `kill` ({@link GuestPtys}).
+   */
+  get pty(): GuestPtys {
+    return this.linuxGuest.pty;
   }
 
   /** The Linux guest's own memory figures (/proc/meminfo). */

@@ -37,13 +37,19 @@ export interface HostAgent {
   warnings: string[];
   /** The agent's own log (its stderr), for a failure's message. */
   log(): string;
+  /** Sends raw bytes down the channel (hostile frames); answers to ids the client did not send come back as `warnings`. */
+  sendRaw(bytes: Buffer): void;
   /** Ends the agent (SIGKILL) and waits for it. */
   stop(): Promise<void>;
 }
 
-/** Starts the agent at `bin` and resolves once its HELLO has come. */
-export async function startHostAgent(bin: string): Promise<HostAgent> {
-  const child: ChildProcess = spawn(bin, ['--fd', '3'], { stdio: ['ignore', 'ignore', 'pipe', 'pipe'], env: { ...process.env, ASAN_OPTIONS: 'detect_leaks=0' } });
+/**
+ * Starts the agent at `bin` and resolves once its HELLO has come. `etcDir`: where it reads passwd
+ * and group (PVISOR_AGENT_ETC), instead of this host's /etc.
+ */
+export async function startHostAgent(bin: string, options: { etcDir?: string } = {}): Promise<HostAgent> {
+  const env = { ...process.env, ASAN_OPTIONS: 'detect_leaks=0', ...(options.etcDir !== undefined && { PVISOR_AGENT_ETC: options.etcDir }) };
+  const child: ChildProcess = spawn(bin, ['--fd', '3'], { stdio: ['ignore', 'ignore', 'pipe', 'pipe'], env });
   let log = '';
   child.stderr!.on('data', (d: Buffer) => (log = (log + d.toString()).slice(-8000)));
   const channel = child.stdio[3] as Socket;
@@ -66,6 +72,7 @@ export async function startHostAgent(bin: string): Promise<HostAgent> {
     linux: new LinuxGuest(client),
     warnings,
     log: () => log,
+    sendRaw: (bytes) => channel.write(bytes),
     stop: async () => {
       client.close();
       child.kill('SIGKILL');

@@ -5,7 +5,8 @@
  * console /dev/hvc0, a tty put in raw mode), announces itself with the HELLO event and then
  * serves agent protocol v1 (docs/probe-guest.md for framing, docs/agent-protocol.md for the
  * Linux ops) from one poll() loop: processes with streamed stdout/stderr and stdin, signals,
- * files, memory figures.
+ * terminals, files, memory figures; processes and file ops as a user of the guest's /etc/passwd
+ * (agent-users.h) when a request says so.
  *
  * A VM restored from a snapshot wakes up inside that same loop: the host's first request is then
  * RESTORED, which reseeds the kernel's RNG with the host's entropy and sets the wall clock (every
@@ -37,6 +38,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -46,6 +48,7 @@
 #include <string.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
+#include <sys/fsuid.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/signalfd.h>
@@ -58,6 +61,7 @@
 #include <unistd.h>
 
 #include "agent-frames.h"
+#include "agent-users.h"
 #include "../linux-guest/workset.h"
 
 /* ---- protocol constants (docs/probe-guest.md, docs/agent-protocol.md) ---- */
@@ -74,6 +78,7 @@ enum {
   OP_STDIN_WRITE = 0x0202,
   OP_STDIN_CLOSE = 0x0203,
   OP_KILL = 0x0204,
+  OP_RESIZE = 0x0205,
   OP_FILE_READ = 0x0210,
   OP_FILE_WRITE = 0x0211,
   OP_FILE_LIST = 0x0212,
@@ -91,9 +96,14 @@ enum {
   OP_RESTORED = 0x0231,
   OP_NET_CONFIGURE = 0x0232,
 };
-enum { E_UNSUPPORTED = 1, E_BADARG = 2, E_BADFRAME = 5, E_OS = 6, E_NOPROC = 7, E_BUSY = 8, E_RESTORED = 9, E_CANCELLED = 10 };
+enum { E_UNSUPPORTED = 1, E_BADARG = 2, E_BADFRAME = 5, E_OS = 6, E_NOPROC = 7, E_BUSY = 8, E_RESTORED = 9, E_CANCELLED = 10, E_NOUSER = 11 };
 enum { CH_STDOUT = 1, CH_STDERR = 2, CH_STARTED = 4 };
-enum { EXEC_STDIN = 1 };
+enum { EXEC_STDIN = 1, EXEC_PTY = 2, EXEC_FLAGS = EXEC_STDIN | EXEC_PTY };
+/* A request frame's flags: bit 0, its payload starts with `str user` (docs/agent-protocol.md, "Users"). */
+enum { REQ_AS_USER = 1 };
+/* HELLO's features word: what this agent does beyond protocol v1's first ops. */
+#define PV_FEATURE_USERS 2u /* REQ_AS_USER on EXEC and the file ops */
+#define PV_FEATURE_PTY 4u   /* EXEC_PTY and RESIZE */
 enum { FW_APPEND = 1, FW_MKDIRS = 2 };
 
 #define GUEST_KIND_LINUX 2
@@ -253,6 +263,7 @@ struct proc {
   uint32_t close_req; /* a STDIN_CLOSE waiting for the pending write */
   int close_pending;
   int detached; /* started before a restore: its output is drained and dropped */
+  int pty;      /* runs on a terminal: out_fd is its master (in_fd a dup of it), err_fd is -1 */
   uint32_t credit[2]; /* stdout, stderr: bytes they may still send (stream credit) */
   struct proc *next;
 };
@@ -295,21 +306,160 @@ static void free_strv(char **v) {
   free(v);
 }
 
-/* Builds the child's environment: base_env, then each KEY=VALUE replacing a same-named entry. */
-static char **make_env(char **req, uint32_t n) {
+/* ---- users (docs/agent-protocol.md, "Users") ---- */
+/* The user a request runs as, resolved from its spec before its op runs. */
+struct cred {
+  uid_t uid;
+  gid_t gid;
+  int ngroups;
+  gid_t groups[PV_MAX_GROUPS];
+  char home[PV_HOME_MAX];
+  char name[PV_USER_SPEC_MAX + 1]; /* empty for "uid:gid" */
+};
+/* The user of the EXEC being served (NULL: the agent's own, root). */
+static const struct cred *req_cred;
+/* Where passwd and group are read: /etc, or $PVISOR_AGENT_ETC for an agent a test runs on a host. */
+static const char *etc_dir = "/etc";
+/* The agent's own supplementary groups, given back after a file op run as a user. */
+static gid_t own_groups[256];
+static int own_ngroups;
+
+/* All of etc_dir/name in a NUL-terminated buffer of *len bytes (the caller frees it); NULL with
+ * errno set, E2BIG for a file over PV_ETC_FILE_MAX (not read further: the guest's, untrusted).
+ * The buffer starts at the file's size, so the usual few hundred bytes cost no more. */
+static char *read_etc(const char *name, size_t *len) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", etc_dir, name);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) return NULL;
+  struct stat st;
+  size_t cap = !fstat(fd, &st) && st.st_size >= 0 && (uint64_t)st.st_size < PV_ETC_FILE_MAX ? (size_t)st.st_size + 1 : PV_ETC_FILE_MAX + 1;
+  char *buf = xmalloc(cap + 1);
+  size_t got = 0;
+  for (;;) {
+    if (got == cap && cap <= PV_ETC_FILE_MAX) { /* it grew since fstat: take more, up to the bound */
+      cap = cap * 2 > PV_ETC_FILE_MAX + 1 ? PV_ETC_FILE_MAX + 1 : cap * 2;
+      char *more = realloc(buf, cap + 1);
+      if (!more) die("realloc");
+      buf = more;
+    }
+    if (got == cap) break;
+    ssize_t r = read(fd, buf + got, cap - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      int e = errno;
+      close(fd);
+      free(buf);
+      errno = e;
+      return NULL;
+    }
+    if (r == 0) break;
+    got += (size_t)r;
+  }
+  close(fd);
+  if (got > PV_ETC_FILE_MAX) {
+    free(buf);
+    errno = E2BIG;
+    return NULL;
+  }
+  buf[got] = 0;
+  *len = got;
+  return buf;
+}
+
+/* Resolves the user spec of `n` bytes at `spec` into *c: 1, or 0 after answering the request
+ * (error 2: a malformed spec or entry; 11: no such user; 6: passwd or group unreadable). */
+static int resolve_user(uint32_t id, uint16_t op, const char *spec, size_t n, struct cred *c) {
+  uint32_t uid, gid;
+  char shown[PV_USER_SPEC_MAX + 1];
+  memcpy(shown, spec, n);
+  shown[n] = 0;
+  enum pv_user_kind kind = pv_user_spec(spec, n, &uid, &gid);
+  if (kind == PV_USER_BAD) return send_error(id, op, E_BADARG, "user %s is neither a user name nor uid:gid", shown), 0;
+  memset(c, 0, sizeof *c);
+  if (kind == PV_USER_IDS) {
+    c->uid = uid;
+    c->gid = gid;
+    c->groups[0] = gid;
+    c->ngroups = 1;
+    strcpy(c->home, "/");
+    return 1;
+  }
+  size_t len;
+  char *pw = read_etc("passwd", &len);
+  if (!pw) {
+    if (errno == ENOENT) return send_error(id, op, E_NOUSER, "unknown user %s (the guest has no /etc/passwd)", shown), 0;
+    return send_os_error(id, op, errno, "/etc/passwd"), 0;
+  }
+  int found = pv_passwd_find(pw, len, spec, n, &uid, &gid, c->home);
+  free(pw);
+  if (found == 0) return send_error(id, op, E_NOUSER, "unknown user %s (not in /etc/passwd)", shown), 0;
+  if (found < 0) return send_error(id, op, E_BADARG, "the /etc/passwd entry of user %s is malformed", shown), 0;
+  uint32_t groups[PV_MAX_GROUPS];
+  int ng = 1;
+  groups[0] = gid;
+  char *gr = read_etc("group", &len);
+  if (gr) {
+    ng = pv_group_list(gr, len, spec, n, gid, groups);
+    free(gr);
+    if (ng < 0) return send_error(id, op, E_BADARG, "an /etc/group entry naming user %s is malformed, or it is in more than %d groups", shown, PV_MAX_GROUPS), 0;
+  } else if (errno != ENOENT) return send_os_error(id, op, errno, "/etc/group"), 0;
+  c->uid = uid;
+  c->gid = gid;
+  c->ngroups = ng;
+  for (int i = 0; i < ng; i++) c->groups[i] = groups[i];
+  memcpy(c->name, spec, n);
+  return 1;
+}
+
+/* Gives the agent back its own file credentials; it cannot go on as another user's. */
+static void own_fs_creds(int groups_changed) {
+  setfsuid(geteuid());
+  setfsgid(getegid());
+  if ((uid_t)setfsuid((uid_t)-1) != geteuid() || (gid_t)setfsgid((gid_t)-1) != getegid()) die("setfsuid back to the agent's own");
+  if (groups_changed && setgroups((size_t)own_ngroups, own_groups)) die("setgroups back to the agent's own");
+}
+
+/* Takes on c's file credentials (groups, fsgid, fsuid) for a file op, so the kernel checks every
+ * path as that user's and what the op creates is that user's: 0, or -1 with errno set (nothing
+ * changed; EPERM for an agent that may not, as one run on a host by a non-root user). */
+static int become_fs(const struct cred *c) {
+  if (setgroups((size_t)c->ngroups, c->groups)) return -1;
+  setfsgid(c->gid);
+  setfsuid(c->uid);
+  if ((uid_t)setfsuid((uid_t)-1) != c->uid || (gid_t)setfsgid((gid_t)-1) != c->gid) {
+    own_fs_creds(1);
+    errno = EPERM;
+    return -1;
+  }
+  return 0;
+}
+
+/* Builds the child's environment: base_env, then the user's HOME, USER and LOGNAME (a command run
+ * as a user), then each KEY=VALUE of the request, each replacing a same-named entry. */
+static char **make_env(char **req, uint32_t n, const struct cred *c) {
   size_t nbase = sizeof base_env / sizeof *base_env - 1;
-  char **env = xmalloc((nbase + n + 1) * sizeof *env);
+  char *user[3] = {NULL, NULL, NULL};
+  uint32_t nuser = 0;
+  if (c) {
+    if (asprintf(&user[nuser++], "HOME=%s", c->home) < 0) die("asprintf");
+    if (c->name[0] && asprintf(&user[nuser++], "USER=%s", c->name) < 0) die("asprintf");
+    if (c->name[0] && asprintf(&user[nuser++], "LOGNAME=%s", c->name) < 0) die("asprintf");
+  }
+  char **env = xmalloc((nbase + nuser + n + 1) * sizeof *env);
   size_t cnt = 0;
   for (size_t i = 0; i < nbase; i++) env[cnt++] = strdup(base_env[i]);
-  for (uint32_t i = 0; i < n; i++) {
-    size_t klen = (size_t)(strchr(req[i], '=') - req[i]) + 1;
+  for (uint32_t i = 0; i < nuser + n; i++) {
+    char *entry = i < nuser ? user[i] : req[i - nuser];
+    size_t klen = (size_t)(strchr(entry, '=') - entry) + 1;
     size_t j;
     for (j = 0; j < cnt; j++)
-      if (!strncmp(env[j], req[i], klen)) break;
+      if (!strncmp(env[j], entry, klen)) break;
     if (j < cnt) free(env[j]);
     else cnt++;
-    env[j] = strdup(req[i]);
+    env[j] = strdup(entry);
   }
+  for (uint32_t i = 0; i < nuser; i++) free(user[i]);
   env[cnt] = NULL;
   for (size_t i = 0; i < cnt; i++)
     if (!env[i]) die("strdup");
@@ -319,9 +469,38 @@ static char **make_env(char **req, uint32_t n) {
 extern char **environ;
 
 /*
- * EXEC {u32 flags, u32 argc, u32 envc, u32 reserved, str cwd, str argv[argc], str env[envc]}
- * (str = u32 length + bytes). Forks, and reports exec failure synchronously through a
- * close-on-exec pipe (as posix_spawn does), so a missing program is an error frame, not an exit.
+ * A terminal of cols x rows for a child: *master (the agent's end, which its output is read
+ * from), *input (a dup of it, which its input is written to and STDIN_CLOSE closes) and *slave
+ * (the child's), all close-on-exec; the slave is given to the user the child runs as, as login(1)
+ * does. 0, or -1 with errno set (EMFILE included: nothing here may end the agent) and nothing
+ * left open.
+ */
+static int open_pty(int *master, int *input, int *slave, uint16_t cols, uint16_t rows, const struct cred *c) {
+  char name[64];
+  struct winsize ws = {.ws_row = rows, .ws_col = cols};
+  *slave = *input = -1;
+  *master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (*master < 0) return -1;
+  if (grantpt(*master) || unlockpt(*master) || ptsname_r(*master, name, sizeof name) || (*slave = open(name, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0 ||
+      ioctl(*master, TIOCSWINSZ, &ws) || (c && fchown(*slave, c->uid, (gid_t)-1)) || (*input = fcntl(*master, F_DUPFD_CLOEXEC, 0)) < 0) {
+    int e = errno;
+    close_fd(master);
+    close_fd(input);
+    close_fd(slave);
+    errno = e;
+    return -1;
+  }
+  return 0;
+}
+
+/*
+ * EXEC {u32 flags, u32 argc, u32 envc, u32 terminal, str cwd, str argv[argc], str env[envc]}
+ * (str = u32 length + bytes). flags: EXEC_STDIN (stdin a pipe the host writes), EXEC_PTY (stdin,
+ * stdout and stderr a new terminal of `terminal` = cols | rows << 16, its controlling one; without
+ * it `terminal` is 0). Forks, and reports exec failure synchronously through a close-on-exec pipe
+ * (as posix_spawn does), so a missing program is an error frame, not an exit. As a user
+ * (req_cred): groups, gid, then uid are set in the child before its cwd and its exec, so both are
+ * that user's to reach.
  */
 static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   const uint8_t *end = p + n;
@@ -329,9 +508,15 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   uint32_t flags, argc, envc;
   /* every string costs at least its 4-byte length: bounds both counts by the payload */
   if (!pv_exec_counts_fit(p, n, &flags, &argc, &envc)) return send_error(id, OP_EXEC, E_BADARG, argc == 0 ? "EXEC needs argv[0]" : "EXEC counts exceed the payload");
+  uint32_t terminal = pv_rd32(p + 12);
+  int pty = (flags & EXEC_PTY) != 0;
+  uint16_t cols = (uint16_t)terminal, rows = (uint16_t)(terminal >> 16);
+  if (flags & ~(uint32_t)EXEC_FLAGS) return send_error(id, OP_EXEC, E_BADARG, "unknown EXEC flags 0x%x", flags);
+  if (pty ? !cols || !rows : terminal != 0) return send_error(id, OP_EXEC, E_BADARG, pty ? "EXEC terminal of %u x %u: both must be 1 or more" : "EXEC terminal %u without EXEC_PTY", pty ? cols : terminal, rows);
   p += 16;
   if (find_proc(id)) return send_error(id, OP_EXEC, E_BADARG, "request id %u already names a process", id);
   if (nprocs >= MAX_PROCS) return send_error(id, OP_EXEC, E_BUSY, "%d processes already running", MAX_PROCS);
+  const struct cred *c = req_cred;
 
   char *cwd = take_str(&p, end);
   char **argv = calloc(argc + 1, sizeof *argv), **reqenv = calloc(envc + 1, sizeof *reqenv);
@@ -345,15 +530,19 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
     free_strv(reqenv);
     return send_error(id, OP_EXEC, E_BADARG, "EXEC strings malformed (overrun, NUL inside, or env entry without KEY=)");
   }
-  char **env = make_env(reqenv, envc);
+  char **env = make_env(reqenv, envc, c);
   free_strv(reqenv);
 
-  int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pfail[2] = {-1, -1};
-  if (((flags & EXEC_STDIN) && pipe2(pin, O_CLOEXEC)) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC) || pipe2(pfail, O_CLOEXEC)) {
+  int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pfail[2] = {-1, -1}, master = -1, slave = -1;
+  int bad = pty ? (open_pty(&master, &pin[1], &slave, cols, rows, c) ? 1 : 0) : (((flags & EXEC_STDIN) && pipe2(pin, O_CLOEXEC)) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC)) ? 2 : 0;
+  if (!bad && pipe2(pfail, O_CLOEXEC)) bad = 2;
+  if (bad) {
     int e = errno;
     int *all[] = {pin, pout, perr, pfail};
     for (int i = 0; i < 4; i++) close_fd(&all[i][0]), close_fd(&all[i][1]);
-    send_os_error(id, OP_EXEC, e, "pipe");
+    close_fd(&master);
+    close_fd(&slave);
+    send_os_error(id, OP_EXEC, e, bad == 1 ? "terminal" : "pipe");
     goto out_free;
   }
   pid_t pid = fork();
@@ -363,9 +552,12 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL); /* ignored dispositions survive exec: give the child the default */
     setsid();                 /* its own process group, so KILL reaches what it starts too */
-    int in_fd = pin[0] >= 0 ? pin[0] : open("/dev/null", O_RDONLY);
+    int in_fd = pty ? -1 : pin[0] >= 0 ? pin[0] : open("/dev/null", O_RDONLY);
     int fail[2] = {0, 0};
-    if (in_fd < 0 || dup2(in_fd, 0) < 0 || dup2(pout[1], 1) < 0 || dup2(perr[1], 2) < 0) fail[1] = 1;
+    if (pty ? ioctl(slave, TIOCSCTTY, 0) < 0 || dup2(slave, 0) < 0 || dup2(slave, 1) < 0 || dup2(slave, 2) < 0
+            : in_fd < 0 || dup2(in_fd, 0) < 0 || dup2(pout[1], 1) < 0 || dup2(perr[1], 2) < 0)
+      fail[1] = 1;
+    else if (c && (setgroups((size_t)c->ngroups, c->groups) || setgid(c->gid) || setuid(c->uid))) fail[1] = 4;
     else if (chdir(cwd[0] ? cwd : "/")) fail[1] = 2;
     else {
       environ = env;
@@ -379,14 +571,16 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   }
   int e = errno;
   close_fd(&pin[0]);
-  close(pout[1]);
-  close(perr[1]);
-  close(pfail[1]);
+  close_fd(&pout[1]);
+  close_fd(&perr[1]);
+  close_fd(&pfail[1]);
+  close_fd(&slave);
   if (pid < 0) {
     close_fd(&pin[1]);
-    close(pout[0]);
-    close(perr[0]);
-    close(pfail[0]);
+    close_fd(&pout[0]);
+    close_fd(&perr[0]);
+    close_fd(&pfail[0]);
+    close_fd(&master);
     send_os_error(id, OP_EXEC, e, "fork");
     goto out_free;
   }
@@ -398,22 +592,24 @@ static void op_exec(uint32_t id, const uint8_t *p, size_t n) {
   if (got == (ssize_t)sizeof fail) {
     waitpid(pid, NULL, 0);
     close_fd(&pin[1]);
-    close(pout[0]);
-    close(perr[0]);
-    send_os_error(id, OP_EXEC, fail[0], fail[1] == 2 ? cwd : fail[1] == 3 ? argv[0] : "child stdio");
+    close_fd(&pout[0]);
+    close_fd(&perr[0]);
+    close_fd(&master);
+    send_os_error(id, OP_EXEC, fail[0], fail[1] == 2 ? cwd : fail[1] == 3 ? argv[0] : fail[1] == 4 ? "setgroups/setgid/setuid" : pty ? "terminal" : "child stdio");
     goto out_free;
   }
   struct proc *pr = calloc(1, sizeof *pr);
   if (!pr) die("calloc");
   pr->id = id;
   pr->pid = pid;
-  pr->in_fd = pin[1];
-  pr->out_fd = pout[0];
-  pr->err_fd = perr[0];
+  pr->pty = pty;
+  pr->in_fd = pin[1]; /* a terminal's: the dup of its master */
+  pr->out_fd = pty ? master : pout[0];
+  pr->err_fd = pty ? -1 : perr[0];
   pr->credit[0] = pr->credit[1] = PV_STREAM_WINDOW;
   if (pr->in_fd >= 0) set_nonblock(pr->in_fd);
   set_nonblock(pr->out_fd);
-  set_nonblock(pr->err_fd);
+  if (pr->err_fd >= 0) set_nonblock(pr->err_fd);
   pr->next = procs;
   procs = pr;
   nprocs++;
@@ -503,6 +699,22 @@ static void op_kill(uint32_t id, const uint8_t *p, size_t n) {
   respond(id, OP_KILL, NULL, 0);
 }
 
+/* RESIZE {u32 process, u16 cols, u16 rows} -> {}: a new size for a process's terminal (EXEC_PTY);
+ * the kernel sends SIGWINCH to the terminal's foreground process group. */
+static void op_resize(uint32_t id, const uint8_t *p, size_t n) {
+  struct proc *pr = proc_arg(id, OP_RESIZE, p, n, 8);
+  if (!pr) return;
+  if (n != 8) return send_error(id, OP_RESIZE, E_BADARG, "RESIZE payload is 8 bytes, got %zu", n);
+  if (!pr->pty) return send_error(id, OP_RESIZE, E_BADARG, "process %u has no terminal", pr->id);
+  uint16_t cols = pv_rd16(p + 4), rows = pv_rd16(p + 6);
+  if (!cols || !rows) return send_error(id, OP_RESIZE, E_BADARG, "terminal of %u x %u: both must be 1 or more", cols, rows);
+  int fd = pr->out_fd >= 0 ? pr->out_fd : pr->in_fd;
+  if (fd < 0) return send_error(id, OP_RESIZE, E_NOPROC, "the terminal of process %u is closed", pr->id);
+  struct winsize ws = {.ws_row = rows, .ws_col = cols};
+  if (ioctl(fd, TIOCSWINSZ, &ws)) return send_os_error(id, OP_RESIZE, errno, "TIOCSWINSZ");
+  respond(id, OP_RESIZE, NULL, 0);
+}
+
 /* Reaps every child: ours are marked exited, orphans reparented to PID 1 just disappear. */
 static void reap(void) {
   int status;
@@ -555,7 +767,7 @@ static void pump_pipe(struct proc *pr, int *fd, uint16_t stream) {
     if (pr->detached) return;
     chunk_commit(pr->id, OP_EXEC, stream, (size_t)n);
     *credit -= (uint32_t)n;
-  } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(fd);
+  } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(fd); /* a terminal's master reads EIO once every slave fd is closed: its EOF */
 }
 
 /* ---- files ---- */
@@ -1210,6 +1422,7 @@ static void handle_request(uint32_t id, uint16_t op, const uint8_t *p, size_t n)
   case OP_STDIN_WRITE: return op_stdin_write(id, p, n);
   case OP_STDIN_CLOSE: return op_stdin_close(id, p, n);
   case OP_KILL: return op_kill(id, p, n);
+  case OP_RESIZE: return op_resize(id, p, n);
   case OP_FILE_READ: return op_file_read(id, p, n);
   case OP_FILE_WRITE: return op_file_write(id, p, n);
   case OP_FILE_LIST: return op_file_list(id, p, n);
@@ -1249,11 +1462,40 @@ static void take_credit(const struct pv_frame *f) {
   if (s && s->kind != FS_WRITE && channel == CH_STDOUT) s->credit = pv_credit_add(s->credit, bytes);
 }
 
+/* Whether an op may run as a user: EXEC, and the file ops that reach a path (the others name a
+ * stream opened already). */
+static int op_takes_user(uint16_t op) { return op == OP_EXEC || (op >= OP_FILE_READ && op <= OP_FILE_WRITE_OPEN); }
+
+/*
+ * A request: with REQ_AS_USER, its payload's `str user` is taken off and resolved first; an EXEC
+ * then runs its child as that user, a file op runs under that user's file credentials
+ * (become_fs), and the agent's own come back before anything else is served.
+ */
+static void serve_request(const struct pv_frame *f) {
+  if (f->flags & ~REQ_AS_USER) return send_error(f->id, f->op, E_BADARG, "unknown request flags 0x%x", f->flags);
+  if (!(f->flags & REQ_AS_USER)) return handle_request(f->id, f->op, f->payload, f->len);
+  const uint8_t *p = f->payload, *end = p + f->len, *u;
+  uint32_t ul;
+  if (!pv_take_str(&p, end, &u, &ul) || ul == 0 || ul > PV_USER_SPEC_MAX) return send_error(f->id, f->op, E_BADARG, "user malformed (a str of 1 to %d bytes without NUL)", PV_USER_SPEC_MAX);
+  if (!op_takes_user(f->op)) return send_error(f->id, f->op, E_BADARG, "op 0x%04x does not run as a user", f->op);
+  static struct cred c;
+  if (!resolve_user(f->id, f->op, (const char *)u, ul, &c)) return;
+  if (f->op == OP_EXEC) {
+    req_cred = &c;
+    handle_request(f->id, f->op, p, (size_t)(end - p));
+    req_cred = NULL;
+    return;
+  }
+  if (become_fs(&c)) return send_os_error(f->id, f->op, errno, "setfsuid");
+  handle_request(f->id, f->op, p, (size_t)(end - p));
+  own_fs_creds(1);
+}
+
 static void serve_frame(void *ctx, const struct pv_frame *f) {
   (void)ctx;
   if (f->type == T_CREDIT) take_credit(f);
   else if (f->type != T_REQUEST) send_error(f->id, f->op, E_BADFRAME, "frame type %u is not a request", f->type);
-  else handle_request(f->id, f->op, f->payload, f->len);
+  else serve_request(f);
 }
 
 static void bad_frame(void *ctx) {
@@ -1424,6 +1666,9 @@ int main(int argc, char **argv) {
   else if (is_init) cmdline_param("pvisor.channel", chanpath, sizeof chanpath);
   const char *path = chanpath;
   signal(SIGPIPE, SIG_IGN); /* a child closing its stdin must give EPIPE, not kill the agent */
+  if (!is_init && getenv("PVISOR_AGENT_ETC")) etc_dir = getenv("PVISOR_AGENT_ETC");
+  own_ngroups = getgroups(sizeof own_groups / sizeof *own_groups, own_groups);
+  if (own_ngroups < 0) die("getgroups");
 
   /* SIGCHLD through a signalfd, so reaping is one more fd in the poll loop */
   sigset_t chld;
@@ -1456,7 +1701,7 @@ int main(int argc, char **argv) {
   pv_wr32(hello + 4, GUEST_KIND_LINUX);
   pv_wr64(hello + 8, (uint64_t)si.totalram * si.mem_unit);
   /* wsBase / wsLimit stay 0: the Linux guest has no probe working set */
-  pv_wr32(hello + 32, PV_FEATURE_STREAM_CREDIT);
+  pv_wr32(hello + 32, PV_FEATURE_STREAM_CREDIT | PV_FEATURE_USERS | PV_FEATURE_PTY);
   send_frame(T_EVENT, 0, OP_HELLO, 0, hello, sizeof hello, NULL, 0);
   logmsg("ready on %s", path);
 

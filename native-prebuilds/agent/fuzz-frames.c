@@ -19,6 +19,11 @@
  *    every grant (pv_credit_add) and sends chunks of what its credit allows (pv_credit_chunk)
  *    never sends more than its window and the grants, never wraps, and never stalls while it
  *    has credit.
+ * 6. users (agent-users.h): user specs, and /etc/passwd and /etc/group texts made of valid,
+ *    malformed and random lines (in buffers of their exact size, not NUL-terminated), are read
+ *    within their bytes; a spec taken as ids prints back as itself, one taken as a name is one;
+ *    a user found has a home that is absolute, NUL-terminated and short, on a line of its name;
+ *    a group list starts with the primary gid, holds no gid twice and at most PV_MAX_GROUPS.
  *
  * usage: fuzz-frames SEED [ROUNDS]; prints the seed first, so a failure reruns from it.
  */
@@ -28,6 +33,7 @@
 #include <string.h>
 
 #include "agent-frames.h"
+#include "agent-users.h"
 
 static uint64_t rng_state;
 static uint64_t next64(void) { /* splitmix64 */
@@ -361,6 +367,97 @@ static void property_credit(void) {
   free(s);
 }
 
+/* ---- users ---- */
+static const char *const some_names[] = {"root", "nobody", "alice", "bob", "a", "x$", "-x", "al:ce", "", "bo,b"};
+
+/* Appends a passwd or group line to s at *n (capacity cap): valid, malformed, or random bytes. */
+static void put_line(char *s, size_t *n, size_t cap, int group) {
+  char line[600];
+  int len;
+  const char *name = some_names[below(sizeof some_names / sizeof *some_names)];
+  switch (below(6)) {
+  case 0: case 1:
+    len = group ? snprintf(line, sizeof line, "%s:x:%u:%s,%s", name, below(5) ? below(70000) : (uint32_t)next64(), some_names[below(10)], some_names[below(10)])
+                : snprintf(line, sizeof line, "%s:x:%u:%u:g:/%s:/bin/sh", name, below(70000), below(4) ? below(70000) : (uint32_t)next64(), below(3) ? "home" : "");
+    break;
+  case 2: /* fields missing or too many */
+    len = snprintf(line, sizeof line, "%s:x:%u%s", name, below(100), below(2) ? "" : ":1:2:3:4:5:6:7");
+    break;
+  case 3: /* ids that are not decimals */
+    len = snprintf(line, sizeof line, group ? "%s:x:%s:%s" : "%s:x:%s:1::/:", name, below(2) ? "0x10" : below(2) ? "-1" : "99999999999", name);
+    break;
+  default: /* random bytes, NUL and newline included */
+    len = (int)below(sizeof line);
+    for (int i = 0; i < len; i++) line[i] = below(8) ? (char)("ab:,/0123\n"[below(11)]) : (char)next64();
+  }
+  if (len < 0) len = 0;
+  if ((size_t)len > sizeof line - 1) len = sizeof line - 1;
+  if (*n + (size_t)len + 1 > cap) return;
+  memcpy(s + *n, line, (size_t)len);
+  *n += (size_t)len;
+  s[(*n)++] = '\n';
+}
+
+static void property_users(void) {
+  /* a spec: ids, a name, or random bytes */
+  char spec[PV_USER_SPEC_MAX + 8];
+  size_t sl = 0;
+  switch (below(3)) {
+  case 0: sl = (size_t)snprintf(spec, sizeof spec, "%u:%u", below(3) ? below(70000) : (uint32_t)next64(), (uint32_t)(next64() >> below(33))); break;
+  case 1: sl = strlen(strcpy(spec, some_names[below(10)])); break;
+  default:
+    sl = below(PV_USER_SPEC_MAX + 1);
+    for (size_t i = 0; i < sl; i++) spec[i] = below(4) ? "0123456789:a-$"[below(14)] : (char)next64();
+  }
+  char *exact = malloc(sl ? sl : 1);
+  CHECK(exact != NULL, "malloc");
+  memcpy(exact, spec, sl);
+  uint32_t uid = 0, gid = 0;
+  enum pv_user_kind kind = pv_user_spec(exact, sl, &uid, &gid);
+  if (kind == PV_USER_IDS) {
+    char back[32];
+    int bl = snprintf(back, sizeof back, "%u:%u", uid, gid);
+    CHECK((size_t)bl == sl && !memcmp(back, exact, sl) && uid <= PV_ID_MAX && gid <= PV_ID_MAX, "ids %u:%u from a spec of %zu bytes", uid, gid, sl);
+  }
+  if (kind == PV_USER_NAME) CHECK(pv_user_name_ok(exact, sl) && !memchr(exact, ':', sl), "a name that is not one");
+  /* passwd and group texts, in buffers of their exact size */
+  for (int group = 0; group < 2; group++) {
+    size_t cap = 1 + below(4000), n = 0;
+    char *text = malloc(cap);
+    CHECK(text != NULL, "malloc");
+    for (int lines = (int)below(30); lines-- > 0;) put_line(text, &n, cap, group);
+    char *buf = malloc(n ? n : 1);
+    CHECK(buf != NULL, "malloc");
+    memcpy(buf, text, n);
+    free(text);
+    const char *name = some_names[below(10)];
+    size_t nl = strlen(name);
+    if (!group) {
+      char home[PV_HOME_MAX];
+      int r = pv_passwd_find(buf, n, name, nl, &uid, &gid, home);
+      CHECK(r >= -1 && r <= 1, "pv_passwd_find said %d", r);
+      if (r == 1) {
+        size_t hl = strnlen(home, sizeof home);
+        CHECK(hl < sizeof home && home[0] == '/', "home of %zu bytes", hl);
+        int at_line_start = 0;
+        for (size_t i = 0; i + nl < n && !at_line_start; i++) at_line_start = (i == 0 || buf[i - 1] == '\n') && !memcmp(buf + i, name, nl) && buf[i + nl] == ':';
+        CHECK(at_line_start, "found %s on no line of that name", name);
+      }
+    } else {
+      uint32_t groups[PV_MAX_GROUPS], primary = (uint32_t)next64();
+      int c = pv_group_list(buf, n, name, nl, primary, groups);
+      CHECK(c == -1 || (c >= 1 && c <= PV_MAX_GROUPS), "pv_group_list said %d", c);
+      if (c > 0) {
+        CHECK(groups[0] == primary, "the primary gid is not first");
+        for (int i = 0; i < c; i++)
+          for (int j = i + 1; j < c; j++) CHECK(groups[i] != groups[j], "gid %u twice", groups[i]);
+      }
+    }
+    free(buf);
+  }
+  free(exact);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: fuzz-frames SEED [ROUNDS]\n");
@@ -377,6 +474,7 @@ int main(int argc, char **argv) {
     for (int k = 0; k < 20; k++) property_payload_fields();
     property_list_entry();
     for (int k = 0; k < 5; k++) property_credit();
+    for (int k = 0; k < 20; k++) property_users();
   }
   printf("fuzz-frames: ok, %ld rounds of each property\n", rounds);
   return 0;

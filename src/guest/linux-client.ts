@@ -15,6 +15,10 @@ import { booleanOption, parseTimeoutMs } from '../units';
 import { GuestOutput } from './guest-output';
 import type { VmFiles, VmProcess } from '../vm-api';
 import { mergeEnvironment } from './environment';
+import { userOption } from './guest-user';
+import { GuestPtys } from './pty';
+import { OutputRing, parseOutputMode, type OutputMode } from './output-ring';
+import { ProcessRegistry, type GuestProcessInfo } from './process-registry';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 
 const enum LinuxOp {
@@ -46,6 +50,8 @@ const CHUNK_STDOUT = 1;
 const CHUNK_STDERR = 2;
 const CHUNK_STARTED = 4;
 const EXEC_STDIN = 1;
+/** EXEC's flags bit 1: the command runs on a new terminal (docs/agent-protocol.md, EXEC). */
+const EXEC_PTY = 2;
 const WRITE_APPEND = 1;
 const WRITE_MKDIRS = 2;
 /** Data per STDIN_WRITE / FILE_WRITE frame, well inside the 1 MiB payload limit. */
@@ -83,6 +89,12 @@ export interface FilesCallOptions extends RequestTimeout {
    * rename) is not undone if it was already sent.
    */
   signal?: AbortSignal;
+  /**
+   * Linux guest: the user the call runs as, a name from the guest's /etc/passwd (with its groups
+   * from /etc/group) or `"uid:gid"`: the guest checks every path as that user's, and what the
+   * call creates is that user's. Default: root. An unknown name is an {@link UnknownUserError}.
+   */
+  user?: string;
 }
 
 function requestTimeout(options: RequestTimeout | undefined): number {
@@ -95,9 +107,9 @@ function abortSignal(value: unknown): AbortSignal | undefined {
   throw new InvalidOptionError('signal', `expected an AbortSignal, got ${value === null ? 'null' : typeof value}`);
 }
 
-/** The timeout and signal of a files call, checked. */
-function callLimits(options: FilesCallOptions): { timeoutMs: number; signal: AbortSignal | undefined } {
-  return { timeoutMs: requestTimeout(options), signal: abortSignal(options.signal) };
+/** The timeout, signal and user of a files call, checked. */
+function callLimits(agent: AgentClient, options: FilesCallOptions): { timeoutMs: number; signal: AbortSignal | undefined; user: string | undefined } {
+  return { timeoutMs: requestTimeout(options), signal: abortSignal(options.signal), user: userOption(agent, options.user) };
 }
 
 /**
@@ -131,6 +143,25 @@ export interface SpawnOptions {
    * {@link AbortError}; a signal that has already aborted starts nothing.
    */
   signal?: AbortSignal;
+  /**
+   * The user the command runs as: a name from the guest's /etc/passwd (its groups from
+   * /etc/group, HOME, USER and LOGNAME from its entry), or `"uid:gid"` (no other groups, HOME
+   * `/`). Groups, gid, then uid are set before the command's cwd is entered and it is executed.
+   * Default: root. An unknown name rejects with an {@link UnknownUserError}; a malformed one, or an
+   * agent that cannot run as a user, throws.
+   */
+  user?: string;
+  /**
+   * What becomes of the command's stdout: `'pipe'` (the default), the {@link GuestProcess.stdout}
+   * stream, which holds the command once a window of it waits unread; `'ignore'`, dropped as it
+   * comes (`stdout` is an empty stream); `{ keep: bytes }`, for a background process: drained as it
+   * comes, its last `bytes` (1 to 64 MiB) kept, to be read later with {@link GuestProcess.keptOutput}
+   * or followed with {@link GuestProcess.output}, also after {@link Vm.process} found it again
+   * (`stdout` is an empty stream).
+   */
+  stdout?: OutputMode;
+  /** As {@link stdout}, for stderr. */
+  stderr?: OutputMode;
 }
 
 /**
@@ -151,6 +182,8 @@ export interface ExecCommonOptions {
   timeoutMs?: number;
   /** Aborting kills the command (SIGKILL) and rejects with an {@link AbortError}. */
   signal?: AbortSignal;
+  /** As {@link SpawnOptions.user}. */
+  user?: string;
   /**
    * The most bytes of stdout, and of stderr, that are collected: beyond it the command is killed
    * (SIGKILL) and exec rejects with an {@link OutputLimitError}. A whole number of bytes, or
@@ -191,8 +224,8 @@ export interface ExecBufferOptions extends ExecCommonOptions {
   onStderr?: (chunk: Buffer) => void;
 }
 
-const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true });
-const EXEC_OPTION_KEYS = optionKeys<ExecOptions | ExecBufferOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, maxBuffer: true, encoding: true, onStdout: true, onStderr: true });
+const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true, stdout: true, stderr: true });
+const EXEC_OPTION_KEYS = optionKeys<ExecOptions | ExecBufferOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true, maxBuffer: true, encoding: true, onStdout: true, onStderr: true });
 
 /** Default of {@link ExecOptions.maxBuffer}. */
 const DEFAULT_MAX_BUFFER = 1024 * 1024;
@@ -305,6 +338,8 @@ export class GuestProcess implements VmProcess {
   private readonly stdinOpen: boolean;
   /** The guest pid, once the program has started. */
   readonly pid: Promise<number>;
+  /** The kept tails of stdout and stderr (`{ keep }`), else undefined. */
+  private readonly rings: [OutputRing | undefined, OutputRing | undefined];
   /** Resolves when the process has ended and its output is complete; rejects if it never started. */
   readonly exited: Promise<ExitStatus>;
   private stdinQueue: Promise<unknown> = Promise.resolve();
@@ -321,13 +356,29 @@ export class GuestProcess implements VmProcess {
     private readonly agent: AgentClient,
     argvPayload: Buffer,
     limits: { timeoutMs?: number; signal?: AbortSignal } = {},
-    what: { call?: string; argv0?: string; stdin?: boolean } = {},
+    what: { call?: string; argv0?: string; stdin?: boolean; user?: string; stdout?: OutputMode; stderr?: OutputMode } = {},
   ) {
     this.stdinOpen = what.stdin === true;
     const stdout = new GuestOutput(agent, CHUNK_STDOUT);
     const stderr = new GuestOutput(agent, CHUNK_STDERR);
-    this.stdout = stdout.readable;
-    this.stderr = stderr.readable;
+    const modes = [what.stdout ?? 'pipe', what.stderr ?? 'pipe'] as const;
+    this.rings = [undefined, undefined];
+    const outputs = [stdout, stderr].map((o, i) => {
+      const mode = modes[i];
+      if (mode === 'pipe') return o.readable;
+      // Drained as it comes: a destroyed stream grants back all that comes; a kept one takes it.
+      if (mode === 'ignore') o.readable.destroy();
+      else {
+        const ring = (this.rings[i] = new OutputRing(mode.keep));
+        o.readable.on('data', (b: Buffer) => ring.push(b));
+        o.readable.on('error', () => {});
+      }
+      const empty = new Readable({ read() {} });
+      empty.push(null);
+      return empty;
+    });
+    this.stdout = outputs[0];
+    this.stderr = outputs[1];
     let started!: (pid: number) => void;
     let neverStarted!: (e: Error) => void;
     this.pid = new Promise((resolve, reject) => {
@@ -348,6 +399,7 @@ export class GuestProcess implements VmProcess {
       },
       holdsChunks: true,
       call: what.call,
+      user: what.user,
     });
     this.handle = req.id;
     stdout.attach(req.id);
@@ -439,6 +491,54 @@ export class GuestProcess implements VmProcess {
     return next;
   }
 
+  /**
+   * The last bytes of stdout and stderr kept by `{ keep }` (oldest first; empty for a stream not
+   * kept), with how many bytes each carried in all.
+   */
+  keptOutput(): { stdout: Buffer; stderr: Buffer; stdoutBytes: number; stderrBytes: number } {
+    const [o, e] = this.rings;
+    return { stdout: o?.kept() ?? Buffer.alloc(0), stderr: e?.kept() ?? Buffer.alloc(0), stdoutBytes: o?.totalBytes ?? 0, stderrBytes: e?.totalBytes ?? 0 };
+  }
+
+  /**
+   * Follows the kept streams (`{ keep }`): each callback gets what was kept first, then every
+   * chunk as it comes, until the returned function is called or the output ends. A stream not
+   * kept gives nothing here (a `'pipe'` one belongs to {@link stdout} / {@link stderr}). A
+   * callback that throws is removed; the process goes on.
+   */
+  output(listeners: { onStdout?: (chunk: Buffer) => void; onStderr?: (chunk: Buffer) => void }): () => void {
+    const stops: (() => void)[] = [];
+    const follow = (ring: OutputRing | undefined, listener: ((chunk: Buffer) => void) | undefined, name: string) => {
+      if (!ring || listener === undefined) return;
+      if (typeof listener !== 'function') throw new InvalidOptionError(name, `expected a function, got ${typeof listener}`);
+      let stop = () => {};
+      const safe = (chunk: Buffer) => {
+        try {
+          listener(chunk);
+        } catch {
+          stop();
+        }
+      };
+      const kept = ring.kept();
+      stop = ring.listen(safe);
+      stops.push(stop);
+      if (kept.length) safe(kept);
+    };
+    follow(this.rings[0], listeners.onStdout, 'onStdout');
+    follow(this.rings[1], listeners.onStderr, 'onStderr');
+    return () => stops.forEach((s) => s());
+  }
+
+  /** Whether stdout or stderr is kept (`{ keep }`). */
+  get keepsOutput(): boolean {
+    return this.rings[0] !== undefined || this.rings[1] !== undefined;
+  }
+
+  /** The EXEC's request id, which names the process in the agent's requests. @internal */
+  get requestId(): number {
+    return this.handle;
+  }
+
   /** Sends a signal to the process and everything it started (its process group). */
   async kill(signal: NodeJS.Signals | number = 'SIGTERM', options?: RequestTimeout): Promise<void> {
     await this.agent.request(LinuxOp.Kill, u32s(this.handle, signalNumber(signal)), { timeoutMs: requestTimeout(options) });
@@ -449,6 +549,9 @@ export class GuestProcess implements VmProcess {
 export class LinuxGuest {
   /** Files in the guest. */
   readonly files: GuestFiles;
+  /** Terminals in the guest. */
+  readonly pty: GuestPtys;
+  private readonly registry = new ProcessRegistry();
 
   /**
    * @internal
@@ -459,6 +562,7 @@ export class LinuxGuest {
     private readonly sandboxEnv: Readonly<Record<string, string>> = {},
   ) {
     this.files = new GuestFiles(agent);
+    this.pty = new GuestPtys(agent, (method, command, options, terminal) => this.startProcess(method, command, options, terminal));
   }
 
   /**
@@ -468,13 +572,34 @@ export class LinuxGuest {
    */
   spawn(command: Command, options: SpawnOptions = {}): GuestProcess {
     checkOptionKeys('spawn', options, SPAWN_OPTION_KEYS);
-    return this.startProcess('spawn', command, options);
+    const p = this.startProcess('spawn', command, options);
+    this.registry.add(p, typeof command === 'string' ? command : command.join(' '));
+    return p;
   }
 
-  /** {@link spawn} for `method` (spawn or exec), which the process's errors name. */
-  private startProcess(method: string, command: Command, options: SpawnOptions): GuestProcess {
+  /**
+   * The processes started with {@link spawn} that this VM still has: every one running, and the
+   * last 64 that ended with output kept (`{ keep }`).
+   */
+  processes(): GuestProcessInfo[] {
+    return this.registry.list();
+  }
+
+  /** The spawned process of guest pid `pid` that {@link processes} lists, or undefined. */
+  process(pid: number): GuestProcess | undefined {
+    return this.registry.get(pid);
+  }
+
+  /**
+   * {@link spawn} for `method` (spawn, exec, pty.create), which the process's errors name; with a
+   * `terminal`, on a new terminal of that size (EXEC_PTY: its stdin, stdout and stderr).
+   * @internal
+   */
+  startProcess(method: string, command: Command, options: SpawnOptions, terminal?: { cols: number; rows: number }): GuestProcess {
     const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const signal = abortSignal(options.signal);
+    const user = userOption(this.agent, options.user);
+    const outputModes = { stdout: parseOutputMode('stdout', options.stdout), stderr: parseOutputMode('stderr', options.stderr) };
     const argv = typeof command === 'string' ? ['/bin/sh', '-c', command] : [...command];
     if (!argv.length || !argv[0]) throw new InvalidOptionError('command', 'empty command');
     const env = Object.entries(mergeEnvironment(this.sandboxEnv, options.env)).map(([k, v]) => {
@@ -482,13 +607,13 @@ export class LinuxGuest {
       return `${k}=${v}`;
     });
     const payload = Buffer.concat([
-      u32s(options.stdin ? EXEC_STDIN : 0, argv.length, env.length, 0),
+      u32s((options.stdin ? EXEC_STDIN : 0) | (terminal ? EXEC_PTY : 0), argv.length, env.length, terminal ? terminal.cols + terminal.rows * 0x10000 : 0),
       str(options.cwd ?? '', 'cwd'),
       ...argv.map((a) => str(a, 'command')),
       ...env.map((e) => str(e, 'env')),
     ]);
     if (payload.length > MAX_PAYLOAD_BYTES) throw new InvalidOptionError('command', 'command line and environment exceed 1 MiB');
-    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0], stdin: options.stdin === true });
+    return new GuestProcess(this.agent, payload, { timeoutMs, signal }, { call: callText(method, typeof command === 'string' ? command : argv.join(' ')), argv0: typeof command === 'string' ? undefined : argv[0], stdin: options.stdin === true, user, ...outputModes });
   }
 
   /** Runs a command to its end and collects its output. */
@@ -504,7 +629,7 @@ export class LinuxGuest {
       stdout: callbackOption('onStdout', options.onStdout as ((b: Buffer) => void) | undefined),
       stderr: callbackOption('onStderr', options.onStderr as ((b: Buffer) => void) | undefined),
     };
-    const p = this.startProcess('exec', command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal });
+    const p = this.startProcess('exec', command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal, user: options.user });
     const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
     const sizes = { stdout: 0, stderr: 0 };
     const collect = (name: 'stdout' | 'stderr') => (b: Buffer) => {
@@ -724,11 +849,11 @@ export class GuestFiles implements VmFiles {
    */
   async read(path: string, options: ReadOptions = {}): Promise<Buffer> {
     const maxBytes = byteLimit('maxBytes', options.maxBytes, DEFAULT_MAX_FILE_BYTES);
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const parts: Buffer[] = [];
     let size = 0;
     const req = this.agent.start(FileOp.Read, pathField(path), {
-      call: callText('files.read', path),
+      call: callText('files.read', path), user,
       onChunk: (_f, p) => {
         size += p.length;
         if (size > maxBytes) {
@@ -757,7 +882,7 @@ export class GuestFiles implements VmFiles {
    * differs from what it sent. Destroying it before its end closes the file in the guest.
    */
   readStream(path: string, options: FilesCallOptions = {}): Readable {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const payload = pathField(path);
     if (signal?.aborted) return new Readable({ read() {} }).destroy(abortError(`reading ${path}`, signal)); // nothing sent
     let received = 0;
@@ -777,7 +902,7 @@ export class GuestFiles implements VmFiles {
     const s = out.readable;
     const onAbort = () => s.destroy(abortError(`reading ${path}`, signal!));
     const req = this.agent.start(FileOp.Read, payload, {
-      call: callText('files.readStream', path),
+      call: callText('files.readStream', path), user,
       onChunk: (_f, p) => {
         received += p.length;
         if (out.deliver(p)) arm();
@@ -830,7 +955,7 @@ export class GuestFiles implements VmFiles {
       await pipeline(data, this.writeStream(path, options));
       return;
     }
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const mode = modeField('mode', options.mode, 0o644);
     const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data.buffer, data.byteOffset, data.byteLength);
     const p = pathField(path);
@@ -841,7 +966,7 @@ export class GuestFiles implements VmFiles {
     let i = 0;
     for (const chunk of frameChunks(bytes)) {
       const flags = WRITE_MKDIRS | (i++ > 0 ? WRITE_APPEND : 0);
-      await this.agent.request(FileOp.Write, Buffer.concat([u32s(flags, mode), p, chunk]), { timeoutMs, signal, call: callText('files.write', path) });
+      await this.agent.request(FileOp.Write, Buffer.concat([u32s(flags, mode), p, chunk]), { timeoutMs, signal, call: callText('files.write', path), user });
     }
   }
 
@@ -856,7 +981,7 @@ export class GuestFiles implements VmFiles {
    * guest; what was written stays.
    */
   writeStream(path: string, options: WriteOptions = {}): Writable {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const mode = modeField('mode', options.mode, 0o644);
     const payload = Buffer.concat([u32s(WRITE_MKDIRS, mode), pathField(path)]);
     if (signal?.aborted) return new Writable({ write: (_c, _e, cb) => cb() }).destroy(abortError(`writing ${path}`, signal)); // nothing sent
@@ -865,7 +990,7 @@ export class GuestFiles implements VmFiles {
     let opened!: () => void;
     const open = new Promise<void>((resolve) => (opened = resolve));
     const handle = this.agent.start(FileOp.WriteOpen, payload, {
-      call: callText('files.writeStream', path),
+      call: callText('files.writeStream', path), user,
       onChunk: (flags) => {
         if (flags === CHUNK_OPENED) opened();
       },
@@ -921,11 +1046,11 @@ export class GuestFiles implements VmFiles {
    * {@link GuestRequestError} (`ENOTDIR`).
    */
   async list(path: string, options: ListOptions = {}): Promise<DirEntry[]> {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const maxEntries = byteLimit('maxEntries', options.maxEntries, DEFAULT_MAX_ENTRIES, 'entries');
     const entries: DirEntry[] = [];
     const req = this.agent.start(FileOp.List, pathField(path), {
-      call: callText('files.list', path),
+      call: callText('files.list', path), user,
       onChunk: (_f, p) => {
         try {
           decodeEntries(p, entries);
@@ -946,30 +1071,30 @@ export class GuestFiles implements VmFiles {
 
   /** A file's type, mode, owner, size and mtime; a symlink's own unless `followSymlinks`, with its target. */
   async stat(path: string, options: StatOptions = {}): Promise<FileStat> {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const follow = booleanOption('followSymlinks', options.followSymlinks, false);
-    return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.stat', path) }));
+    return decodeStat(await this.agent.request(FileOp.Stat, Buffer.concat([u32s(follow ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.stat', path), user }));
   }
 
   /** Creates a directory (mode default 0o755, set exactly); an existing one is `EEXIST` unless `recursive`. */
   async mkdir(path: string, options: MkdirOptions = {}): Promise<void> {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const recursive = booleanOption('recursive', options.recursive, false);
     const mode = modeField('mode', options.mode, 0o755);
-    await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal, call: callText('files.mkdir', path) });
+    await this.agent.request(FileOp.Mkdir, Buffer.concat([u32s(recursive ? 1 : 0, mode), pathField(path)]), { timeoutMs, signal, call: callText('files.mkdir', path), user });
   }
 
   /** Removes a file, a symlink or an empty directory; with `recursive`, a whole tree. */
   async remove(path: string, options: RemoveOptions = {}): Promise<void> {
-    const { timeoutMs, signal } = callLimits(options);
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
     const recursive = booleanOption('recursive', options.recursive, false);
-    decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.remove', path) }), 'FILE_REMOVE');
+    decodeCount(await this.agent.request(FileOp.Remove, Buffer.concat([u32s(recursive ? 1 : 0), pathField(path)]), { timeoutMs, signal, call: callText('files.remove', path), user }), 'FILE_REMOVE');
   }
 
   /** Renames (moves) `from` to `to` within the guest's filesystem, replacing `to` as rename(2) does. */
   async rename(from: string, to: string, options: FilesCallOptions = {}): Promise<void> {
-    const { timeoutMs, signal } = callLimits(options);
-    await this.agent.request(FileOp.Rename, Buffer.concat([pathField(from, 'from'), pathField(to, 'to')]), { timeoutMs, signal, call: callText('files.rename', from, to) });
+    const { timeoutMs, signal, user } = callLimits(this.agent, options);
+    await this.agent.request(FileOp.Rename, Buffer.concat([pathField(from, 'from'), pathField(to, 'to')]), { timeoutMs, signal, call: callText('files.rename', from, to), user });
   }
 }
 

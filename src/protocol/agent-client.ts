@@ -3,7 +3,7 @@
  * responses matched by id, guest events delivered to a callback, and each request's output
  * streams under their own credit (./stream-window.ts).
  */
-import { abortError, GuestRequestError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
+import { abortError, GuestRequestError, UnknownUserError, PvisorError, RequestTooLargeError, SnapshotError, TimeoutError, VmStateError } from '../errors';
 import { arrayAt, base64Of, bytesAt, checkVersion, integerAt, objectAt } from '../persist/state-fields';
 import { encodeFrame, FrameDecoder, FrameType, MAX_PAYLOAD_BYTES, type Frame } from './frame';
 import { STREAM_WINDOW_BYTES, StreamWindow } from './stream-window';
@@ -18,6 +18,14 @@ export const enum CommonOp {
 
 /** HELLO's features word (`u32` at byte 32): bit 0, the agent sends its streams under credit. */
 export const FEATURE_STREAM_CREDIT = 1;
+/** HELLO's features bit 1: the agent runs EXEC and the file ops as a user (a request's {@link REQUEST_AS_USER}). */
+export const FEATURE_USERS = 2;
+/** HELLO's features bit 2: the agent runs a command on a terminal (EXEC's PTY flag, RESIZE). */
+export const FEATURE_PTY = 4;
+/** A request frame's flags bit 0: its payload starts with `str user`, the user it runs as. */
+const REQUEST_AS_USER = 1;
+/** The agent's error code for a user its guest does not have. */
+const GUEST_UNKNOWN_USER = 11;
 
 /** The output streams of a request that flow under credit: chunk flags 1 (stdout, or a file's content) and 2 (stderr). */
 export type OutputChannel = 1 | 2;
@@ -30,6 +38,8 @@ interface Pending {
   op: number;
   /** See {@link RequestOptions.call}. */
   call: string | undefined;
+  /** See {@link RequestOptions.user}. */
+  user: string | undefined;
   resolve(payload: Buffer): void;
   reject(error: Error): void;
   onChunk?: (flags: number, payload: Buffer) => void;
@@ -68,6 +78,12 @@ export interface RequestOptions {
    * name it instead of the op code, and keep the op code as a field.
    */
   call?: string;
+  /**
+   * The user the request runs as, `name` or `uid:gid` (checked by the caller, and offered by the
+   * agent: {@link AgentClient.hasFeature} with {@link FEATURE_USERS}): sent as the payload's
+   * first `str`, with the frame's AS_USER flag. The agent's "unknown user" is an {@link UnknownUserError}.
+   */
+  user?: string;
 }
 
 /** A request in flight: its id names it in later requests (a process handle, for instance). */
@@ -133,6 +149,11 @@ export class AgentClient {
    */
   get speaksStreamCredit(): boolean {
     return (this.features & FEATURE_STREAM_CREDIT) !== 0;
+  }
+
+  /** Whether the agent's HELLO offered `feature` (a FEATURE_* bit). */
+  hasFeature(feature: number): boolean {
+    return (this.features & feature) !== 0;
   }
 
   /**
@@ -296,7 +317,8 @@ export class AgentClient {
       const text = errorText(f.payload);
       // An OS error's text starts with its errno name (the agent's send_os_error).
       const errno = /^(E[A-Z0-9]{1,15}): /.exec(text)?.[1];
-      p.reject(new GuestRequestError(code, p.call ? `${p.call}: ${text}` : `guest refused op 0x${p.op.toString(16)}: ${text}`, { op: p.op, call: p.call, errno }));
+      const e = new GuestRequestError(code, p.call ? `${p.call}: ${text}` : `guest refused op 0x${p.op.toString(16)}: ${text}`, { op: p.op, call: p.call, errno });
+      p.reject(code === GUEST_UNKNOWN_USER && p.user !== undefined ? new UnknownUserError(p.user, e) : e);
     } else {
       this.onProtocolError(`frame of type ${f.type} for request ${f.id}`);
       p.reject(new GuestRequestError(0, `the guest answered op 0x${p.op.toString(16)} with a frame of type ${f.type}, which is not an answer`));
@@ -345,14 +367,15 @@ export class AgentClient {
   start(op: number, payload: Buffer = Buffer.alloc(0), options: RequestOptions = {}): StartedRequest {
     if (this.closedWith) return { id: this.nextId, done: Promise.reject(this.closedWith) };
     if (options.signal?.aborted) return { id: this.nextId, done: Promise.reject(abortError(`op 0x${op.toString(16)}`, options.signal)) };
+    if (options.user !== undefined) payload = Buffer.concat([userField(options.user), payload]);
     if (payload.length > MAX_PAYLOAD_BYTES) {
       const e = new RequestTooLargeError(payload.length, MAX_PAYLOAD_BYTES, `a request of op 0x${op.toString(16)} with ${payload.length} bytes exceeds the ${MAX_PAYLOAD_BYTES} bytes one frame carries; nothing was sent`);
       return { id: this.nextId, done: Promise.reject(e) };
     }
     const id = this.takeId();
-    const frame = encodeFrame({ type: FrameType.Request, id, op, payload });
+    const frame = encodeFrame({ type: FrameType.Request, id, op, flags: options.user === undefined ? 0 : REQUEST_AS_USER, payload });
     const done = new Promise<Buffer>((resolve, reject) => {
-      const p: Pending = { op, call: options.call, resolve, reject, onChunk: options.onChunk, onGiveUp: options.onGiveUp, holdsChunks: options.holdsChunks ?? false, windows: [undefined, undefined] };
+      const p: Pending = { op, call: options.call, user: options.user, resolve, reject, onChunk: options.onChunk, onGiveUp: options.onGiveUp, holdsChunks: options.holdsChunks ?? false, windows: [undefined, undefined] };
       if (options.timeoutMs !== undefined) {
         p.timer = setTimeout(() => this.giveUp(id, new TimeoutError(`guest did not answer ${options.call ? `${options.call} (op 0x${op.toString(16)})` : `op 0x${op.toString(16)}`} within ${options.timeoutMs} ms`)), options.timeoutMs);
       }
@@ -427,6 +450,14 @@ export class AgentClient {
       this.pending.delete(id);
     }
   }
+}
+
+/** A request's user as the payload's first `str` (u32 length, then its bytes). */
+function userField(user: string): Buffer {
+  const bytes = Buffer.from(user, 'utf8');
+  const len = Buffer.alloc(4);
+  len.writeUInt32LE(bytes.length, 0);
+  return Buffer.concat([len, bytes]);
 }
 
 /** A number naming one output stream of one request (ids are below 2^32, so it stays exact). */

@@ -30,7 +30,7 @@ describe("the guest agent's frame parser under ASan and UBSan", () => {
   });
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-  (compiler ? it : it.skip)('valid streams come whole and in order however cut; hostile streams and payload strings stay inside their bytes; CREDIT frames read as the protocol says and a stream never sends beyond its credit (seeded)', () => {
+  (compiler ? it : it.skip)('valid streams come whole and in order however cut; hostile streams and payload strings stay inside their bytes; CREDIT frames read as the protocol says and a stream never sends beyond its credit; user specs, passwd and group texts are read within their bytes (seeded)', () => {
     const bin = join(dir, 'fuzz-frames');
     execFileSync(compiler!, ['-O1', '-g', '-Wall', '-Wextra', '-Werror', ...SANITIZE, '-o', bin, join(AGENT_DIR, 'fuzz-frames.c')], { stdio: 'pipe' });
     // 40 rounds take about 2 s on the two shared cores; PVISOR_FUZZ_RUNS runs more.
