@@ -16,6 +16,7 @@
  * suspend, resume, snapshot, stop and ps and the SDK's {@link VmHandle} are its clients.
  * @module
  */
+import { parseOutputMode, type OutputMode } from './guest/output-ring';
 import { lstatSync, mkdirSync, rmSync, chmodSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import { basename, isAbsolute, join } from 'node:path';
@@ -45,20 +46,20 @@ export type ControlRequest =
 
 /** A files call that is one request and one answer (docs/control-protocol.md, "Files"). */
 export type ControlFilesRequest =
-  | { op: 'files'; call: 'stat'; path: string; followSymlinks?: boolean; timeoutMs?: number }
-  | { op: 'files'; call: 'list'; path: string; maxEntries?: number; timeoutMs?: number }
-  | { op: 'files'; call: 'mkdir'; path: string; recursive?: boolean; mode?: number; timeoutMs?: number }
-  | { op: 'files'; call: 'remove'; path: string; recursive?: boolean; timeoutMs?: number }
-  | { op: 'files'; call: 'rename'; path: string; to: string; timeoutMs?: number };
+  | { op: 'files'; call: 'stat'; path: string; followSymlinks?: boolean; timeoutMs?: number; user?: string }
+  | { op: 'files'; call: 'list'; path: string; maxEntries?: number; timeoutMs?: number; user?: string }
+  | { op: 'files'; call: 'mkdir'; path: string; recursive?: boolean; mode?: number; timeoutMs?: number; user?: string }
+  | { op: 'files'; call: 'remove'; path: string; recursive?: boolean; timeoutMs?: number; user?: string }
+  | { op: 'files'; call: 'rename'; path: string; to: string; timeoutMs?: number; user?: string };
 
 /**
  * A request that turns its connection into a stream (docs/control-protocol.md, "Streams"): it
  * must be the connection's first line; after its answer the connection carries frames.
  */
 export type ControlStreamRequest =
-  | { op: 'spawn'; command: string | string[]; env?: Record<string, string>; cwd?: string; stdin: boolean; timeoutMs?: number }
-  | { op: 'files.readStream'; path: string; timeoutMs?: number }
-  | { op: 'files.writeStream'; path: string; mode?: number; timeoutMs?: number }
+  | { op: 'spawn'; command: string | string[]; env?: Record<string, string>; cwd?: string; stdin: boolean; timeoutMs?: number; user?: string; stdout?: OutputMode; stderr?: OutputMode }
+  | { op: 'files.readStream'; path: string; timeoutMs?: number; user?: string }
+  | { op: 'files.writeStream'; path: string; mode?: number; timeoutMs?: number; user?: string }
   | { op: 'watch' };
 
 /** The ops of {@link ControlStreamRequest}. */
@@ -239,12 +240,15 @@ export function parseRequest(line: string): ControlRequest {
         ...optionalField(r!, 'spawn', 'cwd', 'string'),
         stdin: booleanField(r!, 'spawn', 'stdin') ?? false,
         ...timeoutField(r!, 'spawn'),
+        ...userField(r!, 'spawn'),
+        ...outputModeField(r!, 'spawn', 'stdout'),
+        ...outputModeField(r!, 'spawn', 'stderr'),
       };
     }
     case 'files.readStream':
-      return { op: 'files.readStream', path: pathField(r!, 'files.readStream', 'path'), ...timeoutField(r!, 'files.readStream') };
+      return { op: 'files.readStream', path: pathField(r!, 'files.readStream', 'path'), ...timeoutField(r!, 'files.readStream'), ...userField(r!, 'files.readStream') };
     case 'files.writeStream':
-      return { op: 'files.writeStream', path: pathField(r!, 'files.writeStream', 'path'), ...optionalField(r!, 'files.writeStream', 'mode', 'number'), ...timeoutField(r!, 'files.writeStream') };
+      return { op: 'files.writeStream', path: pathField(r!, 'files.writeStream', 'path'), ...optionalField(r!, 'files.writeStream', 'mode', 'number'), ...timeoutField(r!, 'files.writeStream'), ...userField(r!, 'files.writeStream') };
     case 'watch':
       return { op: 'watch' };
     case 'files':
@@ -258,7 +262,7 @@ export function parseRequest(line: string): ControlRequest {
 function parseFilesRequest(r: Record<string, unknown>): ControlFilesRequest {
   const what = `files.${String(r.call)}`;
   const path = pathField(r, what, 'path');
-  const timeout = timeoutField(r, what);
+  const timeout = { ...timeoutField(r, what), ...userField(r, what) };
   switch (r.call) {
     case 'stat':
       return { op: 'files', call: 'stat', path, ...optionalField(r, what, 'followSymlinks', 'boolean'), ...timeout };
@@ -282,6 +286,27 @@ function pathField(r: Record<string, unknown>, what: string, key: string): strin
   const v = r[key];
   if (typeof v !== 'string' || !v || v.length > MAX_REQUEST_PATH_CHARS) throw new InvalidOptionError('control request', `${what}: ${key} must be a path of 1 to ${MAX_REQUEST_PATH_CHARS} characters`);
   return v;
+}
+
+/** The longest user spec a request carries (a name of 32, or "uid:gid"; the guest checks the rest). */
+const MAX_USER_CHARS = 32;
+
+/** `user`: a short string; the VM's call checks it fully (a name or uid:gid) and names what is wrong. */
+function userField(r: Record<string, unknown>, what: string): { user?: string } {
+  const v = r.user;
+  if (v === undefined) return {};
+  if (typeof v !== 'string' || !v || v.length > MAX_USER_CHARS) throw new InvalidOptionError('control request', `${what}: user must be a user name or uid:gid of 1 to ${MAX_USER_CHARS} characters`);
+  return { user: v };
+}
+
+/** `stdout`/`stderr` of a spawn: 'pipe', 'ignore' or { keep: bytes }, as the VM's spawn takes them. */
+function outputModeField(r: Record<string, unknown>, what: string, key: 'stdout' | 'stderr'): { stdout?: OutputMode } | { stderr?: OutputMode } {
+  if (r[key] === undefined) return {};
+  try {
+    return { [key]: parseOutputMode(key, r[key]) };
+  } catch (e) {
+    throw new InvalidOptionError('control request', `${what}: ${(e as Error).message}`);
+  }
 }
 
 function booleanField(r: Record<string, unknown>, what: string, key: string): boolean | undefined {

@@ -54,8 +54,8 @@ const ROUND_TRIP_MS = 10_000;
 const DEFAULT_MAX_BUFFER = 1024 * 1024;
 const DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024;
 
-const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true });
-const EXEC_OPTION_KEYS = optionKeys<ExecOptions | ExecBufferOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, maxBuffer: true, encoding: true, onStdout: true, onStderr: true });
+const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true, stdout: true, stderr: true });
+const EXEC_OPTION_KEYS = optionKeys<ExecOptions | ExecBufferOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, maxBuffer: true, encoding: true, onStdout: true, onStderr: true, user: true });
 
 function timeoutOf(options: RequestTimeout | undefined): number {
   return options?.timeoutMs === undefined ? DEFAULT_REQUEST_TIMEOUT_MS : parseTimeoutMs('timeoutMs', options.timeoutMs);
@@ -120,6 +120,9 @@ export class RemoteProcess implements VmProcess {
       ...(options.env !== undefined && { env: options.env }),
       ...(options.cwd !== undefined && { cwd: options.cwd }),
       ...(timeoutMs !== undefined && { timeoutMs }),
+      ...(options.user !== undefined && { user: options.user }),
+      ...(options.stdout !== undefined && { stdout: options.stdout }),
+      ...(options.stderr !== undefined && { stderr: options.stderr }),
     };
     this.stream = new ControlStream(vm.socketPath, vm.id, request, [StreamChannel.Stdout, StreamChannel.Stderr], DEFAULT_REQUEST_TIMEOUT_MS);
     if (signal?.aborted) this.stream.destroy(abortError('the command', signal));
@@ -188,6 +191,13 @@ export class RemoteProcess implements VmProcess {
   }
 }
 
+/** The `user` of a call, as its request carries it (the VM's process checks it as its own call would). */
+function userOf(options: { user?: string | undefined }): { user?: string } {
+  if (options.user === undefined) return {};
+  if (typeof options.user !== 'string') throw new InvalidOptionError('user', `expected a user name or "uid:gid", got ${typeof options.user}`);
+  return { user: options.user };
+}
+
 /** `promise`, or a {@link TimeoutError} saying `what` after `ms`. */
 function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
   let timer: NodeJS.Timeout | undefined;
@@ -202,7 +212,7 @@ export async function remoteExec(vm: RemoteVm, command: Command, options: ExecOp
   const encoding: string = options.encoding ?? 'utf8';
   if (encoding !== 'utf8' && encoding !== 'buffer') throw new InvalidOptionError('encoding', `expected "utf8" or "buffer", got ${JSON.stringify(encoding)}`);
   for (const k of ['onStdout', 'onStderr'] as const) if (options[k] !== undefined && typeof options[k] !== 'function') throw new InvalidOptionError(k, `expected a function, got ${typeof options[k]}`);
-  const p = new RemoteProcess(vm, command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal });
+  const p = new RemoteProcess(vm, command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal, user: options.user });
   const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
   const sizes = { stdout: 0, stderr: 0 };
   const flushes: (() => void)[] = [];
@@ -252,7 +262,7 @@ export class RemoteFiles implements VmFiles {
 
   async read(path: string, options: ReadOptions = {}): Promise<Buffer> {
     const maxBytes = limit('maxBytes', options.maxBytes, DEFAULT_MAX_FILE_BYTES);
-    const s = this.readStream(path, { ...(options.timeoutMs !== undefined && { timeoutMs: options.timeoutMs }), ...(options.signal && { signal: options.signal }) });
+    const s = this.readStream(path, { ...(options.timeoutMs !== undefined && { timeoutMs: options.timeoutMs }), ...(options.signal && { signal: options.signal }), ...userOf(options) });
     const parts: Buffer[] = [];
     let size = 0;
     for await (const chunk of s as AsyncIterable<Buffer>) {
@@ -269,7 +279,7 @@ export class RemoteFiles implements VmFiles {
   readStream(path: string, options: FilesCallOptions = {}): Readable {
     const timeoutMs = options.timeoutMs === undefined ? undefined : parseTimeoutMs('timeoutMs', options.timeoutMs);
     const signal = signalOf(options.signal);
-    const stream = new ControlStream(this.vm.socketPath, this.vm.id, { op: 'files.readStream', path, ...(timeoutMs !== undefined && { timeoutMs }) }, [StreamChannel.Stdout], (timeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS) + ROUND_TRIP_MS, true);
+    const stream = new ControlStream(this.vm.socketPath, this.vm.id, { op: 'files.readStream', path, ...(timeoutMs !== undefined && { timeoutMs }), ...userOf(options) }, [StreamChannel.Stdout], (timeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS) + ROUND_TRIP_MS, true);
     const s = stream.output(StreamChannel.Stdout);
     const onAbort = () => stream.destroy(abortError(`reading ${path}`, signal!));
     if (signal?.aborted) onAbort();
@@ -302,7 +312,7 @@ export class RemoteFiles implements VmFiles {
     const stream = new ControlStream(
       this.vm.socketPath,
       this.vm.id,
-      { op: 'files.writeStream', path, ...(options.mode !== undefined && { mode: options.mode }), ...(timeoutMs !== undefined && { timeoutMs }) },
+      { op: 'files.writeStream', path, ...(options.mode !== undefined && { mode: options.mode }), ...(timeoutMs !== undefined && { timeoutMs }), ...userOf(options) },
       [],
       (timeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS) + ROUND_TRIP_MS,
     );
@@ -337,31 +347,31 @@ export class RemoteFiles implements VmFiles {
   async list(path: string, options: ListOptions = {}): Promise<DirEntry[]> {
     const { timeoutMs, signal } = options;
     const maxEntries = options.maxEntries === Infinity ? undefined : options.maxEntries;
-    const r = await this.call({ op: 'files', call: 'list', path, ...(maxEntries !== undefined && { maxEntries }), ...(timeoutMs !== undefined && { timeoutMs }) }, timeoutMs, signal);
+    const r = await this.call({ op: 'files', call: 'list', path, ...(maxEntries !== undefined && { maxEntries }), ...(timeoutMs !== undefined && { timeoutMs }), ...userOf(options) }, timeoutMs, signal);
     if (!Array.isArray(r.entries)) throw new InvalidOptionError('entries', 'the VM answered a listing without entries');
     return r.entries;
   }
 
   async stat(path: string, options: StatOptions = {}): Promise<FileStat> {
     const { timeoutMs, signal, followSymlinks } = options;
-    const r = await this.call({ op: 'files', call: 'stat', path, ...(followSymlinks !== undefined && { followSymlinks }), ...(timeoutMs !== undefined && { timeoutMs }) }, timeoutMs, signal);
+    const r = await this.call({ op: 'files', call: 'stat', path, ...(followSymlinks !== undefined && { followSymlinks }), ...(timeoutMs !== undefined && { timeoutMs }), ...userOf(options) }, timeoutMs, signal);
     if (!r.stat || typeof r.stat !== 'object') throw new InvalidOptionError('stat', 'the VM answered a stat without one');
     return r.stat;
   }
 
   async mkdir(path: string, options: MkdirOptions = {}): Promise<void> {
     const { timeoutMs, signal, recursive, mode } = options;
-    await this.call({ op: 'files', call: 'mkdir', path, ...(recursive !== undefined && { recursive }), ...(mode !== undefined && { mode }), ...(timeoutMs !== undefined && { timeoutMs }) }, timeoutMs, signal);
+    await this.call({ op: 'files', call: 'mkdir', path, ...(recursive !== undefined && { recursive }), ...(mode !== undefined && { mode }), ...(timeoutMs !== undefined && { timeoutMs }), ...userOf(options) }, timeoutMs, signal);
   }
 
   async remove(path: string, options: RemoveOptions = {}): Promise<void> {
     const { timeoutMs, signal, recursive } = options;
-    await this.call({ op: 'files', call: 'remove', path, ...(recursive !== undefined && { recursive }), ...(timeoutMs !== undefined && { timeoutMs }) }, timeoutMs, signal);
+    await this.call({ op: 'files', call: 'remove', path, ...(recursive !== undefined && { recursive }), ...(timeoutMs !== undefined && { timeoutMs }), ...userOf(options) }, timeoutMs, signal);
   }
 
   async rename(from: string, to: string, options: FilesCallOptions = {}): Promise<void> {
     const { timeoutMs, signal } = options;
-    await this.call({ op: 'files', call: 'rename', path: from, to, ...(timeoutMs !== undefined && { timeoutMs }) }, timeoutMs, signal);
+    await this.call({ op: 'files', call: 'rename', path: from, to, ...(timeoutMs !== undefined && { timeoutMs }), ...userOf(options) }, timeoutMs, signal);
   }
 
   /**

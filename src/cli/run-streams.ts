@@ -39,7 +39,7 @@ export function serveRunStream(vm: Vm | undefined, info: () => ControlVmInfo, re
 async function openSession(vm: Vm, request: Exclude<ControlStreamRequest, { op: 'watch' }>): Promise<{ session: StreamSession; pid?: number }> {
   switch (request.op) {
     case 'spawn': {
-      const p = vm.spawn(request.command, { env: request.env, cwd: request.cwd, stdin: request.stdin, timeoutMs: request.timeoutMs });
+      const p = vm.spawn(request.command, { env: request.env, cwd: request.cwd, stdin: request.stdin, timeoutMs: request.timeoutMs, user: request.user, stdout: request.stdout, stderr: request.stderr });
       // Answered with the pid once the program runs; one that never starts is the answer's error.
       const pid = await p.pid;
       return {
@@ -59,13 +59,13 @@ async function openSession(vm: Vm, request: Exclude<ControlStreamRequest, { op: 
       };
     }
     case 'files.readStream': {
-      const s = vm.files.readStream(request.path, { timeoutMs: request.timeoutMs });
+      const s = vm.files.readStream(request.path, { timeoutMs: request.timeoutMs, user: request.user });
       // The stream's own errors (no such file) come before any data: they are the answer's.
       await firstReadable(s);
       return { session: { outputs: { [StreamChannel.Stdout]: s }, result: finished(s).then(() => ({})), abort: () => s.destroy() } };
     }
     case 'files.writeStream': {
-      const w = vm.files.writeStream(request.path, { mode: request.mode, timeoutMs: request.timeoutMs });
+      const w = vm.files.writeStream(request.path, { mode: request.mode, timeoutMs: request.timeoutMs, user: request.user });
       let bytes = 0;
       const done = finished(w).then(() => ({ bytes }));
       done.catch(() => {});
@@ -142,7 +142,7 @@ function watch(vm: Vm, info: () => ControlVmInfo, conn: Socket): void {
 
 /** A files call that is one request and one answer. */
 export async function filesCall(vm: Vm, r: ControlFilesRequest): Promise<Partial<ControlResponse & { ok: true }>> {
-  const t = { timeoutMs: r.timeoutMs };
+  const t = { timeoutMs: r.timeoutMs, user: r.user };
   switch (r.call) {
     case 'stat':
       return { stat: await vm.files.stat(r.path, { ...t, followSymlinks: r.followSymlinks }) };

@@ -129,6 +129,22 @@ describe.each(factories)('VmApi on %s', (_kind, factory) => {
     await expect(vm.files.read('/nope.txt')).rejects.toMatchObject({ errno: 'ENOENT' });
   }, 300_000);
 
+  it('user: exec, spawn and the files calls run as the user; what it may not read is refused', async () => {
+    expect((await vm.exec('id -u; id -g', { user: 'nobody' })).stdout).toBe('65534\n65534\n');
+    expect((await vm.exec(['id', '-u'], { user: '1234:1234' })).stdout).toBe('1234\n');
+    const p = vm.spawn(['id', '-un'], { user: 'nobody' });
+    const out: Buffer[] = [];
+    p.stdout.on('data', (b: Buffer) => out.push(b));
+    await p.exited;
+    expect(Buffer.concat(out).toString()).toBe('nobody\n');
+    await vm.files.write('/tmp/by-nobody', 'mine', { user: 'nobody' });
+    expect(await vm.files.stat('/tmp/by-nobody')).toMatchObject({ uid: 65534 });
+    await vm.files.write('/root/only-root', 'secret');
+    await expect(vm.files.read('/root/only-root', { user: 'nobody' })).rejects.toMatchObject({ errno: 'EACCES' });
+    await expect(vm.files.stat('/root/only-root', { user: 'nobody' })).rejects.toBeInstanceOf(GuestRequestError);
+    expect((await vm.files.read('/root/only-root')).toString()).toBe('secret');
+  }, 300_000);
+
   it('forward: a host port reaches a guest server', async () => {
     await vm.files.write('/tmp/www/hello', 'hello through the forward\n');
     expect((await vm.exec('httpd -p 127.0.0.1:8000 -h /tmp/www')).exitCode).toBe(0);
