@@ -12,6 +12,7 @@ import { join } from 'node:path';
 import { InvalidOptionError, PvisorError, VmNotFoundError } from '../errors';
 import { StrategyConflictError } from '../memory/strategy';
 import { PACKAGE_ROOT } from '../native';
+import { reportJailedExit } from '../jail/jailed-entry';
 
 /** Exit status of a usage error. */
 export const EXIT_USAGE = 2;
@@ -84,13 +85,17 @@ export function packageVersion(): string {
  */
 export function runProgram(program: string, main: (argv: string[]) => Promise<number>): void {
   main(process.argv.slice(2)).then(
-    (code) => process.exit(code),
+    (code) => {
+      reportJailedExit(code);
+      process.exit(code);
+    },
     (e: unknown) => {
       if (e instanceof UsageError) {
         const help = e.command ? `${e.program} ${e.command} --help` : `${e.program} --help`;
         process.stderr.write(`${e.program}: ${e.message}\n(${help} says what it accepts)\n`);
       } else if (e instanceof VmNotFoundError || e instanceof RefusedError || e instanceof PvisorError) process.stderr.write(`${program}: ${e.message}\n`);
       else process.stderr.write(`${program}: unexpected error: ${e instanceof Error ? e.stack : String(e)}\n`);
+      reportJailedExit(exitStatusOf(e));
       process.exit(exitStatusOf(e));
     },
   );
