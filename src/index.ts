@@ -16,6 +16,9 @@ export type { ControlMemory, ControlVmInfo } from './control-socket';
 export type { VmListEntry, VmListOptions } from './vm-list';
 export type { Labels } from './labels';
 export type { TimeoutAction } from './lifetime';
+export type { JailedVmHandle, JailedVmOptions, JailInfo } from './jail/jailed-vm';
+export type { JailOutcome } from './jail/launcher';
+export type { JailLimitsInput } from './jail/limits';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, HibernateOptions, HibernateInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
@@ -46,6 +49,9 @@ export {
   ControlProtocolError,
   OptionalDependencyError,
   NetworkSetupError,
+  JailUnavailableError,
+  VmLimitError,
+  JailViolationError,
 } from './errors';
 export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
 export type { VmNetworkInfo } from './network/host-network';

@@ -112,7 +112,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
              [--vm-ram-compression] [--vm-cold-ram-compression [--vm-cold-after 10s]]
              [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]] [--vm-socket PATH]
-             [--kernel BZIMAGE] [--initrd CPIO]
+             [--kernel BZIMAGE] [--initrd CPIO] [--isolation process [--limit-{memory,cpus,pids} V]...]
              [--rootfs IMAGE [--rootfs-readonly]] [--net none|nat|tap:NAME [--net-allow CIDR[:PORT]]...]
              [--publish HOSTPORT:GUESTPORT]... [--label KEY=VALUE]... [--quiet] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
@@ -138,6 +138,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
         The SDK reaches it too: VmHandle.connect(ID).
       --label KEY=VALUE (repeatable, at most 64): labels shown by pvisor ps and Vm.list().
+      --isolation process: the VMM jailed (uid nobody, namespaces, seccomp, cgroup); docs/security.md.
       -q, --quiet: no progress lines on stderr, only CMD's output, warnings and errors.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.

@@ -89,6 +89,8 @@ export class JailedVmm {
     });
     this.ended = new Promise((resolve) => {
       child.once('exit', (code, signal) => resolve(this.outcome(code, signal)));
+      // The shell that enters the cgroup could not be started at all: no exit will come.
+      child.once('error', (e) => resolve({ error: new JailUnavailableError(`${id}: cannot start the jail: ${e.message}`, { cause: e }) }));
     }).then(async (o) => {
       await this.cgroup.removeWhenEmpty();
       this.cleanup();
@@ -115,7 +117,7 @@ export class JailedVmm {
    * Starts `plan`'s VMM in a new jail. Throws a {@link JailUnavailableError} (nothing left behind)
    * when the host cannot jail it.
    */
-  static start(plan: JailPlan, stdio: { stdout: 'inherit' | 'pipe'; stderr: 'inherit' | 'pipe' } = { stdout: 'inherit', stderr: 'inherit' }): JailedVmm {
+  static start(plan: JailPlan, stdio: { stdout: 'inherit' | 'ignore'; stderr: 'inherit' | 'ignore' } = { stdout: 'inherit', stderr: 'inherit' }): JailedVmm {
     const { bwrap } = checkJailHost();
     const uid = plan.uid ?? envId('PVISOR_JAIL_UID') ?? DEFAULT_JAIL_ID;
     const gid = plan.gid ?? envId('PVISOR_JAIL_GID') ?? DEFAULT_JAIL_ID;

@@ -6,18 +6,18 @@
 import { InvalidOptionError } from '../errors';
 import { parseSize, type Size } from '../units';
 
-/** The limits of a jailed VM's process, as given: each one optional, with the defaults of {@link resolveLimits}. */
+/** The limits of a jailed VM's process, as given: each one optional, with the defaults said on each. */
 export interface JailLimitsInput {
   /**
    * The most memory the VM's whole process may hold: guest RAM as the guest touches it, the VMM's
    * own heap and code, and the page cache its files charge (cgroup v2 `memory.max`). Past it the
    * kernel ends the process (and only it), and the VM ends with a {@link VmLimitError}. Default:
-   * guest RAM + {@link DEFAULT_MEMORY_HEADROOM_BYTES}.
+   * guest RAM + 192 MiB (node, V8 and the VMM's own buffers, with room for a burst).
    */
   memory?: Size;
   /** CPU time, in CPUs (1.5 = one and a half CPUs' worth each period; cgroup v2 `cpu.max`). Default: the VM's vCPUs + 1 (the VMM's own threads). */
   cpus?: number;
-  /** The most tasks (threads count) the process may have (cgroup v2 `pids.max`). Default {@link DEFAULT_PIDS}. */
+  /** The most tasks (threads count) the process may have (cgroup v2 `pids.max`), 16 to 65536. Default 128. */
   pids?: number;
 }
 

@@ -16,6 +16,7 @@ import { cgroupFiles, DEFAULT_MEMORY_HEADROOM_BYTES, DEFAULT_PIDS, resolveLimits
 import { bwrapArgs, librariesOfLdd, nodeRuntimeFiles, parentDirs, usrMergeLinks } from '../../src/jail/sandbox';
 import { ALLOWED_SYSCALLS, BPF_INSTRUCTION_BYTES, buildFilter, filterRules } from '../../src/jail/seccomp';
 import { nativePrebuild, PACKAGE_ROOT } from '../../src/native';
+import { Vm } from '../../src/vm';
 
 const MiB = 1024 * 1024;
 
@@ -151,6 +152,16 @@ describe('pvisor run --isolation', () => {
     expect(() => parseRunArgs(['--isolation', 'process', '--net', 'nat', '--', 'x'])).toThrow(/^--net: does not go with --isolation process yet/);
     expect(() => parseRunArgs(['--isolation', 'process', '--vm-pool', '/s', '--', 'x'])).toThrow(/^--vm-pool: does not go with --isolation process yet/);
     expect(() => parseRunArgs(['--isolation', 'process', '--vm-socket', '/tmp/a.sock', '--', 'x'])).toThrow(/^--vm-socket: does not go with --isolation process/);
+  });
+});
+
+describe('Vm.start({ isolation })', () => {
+  it("refuses, before anything starts, what a jailed VM does not take yet, an unknown key, and isolation values that are not one", async () => {
+    await expect(Vm.start({ isolation: 'process', network: 'nat' } as never)).rejects.toThrow(/^network: not available with isolation: 'process' yet/);
+    await expect(Vm.start({ isolation: 'process', strategies: [] } as never)).rejects.toThrow(/^strategies: not available/);
+    await expect(Vm.start({ isolation: 'process', memroy: '1GiB' } as never)).rejects.toThrow(/^memroy: not an option of Vm.start with isolation: 'process'/);
+    await expect(Vm.start({ isolation: 'process', limits: { memory: '1MiB' } })).rejects.toThrow(/^limits\.memory: at least 64 MiB/);
+    await expect(Vm.start({ isolation: 'vm' } as never)).rejects.toThrow(/^isolation: expected 'none' or 'process'/);
   });
 });
 
