@@ -114,13 +114,13 @@ export function usrMergeLinks(): { path: string; target: string }[] {
 export function nodeRuntimeFiles(nodeModules: string): string[] {
   const objects = [realpathSync(process.execPath), ...nativeAddons(nodeModules)];
   const files = new Set<string>(objects);
-  let ldd = '';
-  for (const o of objects) {
-    try {
-      ldd += execFileSync('ldd', [o], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'ignore'] });
-    } catch {
-      // A static object: nothing to add.
-    }
+  // One ldd for all (each process start is dear under emulation); a static object among them
+  // makes it exit 1 with the others' libraries still printed.
+  let ldd: string;
+  try {
+    ldd = execFileSync('ldd', objects, { encoding: 'utf8', stdio: ['ignore', 'pipe', 'ignore'] });
+  } catch (e) {
+    ldd = String((e as { stdout?: unknown }).stdout ?? '');
   }
   for (const lib of librariesOfLdd(ldd)) files.add(realpathInDir(lib));
   files.add('/etc/ld.so.cache');
