@@ -38,7 +38,10 @@ export type ControlRequest =
   | { op: 'hibernate' }
   | { op: 'stop' };
 
-/** Who the VM is and what state it is in. */
+/**
+ * Who the VM is and what state it is in.
+ * @category VM
+ */
 export interface ControlVmInfo {
   id: string;
   /** The `pvisor run` process. */
@@ -54,7 +57,10 @@ export interface ControlVmInfo {
   startedAt?: string;
 }
 
-/** A VM's memory figures, in bytes. */
+/**
+ * A VM's memory figures, in bytes.
+ * @category VM
+ */
 export interface ControlMemory {
   /** PSS of guest RAM: what its pages cost the host. */
   guestRamResidentBytes: number;

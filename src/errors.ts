@@ -4,7 +4,10 @@
  * @module
  */
 
-/** Base class of every error that pvisor raises. */
+/**
+ * Base class of every error that pvisor raises.
+ * @category Errors
+ */
 export class PvisorError extends Error {
   /** A stable, machine-readable code, e.g. `PVISOR_INVALID_OPTION`. */
   readonly code: string;
@@ -19,6 +22,7 @@ export class PvisorError extends Error {
  * An option given to pvisor is out of range, malformed or unusable; nothing was allocated. One
  * that can only be checked when it is used (a strategy's backing directory, at each suspend)
  * fails that operation and leaves the VM as it was.
+ * @category Errors
  */
 export class InvalidOptionError extends PvisorError {
   /** The option that was rejected, e.g. `memory`. */
@@ -29,14 +33,20 @@ export class InvalidOptionError extends PvisorError {
   }
 }
 
-/** The host cannot run this VM: no /dev/kvm, no permission, or a KVM that cannot run this guest. */
+/**
+ * The host cannot run this VM: no /dev/kvm, no permission, or a KVM that cannot run this guest.
+ * @category Errors
+ */
 export class HostUnsupportedError extends PvisorError {
   constructor(message: string, options?: { cause?: unknown }) {
     super('PVISOR_HOST_UNSUPPORTED', message, options);
   }
 }
 
-/** A system call failed. Carries the call's name and errno. */
+/**
+ * A system call failed. Carries the call's name and errno.
+ * @category Errors
+ */
 export class SystemCallError extends PvisorError {
   /** The call that failed, e.g. `ioctl(KVM_CREATE_VM)`. */
   readonly call: string;
@@ -49,7 +59,10 @@ export class SystemCallError extends PvisorError {
   }
 }
 
-/** The guest crashed or misbehaved (triple fault, stray MMIO, abort); the VM was ended. */
+/**
+ * The guest crashed or misbehaved (triple fault, stray MMIO, abort); the VM was ended.
+ * @category Errors
+ */
 export class GuestCrashError extends PvisorError {
   /** What the VMM saw, e.g. `shutdown` (triple fault) or `unhandled-mmio`. */
   readonly reason: string;
@@ -59,14 +72,20 @@ export class GuestCrashError extends PvisorError {
   }
 }
 
-/** An operation is not valid in the VM's current state (e.g. a command to a stopped VM). */
+/**
+ * An operation is not valid in the VM's current state (e.g. a command to a stopped VM).
+ * @category Errors
+ */
 export class VmStateError extends PvisorError {
   constructor(message: string) {
     super('PVISOR_VM_STATE', message);
   }
 }
 
-/** The guest agent answered a request with an error. */
+/**
+ * The guest agent answered a request with an error.
+ * @category Errors
+ */
 export class GuestRequestError extends PvisorError {
   /** The agent's error code (1 = unsupported operation, others per operation). */
   readonly guestCode: number;
@@ -88,6 +107,7 @@ export class GuestRequestError extends PvisorError {
 /**
  * A command that does not exist in the guest (or is not executable there): exec and spawn reject
  * with it, and it carries the shell's status for such a command, 127, as {@link exitCode}.
+ * @category Errors
  */
 export class CommandNotFoundError extends GuestRequestError {
   /** The command's first word, as given. */
@@ -105,6 +125,7 @@ export class CommandNotFoundError extends GuestRequestError {
  * allowed (`maxBuffer`, `maxBytes`, `maxEntries`): the host stopped collecting it (and killed the
  * command, or closed the file or directory in the guest), so a guest that prints without end
  * cannot grow the host process without bound.
+ * @category Errors
  */
 export class OutputLimitError extends PvisorError {
   /** The limit that was passed: bytes (entries for `files.list`'s `maxEntries`). */
@@ -122,6 +143,7 @@ export class OutputLimitError extends PvisorError {
  * written stays resident, the VM stays suspended and resumes as usual. At resume, it is missing,
  * truncated or corrupt: the VM stays suspended, the file untouched. The guest never sees a wrong
  * byte.
+ * @category Errors
  */
 export class BackingFileError extends PvisorError {
   /** The file. */
@@ -136,6 +158,7 @@ export class BackingFileError extends PvisorError {
  * A request to the guest agent is larger than one frame carries (1 MiB of payload): it was
  * refused before anything was sent, and the channel goes on. An `exec` or `spawn` command line and
  * environment must fit in it; large data goes in several frames (`files.write` does this).
+ * @category Errors
  */
 export class RequestTooLargeError extends PvisorError {
   /** The request's payload, in bytes. */
@@ -149,7 +172,10 @@ export class RequestTooLargeError extends PvisorError {
   }
 }
 
-/** A guest request did not answer in time. */
+/**
+ * A guest request did not answer in time.
+ * @category Errors
+ */
 export class TimeoutError extends PvisorError {
   constructor(message: string) {
     super('PVISOR_TIMEOUT', message);
@@ -160,6 +186,7 @@ export class TimeoutError extends PvisorError {
  * A call was cancelled through its `signal` (an AbortSignal); what it started in the guest was
  * stopped where that can be done (a process killed, a file stream closed). Its `name` is
  * `AbortError`, as Node's own aborted calls say; `cause` is the signal's `reason`.
+ * @category Errors
  */
 export class AbortError extends PvisorError {
   constructor(message: string, options?: { cause?: unknown }) {
@@ -172,7 +199,10 @@ export function abortError(what: string, signal: AbortSignal): AbortError {
   return new AbortError(`${what} was aborted`, { cause: signal.reason });
 }
 
-/** No running VM of that id (for the CLI, or the SDK reaching a VM of another process): no control socket, or one whose process has gone. */
+/**
+ * No running VM of that id (for the CLI, or the SDK reaching a VM of another process): no control socket, or one whose process has gone.
+ * @category Errors
+ */
 export class VmNotFoundError extends PvisorError {
   /** The VM id asked for. */
   readonly vmId: string;
@@ -182,7 +212,10 @@ export class VmNotFoundError extends PvisorError {
   }
 }
 
-/** A VM's control socket could not be used: refused access, a malformed answer, a broken connection. */
+/**
+ * A VM's control socket could not be used: refused access, a malformed answer, a broken connection.
+ * @category Errors
+ */
 export class ControlSocketError extends PvisorError {
   /** The socket's path. */
   readonly socketPath: string;
@@ -195,6 +228,7 @@ export class ControlSocketError extends PvisorError {
 /**
  * The other end of a VM's control socket speaks another version of the control protocol
  * (docs/control-protocol.md): a `pvisor run` of another pvisor version. Nothing was done.
+ * @category Errors
  */
 export class ControlProtocolError extends PvisorError {
   /** The version the other end spoke (`undefined` if it said none). */
@@ -208,6 +242,7 @@ export class ControlProtocolError extends PvisorError {
 /**
  * Saved machine state (a snapshot's description of vCPUs, VM or devices) is malformed, from
  * another format version, or cannot be applied to this machine. Raised before any of it is applied.
+ * @category Errors
  */
 export class SnapshotError extends PvisorError {
   constructor(message: string, options?: { cause?: unknown }) {
@@ -220,6 +255,7 @@ export class SnapshotError extends PvisorError {
  * rule or address), and the VM did not start. `reason`: `permission` (pvisor lacks CAP_NET_ADMIN or
  * access to /dev/net/tun or /dev/vhost-net), `unsupported` (the host lacks a device, kernel feature
  * or tool: vhost-net, nftables, iproute2), `failed` (anything else; see the message and `cause`).
+ * @category Errors
  */
 export class NetworkSetupError extends PvisorError {
   readonly reason: 'permission' | 'unsupported' | 'failed';
@@ -240,7 +276,10 @@ export function errnoName(errno: number): string {
   return ERRNO_NAMES[errno] ?? `errno ${errno}`;
 }
 
-/** The page pool daemon cannot be reached, refused, or broke its protocol. The VM runs on. */
+/**
+ * The page pool daemon cannot be reached, refused, or broke its protocol. The VM runs on.
+ * @category Errors
+ */
 export class PoolUnavailableError extends PvisorError {
   constructor(message: string, options?: { cause?: unknown }) {
     super('PVISOR_POOL_UNAVAILABLE', message, options);
@@ -252,6 +291,7 @@ export class PoolUnavailableError extends PvisorError {
  * out when its install fails (zstd-napi compiles from source, so a host without python3, make and
  * g++ goes without it); everything that does not need it works. Raised when the feature is asked
  * for (e.g. `new CompressedOffload()`), before any VM exists.
+ * @category Errors
  */
 export class OptionalDependencyError extends PvisorError {
   /** The npm package that is missing, e.g. `zstd-napi`. */
@@ -269,6 +309,7 @@ export class OptionalDependencyError extends PvisorError {
  * A VM cannot be jailed on this host (`isolation: 'process'`): no bubblewrap, no cgroup v2 with
  * the memory, pids and cpu controllers, no right to create a cgroup or to change user, or no
  * seccomp. The message says what is missing; nothing was started.
+ * @category Errors
  */
 export class JailUnavailableError extends PvisorError {
   constructor(message: string, options?: { cause?: unknown }) {
@@ -279,6 +320,7 @@ export class JailUnavailableError extends PvisorError {
 /**
  * A jailed VM's process was ended by the kernel for one of its limits (`limits.memory`: the
  * cgroup's OOM kill). Only that VM ended; the host and every other VM run on.
+ * @category Errors
  */
 export class VmLimitError extends PvisorError {
   /** The limit that was reached: `memory`. */
@@ -299,6 +341,7 @@ export class VmLimitError extends PvisorError {
  * A jailed VM's process made a system call (or an ioctl) outside its seccomp filter and the kernel
  * killed it (SIGSYS). Either the guest found a way to make the VMM do what it never does, or this
  * build of pvisor needs a call its filter lacks (docs/security.md lists what the filter allows).
+ * @category Errors
  */
 export class JailViolationError extends PvisorError {
   /** The VM's id. */

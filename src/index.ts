@@ -19,6 +19,7 @@ export type { TimeoutAction } from './lifetime';
 export type { JailedVmHandle, JailedVmOptions, JailInfo } from './jail/jailed-vm';
 export type { JailOutcome } from './jail/launcher';
 export type { JailLimitsInput } from './jail/limits';
+export type { Logger, LogFields } from './logger';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, HibernateOptions, HibernateInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
 export { GuestProcess, GuestFiles } from './guest/linux-client';
@@ -55,6 +56,7 @@ export {
 } from './errors';
 export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
 export type { VmNetworkInfo } from './network/host-network';
+export type { VmNetwork, EgressRulesUpdate } from './network/vm-network';
 export type { ForwardConnections, ForwardOptions, PortForward } from './network/port-forward';
 export { IdleRelease } from './memory/strategies/idle-release';
 export { ColdCompression, ColdBlockError } from './memory/strategies/cold-compression';
@@ -70,36 +72,5 @@ export type { PoolClientOptions } from './memory/strategies/pool-client';
 export type { SharedSnapshotOptions } from './memory/strategies/shared-snapshot';
 export type { BackingDirOptions } from './memory/backing-file';
 export { StrategyConflictError } from './memory/strategy';
-export type {
-  MemoryStrategy,
-  StrategyContext,
-  StrategyRam,
-  StrategyStats,
-  ExclusiveResource,
-  SuspendWork,
-  PeriodicWork,
-  PageRun,
-  FileRunOver,
-  DiscardTo,
-  RamBackingKind,
-  RamBackingRequest,
-  RamCapability,
-} from './memory/strategy';
-// Types only: the server's native code loads when a strategy first asks for it.
-export type {
-  UffdServer,
-  UffdSource,
-  UffdSourceSpec,
-  UffdSourceEvent,
-  UffdSourceFigures,
-  UffdServerFigures,
-  FileRange,
-  ZeroRange,
-  MemoryRange,
-  RangeState,
-  ColdStore,
-  ColdScan,
-  ColdStoreFigures,
-  ColdOutcome,
-  ColdState,
-} from './memory/uffd-server';
+// What a strategy's user names; what a strategy's author needs is in 'pvisor/strategy' (src/strategy.ts).
+export type { MemoryStrategy, StrategyStats } from './memory/strategy';

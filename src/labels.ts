@@ -10,7 +10,10 @@
  */
 import { InvalidOptionError } from './errors';
 
-/** Labels of a VM: see {@link VmOptions.labels}. */
+/**
+ * Labels of a VM: see {@link VmOptions.labels}.
+ * @category VM
+ */
 export type Labels = Readonly<Record<string, string>>;
 
 /** At most this many labels on one VM. */

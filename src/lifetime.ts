@@ -11,7 +11,10 @@ import { resolve } from 'node:path';
 import { InvalidOptionError } from './errors';
 import { parseTimeoutMs } from './units';
 
-/** What a VM does when its lifetime expires: see {@link VmOptions.onTimeout}. */
+/**
+ * What a VM does when its lifetime expires: see {@link VmOptions.onTimeout}.
+ * @category VM
+ */
 export type TimeoutAction = 'suspend' | 'hibernate' | 'stop';
 
 /** The warning comes this long before the deadline, at most... */

@@ -6,10 +6,8 @@
  * measures what a user runs.
  *
  * `--max-semi-space-size=1` (MiB): V8's young generation otherwise grows to 16 MiB semispaces
- * (32 MiB and more resident) in a process that allocates quickly, as a page pool's merge pass
- * does on both ends, and keeps them. Measured with `pvisor bench memory --table 3 --schemes
- * private,daemon-pool` (kvm_pvm, probe guest, one run each way): the daemon's PSS 63-79 -> 38-62
- * MiB, a pooled VM of the same repetitive set 53.8 -> 37.1 MiB, a private VM 82.8 -> 80.9 MiB.
+ * in a process that allocates quickly, as a page pool's merge pass does on both ends, and keeps
+ * them (docs/design-figures.md, "Node flags", has what it saves the daemon and its VMs).
  *
  * `--expose-gc`: when every VM of the process is idle (and once after a VM starts), pvisor gives
  * the process's own idle pages back (src/sys/process-pages.ts); a full collection first lets V8
@@ -26,11 +24,8 @@ export const PVISOR_NODE_FLAGS: readonly string[] = ['--max-semi-space-size=1', 
  *
  * `MALLOC_ARENA_MAX=1`: glibc gives each thread that allocates an arena of its own (up to eight
  * per core), and each arena keeps what its thread freed. A VM process's V8 helper threads
- * (collection, compilation) grew arenas of a few MiB each during a page pool's merge passes. One
- * VM in this process and one in another, 64 MiB of the same random pages, three passes each
- * (kvm_pvm, probe guest, `.cache/prof/pool-vm-mem.js`, three runs each way): the other process's
- * memory besides guest RAM grew 6.8-9.8 MiB with it against 9.0-13.5 without, and this one's
- * anonymous memory ended 1.4-5.8 MiB lower.
+ * (collection, compilation) grew arenas of a few MiB each during a page pool's merge passes
+ * (docs/design-figures.md, "Node flags").
  */
 export const PVISOR_NODE_ENV: Readonly<Record<string, string>> = { MALLOC_ARENA_MAX: '1' };
 

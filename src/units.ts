@@ -8,7 +8,10 @@ const UNIT_BYTES: Record<string, number> = {
   t: 1024 ** 4, tb: 1000 ** 4, tib: 1024 ** 4,
 };
 
-/** A size as bytes, or a string with a unit: `512MiB`, `1G`, `65536`. */
+/**
+ * A size as bytes, or a string with a unit: `512MiB`, `1G`, `65536`.
+ * @category VM
+ */
 export type Size = number | string;
 
 /**
@@ -98,4 +101,13 @@ export function pageMiBOption(option: string, value: number): number {
 export function u32Option(option: string, value: number): number {
   if (!Number.isInteger(value) || value < 0 || value > 0xffffffff) throw new InvalidOptionError(option, 'expected a whole number from 0 to 2^32-1');
   return value;
+}
+
+/**
+ * Milliseconds since `t0` (a `performance.now()` reading), to the microsecond: the public
+ * durations (`SnapshotInfo.ms`, `RestoreInfo.readyMs`, ...) are fractional milliseconds, because a
+ * probe VM restores in a few of them, but not the raw float's noise digits.
+ */
+export function elapsedMs(t0: number): number {
+  return Math.round((performance.now() - t0) * 1000) / 1000;
 }

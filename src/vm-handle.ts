@@ -10,13 +10,22 @@ import type { SnapshotInfo } from './vm';
 import type { ControlProtocolError, InvalidOptionError, TimeoutError, VmNotFoundError, VmStateError } from './errors';
 import { validateVmName } from './vm-name';
 
-/** Who a VM of another process is and what state it is in: the answer of {@link VmHandle.status}. */
+/**
+ * Who a VM of another process is and what state it is in: the answer of {@link VmHandle.status}.
+ * @category VM
+ */
 export type VmHandleStatus = ControlVmInfo;
 
-/** A VM's memory figures as its process reports them: the answer of {@link VmHandle.memoryUsage}. */
+/**
+ * A VM's memory figures as its process reports them: the answer of {@link VmHandle.memoryUsage}.
+ * @category VM
+ */
 export type VmHandleMemoryUsage = ControlMemory;
 
-/** Options of {@link VmHandle.connect}. */
+/**
+ * Options of {@link VmHandle.connect}.
+ * @category VM
+ */
 export interface ConnectOptions {
   /**
    * The VM's control socket, if `pvisor run` was given `--vm-socket PATH`. Default: `ID.sock` in
@@ -32,7 +41,10 @@ export interface ConnectOptions {
   operationTimeoutMs?: number;
 }
 
-/** Options of {@link VmHandle.exec}. */
+/**
+ * Options of {@link VmHandle.exec}.
+ * @category VM
+ */
 export interface HandleExecOptions {
   /** The command is killed after this long, in ms (Linux guest). Default: no limit but the operation timeout. */
   timeoutMs?: number;
@@ -56,6 +68,7 @@ const OPERATION_TIMEOUT_MS = 10 * 60 * 1000;
  * await vm.resume();
  * console.log((await vm.exec(['uname', '-a'])).stdout);
  * ```
+ * @category VM
  */
 export class VmHandle {
   private constructor(

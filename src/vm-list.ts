@@ -16,7 +16,10 @@ import { labelsFromText, matchesLabels, parseLabels, type Labels } from './label
 import { hibernatedIds, readHibernationRecord, recordPathFor, type HibernationRecord } from './snapshot/hibernation-record';
 import type { GuestKind, Vm, VmState } from './vm';
 
-/** One VM of {@link Vm.list}. */
+/**
+ * One VM of {@link Vm.list}.
+ * @category VM
+ */
 export interface VmListEntry {
   /** Its name: `vm.name` in this process, the id of `pvisor run --name` (and of {@link VmHandle.connect}) otherwise. */
   name: string;
@@ -48,7 +51,10 @@ export interface VmListEntry {
   error?: string;
 }
 
-/** Options of {@link Vm.list}. */
+/**
+ * Options of {@link Vm.list}.
+ * @category VM
+ */
 export interface VmListOptions {
   /** Only the VMs that have every one of these labels. Default: all. */
   labels?: Record<string, string>;

@@ -19,7 +19,8 @@ import type { SnapshotReader, SnapshotState } from './snapshot/snapshot-dir';
 import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
-import { booleanOption, parseTimeoutMs, type Size } from './units';
+import { booleanOption, elapsedMs, parseTimeoutMs, type Size } from './units';
+import { parseLogger, VmLog, type Logger } from './logger';
 import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
@@ -30,14 +31,21 @@ import { parseEnvironment } from './guest/environment';
 import { parseLabels, type Labels } from './labels';
 import { Lifetime, parseLifetimeOptions, type LifetimeOptions, type TimeoutAction } from './lifetime';
 import { listVms, type VmListOptions, type VmListEntry } from './vm-list';
-import type { HostNetwork, VmNetworkInfo } from './network/host-network';
+import type { HostNetwork } from './network/host-network';
+import { noNetwork, type VmNetwork } from './network/vm-network';
 import { natOptionOf, parseNetworkOption, type NetworkOption } from './network/options';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 
-/** Which guest a VM runs. */
+/**
+ * Which guest a VM runs.
+ * @category VM
+ */
 export type GuestKind = 'linux' | 'probe';
 
-/** Options of {@link Vm.start}. */
+/**
+ * Options of {@link Vm.start}.
+ * @category VM
+ */
 export interface VmOptions {
   /** Guest RAM: bytes or a size string such as `512MiB`. Default `512MiB`. A multiple of 4 KiB. */
   memory?: Size;
@@ -93,7 +101,9 @@ export interface VmOptions {
    * Linux guest: the guest's network, off by default. `'none'`: no network device (the agent
    * channel still works). `'nat'`: a virtio-net device (eth0) on a TAP that pvisor creates, with a
    * /30 of its own and NAT to the host's uplinks, every destination allowed but the host itself;
-   * `{ mode: 'nat', allow: ['CIDR[:PORT]', ...] }`: only those. IPv4 only: the host drops the
+   * `{ mode: 'nat', allow: ['api.openai.com', '*.pypi.org', '10.1.0.0/16:443'], deny: [...] }`:
+   * only those (hostnames through pvisor's resolver, see `NatNetworkOptions.allow`;
+   * `vm.network.update` changes them at runtime). IPv4 only: the host drops the
    * guest's IPv6, and whatever it sends from an address or MAC other than its own. Needs CAP_NET_ADMIN, /dev/net/tun,
    * /dev/vhost-net, nft and ip; otherwise the start fails with a {@link NetworkSetupError} and
    * nothing is left on the host. `{ tap: NAME }`: the user's own TAP, nothing configured on the host.
@@ -136,6 +146,13 @@ export interface VmOptions {
   /** With `onTimeout: 'hibernate'` (and only then): the directory the VM hibernates into, new or empty when it does. */
   hibernateDir?: string;
   /**
+   * Where this VM's trace goes: each agent request (`debug`, with its call and `ms`), each
+   * strategy operation (`debug`: map, suspend, resume, periodic work, with `ms`), state changes,
+   * lifetimes and exits (`info`), warnings (`warn`), a crash (`error`). Every line's fields carry
+   * `vm`, the VM's name. `console` works as it is. Default: silent.
+   */
+  logger?: Logger;
+  /**
    * `'none'` (the default): the VM runs in this process. `'process'` runs it in a jailed child
    * instead and makes {@link Vm.start} resolve with a {@link JailedVmHandle}: see
    * {@link JailedVmOptions}.
@@ -143,7 +160,10 @@ export interface VmOptions {
   isolation?: 'none';
 }
 
-/** A root filesystem image and how to attach it. See {@link VmOptions.rootfs}. */
+/**
+ * A root filesystem image and how to attach it. See {@link VmOptions.rootfs}.
+ * @category VM
+ */
 export interface RootfsOptions {
   /** The image file (e.g. made with `mke2fs -t ext4 -d DIR rootfs.img 256M`). */
   path: string;
@@ -159,23 +179,32 @@ export interface RootfsOptions {
   readOnly?: boolean;
 }
 
-/** Options of {@link Vm.snapshot}. */
+/**
+ * Options of {@link Vm.snapshot}.
+ * @category VM
+ */
 export interface SnapshotOptions {
   /** Leave the VM paused after the snapshot instead of resuming it (when it was running). Default false. */
   leavePaused?: boolean;
 }
 
-/** What {@link Vm.snapshot} wrote. */
+/**
+ * What {@link Vm.snapshot} wrote.
+ * @category VM
+ */
 export interface SnapshotInfo {
   /** The snapshot directory. */
   dir: string;
   /** Guest RAM pages written to the RAM file; the rest of RAM was zero and is a hole in it. */
   ramDataPageCount: number;
-  /** Milliseconds from the call to the directory being sealed (including the pause). */
+  /** Milliseconds from the call to the directory being sealed (including the pause); fractional, to the microsecond. */
   ms: number;
 }
 
-/** Options of {@link Vm.hibernate}. */
+/**
+ * Options of {@link Vm.hibernate}.
+ * @category VM
+ */
 export interface HibernateOptions {
   /**
    * Runs once the VM's state is written and synced, while the VM is still paused: e.g. to record
@@ -185,7 +214,10 @@ export interface HibernateOptions {
   beforeStop?: (info: HibernateInfo) => void | Promise<void>;
 }
 
-/** What {@link Vm.hibernate} wrote. */
+/**
+ * What {@link Vm.hibernate} wrote.
+ * @category VM
+ */
 export interface HibernateInfo {
   /** The directory that now holds the VM. */
   dir: string;
@@ -193,11 +225,14 @@ export interface HibernateInfo {
   ramDataPageCount: number;
   /** What the directory takes on disk. */
   bytesOnDisk: number;
-  /** Milliseconds from the call to the directory being synced (including the pause). */
+  /** Milliseconds from the call to the directory being synced (including the pause); fractional, to the microsecond. */
   ms: number;
 }
 
-/** Options of {@link Vm.restore}. */
+/**
+ * Options of {@link Vm.restore}.
+ * @category VM
+ */
 export interface RestoreOptions {
   /**
    * A name for the restored VM, as {@link VmOptions.name}. Default: a hibernated VM's own name
@@ -225,6 +260,8 @@ export interface RestoreOptions {
   onTimeout?: TimeoutAction;
   /** As {@link VmOptions.hibernateDir}. */
   hibernateDir?: string;
+  /** As {@link VmOptions.logger}. */
+  logger?: Logger;
   /**
    * Read and check all of guest RAM before the VM runs. By default a restore into private memory
    * is lazy: the VM runs at once, and each chunk of the RAM file is read and checked against the
@@ -246,12 +283,12 @@ export interface RestoreOptions {
 const VM_OPTION_KEYS = optionKeys<VmOptions>({
   memory: true, vcpus: true, guest: true, kernel: true, initrd: true, kernelArgs: true, rootfs: true,
   bootTimeoutMs: true, name: true, strategies: true, warningLimit: true, network: true,
-  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, isolation: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true, isolation: true,
 });
 const ROOTFS_OPTION_KEYS = optionKeys<RootfsOptions>({ path: true, readOnly: true });
 const RESTORE_OPTION_KEYS = optionKeys<RestoreOptions>({
   name: true, keep: true, strategies: true, warningLimit: true, verify: true, readyTimeoutMs: true,
-  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true,
 });
 const LIST_OPTION_KEYS = optionKeys<VmListOptions>({ labels: true });
 
@@ -260,6 +297,7 @@ interface Sandbox {
   labels: Labels;
   env: Readonly<Record<string, string>>;
   lifetime: LifetimeOptions;
+  logger: Logger | undefined;
 }
 
 /**
@@ -273,14 +311,18 @@ function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels, g
     labels: options.labels === undefined && ownLabels ? ownLabels : parseLabels('labels', options.labels),
     env,
     lifetime: parseLifetimeOptions(options),
+    logger: parseLogger(options.logger),
   };
 }
 
-/** How a VM came from a snapshot: {@link Vm.restoreInfo}. */
+/**
+ * How a VM came from a snapshot: {@link Vm.restoreInfo}.
+ * @category VM
+ */
 export interface RestoreInfo {
   /** The snapshot directory. */
   dir: string;
-  /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered). */
+  /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered); fractional, to the microsecond, as every duration here. */
   readyMs: number;
   /**
    * How guest RAM came from the snapshot: `read` (read and checked in full before the VM ran),
@@ -315,10 +357,14 @@ export interface RestoreInfo {
 /**
  * Lifecycle states. `paused`: vCPUs stopped, RAM as it was. `suspended`: vCPUs stopped and every
  * memory strategy's suspend hook has run (e.g. RAM offloaded). `crashed` and `stopped` are final.
+ * @category VM
  */
 export type VmState = 'starting' | 'running' | 'paused' | 'suspended' | 'stopped' | 'crashed';
 
-/** Events a {@link Vm} emits. */
+/**
+ * Events a {@link Vm} emits.
+ * @category VM
+ */
 export interface VmEvents {
   /** The state changed. */
   state: (state: VmState, previous: VmState) => void;
@@ -356,7 +402,10 @@ export interface VmEvents {
   released: (info: { ms: number; error?: PvisorError }) => void;
 }
 
-/** Memory figures of one VM, in bytes. See {@link Vm.memoryUsage}. */
+/**
+ * Memory figures of one VM, in bytes. See {@link Vm.memoryUsage}.
+ * @category VM
+ */
 export interface VmMemoryUsage {
   /** Guest RAM capacity. */
   capacityBytes: number;
@@ -385,7 +434,10 @@ export interface VmMemoryUsage {
 const live = new Set<Vm>();
 let vmCounter = 0;
 
-/** A virtual machine. Create one with {@link Vm.start}. */
+/**
+ * A virtual machine. Create one with {@link Vm.start}.
+ * @category VM
+ */
 export class Vm extends EventEmitter<VmEvents> {
   /** Name given in the options, or `vm-<n>`. */
   readonly name: string;
@@ -424,6 +476,8 @@ export class Vm extends EventEmitter<VmEvents> {
   private rootfs: DiskConfig | undefined;
   private _restoreInfo: RestoreInfo | undefined;
   private readonly warnings: WarningLimiter;
+  /** Where the VM's trace goes (`logger`); silent without one. */
+  private readonly log: VmLog;
   /** The host side of the guest's network, when it has one. */
   private hostNetwork: HostNetwork | undefined;
   /** Ports forwarded into the guest ({@link forward}), closed when the VM ends. */
@@ -446,10 +500,13 @@ export class Vm extends EventEmitter<VmEvents> {
     this.memoryBytes = memoryBytes;
     this.vcpus = vcpus;
     this.guest = guest;
+    this.log = new VmLog(sandbox.logger, name);
+    this.log.followEvents(this);
     this.memory = new MemoryComposition(strategies, name, {
       fail: (error) => this.failByStrategy(error),
       warn: (message) => this.warnings.warn(message),
       withGuestPaused: (work) => this.withGuestPaused(work),
+      ...(this.log.enabled && { trace: (hook, strategy, ms) => this.log.write('debug', `${strategy}.${hook}`, { strategy, hook, ms: Math.round(ms * 1000) / 1000 }) }),
     });
   }
 
@@ -501,7 +558,7 @@ export class Vm extends EventEmitter<VmEvents> {
     vm.rootfs = disk;
     if (network.kind !== 'none') {
       const { HostNetwork } = await import('./network/host-network');
-      vm.hostNetwork = HostNetwork.setup(network);
+      vm.hostNetwork = await HostNetwork.setup(network);
       if (vm.hostNetwork.kernelArg && boot.kind === 'linux') boot.cmdline = `${boot.cmdline} ${vm.hostNetwork.kernelArg}`;
     }
     try {
@@ -568,6 +625,7 @@ export class Vm extends EventEmitter<VmEvents> {
       (bytes) => this.machine.sendToAgent(bytes),
       (f) => this.onAgentEvent(f),
       (message) => this.warnings.warn(`agent protocol: ${message}`),
+      this.log.enabled ? ({ op, call, ms, error }) => this.log.write('debug', `${call ?? `op 0x${op.toString(16)}`}${error ? `: ${error.message}` : ''}`, { op, ms, ok: !error }) : undefined,
     );
     this.machine = KvmMachine.create(
       {
@@ -698,7 +756,7 @@ export class Vm extends EventEmitter<VmEvents> {
       const { parseMac } = await import('./network/addresses');
       const plan = parseNetworkOption(state.network.option);
       if (plan.kind !== 'nat') throw new SnapshotError("snapshot.network.option: only a 'nat' network is restored");
-      vm.hostNetwork = HostNetwork.setup(plan, { mac: parseMac(state.network.mac) });
+      vm.hostNetwork = await HostNetwork.setup(plan, { mac: parseMac(state.network.mac) });
     }
     try {
       await vm.build(host.devicePath, disk, true);
@@ -724,7 +782,7 @@ export class Vm extends EventEmitter<VmEvents> {
           new SnapshotError(`${snapshot.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
         );
       }
-      phases.ramMs = performance.now() - tRam;
+      phases.ramMs = elapsedMs(tRam);
       vm.agent.restoreState(state.agent, 'snapshot.agent');
       if (state.guest === 'probe') (vm._probe = new ProbeGuest(vm.agent)).restoreState(state.guestClient, 'snapshot.guestClient');
       else vm._linux = new LinuxGuest(vm.agent, vm.sandboxEnv);
@@ -738,14 +796,14 @@ export class Vm extends EventEmitter<VmEvents> {
       if (vm._linux) report = await vm._linux.restored({ timeoutMs: readyTimeoutMs });
       const netConfig = vm.hostNetwork?.guestConfig;
       if (vm._linux && netConfig) await vm._linux.configureNetwork(netConfig, { timeoutMs: readyTimeoutMs });
-      phases.agentMs = performance.now() - tResume;
+      phases.agentMs = elapsedMs(tResume);
       // It may have ended meanwhile (a chunk of a lazy load failed its check).
       if (vm.endError) throw vm.endError;
     } catch (e) {
       await vm.stop();
       throw e;
     }
-    vm._restoreInfo = { dir, readyMs: performance.now() - t0, ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report, hibernated: false };
+    vm._restoreInfo = { dir, readyMs: elapsedMs(t0), ...phases, ramLoad, inFlightRequests: vm.agent.inFlightAtSnapshot, ...report, hibernated: false };
     vm.becomeRunning();
     return vm;
   }
@@ -785,7 +843,7 @@ export class Vm extends EventEmitter<VmEvents> {
       try {
         const { writeSnapshot } = await import('./snapshot/snapshot-dir');
         const written = writeSnapshot(dir, this.machine.memory, await this.captureSnapshotState());
-        return { dir, ramDataPageCount: written.ramDataPageCount, ms: performance.now() - t0 };
+        return { dir, ramDataPageCount: written.ramDataPageCount, ms: elapsedMs(t0) };
       } finally {
         if (wasRunning && !options.leavePaused && this._state === 'paused') this.resumeAfterSaving();
       }
@@ -829,7 +887,7 @@ export class Vm extends EventEmitter<VmEvents> {
         const written = writeSnapshot(dir, this.machine.memory, state, { fileMode: 0o400 });
         syncDir(dir);
         this.checkNotEnded('hibernate');
-        info = { dir, ramDataPageCount: written.ramDataPageCount, bytesOnDisk: diskUsageBytes(dir), ms: performance.now() - t0 };
+        info = { dir, ramDataPageCount: written.ramDataPageCount, bytesOnDisk: diskUsageBytes(dir), ms: elapsedMs(t0) };
         await options.beforeStop?.(info);
       } catch (e) {
         clearHibernationDir(dir, created);
@@ -1075,7 +1133,7 @@ export class Vm extends EventEmitter<VmEvents> {
       const resumes = this.resumeCount;
       const released = (error?: PvisorError) => {
         if (this.resumeCount !== resumes || this._state !== 'suspended') return;
-        this.emit('released', error ? { ms: performance.now() - t0, error } : { ms: performance.now() - t0 });
+        this.emit('released', error ? { ms: elapsedMs(t0), error } : { ms: elapsedMs(t0) });
         vmIdle(this);
       };
       this.memory.memoryReleased().then(() => released(), released);
@@ -1235,10 +1293,11 @@ export class Vm extends EventEmitter<VmEvents> {
 
   /**
    * The guest's network: `{ mode: 'none' }`, or its TAP, addresses, MAC, resolver and policy
-   * (see {@link VmOptions.network}).
+   * (see {@link VmOptions.network}), as they are when read; `vm.network.update({ allow, deny })`
+   * replaces a `'nat'` VM's egress rules while it runs ({@link VmNetwork.update}).
    */
-  get network(): VmNetworkInfo {
-    return this.hostNetwork?.info ?? { mode: 'none' };
+  get network(): VmNetwork {
+    return this.hostNetwork?.view() ?? noNetwork();
   }
 
   /**

@@ -7,7 +7,10 @@
  */
 import { InvalidOptionError } from './errors';
 
-/** How many warnings a VM emits: `burst` at once, then `perSecond` on average (`warningLimit`). */
+/**
+ * How many warnings a VM emits: `burst` at once, then `perSecond` on average (`warningLimit`).
+ * @category VM
+ */
 export interface WarningLimit {
   /**
    * Warnings let through at once before the rate applies: a whole number from 1, or Infinity.

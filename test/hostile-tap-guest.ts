@@ -57,7 +57,7 @@ function setNonBlocking(fd: number): void {
 }
 
 /** One guest: the far end of a TAP pvisor set up. */
-class TapGuest {
+export class TapGuest {
   static readonly all: TapGuest[] = [];
   readonly mac: Buffer;
   readonly address: Buffer;
@@ -131,7 +131,7 @@ let nextPort = 40000;
  * A TCP connection from the guest by hand: SYN; on a SYN-ACK, the ACK, then the first data the
  * server sends (its banner). `answer` says how far it got.
  */
-async function tcpConnect(g: TapGuest, src: Buffer, dst: Buffer, dport: number): Promise<{ answer: 'none' | 'rst' | 'syn-ack'; banner?: string }> {
+export async function tcpConnect(g: TapGuest, src: Buffer, dst: Buffer, dport: number): Promise<{ answer: 'none' | 'rst' | 'syn-ack'; banner?: string }> {
   const sport = nextPort++;
   const ours = (f: F.Frame) => f.tcp?.dport === sport && f.tcp.sport === dport && f.ip!.src.equals(dst);
   g.sendIp(src, dst, F.PROTO_TCP, F.tcp(src, dst, { sport, dport, seq: 1000, ack: 0, flags: F.TCP_SYN }));
@@ -181,8 +181,8 @@ function natPlan() {
 
 async function probe(o: HostileGuestOptions) {
   const plan = natPlan();
-  const netA = HostNetwork.create(plan);
-  const netB = HostNetwork.create(plan);
+  const netA = await HostNetwork.create(plan);
+  const netB = await HostNetwork.create(plan);
   const tap = netA.info.tap!;
   const table = netA.info.nftTable!;
   // The TAP as a VM's boot finds it, a second or more after it came up.
@@ -298,7 +298,7 @@ async function main(): Promise<void> {
     process.exit(0);
   }
   if (mode === 'crash') {
-    const net = HostNetwork.create(natPlan());
+    const net = await HostNetwork.create(natPlan());
     // Written at once: console.log to a pipe may still be queued when the SIGKILL comes.
     writeSync(1, `${JSON.stringify({ tap: net.info.tap, table: net.info.nftTable, tables: sh('nft list tables').trim() })}\n`);
     process.kill(process.pid, 'SIGKILL');

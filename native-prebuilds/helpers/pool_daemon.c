@@ -1,8 +1,8 @@
 /*
  * pvisor-pool-daemon: the page pool's daemon, what `pvisor-daemon serve --memory-pool` becomes
  * (src/cli/daemon-main.ts checks the options, then execs this with them). A C program rather than
- * a Node process because the pool's cell charges the daemon to the VMs it serves: Node idle was
- * 15-16 MiB of PSS, and 21-43 MiB after a merge (docs/memory-table3.md, "The daemon pool").
+ * a Node process because the pool's cell charges the daemon to the VMs it serves, and a Node
+ * daemon costs several times a C one (docs/design-figures.md).
  *
  *   pvisor-pool-daemon SOCKET POOL_BYTES MAX_CLIENTS MAX_CLIENTS_PER_UID [GID]
  *

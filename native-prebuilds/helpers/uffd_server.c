@@ -260,8 +260,8 @@ static int any_active(struct pv_uffd_server *s) {
 /*
  * Registers guest RAM while some source is active or the block store holds something (then also
  * for write-protect faults), unregisters it otherwise: while nothing is compressed, the guest's
- * first touches of fresh RAM are the kernel's alone (through this thread they cost a fill of 64
- * MiB 255-350 ms against 433-453 ms, measured on kvm_pvm). Returns 0 or -errno.
+ * first touches of fresh RAM are the kernel's alone (through this thread they cost a fresh fill
+ * almost half as much again: docs/design-figures.md). Returns 0 or -errno.
  */
 static int update_registration(struct pv_uffd_server *s) {
   int want = any_active(s) || (s->cold && cold_busy(s->cold));

@@ -35,7 +35,7 @@ export interface BootSource {
   kernel?: string;
   initrd?: string;
   rootfs?: RootfsOptions;
-  /** `--net` and `--net-allow`. */
+  /** `--net`, `--net-allow` and `--net-deny`. */
   network: NetworkOption;
 }
 
@@ -130,7 +130,7 @@ export function checkCarriedFlags(flags: readonly string[]): string[] {
  * Options a snapshot decides: the VM it restores has the memory, vCPUs, guest and disks it was
  * taken with, so giving one beside `--from` can only be a mistake.
  */
-const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootfs', 'rootfs-readonly', 'net', 'net-allow'] as const;
+const SNAPSHOT_DECIDES = ['memory', 'vcpus', 'guest', 'kernel', 'initrd', 'rootfs', 'rootfs-readonly', 'net', 'net-allow', 'net-deny'] as const;
 
 /**
  * Parses `pvisor run [OPTIONS] -- CMD...`. A wrong or conflicting option is an
@@ -159,6 +159,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
       net: { type: 'string' },
       publish: { type: 'string', multiple: true },
       'net-allow': { type: 'string', multiple: true },
+      'net-deny': { type: 'string', multiple: true },
       console: { type: 'boolean', default: false },
       quiet: { type: 'boolean', short: 'q', default: false },
       label: { type: 'string', multiple: true },
@@ -269,7 +270,7 @@ function isolationOf(
   return { isolation, limits };
 }
 
-function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean; net?: string; 'net-allow'?: string[] }): BootSource {
+function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean; net?: string; 'net-allow'?: string[]; 'net-deny'?: string[] }): BootSource {
   const memoryText = values.memory ?? '512MiB';
   // Checked here as Vm.start checks them, so that a bad value is a usage error before anything is printed.
   const vcpuText = values.vcpus ?? '2';
@@ -278,9 +279,11 @@ function bootSource(values: { memory?: string; vcpus?: string; guest?: string; k
   if (guest === 'probe' && (values.kernel !== undefined || values.initrd !== undefined)) throw new InvalidOptionError('--kernel', '--kernel and --initrd are for the Linux guest');
   if (guest === 'probe' && values.rootfs !== undefined) throw new InvalidOptionError('--rootfs', 'is for the Linux guest');
   const rootfs = values.rootfs === undefined ? undefined : { path: values.rootfs, readOnly: values['rootfs-readonly'] === true };
-  if (values['net-allow'] !== undefined && values.net === undefined) throw new InvalidOptionError('--net-allow', 'only goes with --net nat');
-  const network = networkFromCli(values.net ?? 'none', values['net-allow'] ?? []);
-  parseNetworkOption(network); // a bad CIDR is a usage error, before anything starts
+  for (const flag of ['net-allow', 'net-deny'] as const) {
+    if (values[flag] !== undefined && values.net === undefined) throw new InvalidOptionError(`--${flag}`, 'only goes with --net nat');
+  }
+  const network = networkFromCli(values.net ?? 'none', values['net-allow'] ?? [], values['net-deny'] ?? []);
+  parseNetworkOption(network); // a bad rule is a usage error, before anything starts
   if (guest === 'probe' && network !== 'none') throw new InvalidOptionError('--net', 'is for the Linux guest');
   return { kind: 'boot', memoryBytes, memoryText, vcpus, guest, kernel: values.kernel, initrd: values.initrd, rootfs, network };
 }

@@ -113,7 +113,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
              [--vm-ram-compression] [--vm-cold-ram-compression [--vm-cold-after 10s]]
              [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]] [--vm-socket PATH]
              [--kernel BZIMAGE] [--initrd CPIO] [--isolation process [--limit-{memory,cpus,pids} V]...]
-             [--rootfs IMAGE [--rootfs-readonly]] [--net none|nat|tap:NAME [--net-allow CIDR[:PORT]]...]
+             [--rootfs IMAGE [--rootfs-readonly]] [--net none|nat|tap:NAME [--net-allow RULE]... [--net-deny RULE]...]
              [--publish HOSTPORT:GUESTPORT]... [--label KEY=VALUE]... [--quiet] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
@@ -128,8 +128,9 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
         --rootfs-readonly attaches it read-only (the image needs /dev and /proc and a clean
         journal: e2fsck -p IMAGE).
       --net nat: the guest gets eth0 on a TAP pvisor creates, NAT to the host's uplinks (needs
-        CAP_NET_ADMIN, /dev/vhost-net, nft and ip); --net-allow CIDR[:PORT] (repeatable): only
-        these destinations, everything else dropped on the host. --net tap:NAME: your own TAP,
+        CAP_NET_ADMIN, /dev/vhost-net, nft and ip); --net-allow / --net-deny RULE (repeatable):
+        only / never these (deny wins), RULE a hostname, *.DOMAIN or CIDR[:PORT]; the guest's
+        DNS is then pvisor's, answering allowed names only. --net tap:NAME: your own TAP,
         nothing configured on the host. Default none: no network device. docs/networking.md.
       --publish HOSTPORT:GUESTPORT (repeatable): 127.0.0.1:HOSTPORT reaches the guest's TCP
         GUESTPORT through the agent channel (no network needed; the guest runs nc per connection).

@@ -30,13 +30,19 @@ export const ENTRY_HEADER_BYTES = 24;
 /** FILE_STAT's fixed part: {u32 type, u32 mode, u32 uid, u32 gid, u64 size, i64 mtimeNs, u32 targetLen}. */
 const STAT_HEADER_BYTES = 36;
 
-/** What a guest file is. */
+/**
+ * What a guest file is.
+ * @category Guest
+ */
 export type FileType = 'file' | 'directory' | 'symlink' | 'fifo' | 'socket' | 'char-device' | 'block-device' | 'unknown';
 
 /** The wire's type codes (0 = unknown), in order. */
 const FILE_TYPES: readonly FileType[] = ['unknown', 'file', 'directory', 'symlink', 'fifo', 'socket', 'char-device', 'block-device'];
 
-/** One entry of a guest directory, as {@link GuestFiles.list} gives it (lstat: a symlink is itself). */
+/**
+ * One entry of a guest directory, as {@link GuestFiles.list} gives it (lstat: a symlink is itself).
+ * @category Guest
+ */
 export interface DirEntry {
   /**
    * The entry's name, never `.` or `..`, never with a `/`. Decoded as UTF-8: bytes that are not
@@ -52,7 +58,10 @@ export interface DirEntry {
   mtimeMs: number;
 }
 
-/** A guest file's status, as {@link GuestFiles.stat} gives it. */
+/**
+ * A guest file's status, as {@link GuestFiles.stat} gives it.
+ * @category Guest
+ */
 export interface FileStat {
   type: FileType;
   /** Permission bits and setuid/setgid/sticky (`mode & 0o7777`). */

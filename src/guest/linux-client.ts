@@ -57,7 +57,10 @@ const DEFAULT_REQUEST_TIMEOUT_MS = 30_000;
 /** After a timeout's SIGKILL, how long exec waits for the process's end before it gives up on it. */
 const KILL_GRACE_MS = 5_000;
 
-/** Options of a request to the agent. */
+/**
+ * Options of a request to the agent.
+ * @category Guest
+ */
 export interface RequestTimeout {
   /**
    * Reject with a {@link TimeoutError} if the agent has not answered after this long (for a write
@@ -67,7 +70,10 @@ export interface RequestTimeout {
   timeoutMs?: number;
 }
 
-/** Options of a files call: its timeout, and a signal that cancels it. */
+/**
+ * Options of a files call: its timeout, and a signal that cancels it.
+ * @category Guest
+ */
 export interface FilesCallOptions extends RequestTimeout {
   /**
    * Aborting rejects the call with an {@link AbortError} (at once if the signal has already
@@ -93,10 +99,16 @@ function callLimits(options: FilesCallOptions): { timeoutMs: number; signal: Abo
   return { timeoutMs: requestTimeout(options), signal: abortSignal(options.signal) };
 }
 
-/** A command: an argv array, or a string that `/bin/sh -c` runs. */
+/**
+ * A command: an argv array, or a string that `/bin/sh -c` runs.
+ * @category Guest
+ */
 export type Command = string | readonly string[];
 
-/** Options of {@link Vm.spawn}. */
+/**
+ * Options of {@link Vm.spawn}.
+ * @category Guest
+ */
 export interface SpawnOptions {
   /**
    * Variables added to (or overriding) the guest's base environment (PATH, HOME) and the VM's own
@@ -120,7 +132,10 @@ export interface SpawnOptions {
   signal?: AbortSignal;
 }
 
-/** What every {@link Vm.exec} takes, whatever the output's encoding. */
+/**
+ * What every {@link Vm.exec} takes, whatever the output's encoding.
+ * @category Guest
+ */
 export interface ExecCommonOptions {
   /** As {@link SpawnOptions.env}: over the VM's {@link VmOptions.env}. */
   env?: Record<string, string>;
@@ -144,7 +159,10 @@ export interface ExecCommonOptions {
   maxBuffer?: number;
 }
 
-/** Options of {@link Vm.exec}: the output as strings. */
+/**
+ * Options of {@link Vm.exec}: the output as strings.
+ * @category Guest
+ */
 export interface ExecOptions extends ExecCommonOptions {
   /**
    * `'utf8'` (the default): `stdout` and `stderr` are strings. For the bytes as the command
@@ -160,7 +178,10 @@ export interface ExecOptions extends ExecCommonOptions {
   onStderr?: (chunk: string) => void;
 }
 
-/** Options of {@link Vm.exec} asking for the output as bytes ({@link ExecBufferResult}), for binary output. */
+/**
+ * Options of {@link Vm.exec} asking for the output as bytes ({@link ExecBufferResult}), for binary output.
+ * @category Guest
+ */
 export interface ExecBufferOptions extends ExecCommonOptions {
   encoding: 'buffer';
   /** Called with each piece of stdout as it comes, while exec also collects it. */
@@ -187,7 +208,10 @@ function byteLimit(option: string, value: unknown, fallback: number, unit = 'byt
   return value;
 }
 
-/** How a process ended. */
+/**
+ * How a process ended.
+ * @category Guest
+ */
 export interface ExitStatus {
   /** Exit code, or null when a signal ended it. */
   exitCode: number | null;
@@ -195,19 +219,28 @@ export interface ExitStatus {
   signal: NodeJS.Signals | null;
 }
 
-/** What {@link Vm.exec} resolves to. */
+/**
+ * What {@link Vm.exec} resolves to.
+ * @category Guest
+ */
 export interface ExecResult extends ExitStatus {
   stdout: string;
   stderr: string;
 }
 
-/** What exec resolves with for `encoding: 'buffer'`: the output's bytes. */
+/**
+ * What exec resolves with for `encoding: 'buffer'`: the output's bytes.
+ * @category Guest
+ */
 export interface ExecBufferResult extends ExitStatus {
   stdout: Buffer;
   stderr: Buffer;
 }
 
-/** Guest memory figures from /proc/meminfo, bytes. */
+/**
+ * Guest memory figures from /proc/meminfo, bytes.
+ * @category Guest
+ */
 export interface GuestMemInfo {
   totalBytes: number;
   freeBytes: number;
@@ -238,7 +271,10 @@ function signalNumber(signal: NodeJS.Signals | number): number {
   return n;
 }
 
-/** A process running in the guest. */
+/**
+ * A process running in the guest.
+ * @category Guest
+ */
 export class GuestProcess {
   /**
    * The command's standard output. Up to 256 KiB (the stream's credit window) waits for a
@@ -598,31 +634,46 @@ const WRITE_STREAM_HIGH_WATER_BYTES = 1024 * 1024;
 /** The chunk that says a write handle's file is open (FILE_WRITE_OPEN). */
 const CHUNK_OPENED = 4;
 
-/** Options of {@link GuestFiles.read}. */
+/**
+ * Options of {@link GuestFiles.read}.
+ * @category Guest
+ */
 export interface ReadOptions extends FilesCallOptions {
   /** The most bytes kept: a larger file rejects with an {@link OutputLimitError}. A whole number or Infinity; default 256 MiB. */
   maxBytes?: number;
 }
 
-/** Options of {@link GuestFiles.write} and {@link GuestFiles.writeStream}. */
+/**
+ * Options of {@link GuestFiles.write} and {@link GuestFiles.writeStream}.
+ * @category Guest
+ */
 export interface WriteOptions extends FilesCallOptions {
   /** The file's mode, set exactly (not masked by a umask), 0 to 0o7777; default 0o644. */
   mode?: number;
 }
 
-/** Options of {@link GuestFiles.list}. */
+/**
+ * Options of {@link GuestFiles.list}.
+ * @category Guest
+ */
 export interface ListOptions extends FilesCallOptions {
   /** The most entries kept: a larger directory rejects with an {@link OutputLimitError}. A whole number or Infinity; default 100000. */
   maxEntries?: number;
 }
 
-/** Options of {@link GuestFiles.stat}. */
+/**
+ * Options of {@link GuestFiles.stat}.
+ * @category Guest
+ */
 export interface StatOptions extends FilesCallOptions {
   /** Describe what a symlink points to rather than the symlink itself. Default false (lstat). */
   followSymlinks?: boolean;
 }
 
-/** Options of {@link GuestFiles.mkdir}. */
+/**
+ * Options of {@link GuestFiles.mkdir}.
+ * @category Guest
+ */
 export interface MkdirOptions extends FilesCallOptions {
   /** Create missing parents too (mode 0o755), and take an existing directory as done. Default false. */
   recursive?: boolean;
@@ -630,7 +681,10 @@ export interface MkdirOptions extends FilesCallOptions {
   mode?: number;
 }
 
-/** Options of {@link GuestFiles.remove}. */
+/**
+ * Options of {@link GuestFiles.remove}.
+ * @category Guest
+ */
 export interface RemoveOptions extends FilesCallOptions {
   /**
    * Remove a directory with everything in it (up to 256 levels deep). Symlinks are removed, never
@@ -651,6 +705,7 @@ function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
  * Files in the guest: read, write (whole or streamed), list, stat, mkdir, remove, rename. Every
  * call takes `timeoutMs` and `signal` ({@link FilesCallOptions}); paths are 1 to 4095 bytes of
  * UTF-8 without NUL, relative ones relative to `/`.
+ * @category Guest
  */
 export class GuestFiles {
   /** @internal */

@@ -72,7 +72,10 @@ export interface HostileResult extends ProbeTiming {
   payload: Buffer;
 }
 
-/** Options of {@link ProbeGuest.fill}. */
+/**
+ * Options of {@link ProbeGuest.fill}.
+ * @category Guest
+ */
 export interface FillOptions {
   /** Working set size in MiB. */
   sizeMiB: number;
@@ -82,7 +85,10 @@ export interface FillOptions {
   seed?: number;
 }
 
-/** Options of {@link ProbeGuest.rewrite}. */
+/**
+ * Options of {@link ProbeGuest.rewrite}.
+ * @category Guest
+ */
 export interface RewriteOptions {
   /** Fraction of working-set pages to rewrite, 0..1, spread evenly. */
   fraction: number;
@@ -90,7 +96,10 @@ export interface RewriteOptions {
   seed?: number;
 }
 
-/** Options of {@link ProbeGuest.touch}. */
+/**
+ * Options of {@link ProbeGuest.touch}.
+ * @category Guest
+ */
 export interface TouchOptions {
   /** How much of the working set, from its start, is hot, in MiB. */
   hotMiB: number;
@@ -98,7 +107,10 @@ export interface TouchOptions {
   rounds?: number;
 }
 
-/** Options of {@link ProbeGuest.release}. */
+/**
+ * Options of {@link ProbeGuest.release}.
+ * @category Guest
+ */
 export interface ReleaseOptions {
   /** Start of the range inside the working set, in MiB. Default 0. */
   offsetMiB?: number;
@@ -106,7 +118,10 @@ export interface ReleaseOptions {
   sizeMiB?: number;
 }
 
-/** Options of {@link ProbeGuest.zero}. */
+/**
+ * Options of {@link ProbeGuest.zero}.
+ * @category Guest
+ */
 export interface ZeroOptions {
   /** Start of the range inside the working set, in MiB. */
   offsetMiB: number;
@@ -114,12 +129,18 @@ export interface ZeroOptions {
   sizeMiB: number;
 }
 
-/** A guest-side timing in TSC cycles. */
+/**
+ * A guest-side timing in TSC cycles.
+ * @category Guest
+ */
 export interface ProbeTiming {
   tscCycles: number;
 }
 
-/** The result of {@link ProbeGuest.digest}. */
+/**
+ * The result of {@link ProbeGuest.digest}.
+ * @category Guest
+ */
 export interface ProbeDigest extends ProbeTiming {
   bytes: number;
   /** The digest as 16 hex digits (h2 then h1). */
@@ -128,7 +149,10 @@ export interface ProbeDigest extends ProbeTiming {
   h2: number;
 }
 
-/** What the probe guest exposes; `vm.probe` on a VM started with `guest: 'probe'`. */
+/**
+ * What the probe guest exposes; `vm.probe` on a VM started with `guest: 'probe'`.
+ * @category Guest
+ */
 export class ProbeGuest {
   private fillSeed = 1;
   private fillBytes = 0;

@@ -11,6 +11,7 @@
  * - `random`: a pseudo-random stream; incompressible, and no two pages alike.
  * - `compressible`: no two pages alike, as with `random`, yet each compresses several-fold: the
  *   content that compression can shrink and page sharing cannot.
+ * @category Guest
  */
 export type ProbeContent = 'repetitive' | 'random' | 'compressible';
 

@@ -17,7 +17,10 @@ import type { GuestKind } from '../vm';
 import { JailedVmm, type JailOutcome } from './launcher';
 import { resolveLimits, type JailLimitsInput } from './limits';
 
-/** The options of a VM started in a jailed process (a subset of {@link VmOptions}, with `limits`). */
+/**
+ * The options of a VM started in a jailed process (a subset of {@link VmOptions}, with `limits`).
+ * @category VM
+ */
 export interface JailedVmOptions {
   /** Runs the VM in a jailed child process: see docs/security.md. */
   isolation: 'process';
@@ -36,7 +39,10 @@ export interface JailedVmOptions {
   backingDir?: string;
 }
 
-/** How the jailed child of a {@link JailedVmHandle} is doing. */
+/**
+ * How the jailed child of a {@link JailedVmHandle} is doing.
+ * @category VM
+ */
 export interface JailInfo {
   /** The pid of the jail's outermost process (bubblewrap). */
   readonly pid: number;
@@ -50,7 +56,10 @@ export interface JailInfo {
   kill(): void;
 }
 
-/** A {@link VmHandle} on a VM that runs in a jailed child of this process. */
+/**
+ * A {@link VmHandle} on a VM that runs in a jailed child of this process.
+ * @category VM
+ */
 export type JailedVmHandle = VmHandle & { readonly jail: JailInfo };
 
 const UNSUPPORTED = ['strategies', 'network', 'rootfs', 'env', 'kernelArgs', 'timeoutMs', 'onTimeout', 'hibernateDir', 'warningLimit'] as const;

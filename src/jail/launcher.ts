@@ -57,7 +57,10 @@ export interface JailPlan {
   gid?: number;
 }
 
-/** How a jailed VMM ended. */
+/**
+ * How a jailed VMM ended.
+ * @category VM
+ */
 export type JailOutcome = { exitCode: number } | { error: PvisorError } | { signal: NodeJS.Signals };
 
 /** Checks that this host can jail a VM; throws a {@link JailUnavailableError} naming what is missing. */

@@ -6,7 +6,10 @@
 import { InvalidOptionError } from '../errors';
 import { parseSize, type Size } from '../units';
 
-/** The limits of a jailed VM's process, as given: each one optional, with the defaults said on each. */
+/**
+ * The limits of a jailed VM's process, as given: each one optional, with the defaults said on each.
+ * @category VM
+ */
 export interface JailLimitsInput {
   /**
    * The most memory the VM's whole process may hold: guest RAM as the guest touches it, the VMM's

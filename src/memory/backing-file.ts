@@ -19,7 +19,10 @@ import { booleanOption } from '../units';
  */
 export const DEFAULT_BACKING_DIR = '/var/tmp';
 
-/** Where a strategy that writes guest RAM to a file (Offload, CompressedOffload) puts it. */
+/**
+ * Where a strategy that writes guest RAM to a file (Offload, CompressedOffload) puts it.
+ * @category Strategies
+ */
 export interface BackingDirOptions {
   /**
    * Directory for the backing file; it must exist and be on a disk (see
@@ -126,7 +129,7 @@ const unremoved = new Set<string>();
 
 /**
  * Removes a backing file without waiting for it: unlinking a large file frees its blocks, which
- * took 16-22 ms for 64 MiB here, too long for a resume to wait. The path is free at once (renamed
+ * takes too long for a resume to wait (docs/design-figures.md). The path is free at once (renamed
  * under a fresh name); the unlink runs on libuv's pool. If the process exits first, the exit
  * removes it; if it is killed first, the sweep of stale files does, next time. A file already
  * gone is fine; one that cannot be removed now is tried again later (see `unremoved`). Never throws.

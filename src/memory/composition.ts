@@ -33,6 +33,8 @@ export interface CompositionHooks {
   warn(message: string): void;
   /** See {@link StrategyContext.withGuestPaused}. */
   withGuestPaused<T>(work: () => T): Promise<T | undefined>;
+  /** A strategy's hook ran (`map`, `suspend`, `resume`, `tick`) and took `ms`: for the VM's trace. */
+  trace?(hook: 'map' | 'suspend' | 'resume' | 'tick', strategy: string, ms: number): void;
 }
 
 const DEFAULT_BACKING: RamBackingRequest = { kind: 'anonymous' };
@@ -139,7 +141,12 @@ export class MemoryComposition {
       withGuestPaused: (work) => this.hooks.withGuestPaused(work),
       warn: (message) => this.hooks.warn(message),
     };
-    for (const s of this.strategies) s.map?.(this.ctx);
+    for (const s of this.strategies) {
+      if (!s.map) continue;
+      const t0 = performance.now();
+      s.map(this.ctx);
+      this.hooks.trace?.('map', s.name, performance.now() - t0);
+    }
   }
 
   private uffdServer(ram: GuestRam, backing: RamBackingKind): Promise<UffdServer> {
@@ -204,7 +211,9 @@ export class MemoryComposition {
     try {
       for (const s of this.strategies) {
         checkNotEnded();
+        const t0 = performance.now();
         const w: SuspendWork | void = await s.suspend?.(ctx);
+        if (s.suspend) this.hooks.trace?.('suspend', s.name, performance.now() - t0);
         done.push(s);
         if (w) work.push(w.released);
       }
@@ -233,7 +242,9 @@ export class MemoryComposition {
   async resume(checkNotEnded: () => void): Promise<void> {
     const ctx = this.context;
     for (const s of [...this.strategies].reverse()) {
+      const t0 = performance.now();
       await s.resume?.(ctx);
+      if (s.resume) this.hooks.trace?.('resume', s.name, performance.now() - t0);
       checkNotEnded();
     }
   }
@@ -261,6 +272,7 @@ export class MemoryComposition {
       const tick = (async () => {
         try {
           await s.tick!(this.context);
+          this.hooks.trace?.('tick', s.name, performance.now() - t0);
         } catch (e) {
           if (!this.closed) this.hooks.warn(`${s.name}: periodic work failed: ${(e as Error).message}`);
         }

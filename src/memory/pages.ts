@@ -8,7 +8,10 @@ import { MAP_ANONYMOUS, MAP_PRIVATE, PAGE_SIZE, PROT_READ, PROT_WRITE } from '..
 import { mincore, mmap, munmap, viewAt } from '../sys/libc';
 import type { RamBackingKind } from './ram-backing';
 
-/** A run of pages, as an offset into the guest RAM mapping and a length, both page-aligned. */
+/**
+ * A run of pages, as an offset into the guest RAM mapping and a length, both page-aligned.
+ * @category Strategies
+ */
 export interface PageRun {
   offset: number;
   length: number;

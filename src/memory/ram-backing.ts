@@ -8,7 +8,10 @@ import { BackingFileError } from '../errors';
 import { MFD_CLOEXEC } from '../sys/constants';
 import { closeFd, createMemfd, dupFd } from '../sys/libc';
 
-/** Something a strategy relies on guest RAM's backing to do. */
+/**
+ * Something a strategy relies on guest RAM's backing to do.
+ * @category Strategies
+ */
 export type RamCapability =
   /** A page can be made to read back as zero by discarding it (see {@link DiscardTo}). */
   | 'zero-on-discard'
@@ -22,7 +25,10 @@ export type RamCapability =
    */
   | 'userfaultfd-write-protect';
 
-/** A backing a strategy asks for; the memory layer creates or opens it. */
+/**
+ * A backing a strategy asks for; the memory layer creates or opens it.
+ * @category Strategies
+ */
 export type RamBackingRequest =
   /** Private anonymous memory, allocated on first touch: the default. */
   | { kind: 'anonymous' }
@@ -36,7 +42,10 @@ export type RamBackingRequest =
    */
   | { kind: 'private-file'; path: string; fd?: number };
 
-/** The kinds of backing. */
+/**
+ * The kinds of backing.
+ * @category Strategies
+ */
 export type RamBackingKind = RamBackingRequest['kind'];
 
 /** A backing the memory layer has opened, as guest memory maps it; it owns the fd from then on. */
@@ -47,6 +56,7 @@ export type RamBacking = { kind: 'anonymous' } | { kind: 'memfd'; fd: number } |
  * (zero). On a MAP_PRIVATE file, `backing` drops the private copy so the page is the file's again
  * (what a strategy wants for a page it will restore anyway, or for a page the guest freed), while
  * `zero` maps anonymous memory over it (what a page the guest zeroed must read as).
+ * @category Strategies
  */
 export type DiscardTo = 'zero' | 'backing';
 

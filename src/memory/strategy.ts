@@ -17,10 +17,14 @@ export type { PageRun } from './pages';
  * A host resource that only one strategy of a VM may drive: free page reports, the image a
  * suspend writes, or the pages of running guest RAM themselves (a strategy that drops and refills
  * them behind the guest's back, or maps other memory over them).
+ * @category Strategies
  */
 export type ExclusiveResource = 'free-page-reporting' | 'suspend-image' | 'resident-pages';
 
-/** A run of a file to map over guest RAM: [offset, offset+length) of the RAM mapping gets the file's bytes from `fileOffset`. */
+/**
+ * A run of a file to map over guest RAM: [offset, offset+length) of the RAM mapping gets the file's bytes from `fileOffset`.
+ * @category Strategies
+ */
 export interface FileRunOver {
   /** Offset into the guest RAM mapping. */
   offset: number;
@@ -28,7 +32,10 @@ export interface FileRunOver {
   fileOffset: number;
 }
 
-/** What a strategy sees of guest RAM. */
+/**
+ * What a strategy sees of guest RAM.
+ * @category Strategies
+ */
 export interface StrategyRam {
   /** Host address of the guest RAM mapping. */
   readonly hostAddr: number;
@@ -71,7 +78,10 @@ export interface StrategyRam {
   ownPageRuns(): PageRun[];
 }
 
-/** Passed to every hook. */
+/**
+ * Passed to every hook.
+ * @category Strategies
+ */
 export interface StrategyContext {
   /** The VM's name, for messages and file names. */
   readonly vmName: string;
@@ -104,7 +114,10 @@ export interface StrategyContext {
   fail(error: PvisorError): void;
 }
 
-/** Figures a strategy reports about itself, printed by the CLI and the bench as they are. */
+/**
+ * Figures a strategy reports about itself, printed by the CLI and the bench as they are.
+ * @category Strategies
+ */
 export interface StrategyStats {
   /** The strategy's name. */
   strategy: string;
@@ -122,6 +135,7 @@ export function roundMs(ms: number): number {
 /**
  * What a suspend hook may leave running when it returns: the VM counts as suspended as soon as
  * every hook has returned, while memory is still being given back.
+ * @category Strategies
  */
 export interface SuspendWork {
   /**
@@ -132,7 +146,10 @@ export interface SuspendWork {
   released: Promise<void>;
 }
 
-/** How often a strategy's {@link MemoryStrategy.tick} runs while the VM runs, and how much CPU it may take. */
+/**
+ * How often a strategy's {@link MemoryStrategy.tick} runs while the VM runs, and how much CPU it may take.
+ * @category Strategies
+ */
 export interface PeriodicWork {
   /** Time between the end of one tick and the start of the next, at least. */
   intervalMs: number;
@@ -143,7 +160,10 @@ export interface PeriodicWork {
   cpuShare: number;
 }
 
-/** The interface of every memory strategy. */
+/**
+ * The interface of every memory strategy.
+ * @category Strategies
+ */
 export interface MemoryStrategy {
   /** A short stable name, e.g. `ksm-advice`, used in errors and figures. */
   readonly name: string;
@@ -155,7 +175,7 @@ export interface MemoryStrategy {
    * The backing this strategy provides for guest RAM, if any (at most one strategy of a VM may
    * provide one; without one, guest RAM is private anonymous memory).
    */
-  readonly ramBacking?: RamBackingRequest;
+  readonly ramBacking?: RamBackingRequest | undefined;
   /** Guest RAM has been mapped and registered, no vCPU has run yet. */
   map?(ctx: StrategyContext): void;
   /**
@@ -185,7 +205,10 @@ export interface MemoryStrategy {
   close?(): void;
 }
 
-/** Two strategies of one VM cannot work together; names both. */
+/**
+ * Two strategies of one VM cannot work together; names both.
+ * @category Errors
+ */
 export class StrategyConflictError extends PvisorError {
   /** The two strategies (or a strategy and the guest RAM it would run on), in the order given. */
   readonly strategies: [string, string];

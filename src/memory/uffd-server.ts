@@ -14,7 +14,10 @@ import { InvalidOptionError, SystemCallError, VmStateError, errnoName } from '..
 import { nativePrebuild } from '../native';
 import { RecordChannel, type NativeRecord } from '../native/record-channel';
 
-/** A range of guest RAM in a backing file. */
+/**
+ * A range of guest RAM in a backing file.
+ * @category Strategies
+ */
 export interface FileRange {
   /** Byte offset into guest RAM; page-aligned. */
   offset: number;
@@ -26,13 +29,19 @@ export interface FileRange {
   checksum?: number;
 }
 
-/** A range of guest RAM that reads as zeros. */
+/**
+ * A range of guest RAM that reads as zeros.
+ * @category Strategies
+ */
 export interface ZeroRange {
   offset: number;
   length: number;
 }
 
-/** A range of guest RAM whose bytes wait in host memory (outside guest RAM) at `srcAddr`. */
+/**
+ * A range of guest RAM whose bytes wait in host memory (outside guest RAM) at `srcAddr`.
+ * @category Strategies
+ */
 export interface MemoryRange {
   offset: number;
   length: number;
@@ -43,6 +52,7 @@ export interface MemoryRange {
 /**
  * What a source serves. Ranges go in address order, and overlap neither each other nor the
  * ranges of another source still loading.
+ * @category Strategies
  */
 export type UffdSourceSpec =
   | {
@@ -58,7 +68,10 @@ export type UffdSourceSpec =
   | { kind: 'zero'; ranges: readonly ZeroRange[] }
   | { kind: 'memory'; ranges: readonly MemoryRange[] };
 
-/** What the server reports about a source. */
+/**
+ * What the server reports about a source.
+ * @category Strategies
+ */
 export type UffdSourceEvent =
   /** Every range is loaded; the source no longer keeps guest RAM registered. */
   | { kind: 'done'; rangesLoaded: number }
@@ -68,14 +81,20 @@ export type UffdSourceEvent =
    */
   | { kind: 'error'; why: string; offset: number };
 
-/** A range's state in {@link UffdSource.rangeStates}. */
+/**
+ * A range's state in {@link UffdSource.rangeStates}.
+ * @category Strategies
+ */
 export const enum RangeState {
   Missing = 0,
   Loaded = 1,
   Bad = 2,
 }
 
-/** What the thread has done for one source. */
+/**
+ * What the thread has done for one source.
+ * @category Strategies
+ */
 export interface UffdSourceFigures {
   faultsServed: number;
   rangesLoadedByFault: number;
@@ -83,7 +102,10 @@ export interface UffdSourceFigures {
   bytesLoaded: number;
 }
 
-/** What the thread has done in all. */
+/**
+ * What the thread has done in all.
+ * @category Strategies
+ */
 export interface UffdServerFigures {
   faultsServed: number;
   /** Zero pages mapped outside a range's first load: holes, pages dropped since, bad ranges read by Node. */
@@ -166,7 +188,10 @@ function check(call: string, rc: number, detail?: string): number {
   return rc;
 }
 
-/** One VM's userfaultfd server. Create it before the vCPUs touch RAM it should serve. */
+/**
+ * One VM's userfaultfd server. Create it before the vCPUs touch RAM it should serve.
+ * @category Strategies
+ */
 export class UffdServer {
   private handle: number;
   private readonly channel: RecordChannel;
@@ -263,7 +288,10 @@ export class UffdServer {
   }
 }
 
-/** What {@link ColdStore.finish} did with a block. */
+/**
+ * What {@link ColdStore.finish} did with a block.
+ * @category Strategies
+ */
 export const enum ColdOutcome {
   /** Left resident: it did not compress enough. */
   Kept = 0,
@@ -277,7 +305,10 @@ export const enum ColdOutcome {
   NotBegun = 4,
 }
 
-/** A block's state in {@link ColdStore.states}. */
+/**
+ * A block's state in {@link ColdStore.states}.
+ * @category Strategies
+ */
 export const enum ColdState {
   Resident = 0,
   Compressing = 1,
@@ -287,7 +318,10 @@ export const enum ColdState {
   Saved = 4,
 }
 
-/** What the store holds and the thread has done for it. */
+/**
+ * What the store holds and the thread has done for it.
+ * @category Strategies
+ */
 export interface ColdStoreFigures {
   blocksStored: number;
   bytesStored: number;
@@ -305,6 +339,7 @@ export interface ColdStoreFigures {
  * of each page of block k (it changed if the checksum did) when every page is present, else 0;
  * [2k+1] how many of its pages are present in guest RAM, or 0xffffffff if it is compressed (or
  * bad).
+ * @category Strategies
  */
 export type ColdScan = Uint32Array;
 
@@ -313,6 +348,7 @@ export type ColdScan = Uint32Array;
  * blocks are compressed in place while write-protected ({@link begin}, {@link compress},
  * {@link finish}), and a fault in a dropped block is served by the thread (lz4, CRC32C check,
  * UFFDIO_COPY).
+ * @category Strategies
  */
 export class ColdStore {
   private readonly stateBytes: Buffer;
@@ -420,7 +456,10 @@ function blockList(blocks: readonly number[]): Buffer {
   return list;
 }
 
-/** A source added to a {@link UffdServer}. */
+/**
+ * A source added to a {@link UffdServer}.
+ * @category Strategies
+ */
 export class UffdSource {
   private removed: { states: Uint8Array; touchOrder: number[]; figures: UffdSourceFigures } | undefined;
 

@@ -12,19 +12,26 @@
  * Host changes outside a VM's own objects: net.ipv4.ip_forward is turned on if it was off, and
  * left on (other things on the host may have come to rely on it by the time the VM ends).
  */
-import { spawnSync } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
 import { closeSync, existsSync, openSync, readFileSync, writeFileSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
-import { NetworkSetupError, SystemCallError } from '../errors';
+import { InvalidOptionError, NetworkSetupError, SystemCallError, VmStateError } from '../errors';
+import { VmNetwork, type EgressRulesUpdate } from './vm-network';
 import { tryLockFile } from '../sys/libc';
 import { allocateSubnet, formatCidr, formatIpv4, formatMac, macFor, parseIpAddrShow, parseIpv4 } from './addresses';
-import { deleteTablesScript, natRuleset, parseTableList, TABLE_FAMILIES, tableName, tableOwner } from './nft-rules';
-import { formatAllowRule, type NetworkPlan } from './options';
+import { EgressResolver } from './egress-resolver';
+import { addressDenied, formatEgressRule, nameAllowed, nameDenied, parseEgressPolicy, type EgressPolicy } from './egress-rules';
+import { EgressSet } from './egress-set';
+import { deleteTablesScript, egressUpdateScript, natRuleset, parseTableList, TABLE_FAMILIES, tableName, tableOwner } from './nft-rules';
+import type { NetworkPlan } from './options';
 import { Tap, TUN_PATH } from './tap';
 import { restrictTap } from './tap-sysctls';
 import { processGone } from '../sys/processes';
 
-/** What {@link Vm.network} says of a VM's network. */
+/**
+ * What {@link Vm.network} says of a VM's network.
+ * @category Network
+ */
 export interface VmNetworkInfo {
   /** `none`: no network device. */
   mode: 'none' | 'nat' | 'tap';
@@ -36,10 +43,14 @@ export interface VmNetworkInfo {
   guestAddress?: string;
   /** The host's end (the guest's gateway), e.g. `10.200.0.1`. */
   hostAddress?: string;
-  /** The resolver the guest was given. */
+  /** The resolver the guest was given (with egress rules, pvisor's: the host's end of the TAP). */
   dns?: string;
-  /** `nat`: the destinations the guest may reach (`all`, or the CIDR[:PORT] list). */
+  /** `nat` with egress rules: the resolver pvisor's asks; absent if there is none. */
+  upstreamDns?: string;
+  /** `nat`: the destinations the guest may reach (`all`, or the hostname and CIDR[:PORT] list). */
   allow?: 'all' | string[];
+  /** `nat`: the destinations it may not, whatever `allow` says. */
+  deny?: string[];
   /** `nat`: the name of the VM's nftables tables (families inet and netdev). */
   nftTable?: string;
 }
@@ -80,6 +91,20 @@ function run(tool: 'nft' | 'ip', args: string[], input?: string): string {
   }
   if (r.status !== 0) throw new Error(`${tool} ${args.join(' ')}: ${(r.stderr || r.stdout).trim() || `exit ${r.status}`}`);
   return r.stdout;
+}
+
+/** `nft -f -` with `script`, without blocking the event loop (the resolver's path). */
+function nftAsync(script: string): Promise<void> {
+  return new Promise((resolve, reject) => {
+    const child = spawn('nft', ['-f', '-'], { stdio: ['pipe', 'ignore', 'pipe'], env: { ...process.env, LC_ALL: 'C' }, timeout: 15_000 });
+    let stderr = '';
+    child.stderr!.on('data', (d: Buffer) => {
+      if (stderr.length < 4096) stderr += d.toString();
+    });
+    child.on('error', reject);
+    child.on('close', (code) => (code === 0 ? resolve() : reject(new Error(`nft -f -: ${stderr.trim() || `exit ${code}`}`))));
+    child.stdin!.end(script);
+  });
 }
 
 /**
@@ -126,8 +151,11 @@ function withHostLock<T>(work: () => T): T {
   }
 }
 
-/** The first nameserver of /etc/resolv.conf that a guest can reach (not loopback), if any. */
-function hostResolver(): string | undefined {
+/**
+ * The first nameserver of /etc/resolv.conf that a guest can reach (not loopback), if any; with
+ * `loopback`, the first of them all (what the host itself can ask).
+ */
+function hostResolver(loopback = false): string | undefined {
   let text = '';
   try {
     text = readFileSync('/etc/resolv.conf', 'utf8');
@@ -136,7 +164,7 @@ function hostResolver(): string | undefined {
   }
   for (const m of text.matchAll(/^\s*nameserver\s+([0-9.]+)\s*$/gm)) {
     const a = parseIpv4(m[1]);
-    if (a !== undefined && a >>> 24 !== 127) return m[1];
+    if (a !== undefined && (loopback || a >>> 24 !== 127)) return m[1];
   }
   return undefined;
 }
@@ -169,6 +197,8 @@ export interface HostNetworkOptions {
 /** One VM's host networking, set up; {@link close} removes it. */
 export class HostNetwork {
   private closed = false;
+  /** With egress rules: pvisor's resolver for the guest, and the set of addresses it opened. */
+  private egress: { resolver: EgressResolver; set: EgressSet } | undefined;
 
   private constructor(
     readonly info: VmNetworkInfo,
@@ -177,8 +207,8 @@ export class HostNetwork {
     /** `pvisor.net=...` for the guest's kernel command line, when the guest is to configure eth0. */
     readonly kernelArg: string | undefined,
     private readonly table: string | undefined,
-    /** What was set up. */
-    readonly plan: Exclude<NetworkPlan, { kind: 'none' }>,
+    /** What was set up, with the egress rules in force (`update` replaces them). */
+    public plan: Exclude<NetworkPlan, { kind: 'none' }>,
   ) {}
 
   /** The guest's configuration, `ADDRESS/PREFIX,GATEWAY[,DNS]` (the value of {@link kernelArg}). */
@@ -187,10 +217,30 @@ export class HostNetwork {
   }
 
   /**
+   * The resolver's counters (egress-resolver.ts `ResolverStats`), when the VM has pvisor's
+   * resolver: tests and diagnostics. Typed loosely so that this module's declarations do not
+   * reach the DNS codec's types.
+   */
+  get resolverStats(): Readonly<Record<string, number>> | undefined {
+    return this.egress?.resolver.stats;
+  }
+
+  /** Whether the resolver opened `address` (a.b.c.d) and it has not expired. */
+  isOpen(address: string): boolean {
+    const a = parseIpv4(address);
+    return a !== undefined && this.egress !== undefined && this.egress.set.has(a);
+  }
+
+  /** What {@link Vm.network} hands out: {@link info}, with `update`. */
+  view(): VmNetwork {
+    return new VmNetwork({ ...this.info }, (rules) => this.update(rules));
+  }
+
+  /**
    * Sets up what `plan` asks (not `none`) for a VM, whose vhost-net will serve the TAP. Throws
    * {@link NetworkSetupError}; nothing is left then.
    */
-  static setup(plan: Exclude<NetworkPlan, { kind: 'none' }>, options: HostNetworkOptions = {}): HostNetwork {
+  static async setup(plan: Exclude<NetworkPlan, { kind: 'none' }>, options: HostNetworkOptions = {}): Promise<HostNetwork> {
     if (plan.kind === 'nat' && !hasNetAdmin()) {
       throw new NetworkSetupError('permission', "network 'nat' needs CAP_NET_ADMIN (run as root, or give node the capability) to create a TAP device and nftables rules; use network 'none', or { tap: NAME } with a TAP made for you");
     }
@@ -203,7 +253,7 @@ export class HostNetwork {
    * reader of the TAP's fd other than vhost (test/hostile-tap-guest.ts plays a hostile guest on
    * it, on hosts with no vhost-net too).
    */
-  static create(plan: Exclude<NetworkPlan, { kind: 'none' }>, options: HostNetworkOptions = {}): HostNetwork {
+  static async create(plan: Exclude<NetworkPlan, { kind: 'none' }>, options: HostNetworkOptions = {}): Promise<HostNetwork> {
     const mac = options.mac ?? macFor(randomBytes(4));
     if (plan.kind === 'tap') {
       if (!existsSync(`/sys/class/net/${plan.name}`)) throw new NetworkSetupError('failed', `there is no network interface named ${plan.name} (create it with: ip tuntap add ${plan.name} mode tap user $USER)`);
@@ -224,7 +274,8 @@ export class HostNetwork {
     const index = vmIndex++;
     const name = tapName(process.pid, index);
     const table = tableName(process.pid, index);
-    const dns = plan.dns === null ? undefined : plan.dns ?? hostResolver();
+    // With egress rules the guest asks pvisor's resolver, which asks the host's (loopback included).
+    const upstream = plan.dns === null ? undefined : plan.dns ?? hostResolver(plan.resolver);
     try {
       removeStaleNetworks();
     } catch (e) {
@@ -232,25 +283,45 @@ export class HostNetwork {
     }
     let tap: Tap | undefined;
     let tableMade = false;
+    let net: HostNetwork | undefined;
     try {
-      return withHostLock(() => {
+      net = withHostLock(() => {
         const subnet = allocateSubnet(plan.range, parseIpAddrShow(run('ip', ['-4', '-o', 'addr', 'show'])));
         if (!subnet) throw new NetworkSetupError('failed', `no free /30 left in ${formatCidr(plan.range)}`);
         tap = Tap.open(name);
         // All of the TAP's restrictions are in place before it comes up: until then it takes nothing.
         restrictTap(name);
-        run('nft', ['-f', '-'], natRuleset({ table, tap: name, guestAddress: subnet.guestAddress, guestMac: mac, allow: plan.allow }));
+        run('nft', ['-f', '-'], natRuleset({ table, tap: name, guestAddress: subnet.guestAddress, guestMac: mac, hostAddress: subnet.hostAddress, egress: plan.egress, resolver: plan.resolver }));
         tableMade = true;
         run('ip', ['addr', 'add', `${formatIpv4(subnet.hostAddress)}/30`, 'dev', name]);
         enableForwarding();
         run('ip', ['link', 'set', 'dev', name, 'up']);
         const guest = formatIpv4(subnet.guestAddress);
         const host = formatIpv4(subnet.hostAddress);
+        const dns = plan.resolver ? host : upstream;
         return new HostNetwork(
-          { mode: 'nat', tap: name, mac: formatMac(mac), guestAddress: `${guest}/30`, hostAddress: host, ...(dns && { dns }), allow: plan.allow === 'all' ? 'all' : plan.allow.map(formatAllowRule), nftTable: table },
+          {
+            mode: 'nat', tap: name, mac: formatMac(mac), guestAddress: `${guest}/30`, hostAddress: host, ...(dns && { dns }),
+            ...(plan.resolver && upstream && { upstreamDns: upstream }), ...rulesInfo(plan.egress, plan.resolver), nftTable: table,
+          },
           tap, mac, `pvisor.net=${guest}/30,${host}${dns ? `,${dns}` : ''}`, table, plan,
         );
       });
+      if (plan.resolver) {
+        const set = new EgressSet(table, nftAsync);
+        const resolver = await EgressResolver.start({
+          listenAddress: net.info.hostAddress!,
+          clientAddress: net.info.guestAddress!.split('/')[0],
+          upstream,
+          policy: () => (net!.plan as Extract<NetworkPlan, { kind: 'nat' }>).egress,
+          open: (addresses, timeoutS, chain) => set.open(addresses, timeoutS, chain),
+        }).catch((e: NodeJS.ErrnoException) => {
+          if (e.code !== 'EADDRINUSE') throw e;
+          throw new NetworkSetupError('failed', `the VM's resolver cannot listen on ${net!.info.hostAddress}:53, which another DNS server holds (one listening on every address, e.g. dnsmasq without bind-interfaces); make it listen on its own addresses only`, { cause: e });
+        });
+        net.egress = { resolver, set };
+      }
+      return net;
     } catch (e) {
       if (tableMade) deleteTables(table);
       tap?.close(); // the TAP and its address go with the fd
@@ -258,10 +329,36 @@ export class HostNetwork {
     }
   }
 
+  /** See {@link VmNetwork.update}. */
+  async update(rules: EgressRulesUpdate): Promise<void> {
+    const plan = this.plan;
+    if (this.closed || plan.kind !== 'nat') throw new VmStateError(this.closed ? 'the VM has stopped: its network is gone' : `the VM's network is the user's TAP ${this.info.tap}: pvisor applies no rules to it (start it with network: { mode: 'nat', allow })`);
+    if (rules === null || typeof rules !== 'object') throw new InvalidOptionError('network.update', 'expected { allow?, deny? }');
+    const extra = Object.keys(rules).filter((k) => k !== 'allow' && k !== 'deny');
+    if (extra.length) throw new InvalidOptionError('network.update', `unknown field${extra.length > 1 ? 's' : ''} ${extra.join(', ')} (expected allow, deny)`);
+    const given = parseEgressPolicy(rules.allow, rules.deny, 'network.update');
+    const egress: EgressPolicy = { allow: rules.allow === undefined ? plan.egress.allow : given.allow, deny: rules.deny === undefined ? plan.egress.deny : given.deny };
+    if (!plan.resolver) {
+      const host = [...(egress.allow === 'all' ? [] : egress.allow), ...egress.deny].find((r) => r.kind === 'host');
+      if (host) throw new InvalidOptionError('network.update', `"${formatEgressRule(host)}": hostname rules need the VM started with allow or deny (its resolver is then pvisor's); this one was started with plain 'nat'`);
+    }
+    try {
+      await nftAsync(egressUpdateScript(this.table!, egress, plan.resolver));
+    } catch (e) {
+      throw new NetworkSetupError('failed', `replacing the egress rules of ${this.table}: ${(e as Error).message}`, { cause: e });
+    }
+    this.plan = { ...plan, egress };
+    Object.assign(this.info, rulesInfo(egress, plan.resolver));
+    if (!plan.resolver) delete this.info.deny;
+    // Addresses stay open only if an answer that opened them is still allowed now.
+    await this.egress?.set.retain((address, chain) => !addressDenied(egress, address) && nameAllowed(egress, chain[0]) && !chain.slice(1).some((n) => nameDenied(egress, n)));
+  }
+
   /** Removes the VM's table and closes its TAP (pvisor's own TAP disappears). Idempotent; never throws. */
   close(): string | undefined {
     if (this.closed) return undefined;
     this.closed = true;
+    this.egress?.resolver.close();
     let problem: string | undefined;
     if (this.table) problem = deleteTables(this.table);
     try {
@@ -271,6 +368,11 @@ export class HostNetwork {
     }
     return problem;
   }
+}
+
+/** What {@link VmNetworkInfo} says of the rules. */
+function rulesInfo(egress: EgressPolicy, resolver: boolean): Pick<VmNetworkInfo, 'allow' | 'deny'> {
+  return { allow: egress.allow === 'all' ? 'all' : egress.allow.map(formatEgressRule), ...(resolver && { deny: egress.deny.map(formatEgressRule) }) };
 }
 
 /** Deletes the VM's tables, both in one transaction; a table already gone is no error. */

@@ -12,17 +12,20 @@
  *   - forward: IPv6 to or from the TAP is dropped; from the TAP, a source other than the guest's is
  *     dropped; then replies and ICMP errors of the guest's own connections pass (conntrack's
  *     original source is the guest), whatever else is not a new connection is dropped, and a new
- *     one passes by the `allow` rules (or for every destination); then drop. Towards the TAP, only
+ *     one goes to the `egress` chain: deny rules drop, then allow rules (or every destination) and
+ *     the set of addresses the VM's resolver opened (`hosts`, elements with timeouts) accept; then
+ *     drop. The egress chain is all that `vm.network.update` replaces. Towards the TAP, only
  *     packets of the guest's own connections pass: nothing outside opens a connection to it.
  *   - input: from the TAP to the host itself, only replies and errors on connections the host
- *     opened to the guest: the guest reaches no service of the host (a resolver on the host
- *     included), whatever the allow list says.
+ *     opened to the guest, and DNS to the VM's own resolver (port 53 of the TAP's host end) when it
+ *     has one: the guest reaches no other service of the host, whatever the allow list says.
  *   - postrouting: the guest's address is masqueraded to whatever the packet leaves the host by.
  * Base chains run at priority filter - 5 / srcnat: another table's chain on the same hook (a
  * firewall's) still sees the packets after these accept them; a drop there wins.
  */
 import { formatCidr, formatIpv4, formatMac } from './addresses';
-import type { AllowRule } from './options';
+import { cidrRules, type CidrRule, type EgressPolicy } from './egress-rules';
+import { HOSTS_SET, hostsSetDeclaration } from './egress-set';
 
 /** The prefix of every table pvisor creates. */
 export const TABLE_PREFIX = 'pvisor_';
@@ -66,7 +69,39 @@ export interface NatRules {
   tap: string;
   guestAddress: number;
   guestMac: Buffer;
-  allow: readonly AllowRule[] | 'all';
+  /** The host's end of the TAP, where the VM's resolver listens (with `resolver`). */
+  hostAddress: number;
+  egress: EgressPolicy;
+  /**
+   * Whether the VM has pvisor's resolver on the host's end of the TAP: then the guest may send
+   * it DNS (UDP and TCP port 53, nothing else of the host), and the set of addresses it opened is
+   * made.
+   */
+  resolver: boolean;
+}
+
+/** The VM's regular chain that decides a new connection of the guest's (forward jumps to it). */
+export const EGRESS_CHAIN = 'egress';
+
+/**
+ * The rules of the egress chain: deny rules drop first (deny wins), then allow rules and the
+ * resolver's set accept; what none takes returns to forward, which drops it.
+ */
+export function egressChainRules(policy: EgressPolicy, resolver: boolean): string[] {
+  const to = (r: CidrRule, verdict: 'accept' | 'drop') => {
+    const d = `ip daddr ${formatCidr(r.network)}`;
+    return r.port === undefined ? [`${d} ${verdict}`] : [`${d} tcp dport ${r.port} ${verdict}`, `${d} udp dport ${r.port} ${verdict}`];
+  };
+  return [
+    ...cidrRules(policy.deny).flatMap((r) => to(r, 'drop')),
+    ...(policy.allow === 'all' ? ['accept'] : cidrRules(policy.allow).flatMap((r) => to(r, 'accept'))),
+    ...(resolver && policy.allow !== 'all' ? [`ip daddr @${HOSTS_SET} accept`] : []),
+  ];
+}
+
+/** The `nft -f -` script that replaces the egress chain's rules (one transaction). */
+export function egressUpdateScript(table: string, policy: EgressPolicy, resolver: boolean): string {
+  return [`flush chain inet ${table} ${EGRESS_CHAIN}`, ...egressChainRules(policy, resolver).map((r) => `add rule inet ${table} ${EGRESS_CHAIN} ${r}`), ''].join('\n');
 }
 
 /**
@@ -78,13 +113,7 @@ export function natRuleset(r: NatRules): string {
   const guest = formatIpv4(r.guestAddress);
   const mac = formatMac(r.guestMac);
   const fromGuest = `iifname ${tap}`;
-  const allowed =
-    r.allow === 'all'
-      ? [`${fromGuest} ip saddr ${guest} accept`]
-      : r.allow.flatMap((a) => {
-          const to = `${fromGuest} ip saddr ${guest} ip daddr ${formatCidr(a.network)}`;
-          return a.port === undefined ? [`${to} accept`] : [`${to} tcp dport ${a.port} accept`, `${to} udp dport ${a.port} accept`];
-        });
+  const host = formatIpv4(r.hostAddress);
   return [
     deleteTablesScript(TABLE_FAMILIES.map((family) => ({ family, name: r.table }))).trimEnd(),
     `table netdev ${r.table} {`,
@@ -95,6 +124,10 @@ export function natRuleset(r: NatRules): string {
     '  }',
     '}',
     `table inet ${r.table} {`,
+    ...(r.resolver ? [hostsSetDeclaration()] : []),
+    `  chain ${EGRESS_CHAIN} {`,
+    ...egressChainRules(r.egress, r.resolver).map((l) => `    ${l}`),
+    '  }',
     '  chain forward {',
     '    type filter hook forward priority filter - 5; policy accept;',
     `    ${fromGuest} meta nfproto ipv6 drop`,
@@ -102,7 +135,7 @@ export function natRuleset(r: NatRules): string {
     `    ${fromGuest} ip saddr != ${guest} drop`,
     `    ${fromGuest} ct state established,related ct original ip saddr ${guest} accept`,
     `    ${fromGuest} ct state != new drop`,
-    ...allowed.map((l) => `    ${l}`),
+    `    ${fromGuest} jump ${EGRESS_CHAIN}`,
     `    ${fromGuest} drop`,
     `    oifname ${tap} ct state established,related ct original ip saddr ${guest} accept`,
     `    oifname ${tap} drop`,
@@ -112,6 +145,7 @@ export function natRuleset(r: NatRules): string {
     `    ${fromGuest} meta nfproto ipv6 drop`,
     `    ${fromGuest} ip saddr != ${guest} drop`,
     `    ${fromGuest} ct state established,related ct original ip daddr ${guest} accept`,
+    ...(r.resolver ? [`    ${fromGuest} ip daddr ${host} udp dport 53 accept`, `    ${fromGuest} ip daddr ${host} tcp dport 53 accept`] : []),
     `    ${fromGuest} drop`,
     '  }',
     '  chain postrouting {',

@@ -4,35 +4,62 @@
  */
 import { InvalidOptionError } from '../errors';
 import { DEFAULT_SUBNET_RANGE, formatCidr, parseCidr, parseIpv4, type Cidr } from './addresses';
+import { formatEgressRule, parseEgressPolicy, type EgressPolicy } from './egress-rules';
+
+const ALLOW_ALL: EgressPolicy = { allow: 'all', deny: [] };
 
 /**
  * `'none'` (the default): no network device. `'nat'`: a TAP pvisor creates, NAT to the host's
  * uplinks, every destination allowed. {@link NatNetworkOptions}: NAT with a policy.
  * {@link TapNetworkOptions}: the user's own TAP, nothing configured on the host.
+ * @category Network
  */
 export type NetworkOption = 'none' | 'nat' | NatNetworkOptions | TapNetworkOptions;
 
-/** NAT through a TAP that pvisor creates and removes. Needs CAP_NET_ADMIN. */
+/**
+ * NAT through a TAP that pvisor creates and removes. Needs CAP_NET_ADMIN.
+ * @category Network
+ */
 export interface NatNetworkOptions {
   mode: 'nat';
   /**
-   * Where the guest may connect, enforced on the host (nftables): `CIDR` or `CIDR:PORT` (TCP and
-   * UDP to that port), e.g. `['10.1.0.0/16', '192.0.2.7/32:443']`. Everything else the guest
-   * sends out is dropped, the host's own addresses included. Default: every destination but the
-   * host itself. `[]` denies everything.
+   * Where the guest may connect, enforced on the host: hostnames (`'api.openai.com'`, or
+   * `'*.pypi.org'` for every name under pypi.org, not pypi.org itself) and IPv4 networks (`CIDR`,
+   * or `CIDR:PORT` for TCP and UDP to that port), mixed, e.g.
+   * `['api.openai.com', '*.pypi.org', '10.1.0.0/16:443']`. Everything else the guest sends out is
+   * dropped, the host's own addresses included. Default: every destination but the host itself.
+   * `[]` denies everything.
+   *
+   * With `allow` or `deny` given, the guest's resolver is pvisor's, on the host's end of the TAP:
+   * it answers only allowed names (others get REFUSED), asks {@link dns} for them, and opens
+   * exactly the IPv4 addresses of each answer for the answer's TTL (at least 30 s, at most 1 h;
+   * connections made meanwhile go on after it). A hostname rule allows every port of those
+   * addresses. The rules can be replaced while the VM runs: `vm.network.update`.
    */
   allow?: readonly string[];
+  /**
+   * Hostnames and `CIDR[:PORT]` the guest may not reach, whatever `allow` says (deny wins): a
+   * denied name is not resolved (nor is a name whose CNAME chain goes through one), a denied
+   * network is dropped. With no `allow`, every other destination stays reachable: a denied name
+   * then only keeps the name from resolving, not its addresses from being reached.
+   */
+  deny?: readonly string[];
   /** The range each VM's /30 comes from. Default `10.200.0.0/16`. */
   subnetRange?: string;
   /**
-   * The resolver written in the guest's /etc/resolv.conf. Default: the first nameserver of the
-   * host's /etc/resolv.conf that is not a loopback address; none if there is no such one. With an
-   * `allow` list, the resolver is reachable only if the list allows it (`'RESOLVER/32:53'`).
+   * The resolver: without `allow` and `deny`, the one written in the guest's /etc/resolv.conf
+   * (default: the first nameserver of the host's /etc/resolv.conf that is not a loopback address;
+   * none if there is no such one). With them, the upstream that pvisor's resolver asks (default:
+   * the host's first nameserver, loopback included, since it is asked from the host). `null`:
+   * none.
    */
   dns?: string | null;
 }
 
-/** The user's own TAP device (it must exist); pvisor configures nothing on the host. */
+/**
+ * The user's own TAP device (it must exist); pvisor configures nothing on the host.
+ * @category Network
+ */
 export interface TapNetworkOptions {
   tap: string;
   /** The guest's `ADDRESS/PREFIX` on eth0; without it the guest's eth0 stays unconfigured. */
@@ -43,34 +70,19 @@ export interface TapNetworkOptions {
   dns?: string;
 }
 
-/** One allowed destination. */
-export interface AllowRule {
-  network: Cidr;
-  /** TCP and UDP port; undefined: every protocol and port. */
-  port?: number;
-}
-
 /** What the host side does, from a checked option. */
 export type NetworkPlan =
   | { kind: 'none' }
-  | { kind: 'nat'; allow: AllowRule[] | 'all'; range: Cidr; dns: string | null | undefined }
+  | {
+      kind: 'nat';
+      /** The rules; `{ allow: 'all', deny: [] }` for plain NAT. */
+      egress: EgressPolicy;
+      /** Whether `allow` or `deny` was given: then the VM gets pvisor's resolver. */
+      resolver: boolean;
+      range: Cidr;
+      dns: string | null | undefined;
+    }
   | { kind: 'tap'; name: string; guest?: { address: number; prefixLength: number; gateway?: number; dns?: number } };
-
-/** `CIDR[:PORT]`, or throws {@link InvalidOptionError} naming it. */
-export function parseAllowRule(text: string, option = 'network.allow'): AllowRule {
-  if (typeof text !== 'string') throw new InvalidOptionError(option, `expected "CIDR" or "CIDR:PORT" strings, got ${JSON.stringify(text)}`);
-  const [cidr, port, extra] = text.split(':');
-  const network = parseCidr(cidr);
-  if (!network || extra !== undefined) throw new InvalidOptionError(option, `"${text}" is not CIDR or CIDR:PORT (e.g. 10.0.0.0/8 or 192.0.2.7/32:443; host bits of the CIDR clear)`);
-  if (port === undefined) return { network };
-  const n = /^[0-9]{1,5}$/.test(port) ? Number(port) : NaN;
-  if (!(n >= 1 && n <= 65535)) throw new InvalidOptionError(option, `"${text}": the port must be 1 to 65535`);
-  return { network, port: n };
-}
-
-export function formatAllowRule(r: AllowRule): string {
-  return r.port === undefined ? formatCidr(r.network) : `${formatCidr(r.network)}:${r.port}`;
-}
 
 /** Linux interface names: 1-15 bytes, no `/`, whitespace or `:`, not `.` or `..`. */
 const IFNAME = /^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,15}$/;
@@ -78,7 +90,7 @@ const IFNAME = /^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,15}$/;
 /** Checks a {@link NetworkOption}; throws {@link InvalidOptionError} (option `network`). */
 export function parseNetworkOption(value: unknown): NetworkPlan {
   if (value === undefined || value === 'none') return { kind: 'none' };
-  if (value === 'nat') return { kind: 'nat', allow: 'all', range: parseCidr(DEFAULT_SUBNET_RANGE)!, dns: undefined };
+  if (value === 'nat') return { kind: 'nat', egress: ALLOW_ALL, resolver: false, range: parseCidr(DEFAULT_SUBNET_RANGE)!, dns: undefined };
   if (typeof value !== 'object' || value === null) throw new InvalidOptionError('network', `expected "none", "nat", { mode: "nat", allow } or { tap }, got ${JSON.stringify(value)}`);
   const o = value as Record<string, unknown>;
   const known = (keys: string[]) => {
@@ -92,13 +104,12 @@ export function parseNetworkOption(value: unknown): NetworkPlan {
     return a;
   };
   if (o.mode === 'nat') {
-    known(['mode', 'allow', 'subnetRange', 'dns']);
-    if (o.allow !== undefined && !Array.isArray(o.allow)) throw new InvalidOptionError('network.allow', 'expected an array of "CIDR" or "CIDR:PORT" strings');
-    const allow = o.allow === undefined ? 'all' : (o.allow as unknown[]).map((r) => parseAllowRule(r as string));
+    known(['mode', 'allow', 'deny', 'subnetRange', 'dns']);
+    const egress = parseEgressPolicy(o.allow, o.deny);
     const range = o.subnetRange === undefined ? parseCidr(DEFAULT_SUBNET_RANGE)! : typeof o.subnetRange === 'string' ? parseCidr(o.subnetRange) : undefined;
     if (!range || range.prefixLength > 30) throw new InvalidOptionError('network.subnetRange', `expected a network of /30 or larger such as 10.200.0.0/16, got ${JSON.stringify(o.subnetRange)}`);
     if (o.dns !== undefined && o.dns !== null) ipv4('dns');
-    return { kind: 'nat', allow, range, dns: o.dns as string | null | undefined };
+    return { kind: 'nat', egress, resolver: o.allow !== undefined || o.deny !== undefined, range, dns: o.dns as string | null | undefined };
   }
   if (o.mode !== undefined) throw new InvalidOptionError('network.mode', `expected "nat", got ${JSON.stringify(o.mode)}`);
   if (o.tap !== undefined) {
@@ -122,20 +133,26 @@ export function parseNetworkOption(value: unknown): NetworkPlan {
 export function natOptionOf(plan: Extract<NetworkPlan, { kind: 'nat' }>): NatNetworkOptions {
   return {
     mode: 'nat',
-    ...(plan.allow !== 'all' && { allow: plan.allow.map(formatAllowRule) }),
+    ...(plan.resolver && plan.egress.allow !== 'all' && { allow: plan.egress.allow.map(formatEgressRule) }),
+    ...(plan.resolver && { deny: plan.egress.deny.map(formatEgressRule) }),
     subnetRange: formatCidr(plan.range),
     ...(plan.dns !== undefined && { dns: plan.dns }),
   };
 }
 
-/** `--net none|nat|tap:NAME` and `--net-allow` values of `pvisor run`, as a {@link NetworkOption}. */
-export function networkFromCli(net: string, allow: readonly string[]): NetworkOption {
+/**
+ * `--net none|nat|tap:NAME`, `--net-allow` and `--net-deny` values of `pvisor run`, as a
+ * {@link NetworkOption}.
+ */
+export function networkFromCli(net: string, allow: readonly string[], deny: readonly string[] = []): NetworkOption {
+  const flag = allow.length ? '--net-allow' : '--net-deny';
   if (net === 'none' || net === 'nat') {
-    if (allow.length && net === 'none') throw new InvalidOptionError('--net-allow', 'needs --net nat');
-    return net === 'nat' && allow.length ? { mode: 'nat', allow } : net;
+    if ((allow.length || deny.length) && net === 'none') throw new InvalidOptionError(flag, 'needs --net nat');
+    if (net === 'none' || (!allow.length && !deny.length)) return net;
+    return { mode: 'nat', ...(allow.length && { allow }), ...(deny.length && { deny }) };
   }
   if (net.startsWith('tap:')) {
-    if (allow.length) throw new InvalidOptionError('--net-allow', 'needs --net nat (a user TAP gets no host rules)');
+    if (allow.length || deny.length) throw new InvalidOptionError(flag, 'needs --net nat (a user TAP gets no host rules)');
     return { tap: net.slice(4) };
   }
   throw new InvalidOptionError('--net', `expected none, nat or tap:NAME, got ${JSON.stringify(net)}`);

@@ -31,7 +31,10 @@ export const DEFAULT_MAX_FORWARD_CONNECTIONS = 64;
 /** The most connections all the forwards of one VM have open at once (each is a guest process). */
 export const MAX_VM_FORWARD_CONNECTIONS = 256;
 
-/** Options of {@link Vm.forward}. */
+/**
+ * Options of {@link Vm.forward}.
+ * @category Network
+ */
 export interface ForwardOptions {
   /** The host port to listen on, 1-65535; default 0 (one the kernel chooses). */
   hostPort?: number;
@@ -45,7 +48,10 @@ export interface ForwardOptions {
   maxConnections?: number;
 }
 
-/** How many connections a forward has, and has turned away. */
+/**
+ * How many connections a forward has, and has turned away.
+ * @category Network
+ */
 export interface ForwardConnections {
   /** Open now: each a guest `nc` process and a host socket. */
   open: number;
@@ -53,7 +59,10 @@ export interface ForwardConnections {
   refused: number;
 }
 
-/** A forwarded port: connect to `host`:`port` to reach the guest's port. */
+/**
+ * A forwarded port: connect to `host`:`port` to reach the guest's port.
+ * @category Network
+ */
 export interface PortForward {
   host: string;
   port: number;

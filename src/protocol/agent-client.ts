@@ -122,6 +122,8 @@ export class AgentClient {
     private readonly send: (bytes: Buffer) => void,
     private readonly onEvent: (frame: Frame) => void,
     private readonly onProtocolError: (message: string) => void,
+    /** Told how each request ended, for a trace (the VM's logger); never for an unsent one's reason to differ. */
+    private readonly onSettled?: (info: { op: number; call: string | undefined; ms: number; error?: Error }) => void,
   ) {}
 
   /**
@@ -371,6 +373,15 @@ export class AgentClient {
         reject(e instanceof PvisorError ? e : new VmStateError(`op 0x${op.toString(16)} could not be sent to the guest: ${(e as Error).message}`));
       }
     });
+    if (this.onSettled) {
+      const settled = this.onSettled;
+      const t0 = performance.now();
+      const ms = () => Math.round((performance.now() - t0) * 1000) / 1000;
+      done.then(
+        () => settled({ op, call: options.call, ms: ms() }),
+        (error: Error) => settled({ op, call: options.call, ms: ms(), error }),
+      );
+    }
     return { id, done };
   }
 

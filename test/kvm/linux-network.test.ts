@@ -8,10 +8,13 @@ import { randomBytes } from 'node:crypto';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Vm } from '../../src';
+import type { Zone } from '../dns-test-server';
 
 const main = join(__dirname, '..', '..', 'src', 'cli', 'main.js');
 const NS = 'pvnet-outside';
 const OUTSIDE = '198.18.0.2';
+/** A second address of the outside's, for the denied name. */
+const OUTSIDE_2 = '198.18.0.6';
 const MiB = 2 ** 20;
 
 const sh = (cmd: string) => execFileSync('sh', ['-c', cmd], { encoding: 'utf8' });
@@ -249,6 +252,72 @@ describeAsRoot('Linux guest networking', () => {
     expect(ourLinks()).toEqual([]);
     expect(ourTables()).toEqual([]);
     expect(sh('ip -4 -o addr show')).not.toMatch(/inet 10\.200\./);
+  }, 300_000);
+
+  it('hostname rules: the guest resolves an allowed name through pvisor\'s resolver and reaches it; a denied name neither by name nor by address; update changes it at runtime; a clone keeps the rules', async () => {
+    // The names live on a DNS server in the outside namespace (test/dns-test-server.ts), on a second
+    // address there, so that the two names' addresses differ.
+    const zone: Zone = { 'allowed.test': { A: [OUTSIDE], ttl: 5 }, 'denied.test': { A: [OUTSIDE_2] }, 'www.alias.test': { CNAME: 'allowed.test' } };
+    sh(`ip netns exec ${NS} ip addr add ${OUTSIDE_2}/32 dev pvt-out && ip route add ${OUTSIDE_2}/32 via ${OUTSIDE}`);
+    const second = spawn('ip', ['netns', 'exec', NS, process.execPath, '-e', `require('http').createServer((q, r) => r.end('hello 8080 from ' + q.socket.remoteAddress)).listen(8080, '${OUTSIDE_2}', () => console.log('ready'))`], { stdio: ['ignore', 'pipe', 'inherit'] });
+    const dns = spawn('ip', ['netns', 'exec', NS, process.execPath, join(__dirname, '..', 'dns-test-server.js'), OUTSIDE, JSON.stringify(zone)], { stdio: ['ignore', 'pipe', 'inherit'] });
+    for (const child of [dns, second]) {
+      await new Promise<void>((resolve, reject) => {
+        child.stdout!.on('data', (d) => String(d).includes('ready') && resolve());
+        child.once('exit', (code) => reject(new Error(`a server in the outside exited (${code})`)));
+      });
+    }
+    const vm = await Vm.start({ memory: '128MiB', vcpus: 1, network: { mode: 'nat', allow: ['allowed.test', '*.alias.test'], deny: ['denied.test'], dns: OUTSIDE }, bootTimeoutMs: 180_000 });
+    try {
+      const net = vm.network;
+      expect(net).toMatchObject({ mode: 'nat', dns: net.hostAddress, upstreamDns: OUTSIDE, allow: ['allowed.test', '*.alias.test'], deny: ['denied.test'] });
+      expect((await vm.exec('cat /etc/resolv.conf')).stdout).toContain(`nameserver ${net.hostAddress}`);
+      const get = (url: string) => vm.exec(['timeout', '10', 'wget', '-q', '-O', '-', url]);
+      const lookup = (name: string) => vm.exec(['timeout', '10', 'nslookup', name]);
+
+      // Nothing is open before the guest resolves: the allowed name's address is unreachable too.
+      expect((await get(`http://${OUTSIDE}:8080/`)).exitCode).not.toBe(0);
+      const allowed = await get('http://allowed.test:8080/');
+      expect(allowed).toMatchObject({ exitCode: 0, stdout: 'hello 8080 from 198.18.0.1' });
+      expect(sh(`nft list set inet ${net.nftTable} hosts`)).toMatch(new RegExp(`${OUTSIDE.replace(/\./g, '\\.')} timeout 30s`));
+      expect((await get('http://www.alias.test:8081/')).stdout).toBe('hello 8081 from 198.18.0.1');
+      // The denied name does not resolve, and its address is unreachable all the same.
+      const denied = await lookup('denied.test');
+      expect(denied.stdout + denied.stderr).not.toContain(OUTSIDE_2);
+      expect((await get('http://denied.test:8080/')).exitCode).not.toBe(0);
+      expect((await get(`http://${OUTSIDE_2}:8080/`)).exitCode).not.toBe(0);
+      expect(sh(`nft list set inet ${net.nftTable} hosts`)).not.toContain(OUTSIDE_2);
+
+      // At runtime: the names swap.
+      await vm.network.update({ allow: ['denied.test'], deny: [] });
+      expect(vm.network).toMatchObject({ allow: ['denied.test'], deny: [] });
+      expect(sh(`nft list set inet ${net.nftTable} hosts`)).not.toContain(`${OUTSIDE} `);
+      expect((await get(`http://${OUTSIDE}:8080/`)).exitCode).not.toBe(0);
+      expect(await get(`http://denied.test:8080/`)).toMatchObject({ exitCode: 0, stdout: 'hello 8080 from 198.18.0.1' });
+      expect((await get('http://allowed.test:8080/')).exitCode).not.toBe(0);
+      await expect(vm.network.update({ allow: ['fine.test', 'not a name'] })).rejects.toThrow(/network\.update\.allow\[1\]: "not a name"/);
+
+      // A snapshot carries the rules in force; its clone gets a resolver of its own, on its own TAP.
+      const dir = join(work, 'egress-snapshot');
+      await vm.snapshot(dir);
+      const clone = await Vm.restore(dir, { readyTimeoutMs: 120_000 });
+      try {
+        const cn = clone.network;
+        expect(cn).toMatchObject({ mode: 'nat', allow: ['denied.test'], deny: [], upstreamDns: OUTSIDE, dns: cn.hostAddress });
+        expect(cn.hostAddress).not.toBe(net.hostAddress);
+        expect((await clone.exec('cat /etc/resolv.conf')).stdout).toContain(`nameserver ${cn.hostAddress}`);
+        expect(await clone.exec(['timeout', '10', 'wget', '-q', '-O', '-', 'http://denied.test:8080/'])).toMatchObject({ exitCode: 0, stdout: 'hello 8080 from 198.18.0.1' });
+        expect((await clone.exec(['timeout', '10', 'wget', '-q', '-O', '-', 'http://allowed.test:8080/'])).exitCode).not.toBe(0);
+      } finally {
+        await clone.stop();
+      }
+    } finally {
+      await vm.stop();
+      dns.kill();
+      second.kill();
+    }
+    expect(ourLinks()).toEqual([]);
+    expect(ourTables()).toEqual([]);
   }, 300_000);
 
   it("'none' (the default): no network device in the guest, nothing on the host; a forwarded port reaches a guest server all the same", async () => {

@@ -2,7 +2,8 @@
 // loads each piece on its first touch through userfaultfd, checks its CRC32, and a broken piece
 // ends the VM instead of reaching the guest. Needs /dev/kvm.
 import { existsSync, readdirSync, readFileSync, readlinkSync, renameSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
-import { BackingFileError, Offload, PvisorError, Vm, type MemoryStrategy, type StrategyContext } from '../../src';
+import { BackingFileError, Offload, PvisorError, Vm, type MemoryStrategy } from '../../src';
+import type { StrategyContext } from '../../src/strategy';
 import type { UffdSource } from '../../src/memory/uffd-server';
 import { MAP_ANONYMOUS, MAP_PRIVATE, PROT_READ, PROT_WRITE } from '../../src/sys/constants';
 import { mmap, munmap, viewAt } from '../../src/sys/libc';

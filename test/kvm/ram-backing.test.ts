@@ -3,9 +3,10 @@
 // private anonymous memory, a memfd or a file mapped MAP_PRIVATE. Needs /dev/kvm.
 import { closeSync, mkdtempSync, openSync, readdirSync, readFileSync, readlinkSync, rmSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
-import { KsmAdvice, Offload, StrategyConflictError, Vm, type MemoryStrategy, type RamBackingRequest } from '../../src';
+import { KsmAdvice, Offload, StrategyConflictError, Vm, type MemoryStrategy } from '../../src';
+import type { RamBackingRequest } from '../../src/strategy';
 import { pageWords, type ProbeWorkingSet } from '../../src/guest/probe-content';
-import type { StrategyContext } from '../../src';
+import type { StrategyContext } from '../../src/strategy';
 import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { hexOf } from '../probe-digest';
 

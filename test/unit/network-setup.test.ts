@@ -9,8 +9,8 @@ const root = join(__dirname, '..', '..');
 const ATTEMPT = `
 const { HostNetwork } = require(${JSON.stringify(join(root, 'src', 'network', 'host-network'))});
 const { parseNetworkOption } = require(${JSON.stringify(join(root, 'src', 'network', 'options'))});
-try { HostNetwork.setup(parseNetworkOption(process.argv[1] === 'tap' ? { tap: 'pvnosuchtap0' } : 'nat')); console.log('set up'); }
-catch (e) { console.log(JSON.stringify({ name: e.name, reason: e.reason, message: e.message })); }`;
+HostNetwork.setup(parseNetworkOption(process.argv[1] === 'tap' ? { tap: 'pvnosuchtap0' } : 'nat')).then(() => console.log('set up'),
+  (e) => console.log(JSON.stringify({ name: e.name, reason: e.reason, message: e.message })));`;
 
 function attempt(kind: 'nat' | 'tap', dropNetAdmin: boolean): { name: string; reason: string; message: string } {
   const node = [process.execPath, '-e', ATTEMPT, kind];

@@ -5,18 +5,22 @@ import { InvalidOptionError } from '../../src/errors';
 import { allocateSubnet, formatCidr, formatIpv4, formatMac, parseCidr, parseIpAddrShow, parseIpv4, parseMac } from '../../src/network/addresses';
 import { tapName, tapOwner } from '../../src/network/host-network';
 import { deleteTablesScript, natRuleset, parseTableList, tableName, tableOwner } from '../../src/network/nft-rules';
-import { natOptionOf, parseAllowRule, parseNetworkOption } from '../../src/network/options';
+import { parseEgressRule } from '../../src/network/egress-rules';
+import { natOptionOf, parseNetworkOption } from '../../src/network/options';
+
+const ALL = { allow: 'all' as const, deny: [] };
+const parseAllowRule = (text: string) => parseEgressRule(text, 'network.allow');
 
 describe('network option', () => {
   it("is 'none' by default, and 'nat' allows every destination from the default range", () => {
     expect(parseNetworkOption(undefined)).toEqual({ kind: 'none' });
-    expect(parseNetworkOption('nat')).toEqual({ kind: 'nat', allow: 'all', range: parseCidr('10.200.0.0/16'), dns: undefined });
+    expect(parseNetworkOption('nat')).toEqual({ kind: 'nat', egress: ALL, resolver: false, range: parseCidr('10.200.0.0/16'), dns: undefined });
   });
 
   it('takes an allow list of CIDR[:PORT] and refuses what is not one, naming it', () => {
     const plan = parseNetworkOption({ mode: 'nat', allow: ['192.0.2.0/24', '198.51.100.7:443'] });
-    expect(plan).toMatchObject({ kind: 'nat', allow: [{ network: parseCidr('192.0.2.0/24') }, { network: parseCidr('198.51.100.7/32'), port: 443 }] });
-    for (const bad of ['10.0.0.1/8', '10.0.0.0/33', '10.0.0.0/8:0', '10.0.0.0/8:65536', 'example.com', '10.0.0.0/8:80:1', '256.0.0.0/8']) {
+    expect(plan).toMatchObject({ kind: 'nat', resolver: true, egress: { allow: [{ network: parseCidr('192.0.2.0/24') }, { network: parseCidr('198.51.100.7/32'), port: 443 }], deny: [] } });
+    for (const bad of ['10.0.0.1/8', '10.0.0.0/33', '10.0.0.0/8:0', '10.0.0.0/8:65536', 'example.com:443', '10.0.0.0/8:80:1', '256.0.0.0/8']) {
       expect(() => parseAllowRule(bad)).toThrow(InvalidOptionError);
     }
     expect(() => parseNetworkOption({ mode: 'nat', allow: '10.0.0.0/8' })).toThrow(/^network.allow: expected an array/);
@@ -81,7 +85,7 @@ describe('nftables rules of one VM', () => {
   };
 
   it("the TAP's ingress (netdev) takes only IPv4 from the guest's address and ARP about it, both from its MAC", () => {
-    const text = natRuleset({ table: 'pvisor_42_0', tap: 'pv42n0', guestAddress: guest, guestMac, allow: 'all' });
+    const text = natRuleset({ table: 'pvisor_42_0', tap: 'pv42n0', guestAddress: guest, guestMac, hostAddress: guest - 1, egress: ALL, resolver: false });
     expect(text).toMatch(/table netdev pvisor_42_0 \{\s+chain ingress \{\s+type filter hook ingress device "pv42n0" priority filter - 5; policy drop;/);
     expect(chain(text, 'ingress')).toEqual([
       'ether saddr 02:70:01:02:03:04 ether type ip ip saddr 10.200.0.6 accept',
@@ -90,7 +94,7 @@ describe('nftables rules of one VM', () => {
   });
 
   it("allow all: forwards the guest's new connections anywhere but to the host, IPv6 never; replies only on the guest's own connections", () => {
-    const text = natRuleset({ table: 'pvisor_42_0', tap: 'pv42n0', guestAddress: guest, guestMac, allow: 'all' });
+    const text = natRuleset({ table: 'pvisor_42_0', tap: 'pv42n0', guestAddress: guest, guestMac, hostAddress: guest - 1, egress: ALL, resolver: false });
     expect(text).toContain('table inet pvisor_42_0 {');
     expect(text).not.toMatch(/^table ip /m);
     expect(chain(text, 'forward')).toEqual([
@@ -99,7 +103,7 @@ describe('nftables rules of one VM', () => {
       'iifname "pv42n0" ip saddr != 10.200.0.6 drop',
       'iifname "pv42n0" ct state established,related ct original ip saddr 10.200.0.6 accept',
       'iifname "pv42n0" ct state != new drop',
-      'iifname "pv42n0" ip saddr 10.200.0.6 accept',
+      'iifname "pv42n0" jump egress',
       'iifname "pv42n0" drop',
       'oifname "pv42n0" ct state established,related ct original ip saddr 10.200.0.6 accept',
       'oifname "pv42n0" drop',
@@ -117,15 +121,16 @@ describe('nftables rules of one VM', () => {
 
   it('an allow list: each CIDR, with a port for TCP and UDP, for new connections only; an empty list drops all', () => {
     const allow = [parseAllowRule('192.0.2.0/24'), parseAllowRule('198.51.100.7/32:443')];
-    const lines = chain(natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, guestMac, allow }), 'forward');
+    const lines = chain(natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, guestMac, hostAddress: guest - 1, egress: { allow, deny: [] }, resolver: false }), 'forward');
     const at = lines.indexOf('iifname "pv1n0" ct state != new drop');
-    expect(lines.slice(at + 1, at + 5)).toEqual([
-      'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 192.0.2.0/24 accept',
-      'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 198.51.100.7/32 tcp dport 443 accept',
-      'iifname "pv1n0" ip saddr 10.200.0.6 ip daddr 198.51.100.7/32 udp dport 443 accept',
-      'iifname "pv1n0" drop',
+    expect(lines.slice(at + 1, at + 3)).toEqual(['iifname "pv1n0" jump egress', 'iifname "pv1n0" drop']);
+    expect(chain(natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, guestMac, hostAddress: guest - 1, egress: { allow, deny: [] }, resolver: false }), 'egress')).toEqual([
+      'ip daddr 192.0.2.0/24 accept',
+      'ip daddr 198.51.100.7/32 tcp dport 443 accept',
+      'ip daddr 198.51.100.7/32 udp dport 443 accept',
     ]);
-    const none = natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, guestMac, allow: [] });
+    const none = natRuleset({ table: 't', tap: 'pv1n0', guestAddress: guest, guestMac, hostAddress: guest - 1, egress: { allow: [], deny: [] }, resolver: false });
+    expect(chain(none, 'egress')).toEqual([]);
     expect([...chain(none, 'forward'), ...chain(none, 'input')].filter((l) => l.startsWith('iifname "pv1n0"') && l.endsWith('accept'))).toEqual([
       'iifname "pv1n0" ct state established,related ct original ip saddr 10.200.0.6 accept', // forward: the guest's own connections
       'iifname "pv1n0" ct state established,related ct original ip daddr 10.200.0.6 accept', // input: the host's connections to the guest

@@ -37,9 +37,12 @@ describe('the packed package', () => {
   });
 
   it('exports, types and bins point at packed files; bins are node scripts', () => {
-    const dot = pkg.exports['.'] as { types: string; default: string };
-    expect(packed).toContain(normalize(dot.types));
-    expect(packed).toContain(normalize(dot.default));
+    // '.' for users, './strategy' for a strategy's author (issue 25).
+    for (const entry of ['.', './strategy']) {
+      const e = pkg.exports[entry] as { types: string; default: string };
+      expect(packed).toContain(normalize(e.types));
+      expect(packed).toContain(normalize(e.default));
+    }
     for (const [name, path] of Object.entries(pkg.bin)) {
       expect([name, packed.has(normalize(path))]).toEqual([name, true]);
       // node itself, or node with flags through env -S (test/unit/cli-usage.test.ts checks which).

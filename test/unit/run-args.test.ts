@@ -76,9 +76,19 @@ describe('pvisor run: argument parsing', () => {
     expect(parseRunArgs(['--net', 'tap:tap0', '--', 'true'], cwd).source).toMatchObject({ network: { tap: 'tap0' } });
     expect(() => parseRunArgs(['--net', 'bridge', '--', 'true'], cwd)).toThrow(/^--net: expected none, nat or tap:NAME/);
     expect(() => parseRunArgs(['--net-allow', '10.0.0.0/8', '--', 'true'], cwd)).toThrow(/^--net-allow: only goes with --net nat/);
-    expect(() => parseRunArgs(['--net', 'nat', '--net-allow', '10.0.0.1/8', '--', 'true'], cwd)).toThrow(/^network.allow: "10.0.0.1\/8" is not CIDR/);
+    expect(() => parseRunArgs(['--net', 'nat', '--net-allow', '10.0.0.1/8', '--', 'true'], cwd)).toThrow(/^network.allow\[0\]: "10.0.0.1\/8" is not CIDR/);
     expect(() => parseRunArgs(['--net', 'nat', '--guest', 'probe', '--', 'digest'], cwd)).toThrow(/^--net: is for the Linux guest/);
     expect(() => parseRunArgs(['--from', 'snap', '--net', 'nat', '--', 'digest'], cwd)).toThrow(/^--net: does not go with --from/);
+  });
+
+  it('--net-allow takes hostnames too, and --net-deny (repeatable) what may never be reached', () => {
+    expect(parseRunArgs(['--net', 'nat', '--net-allow', 'api.openai.com', '--net-allow', '*.pypi.org', '--net-deny', 'evil.pypi.org', '--net-deny', '10.9.0.0/16', '--', 'true'], cwd).source).toMatchObject({
+      network: { mode: 'nat', allow: ['api.openai.com', '*.pypi.org'], deny: ['evil.pypi.org', '10.9.0.0/16'] },
+    });
+    expect(parseRunArgs(['--net', 'nat', '--net-deny', 'evil.test', '--', 'true'], cwd).source).toMatchObject({ network: { mode: 'nat', deny: ['evil.test'] } });
+    expect(() => parseRunArgs(['--net-deny', 'evil.test', '--', 'true'], cwd)).toThrow(/^--net-deny: only goes with --net nat/);
+    expect(() => parseRunArgs(['--net', 'nat', '--net-deny', 'a..b', '--', 'true'], cwd)).toThrow(/^network\.deny\[0\]: "a\.\.b"/);
+    expect(() => parseRunArgs(['--from', 'snap', '--net-deny', 'evil.test', '--', 'digest'], cwd)).toThrow(/^--net-deny: does not go with --from/);
   });
 
   it('--publish HOSTPORT:GUESTPORT, repeatable, checked before anything starts', () => {

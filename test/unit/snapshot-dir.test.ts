@@ -94,7 +94,7 @@ describe('snapshot state: guest kind and rootfs', () => {
       [{ ...linux, network: { ...network, mac: '02:70:0A:0b:0c:0d' } }, /snapshot\.network\.mac: expected a unicast MAC address/],
       [{ ...linux, network: { ...network, mac: 7 } }, /snapshot\.network\.mac: expected a string/],
       [{ ...linux, network: { ...network, option: { tap: 'tap0' } } }, /snapshot\.network\.option\.mode: only a 'nat' network is saved/],
-      [{ ...linux, network: { ...network, option: { ...network.option, allow: ['10.0.0.1/8'] } } }, /snapshot\.network\.option: network\.allow: "10\.0\.0\.1\/8" is not CIDR/],
+      [{ ...linux, network: { ...network, option: { ...network.option, allow: ['10.0.0.1/8'] } } }, /snapshot\.network\.option: network\.allow\[0\]: "10\.0\.0\.1\/8" is not CIDR/],
       [{ ...linux, network: { ...network, option: { ...network.option, subnetRange: '10.0.0.0/31' } } }, /snapshot\.network\.option: network\.subnetRange/],
       [{ ...linux, network: { ...network, option: { ...network.option, extra: 1 } } }, /snapshot\.network\.option: network: unknown field extra/],
       [{ ...linux, network: 'nat' }, /snapshot\.network: expected an object/],

@@ -1,5 +1,6 @@
 // The memory layer checks a composition before anything is allocated: pure logic, no KVM.
-import { ColdCompression, CompressedOffload, IdleRelease, KsmAdvice, Offload, StrategyConflictError, type MemoryStrategy, type RamBackingRequest } from '../../src';
+import { ColdCompression, CompressedOffload, IdleRelease, KsmAdvice, Offload, StrategyConflictError, type MemoryStrategy } from '../../src';
+import type { RamBackingRequest } from '../../src/strategy';
 import { MemoryComposition, nextTickDelayMs, planComposition } from '../../src/memory/composition';
 
 // Strategies as a snapshot or pool strategy declares itself: pure data here.

@@ -1,5 +1,5 @@
 import { InvalidOptionError } from '../../src/errors';
-import { booleanOption, numberOption, parseSize } from '../../src/units';
+import { booleanOption, elapsedMs, numberOption, parseSize } from '../../src/units';
 import { ColdCompression, CompressedOffload, Offload, PoolClient, SharedSnapshot, Vm } from '../../src';
 
 describe('parseSize', () => {
@@ -60,5 +60,16 @@ describe('booleanOption (every boolean option)', () => {
     expect(() => new CompressedOffload({ keepWorkers: 1 as never })).toThrow(/^keepWorkers: expected true or false, got 1$/);
     expect(() => new SharedSnapshot({ verify: 'yes' as never })).toThrow(/^verify: expected true or false, got "yes"$/);
     await expect(Vm.restore('/nonexistent-snapshot', { verify: null as never })).rejects.toThrow(/^verify: expected true or false, got null$/);
+  });
+});
+
+describe('elapsedMs', () => {
+  it('is fractional milliseconds to the microsecond, not the raw float', () => {
+    const t0 = performance.now() - 1.23456789;
+    const ms = elapsedMs(t0);
+    expect(ms).toBeGreaterThanOrEqual(1.234);
+    expect(ms).toBeLessThan(1000);
+    expect(Number.isInteger(Math.round(ms * 1000 * 1e6) / 1e6)).toBe(true);
+    expect(String(ms).split('.')[1]?.length ?? 0).toBeLessThanOrEqual(3);
   });
 });

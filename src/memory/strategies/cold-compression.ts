@@ -31,34 +31,35 @@ import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, 
  * Options of {@link ColdCompression}. `dir` and `allowMemoryBackedDir` are for the file that holds
  * the compressed blocks while the VM is suspended (they are written there as they are, never
  * decompressed, and read back on resume).
+ * @category Strategies
  */
 export interface ColdCompressionOptions extends BackingDirOptions {
   /**
    * How long a block's content must stay unchanged before it is compressed. Default 10 s, an
-   * agent's pause between tool calls. What bears on it, measured on kvm_pvm (docs/cold-compression.md):
-   * a wrong guess costs the guest one fault (a 64 KiB block comes back at 22-27k blocks per second)
-   * and doubles that block's wait, and a read-hot working set settles after two such guesses per
-   * block, then stays resident; a shorter delay gives memory back sooner for that price.
+   * agent's pause between tool calls. What bears on it (docs/cold-compression.md): a wrong guess
+   * costs the guest one fault and doubles that block's wait, and a read-hot working set settles
+   * after two such guesses per block, then stays resident; a shorter delay gives memory back
+   * sooner for that price.
    */
   coldAfterMs?: number;
   /**
    * Bytes per block, the unit that is compressed, dropped and brought back by one fault: a power of
    * two from 16 KiB to 4 MiB. Default 64 KiB: lz4 finds most of what larger blocks would, and a
-   * fault maps one block in one UFFDIO_COPY (64 KiB pieces place 64 MiB in about 34 ms on these
-   * hosts, against 55 ms in 4 KiB pieces: host-facts.md).
+   * fault maps one block in one UFFDIO_COPY, which places pieces of that size much faster than
+   * 4 KiB ones (docs/design-figures.md).
    */
   blockBytes?: number;
   /**
    * Most host memory the compressed blocks may take; beyond it, cold blocks stay resident.
-   * Default a quarter of guest RAM: room for all of it at 4:1 (measured: lz4 does 3.2:1 on the
-   * probe's distinct compressible pages, 200:1 on repetitive ones), and never more than a quarter
-   * of what the VM could cost without the strategy.
+   * Default a quarter of guest RAM: room for all of it at 4:1, which lz4 reaches on compressible
+   * content (docs/design-figures.md), and never more than a quarter of what the VM could cost
+   * without the strategy.
    */
   maxStoreBytes?: number;
   /**
    * Share of one CPU the scans and compression on the event loop may take, from 0.001 to 1.
-   * Default 0.05. Measured: an idle VM's scans take 0.1-0.9% of a CPU, so the share binds only
-   * while a working set is being compressed (about 50 ms per 64 MiB).
+   * Default 0.05: an idle VM's scans take far less, so the share binds only while a working set
+   * is being compressed (docs/design-figures.md).
    */
   cpuShare?: number;
   /**
@@ -90,7 +91,10 @@ const MAX_BACKOFF = 6;
 /** A refault within this many of its waits after the drop counts as a wrong guess. */
 const SOON_PERIODS = 4;
 
-/** The guest read back, or wrote into, a block that failed its integrity check. */
+/**
+ * The guest read back, or wrote into, a block that failed its integrity check.
+ * @category Errors
+ */
 export class ColdBlockError extends PvisorError {
   /** Offset of the block in guest RAM. */
   readonly offset: number;
@@ -100,7 +104,10 @@ export class ColdBlockError extends PvisorError {
   }
 }
 
-/** Compresses cold guest RAM into host memory while the VM runs. */
+/**
+ * Compresses cold guest RAM into host memory while the VM runs.
+ * @category Strategies
+ */
 export class ColdCompression implements MemoryStrategy {
   readonly name = 'cold-compression';
   readonly needs = ['userfaultfd-missing', 'userfaultfd-write-protect'] as const;
@@ -249,10 +256,9 @@ export class ColdCompression implements MemoryStrategy {
   }
 
   /**
-   * Compresses one batch in C on this thread (a few ms for 1 MiB: the longest measured was 7.6 ms,
-   * for content lz4 cannot shrink, on a loaded host): the store's bytes never pass through JavaScript or the libuv
-   * pool, whose allocations stay behind in malloc arenas (lz4-napi on the pool made a VM of random
-   * content cost 57 MiB more than without the strategy).
+   * Compresses one batch in C on this thread (a few ms for 1 MiB): the store's bytes never pass
+   * through JavaScript or the libuv pool, whose allocations stay behind in malloc arenas
+   * (docs/design-figures.md has both figures).
    */
   private compressBatch(store: ColdStore, batch: number[]): void {
     const scanned = batch.map((b) => this.pending.get(b));

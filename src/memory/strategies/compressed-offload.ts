@@ -23,7 +23,10 @@ import type { Offload } from './offload';
 import { loadZstd } from '../zstd-binding';
 import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats, type SuspendWork } from '../strategy';
 
-/** Options of {@link CompressedOffload}. */
+/**
+ * Options of {@link CompressedOffload}.
+ * @category Strategies
+ */
 export interface CompressedOffloadOptions extends BackingDirOptions {
   /**
    * zstd compression level: -7 to -1 (faster, larger) or 1 to 22 (slower, smaller). Default 1,
@@ -82,6 +85,7 @@ interface WriteOut {
  *
  * Needs the optional dependency zstd-napi: without it the constructor throws an
  * {@link OptionalDependencyError} that says how to install it (see the README).
+ * @category Strategies
  */
 export class CompressedOffload implements MemoryStrategy {
   readonly name = 'compressed-offload';
@@ -358,9 +362,8 @@ function copyNonZeroPages(frame: Buffer, ram: StrategyRam, guestOffset: number):
 let canPopulate = true;
 /**
  * Allocates the pages of a range before a copy writes them (MADV_POPULATE_WRITE, Linux 5.14+):
- * one system call instead of a page fault per 4 KiB. Measured on resumes of 64 MiB: random
- * content 65-97 ms against 84-130 without, repetitive no different. Skipped where the kernel
- * does not know it.
+ * one system call instead of a page fault per 4 KiB, which shortens a resume of random content
+ * (docs/design-figures.md). Skipped where the kernel does not know it.
  */
 function populate(ram: StrategyRam, offset: number, length: number): void {
   if (!canPopulate) return;

@@ -5,7 +5,10 @@
  */
 import type { MemoryStrategy, StrategyContext, StrategyStats } from '../strategy';
 
-/** Gives the host back the pages a running guest has freed. */
+/**
+ * Gives the host back the pages a running guest has freed.
+ * @category Strategies
+ */
 export class IdleRelease implements MemoryStrategy {
   readonly name = 'idle-release';
   readonly needs = [] as const;

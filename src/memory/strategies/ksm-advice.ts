@@ -19,7 +19,10 @@ function readNumber(path: string): number | undefined {
   }
 }
 
-/** Asks the kernel to merge identical guest pages (KSM). */
+/**
+ * Asks the kernel to merge identical guest pages (KSM).
+ * @category Strategies
+ */
 export class KsmAdvice implements MemoryStrategy {
   readonly name = 'ksm-advice';
   readonly needs = ['ksm-mergeable'] as const;

@@ -30,10 +30,14 @@ import { WriteOut, type WrittenPiece } from '../write-out';
  * - `eager`: every piece is back and verified before any vCPU runs; resume costs the whole load.
  * - `lazy`: resume returns at once; a piece is loaded (and verified) on its first touch and the
  *   rest in the background; a corrupt piece ends the VM as a crash with a {@link BackingFileError}.
+ * @category Strategies
  */
 export type OffloadReload = 'eager' | 'lazy';
 
-/** Options of {@link Offload}. */
+/**
+ * Options of {@link Offload}.
+ * @category Strategies
+ */
 export interface OffloadOptions extends BackingDirOptions {
   /** How resume brings RAM back. Default `eager`. */
   reload?: OffloadReload;
@@ -61,8 +65,7 @@ export interface OffloadOptions extends BackingDirOptions {
 /**
  * Pieces of at most 2 MiB, never crossing a 2 MiB boundary (so never a view chunk either): large
  * enough that loading one amortises a fault, small enough that a fault waits for little
- * (`pvisor bench floors`: UFFDIO_COPY is as fast in 64 KiB pieces as in 2 MiB ones, and a faulted
- * 2 MiB piece of a file came back in about 1.2 ms here).
+ * (`pvisor bench floors`; docs/design-figures.md).
  */
 const PIECE_BYTES = 2 * 1024 * 1024;
 /** The write-out syncs and drops every 16 MiB, so memory comes back progressively. */
@@ -76,7 +79,10 @@ interface Image {
   direct: boolean;
 }
 
-/** Suspends a VM's RAM to a backing file and brings it back on resume. */
+/**
+ * Suspends a VM's RAM to a backing file and brings it back on resume.
+ * @category Strategies
+ */
 export class Offload implements MemoryStrategy {
   readonly name = 'offload';
   /** Zero pages are not written: dropped, they must read back as zero. Lazy reload serves faults. */

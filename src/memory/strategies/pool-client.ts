@@ -46,7 +46,10 @@ import { FROM_GONE_POOL, PoolPlaces } from '../pool-places';
 import { FRAME_HEADER_BYTES } from '../../protocol/frame';
 import { roundMs, type MemoryStrategy, type PeriodicWork, type StrategyContext, type StrategyRam, type StrategyStats } from '../strategy';
 
-/** Options of {@link PoolClient}. */
+/**
+ * Options of {@link PoolClient}.
+ * @category Strategies
+ */
 export interface PoolClientOptions {
   /** The daemon's socket (`pvisor-daemon serve --memory-pool --socket PATH`). */
   socket: string;
@@ -119,7 +122,10 @@ interface PoolGeneration {
   views: Buffer[];
 }
 
-/** Shares the VM's pages with other VMs through pvisor-daemon's page pool. */
+/**
+ * Shares the VM's pages with other VMs through pvisor-daemon's page pool.
+ * @category Strategies
+ */
 export class PoolClient implements MemoryStrategy {
   readonly name = 'pool-client';
   readonly needs = [] as const;
@@ -378,9 +384,8 @@ export class PoolClient implements MemoryStrategy {
       scratch.release();
       // What the pass allocated and freed (reads of /proc, answers, sockets' chunks) stays
       // resident in malloc's heap unless given back: now, and again a second later, once the
-      // collector has freed the pass's last garbage. Measured on a VM process of the same random
-      // set after three passes (.cache/prof/pool-vm-mem.js, kvm_pvm): 8-9 MiB above its size
-      // before the passes without, 2.3 MiB with both; with the first alone, 8 MiB.
+      // collector has freed the pass's last garbage: the second trim is most of the gain
+      // (docs/design-figures.md, "The page pool client's heap trim").
       releaseFreeHeap();
       setTimeout(releaseFreeHeap, HEAP_TRIM_AGAIN_MS).unref();
     }

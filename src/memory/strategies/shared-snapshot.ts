@@ -16,7 +16,10 @@ import { roundMs, type MemoryStrategy, type PageRun, type RamBackingRequest, typ
 /** Holes of the RAM file mapped anonymous at most: each mapping may split guest RAM's VMA in three. */
 const MAX_HOLE_MAPPINGS = 4096;
 
-/** Options of {@link SharedSnapshot}. */
+/**
+ * Options of {@link SharedSnapshot}.
+ * @category Strategies
+ */
 export interface SharedSnapshotOptions {
   /**
    * Check every RAM chunk against the snapshot's manifest even if this process has already checked
@@ -38,6 +41,7 @@ export interface SharedSnapshotOptions {
  * harms no clone (the file lives on while mapped). A file truncated under a running clone anyway
  * (by its owner, or root) ends that clone with a {@link SnapshotError}, never the process or
  * another VM (docs/snapshots.md says how).
+ * @category Strategies
  */
 export class SharedSnapshot implements MemoryStrategy {
   readonly name = 'shared-snapshot';

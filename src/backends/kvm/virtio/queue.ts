@@ -123,8 +123,7 @@ export class SplitQueue {
    * Called in a later turn of the event loop when the budget stopped a taker of chains: the
    * owner (the transport) lets the device take the rest. A vCPU may post chains as fast as the
    * device takes them (with an ioeventfd it never waits for the device): without a budget one
-   * notification kept the event loop (measured: 2,000,000 chains in 7 s, a 10 ms timer never
-   * fired).
+   * notification kept the event loop, timers starved (docs/design-figures.md).
    */
   onBudgetRenewed: (() => void) | undefined;
   /** Called once when the queue breaks (see {@link QueueBrokenError}), with why. */
