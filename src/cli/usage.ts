@@ -137,9 +137,8 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
-        The SDK reaches it too: VmHandle.connect(ID).
+        The SDK reaches it too: VmHandle.connect(ID). --isolation process jails it: docs/security.md.
       --label KEY=VALUE (repeatable, at most 64): labels shown by pvisor ps and Vm.list().
-      --isolation process: the VMM jailed (uid nobody, namespaces, seccomp, cgroup); docs/security.md.
       -q, --quiet: no progress lines on stderr, only CMD's output, warnings and errors.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).
       --vm-idle-release: the host drops pages the guest reports free.
