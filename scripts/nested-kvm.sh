@@ -277,11 +277,12 @@ mount -t tmpfs -o mode=1777 shm /dev/shm
 mount -o bind /dev $R/dev
 mount -t proc proc $R/proc
 mount -t sysfs sysfs $R/sys
-# Group memory (pvisor bench memory) reads a cgroup's charge: mount the cgroup v1 memory
-# controller where these machines have it.
-if mount -t tmpfs -o mode=0755 cgroup $R/sys/fs/cgroup && mkdir -p $R/sys/fs/cgroup/memory &&
-  mount -t cgroup -o memory memory $R/sys/fs/cgroup/memory; then :; else
-  echo "nested-kvm (L1): no cgroup v1 memory controller; group memory will read n/a"
+# cgroup v2, unified, at /sys/fs/cgroup as on a current Debian or Ubuntu host: a jailed VM
+# (pvisor run --isolation process) gets a cgroup with memory.max, pids.max and cpu.max, and group
+# memory (pvisor bench memory) reads memory.current. (The development hosts mount the memory
+# controller in cgroup v1, which a v2 hierarchy could then not have; the L1 has its own kernel.)
+if mount -t cgroup2 -o nsdelegate cgroup2 $R/sys/fs/cgroup; then :; else
+  echo "nested-kvm (L1): cannot mount cgroup v2; jailed VMs and group memory will not work"
 fi
 mount -t tmpfs -o mode=1777 tmp $R/tmp
 mount -t tmpfs -o mode=0700 root $R/root

@@ -462,6 +462,21 @@ export class ControlServer {
     return cs;
   }
 
+  /**
+   * Answers requests with `handler` on a socket already listening at `fd`, which someone else bound
+   * (a jailed VMM's launcher, src/jail/launcher.ts): nothing is claimed or removed here; `path`
+   * is the name clients know it by, for messages.
+   */
+  static async listenOnFd(fd: number, path: string, handler: ControlHandler, streams?: ControlStreamHandler): Promise<ControlServer> {
+    const openStreams = { count: 0 };
+    const server = createServer((conn) => serve(conn, handler, streams, openStreams));
+    await new Promise<void>((resolve, reject) => {
+      server.once('error', (e) => reject(new ControlSocketError(path, `cannot listen on fd ${fd}: ${e.message}`, { cause: e })));
+      server.listen({ fd }, () => resolve());
+    });
+    return new ControlServer(path, server);
+  }
+
   /** Stops listening and removes the socket file (only if it is still this server's). */
   close(): void {
     this.server.close();

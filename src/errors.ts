@@ -335,3 +335,53 @@ export class OptionalDependencyError extends PvisorError {
     this.feature = feature;
   }
 }
+
+/**
+ * A VM cannot be jailed on this host (`isolation: 'process'`): no bubblewrap, no cgroup v2 with
+ * the memory, pids and cpu controllers, no right to create a cgroup or to change user, or no
+ * seccomp. The message says what is missing; nothing was started.
+ * @category Errors
+ */
+export class JailUnavailableError extends PvisorError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super('PVISOR_JAIL_UNAVAILABLE', message, options);
+  }
+}
+
+/**
+ * A jailed VM's process was ended by the kernel for one of its limits (`limits.memory`: the
+ * cgroup's OOM kill). Only that VM ended; the host and every other VM run on.
+ * @category Errors
+ */
+export class VmLimitError extends PvisorError {
+  /** The limit that was reached: `memory`. */
+  readonly limit: 'memory';
+  /** Its value, bytes. */
+  readonly limitBytes: number;
+  /** The VM's id. */
+  readonly vmId: string;
+  constructor(vmId: string, limit: 'memory', limitBytes: number) {
+    super('PVISOR_VM_LIMIT', `${vmId}: the VM's process reached its limits.${limit} of ${limitBytes} bytes (${(limitBytes / 1048576).toFixed(0)} MiB) and the kernel ended it (cgroup OOM kill); only this VM ended`);
+    this.limit = limit;
+    this.limitBytes = limitBytes;
+    this.vmId = vmId;
+  }
+}
+
+/**
+ * A jailed VM's process made a system call (or an ioctl) outside its seccomp filter and the kernel
+ * killed it (SIGSYS). Either the guest found a way to make the VMM do what it never does, or this
+ * build of pvisor needs a call its filter lacks (docs/security.md lists what the filter allows).
+ * @category Errors
+ */
+export class JailViolationError extends PvisorError {
+  /** The VM's id. */
+  readonly vmId: string;
+  /** The signal that ended the process: `SIGSYS`. */
+  readonly signal: string;
+  constructor(vmId: string, signal: string) {
+    super('PVISOR_JAIL_VIOLATION', `${vmId}: the jailed VM process was killed by ${signal}: it made a system call its seccomp filter does not allow`);
+    this.vmId = vmId;
+    this.signal = signal;
+  }
+}

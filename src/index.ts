@@ -17,6 +17,9 @@ export type { ControlMemory, ControlVmInfo, ControlErrorPayload } from './contro
 export type { VmListEntry, VmListOptions } from './vm-list';
 export type { Labels } from './labels';
 export type { TimeoutAction } from './lifetime';
+export type { JailedVmHandle, JailedVmOptions, JailInfo } from './jail/jailed-vm';
+export type { JailOutcome } from './jail/launcher';
+export type { JailLimitsInput } from './jail/limits';
 export type { Logger, LogFields } from './logger';
 export type { VmOptions, RootfsOptions, VmState, VmEvents, VmMemoryUsage, GuestKind, SnapshotOptions, SnapshotInfo, HibernateOptions, HibernateInfo, RestoreOptions, RestoreInfo } from './vm';
 export { ProbeGuest } from './guest/probe-client';
@@ -54,6 +57,9 @@ export {
   ControlProtocolError,
   OptionalDependencyError,
   NetworkSetupError,
+  JailUnavailableError,
+  VmLimitError,
+  JailViolationError,
 } from './errors';
 export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
 export type { VmNetworkInfo } from './network/host-network';

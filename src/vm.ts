@@ -27,6 +27,7 @@ import { validateVmName } from './vm-name';
 import { checkVmShape } from './vm-shape';
 import { VmHandle, type ConnectOptions } from './vm-handle';
 import type { VmApi } from './vm-api';
+import type { JailedVmHandle, JailedVmOptions } from './jail/jailed-vm';
 import { parseWarningLimit, WarningLimiter, type WarningLimit } from './warning-limit';
 import { vmBusy, vmGone, vmIdle, vmStarted } from './sys/process-pages';
 import { parseEnvironment } from './guest/environment';
@@ -154,6 +155,12 @@ export interface VmOptions {
    * `vm`, the VM's name. `console` works as it is. Default: silent.
    */
   logger?: Logger;
+  /**
+   * `'none'` (the default): the VM runs in this process. `'process'` runs it in a jailed child
+   * instead and makes {@link Vm.start} resolve with a {@link JailedVmHandle}: see
+   * {@link JailedVmOptions}.
+   */
+  isolation?: 'none';
 }
 
 /**
@@ -279,7 +286,7 @@ export interface RestoreOptions {
 const VM_OPTION_KEYS = optionKeys<VmOptions>({
   memory: true, vcpus: true, guest: true, kernel: true, initrd: true, kernelArgs: true, rootfs: true,
   bootTimeoutMs: true, name: true, strategies: true, warningLimit: true, network: true,
-  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true, isolation: true,
 });
 const ROOTFS_OPTION_KEYS = optionKeys<RootfsOptions>({ path: true, readOnly: true });
 const RESTORE_OPTION_KEYS = optionKeys<RestoreOptions>({
@@ -512,8 +519,26 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * key that is not an option (an {@link InvalidOptionError} naming it and the option it
    * resembles: `memroy` is not taken for `memory`).
    */
-  static async start(options: VmOptions = {}): Promise<Vm> {
+  static start(options: JailedVmOptions): Promise<JailedVmHandle>;
+  static start(options?: VmOptions): Promise<Vm>;
+  /**
+   * With `isolation: 'process'` ({@link JailedVmOptions}): the VM runs in a jailed child process
+   * (its own uid, namespaces, seccomp filter and cgroup limits; docs/security.md), and the promise
+   * resolves with a {@link VmHandle} connected to it ({@link JailedVmHandle}); its `stop()` ends
+   * the child. Needs root, bubblewrap and cgroup v2 (a {@link JailUnavailableError} otherwise).
+   */
+  static async start(options: VmOptions | JailedVmOptions = {}): Promise<Vm | JailedVmHandle> {
+    if ((options as { isolation?: unknown }).isolation === 'process') {
+      const { startJailedVm } = await import('./jail/jailed-vm');
+      return startJailedVm(options as JailedVmOptions);
+    }
+    return Vm.startHere(options as VmOptions);
+  }
+
+  private static async startHere(options: VmOptions): Promise<Vm> {
     checkOptionKeys('Vm.start', options, VM_OPTION_KEYS);
+    const isolation: unknown = options.isolation;
+    if (isolation !== undefined && isolation !== 'none') throw new InvalidOptionError('isolation', `expected 'none' or 'process', got ${JSON.stringify(isolation)}`);
     const { memoryBytes, vcpus, guest } = checkVmShape(options);
     const disk = rootfsDisk(options.rootfs, guest);
     const bootTimeoutMs = options.bootTimeoutMs === undefined ? 60000 : parseTimeoutMs('bootTimeoutMs', options.bootTimeoutMs);

@@ -7,6 +7,9 @@
 #   pvisor-pool-daemon   pool_daemon.c pool_pages.c pool_hello.c pool_grants.c pool_peers.c
 #                        pool_orphans.c crc32c.c  (the page pool's daemon, an executable: what
 #                        `pvisor-daemon serve --memory-pool` execs)
+#   pvisor-seccomp-bpf   seccomp_bpf.c  (a jail's allowlist to its seccomp BPF program; links
+#                        Debian's libseccomp: needs libseccomp-dev here, libseccomp2 where it runs)
+#   pvisor-jail-exec     jail_exec.c  (in the jail: drops to its uid, installs that program, execs node)
 # lz4 is built from its release source (1.9.4, the tarball Debian ships as lz4_1.9.4.orig.tar.gz,
 # checked against its SHA-256), not from a system package: the library must not depend on a
 # liblz4 at run time, and only its block decompressor is used (the format lz4-napi writes).
@@ -64,3 +67,5 @@ gcc -O2 -g0 -fPIC -fvisibility=hidden -DLZ4LIB_VISIBILITY= -c -ffile-prefix-map=
 build libpvisor-memory.so -I"$lz4" uffd_server.c cold_store.c crc32c.c map_runs.c ram_guard.c "$lz4/lz4.o"
 # Its keys are crc32c.c's pv_page_hashes, the function VM processes key their offers with.
 build pvisor-pool-daemon pool_daemon.c pool_pages.c pool_hello.c pool_grants.c pool_peers.c pool_orphans.c crc32c.c
+build pvisor-seccomp-bpf seccomp_bpf.c -lseccomp
+build pvisor-jail-exec jail_exec.c

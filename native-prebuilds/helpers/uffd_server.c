@@ -63,6 +63,9 @@
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <linux/userfaultfd.h>
+#ifndef USERFAULTFD_IOC_NEW
+#define USERFAULTFD_IOC_NEW _IO(0xAA, 0x00) /* <linux/userfaultfd.h> of Linux 6.1 */
+#endif
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
@@ -589,6 +592,18 @@ struct pv_uffd_server *pv_uffd_create(uint64_t base, uint64_t size, int32_t main
   if (err) goto fail;
   /* Not UFFD_USER_MODE_ONLY: KVM reaches guest RAM from the kernel (get_user_pages). */
   s->uffd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+  if (s->uffd < 0 && errno == EPERM) {
+    /* An unprivileged process (a jailed VMM, src/jail/) may not make one that handles kernel
+     * faults unless vm.unprivileged_userfaultfd is 1; since Linux 6.1 /dev/userfaultfd gives one
+     * to whoever may open the node (the jail's launcher makes one for the jail's uid). */
+    int dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
+    if (dev >= 0) {
+      s->uffd = ioctl(dev, USERFAULTFD_IOC_NEW, O_CLOEXEC | O_NONBLOCK);
+      close(dev);
+    } else {
+      errno = EPERM;
+    }
+  }
   if (s->uffd < 0) goto fail_errno;
   struct uffdio_api api = {UFFD_API, UFFD_FEATURE_THREAD_ID, 0};
   if (ioctl(s->uffd, UFFDIO_API, &api) != 0) goto fail_errno;

@@ -3,7 +3,7 @@
  * includes page cache) can be read as the study reads it: cgroup v1 `memory.usage_in_bytes` where
  * the v1 memory controller is mounted (these machines), v2 `memory.current` otherwise.
  */
-import { existsSync, mkdirSync, readFileSync, rmdirSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { processResident } from '../memory-usage';
 
@@ -36,6 +36,8 @@ export class CellCgroup {
     }
     const path = join(root, name);
     try {
+      // cgroup v2 gives a child memory.current only when its parent delegates the controller.
+      if (root === V2_ROOT && !readFileSync(join(root, 'cgroup.subtree_control'), 'utf8').split(/\s+/).includes('memory')) writeFileSync(join(root, 'cgroup.subtree_control'), '+memory');
       mkdirSync(path);
     } catch (e) {
       return `cannot create ${path}: ${(e as Error).message}`;

@@ -22,6 +22,7 @@ import { checkVmShape, MAX_VCPUS } from '../vm-shape';
 import { validateVmName } from '../vm-name';
 import type { GuestKind, RootfsOptions } from '../vm';
 import { networkFromCli, parseNetworkOption, type NetworkOption } from '../network/options';
+import { resolveLimits, type JailLimitsInput } from '../jail/limits';
 
 /** A VM booted fresh from a guest image. */
 export interface BootSource {
@@ -76,7 +77,17 @@ export interface RunArgs {
   carriedFlags: string[];
   /** `--vm-backing-dir` made absolute, else the default: where a hibernation goes too. */
   backingDir: string;
+  /**
+   * `--isolation`: `process` runs the VMM in a jail of its own (src/jail/: another uid, its own
+   * namespaces and empty root, seccomp, a cgroup with `limits`); `none` in this process.
+   */
+  isolation: 'process' | 'none';
+  /** `--limit-memory`, `--limit-cpus`, `--limit-pids` (with `--isolation process`); unset ones take the jail's defaults. */
+  limits: JailLimitsInput;
 }
+
+/** `--isolation`'s default. */
+export const DEFAULT_ISOLATION: 'process' | 'none' = 'none';
 
 /**
  * `pvisor run` flags that a hibernated VM keeps when `pvisor resume` continues it in a new
@@ -164,6 +175,10 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
       'vm-pool-scope': { type: 'string' },
       name: { type: 'string' },
       'vm-socket': { type: 'string' },
+      isolation: { type: 'string' },
+      'limit-memory': { type: 'string' },
+      'limit-cpus': { type: 'string' },
+      'limit-pids': { type: 'string' },
     },
     strict: true,
   });
@@ -219,7 +234,40 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   }
   const backingDir = absolute(dir ?? DEFAULT_BACKING_DIR);
   const labels = labelsFromText('--label', values.label ?? []);
-  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, quiet: values.quiet, labels, strategies, command, publish, carriedFlags, backingDir };
+  const { isolation, limits } = isolationOf(values, source);
+  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, quiet: values.quiet, labels, strategies, command, publish, carriedFlags, backingDir, isolation, limits };
+}
+
+/**
+ * `--isolation` and the `--limit-*` options, checked. What a jail cannot give the VM yet is
+ * refused here rather than failing inside it: a network (its TAP lives in the host's namespace),
+ * a page pool (its daemon's socket), `--vm-socket` (the launcher owns the socket).
+ */
+function isolationOf(
+  values: { isolation?: string; 'limit-memory'?: string; 'limit-cpus'?: string; 'limit-pids'?: string; net?: string; 'vm-pool'?: string; 'vm-socket'?: string },
+  source: BootSource | SnapshotSource,
+): { isolation: 'process' | 'none'; limits: JailLimitsInput } {
+  const isolation = values.isolation ?? DEFAULT_ISOLATION;
+  if (isolation !== 'process' && isolation !== 'none') throw new InvalidOptionError('--isolation', `expected process or none, got ${JSON.stringify(isolation)}`);
+  const limits: JailLimitsInput = {};
+  if (values['limit-memory'] !== undefined) limits.memory = values['limit-memory'];
+  for (const [flag, key] of [['limit-cpus', 'cpus'], ['limit-pids', 'pids']] as const) {
+    const text = values[flag];
+    if (text === undefined) continue;
+    if (!/^\d+(\.\d+)?$/.test(text)) throw new InvalidOptionError(`--${flag}`, `expected a number, got ${JSON.stringify(text)}`);
+    limits[key] = Number(text);
+  }
+  if (isolation === 'none') {
+    const given = Object.keys(limits)[0];
+    if (given) throw new InvalidOptionError(`--limit-${given}`, 'only goes with --isolation process (a VM in this process has no limits of its own)');
+    return { isolation, limits };
+  }
+  if (source.kind === 'boot' && source.network !== 'none') throw new InvalidOptionError('--net', "does not go with --isolation process yet: the VM's TAP lives in the host's network namespace (use --isolation none)");
+  if (values['vm-pool'] !== undefined) throw new InvalidOptionError('--vm-pool', 'does not go with --isolation process yet: the jail has no way to the pool daemon (use --isolation none)');
+  if (values['vm-socket'] !== undefined) throw new InvalidOptionError('--vm-socket', 'does not go with --isolation process: the launcher listens on ID.sock in the runtime directory (use --name)');
+  // The limits are checked against the VM they bound.
+  if (source.kind === 'boot') resolveLimits(limits, source);
+  return { isolation, limits };
 }
 
 function bootSource(values: { memory?: string; vcpus?: string; guest?: string; kernel?: string; initrd?: string; rootfs?: string; 'rootfs-readonly'?: boolean; net?: string; 'net-allow'?: string[]; 'net-deny'?: string[] }): BootSource {

@@ -14,6 +14,7 @@ import { ConsoleCopy } from './console-copy';
 import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from './probe-script';
 import { parseRunArgs, type RunArgs } from './run-args';
 import { RunControl } from './run-control';
+import { jailedEntry, makeForbiddenSyscall } from '../jail/jailed-entry';
 import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
 
 /** Runs `pvisor run ARGS`; resolves with the run's exit status. */
@@ -35,8 +36,16 @@ export async function cmdRun(argv: string[]): Promise<number> {
     }
     if (host) requireKernelModeGuests(host, 'linux', 'cli');
   }
+  // --isolation process: this process launches the VMM in a jail and relays its control socket.
+  // In the jail (told by its environment) the same arguments run the VM here.
+  const jailed = jailedEntry();
+  if (args.isolation === 'process' && !jailed) {
+    const { runJailed } = await import('./run-jailed');
+    return runJailed(args, argv, machine);
+  }
   // Claim the id before booting, so that a taken id fails without starting anything.
   const control = await RunControl.open({
+    listenFd: jailed?.controlFd,
     name: args.name,
     socketPath: args.socketPath,
     guest: machine.guest,
@@ -93,6 +102,7 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
       if (resumed) rmSync(resumed.recordPath, { force: true });
     }
     control.attach(vm);
+    if (jailedEntry()?.forbiddenSyscallHook) makeForbiddenSyscall();
     try {
       for (const p of args.publish) {
         const f = await vm.forward(p.guestPort, { hostPort: p.hostPort });

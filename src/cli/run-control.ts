@@ -47,6 +47,11 @@ export interface RunDescription {
   labels?: Labels;
   /** The run continues a hibernated VM: its record is expected beside the socket, not refused. */
   resuming?: boolean;
+  /**
+   * A jailed run: the control socket is this fd, already listening (its launcher bound it and
+   * relays `socketPath` to it); nothing is claimed in a runtime directory.
+   */
+  listenFd?: number;
 }
 
 /** What a hibernation record carries of the run besides the VM (see ../snapshot/hibernation-record.ts). */
@@ -98,6 +103,18 @@ export class RunControl {
    */
   static async open(description: RunDescription): Promise<RunControl> {
     const explicit = description.socketPath;
+    if (description.listenFd !== undefined) {
+      const id = validateVmName(description.name ?? '', 'name');
+      const self: { control?: RunControl } = {};
+      const server = await ControlServer.listenOnFd(
+        description.listenFd,
+        explicit ?? `${id}.sock`,
+        (r) => self.control!.handle(r),
+        (r, conn, leftover) => serveRunStream(self.control!.vm, () => self.control!.info(), r, conn, leftover),
+      );
+      self.control = new RunControl(id, server, description);
+      return self.control;
+    }
     let id = description.name !== undefined ? validateVmName(description.name) : explicit ? validateVmName(idOfSocket(explicit), 'vm-socket') : generateId();
     for (let attempt = 0; ; attempt++) {
       // A socket path given by the user is used as it is; the default directory is made private.

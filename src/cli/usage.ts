@@ -12,6 +12,7 @@ import { join } from 'node:path';
 import { InvalidOptionError, PvisorError, VmNotFoundError } from '../errors';
 import { StrategyConflictError } from '../memory/strategy';
 import { PACKAGE_ROOT } from '../native';
+import { reportJailedExit } from '../jail/jailed-entry';
 
 /** Exit status of a usage error. */
 export const EXIT_USAGE = 2;
@@ -84,13 +85,17 @@ export function packageVersion(): string {
  */
 export function runProgram(program: string, main: (argv: string[]) => Promise<number>): void {
   main(process.argv.slice(2)).then(
-    (code) => process.exit(code),
+    (code) => {
+      reportJailedExit(code);
+      process.exit(code);
+    },
     (e: unknown) => {
       if (e instanceof UsageError) {
         const help = e.command ? `${e.program} ${e.command} --help` : `${e.program} --help`;
         process.stderr.write(`${e.program}: ${e.message}\n(${help} says what it accepts)\n`);
       } else if (e instanceof VmNotFoundError || e instanceof RefusedError || e instanceof PvisorError) process.stderr.write(`${program}: ${e.message}\n`);
       else process.stderr.write(`${program}: unexpected error: ${e instanceof Error ? e.stack : String(e)}\n`);
+      reportJailedExit(exitStatusOf(e));
       process.exit(exitStatusOf(e));
     },
   );
@@ -107,7 +112,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
              [--vm-ram-compression] [--vm-cold-ram-compression [--vm-cold-after 10s]]
              [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]] [--vm-socket PATH]
-             [--kernel BZIMAGE] [--initrd CPIO]
+             [--kernel BZIMAGE] [--initrd CPIO] [--isolation process [--limit-{memory,cpus,pids} V]...]
              [--rootfs IMAGE [--rootfs-readonly]] [--net none|nat|tap:NAME [--net-allow RULE]... [--net-deny RULE]...]
              [--publish HOSTPORT:GUESTPORT]... [--label KEY=VALUE]... [--quiet] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
@@ -132,7 +137,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
-        The SDK reaches it too: VmHandle.connect(ID).
+        The SDK reaches it too: VmHandle.connect(ID). --isolation process jails it: docs/security.md.
       --label KEY=VALUE (repeatable, at most 64): labels shown by pvisor ps and Vm.list().
       -q, --quiet: no progress lines on stderr, only CMD's output, warnings and errors.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).

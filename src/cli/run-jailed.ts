@@ -1,0 +1,110 @@
+/**
+ * `pvisor run --isolation process`: this process becomes the VM's launcher. It claims the VM's id
+ * (its control socket in the runtime directory), starts the VMM in a jail (../jail/launcher.ts)
+ * with the same arguments, relays each control request to the jailed VMM's own socket, and ends
+ * with the VMM's exit status, or with the typed error of what killed it (its memory limit: a
+ * {@link VmLimitError}; its seccomp filter: a {@link JailViolationError}).
+ */
+import { randomBytes } from 'node:crypto';
+import { resolve } from 'node:path';
+import { constants as osConstants } from 'node:os';
+import { connect } from 'node:net';
+import { CONTROL_PROTOCOL_VERSION, controlRequest, ControlServer, ensureRuntimeDir, errorPayload, runtimeDir, socketPathFor, type ControlHandler, type ControlResponse, type ControlStreamHandler } from '../control-socket';
+import { InvalidOptionError, VmStateError, type JailViolationError, type VmLimitError } from '../errors';
+import { JailedVmm, MAX_RELAYED_ANSWER_BYTES } from '../jail/launcher';
+import { resolveLimits } from '../jail/limits';
+import { formatMiB, MAX_TIMEOUT_MS } from '../units';
+import { validateVmName } from '../vm-name';
+import type { RunArgs } from './run-args';
+import { RefusedError } from './usage';
+
+/** Runs `args` jailed (`argv`: the run's own arguments, passed on); resolves with the run's exit status. */
+export async function runJailed(args: RunArgs, argv: readonly string[], machine: { memoryBytes: number; vcpus: number }): Promise<number> {
+  const limits = resolveLimits(args.limits, machine);
+  const id = args.name !== undefined ? validateVmName(args.name) : randomBytes(3).toString('hex');
+  const { readOnly, readWrite } = pathsOf(args);
+  const path = socketPathFor(id);
+  ensureRuntimeDir(runtimeDir());
+  let vmm: JailedVmm | undefined;
+  const relay: ControlHandler = async (request) => {
+    if (request.op === 'snapshot' || request.op === 'hibernate') {
+      return { response: { ok: false, error: errorPayload(new InvalidOptionError(request.op, `not available for a jailed VM yet (its jail does not see the directory it would write); run it with --isolation none`)) } };
+    }
+    if (!vmm) return { response: { ok: false, error: errorPayload(new VmStateError(`${id} is starting`)) } };
+    let r: ControlResponse;
+    try {
+      r = await controlRequest(vmm.innerSocketPath, id, request, MAX_TIMEOUT_MS, MAX_RELAYED_ANSWER_BYTES);
+    } catch (e) {
+      return { response: { ok: false, error: errorPayload(e) } };
+    }
+    const { v: _v, ...answer } = r as ControlResponse & { v?: unknown };
+    // The process a user would signal is this one: the VMM's own pid is its pid namespace's.
+    if (answer.vm) answer.vm = { ...answer.vm, pid: process.pid };
+    return { response: answer as ControlResponse };
+  };
+  // A stream (spawn, a file stream, watch) is the rest of its connection: once its request is
+  // passed on, the two sockets are piped to each other, each side's backpressure the other's,
+  // so the jailed VMM's own credit and bounds hold end to end.
+  const relayStream: ControlStreamHandler = (request, conn, leftover) => {
+    if (!vmm) {
+      conn.end(`${JSON.stringify({ v: CONTROL_PROTOCOL_VERSION, ok: false, error: errorPayload(new VmStateError(`${id} is starting`)) })}\n`);
+      return;
+    }
+    const inner = connect(vmm.innerSocketPath);
+    const end = () => {
+      inner.destroy();
+      conn.destroy();
+    };
+    inner.on('error', end);
+    conn.on('error', end);
+    // The VMM's side closing lets what it sent reach the client first (the pipe ends conn); a
+    // client that goes takes its stream in the VMM with it.
+    inner.on('close', () => conn.end());
+    conn.on('close', () => inner.destroy());
+    inner.once('connect', () => {
+      inner.write(`${JSON.stringify({ v: CONTROL_PROTOCOL_VERSION, ...request })}\n`);
+      if (leftover.length) inner.write(leftover);
+      conn.pipe(inner);
+      inner.pipe(conn);
+    });
+  };
+  const server = await ControlServer.listen(path, id, relay, relayStream).catch((e: unknown) => {
+    throw e instanceof InvalidOptionError && e.option === 'name' ? new RefusedError(e.message) : e;
+  });
+  const stopOnSignal = (signal: NodeJS.Signals) => {
+    if (!vmm) return;
+    // The jailed run stops its VM cleanly, as on a signal of its own; if it cannot be reached, it is killed.
+    const jailed = vmm;
+    controlRequest(jailed.innerSocketPath, id, { op: 'stop' }, 30_000).catch(() => jailed.kill());
+    process.stderr.write(`pvisor: ${id}: ${signal}, stopping the jailed VM\n`);
+  };
+  process.on('SIGINT', stopOnSignal);
+  process.on('SIGTERM', stopOnSignal);
+  try {
+    vmm = JailedVmm.start({ id, limits, runArgv: argv, readOnly, readWrite, backingParent: args.backingDir });
+    if (!args.quiet) process.stderr.write(`pvisor: ${id} jailed (pid ${vmm.pid}): memory at most ${formatMiB(limits.memoryBytes)}, ${limits.cpus} CPU(s), ${limits.pids} tasks\n`);
+    const outcome = await vmm.exited();
+    if ('exitCode' in outcome) return outcome.exitCode;
+    if ('error' in outcome) throw outcome.error as VmLimitError | JailViolationError;
+    process.stderr.write(`pvisor: ${id}: the jailed VM process was killed by ${outcome.signal}\n`);
+    return 128 + (osConstants.signals[outcome.signal] ?? 0);
+  } finally {
+    process.off('SIGINT', stopOnSignal);
+    process.off('SIGTERM', stopOnSignal);
+    server.close();
+  }
+}
+
+/** The host files the VM reads and writes, which its jail mounts at the same paths. */
+function pathsOf(args: RunArgs): { readOnly: string[]; readWrite: string[] } {
+  const readOnly: string[] = [];
+  const readWrite: string[] = [];
+  const { source } = args;
+  if (source.kind === 'snapshot') readOnly.push(source.dir);
+  else {
+    if (source.kernel) readOnly.push(resolve(source.kernel));
+    if (source.initrd) readOnly.push(resolve(source.initrd));
+    if (source.rootfs) (source.rootfs.readOnly ? readOnly : readWrite).push(resolve(source.rootfs.path));
+  }
+  return { readOnly, readWrite };
+}
