@@ -62,7 +62,7 @@ export {
   JailViolationError,
 } from './errors';
 export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
-export type { VmNetworkInfo } from './network/host-network';
+export type { VmNetworkInfo } from './network/vm-network';
 export type { VmNetwork, EgressRulesUpdate } from './network/vm-network';
 export type { ForwardConnections, ForwardOptions, PortForward } from './network/port-forward';
 export { IdleRelease } from './memory/strategies/idle-release';

@@ -16,7 +16,7 @@ import { spawn, spawnSync } from 'node:child_process';
 import { closeSync, existsSync, openSync, readFileSync, writeFileSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { InvalidOptionError, NetworkSetupError, SystemCallError, VmStateError } from '../errors';
-import { VmNetwork, type EgressRulesUpdate } from './vm-network';
+import { VmNetwork, type EgressRulesUpdate, type VmNetworkInfo } from './vm-network';
 import { tryLockFile } from '../sys/libc';
 import { allocateSubnet, formatCidr, formatIpv4, formatMac, macFor, parseIpAddrShow, parseIpv4 } from './addresses';
 import { EgressResolver } from './egress-resolver';
@@ -28,32 +28,6 @@ import { Tap, TUN_PATH } from './tap';
 import { restrictTap } from './tap-sysctls';
 import { processGone } from '../sys/processes';
 
-/**
- * What {@link Vm.network} says of a VM's network.
- * @category Network
- */
-export interface VmNetworkInfo {
-  /** `none`: no network device. */
-  mode: 'none' | 'nat' | 'tap';
-  /** The TAP on the host. */
-  tap?: string;
-  /** The guest's MAC address. */
-  mac?: string;
-  /** The guest's eth0 address with its prefix, e.g. `10.200.0.2/30`. */
-  guestAddress?: string;
-  /** The host's end (the guest's gateway), e.g. `10.200.0.1`. */
-  hostAddress?: string;
-  /** The resolver the guest was given (with egress rules, pvisor's: the host's end of the TAP). */
-  dns?: string;
-  /** `nat` with egress rules: the resolver pvisor's asks; absent if there is none. */
-  upstreamDns?: string;
-  /** `nat`: the destinations the guest may reach (`all`, or the hostname and CIDR[:PORT] list). */
-  allow?: 'all' | string[];
-  /** `nat`: the destinations it may not, whatever `allow` says. */
-  deny?: string[];
-  /** `nat`: the name of the VM's nftables tables (families inet and netdev). */
-  nftTable?: string;
-}
 
 /** CAP_NET_ADMIN's bit in /proc/self/status' CapEff (<linux/capability.h>). */
 const CAP_NET_ADMIN = 12n;

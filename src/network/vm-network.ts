@@ -4,7 +4,33 @@
  * (./host-network.ts); this module is only the public face, so that vm.ts needs no more of it.
  */
 import { VmStateError } from '../errors';
-import type { VmNetworkInfo } from './host-network';
+
+/**
+ * What {@link Vm.network} says of a VM's network.
+ * @category Network
+ */
+export interface VmNetworkInfo {
+  /** `none`: no network device. */
+  mode: 'none' | 'nat' | 'tap';
+  /** The TAP on the host. */
+  tap?: string;
+  /** The guest's MAC address. */
+  mac?: string;
+  /** The guest's eth0 address with its prefix, e.g. `10.200.0.2/30`. */
+  guestAddress?: string;
+  /** The host's end (the guest's gateway), e.g. `10.200.0.1`. */
+  hostAddress?: string;
+  /** The resolver the guest was given (with egress rules, pvisor's: the host's end of the TAP). */
+  dns?: string;
+  /** `nat` with egress rules: the resolver pvisor's asks; absent if there is none. */
+  upstreamDns?: string;
+  /** `nat`: the destinations the guest may reach (`all`, or the hostname and CIDR[:PORT] list). */
+  allow?: 'all' | string[];
+  /** `nat`: the destinations it may not, whatever `allow` says. */
+  deny?: string[];
+  /** `nat`: the name of the VM's nftables tables (families inet and netdev). */
+  nftTable?: string;
+}
 
 /**
  * The rules {@link VmNetwork.update} takes: each list given replaces the VM's; one left out stays.
