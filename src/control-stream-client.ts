@@ -6,6 +6,7 @@
  */
 import { createConnection, type Socket } from 'node:net';
 import { Readable } from 'node:stream';
+import { TakenReadable } from './taken-readable';
 import { ControlProtocolError, ControlSocketError, TimeoutError, VmNotFoundError, type PvisorError } from './errors';
 import { CONTROL_PROTOCOL_VERSION, errorFromPayload, type ControlRequest, type ControlResponse } from './control-socket';
 import { MAX_STREAM_JSON_BYTES, STREAM_CHUNK_BYTES, STREAM_END_EVENT, StreamChannel, StreamRequestOp, u32 } from './control-stream';
@@ -160,7 +161,7 @@ export class ControlStream {
       const g = window.takeGrant();
       if (g > 0) this.send({ type: FrameType.Credit, id: 0, op: ch, payload: u32(g) });
     };
-    state.readable = new GrantingReadable({ highWaterMark: STREAM_WINDOW_BYTES, read: grant }, grant);
+    state.readable = new TakenReadable({ highWaterMark: STREAM_WINDOW_BYTES, read: grant }, grant);
     state.readable.once('close', () => {
       // Nobody reads it any more: what comes counts as taken, so the process is not held.
       window.discard();
@@ -253,24 +254,4 @@ function parseError(payload: Buffer): { code: string; message: string } & Record
   const e = JSON.parse(payload.toString('utf8')) as Record<string, unknown> | null;
   if (!e || typeof e.code !== 'string' || typeof e.message !== 'string') throw new Error('an error without code and message');
   return e as { code: string; message: string };
-}
-
-/**
- * A Readable that says when its consumer has taken from it (every way of consuming one goes
- * through `read()`; `_read()` is not called again while an earlier call had no push, so it alone
- * would miss grants). As the agent client's TakenReadable.
- */
-class GrantingReadable extends Readable {
-  constructor(
-    options: ConstructorParameters<typeof Readable>[0],
-    private readonly onTaken: () => void,
-  ) {
-    super(options);
-  }
-
-  override read(size?: number): unknown {
-    const chunk: unknown = super.read(size);
-    this.onTaken();
-    return chunk;
-  }
 }

@@ -6,6 +6,7 @@
  * the guest; destroying the stream drops and grants back whatever comes, so the writer runs on.
  */
 import { Readable } from 'node:stream';
+import { TakenReadable } from '../taken-readable';
 import type { AgentClient, OutputChannel } from '../protocol/agent-client';
 import { STREAM_WINDOW_BYTES } from '../protocol/stream-window';
 
@@ -78,27 +79,5 @@ export class GuestOutput {
 
   private letGo(): void {
     if (this.id !== undefined) this.agent.discard(this.id, this.channel);
-  }
-}
-
-/**
- * A Readable that says when its consumer has taken from it. Every way of consuming one goes
- * through `read()` (a paused reader's calls, flowing mode's loop, the read(0) that follows a
- * chunk handed straight to a 'data' listener), whereas `_read()` is not called again while an
- * earlier call has had no push: a stream whose guest has too little credit left to send anything
- * would never be asked again, and never grant.
- */
-class TakenReadable extends Readable {
-  constructor(
-    options: ConstructorParameters<typeof Readable>[0],
-    private readonly onTaken: () => void,
-  ) {
-    super(options);
-  }
-
-  override read(size?: number): unknown {
-    const chunk: unknown = super.read(size);
-    this.onTaken();
-    return chunk;
   }
 }
