@@ -37,6 +37,7 @@ import type { VmFiles, VmProcess } from './vm-api';
 // For {@link} in the documentation only.
 import type { Vm } from './vm';
 import type { VmHandle } from './vm-handle';
+import { collectOutput } from './guest/exec-collect';
 
 /** How {@link RemoteProcess} and {@link RemoteFiles} reach the VM: its socket, its id, a one-answer request. */
 export interface RemoteVm {
@@ -213,46 +214,7 @@ export async function remoteExec(vm: RemoteVm, command: Command, options: ExecOp
   if (encoding !== 'utf8' && encoding !== 'buffer') throw new InvalidOptionError('encoding', `expected "utf8" or "buffer", got ${JSON.stringify(encoding)}`);
   for (const k of ['onStdout', 'onStderr'] as const) if (options[k] !== undefined && typeof options[k] !== 'function') throw new InvalidOptionError(k, `expected a function, got ${typeof options[k]}`);
   const p = new RemoteProcess(vm, command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal, user: options.user });
-  const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
-  const sizes = { stdout: 0, stderr: 0 };
-  const flushes: (() => void)[] = [];
-  const listenerOf = (name: 'stdout' | 'stderr'): ((b: Buffer) => void) | undefined => {
-    const given = (name === 'stdout' ? options.onStdout : options.onStderr) as ((x: Buffer | string) => void) | undefined;
-    if (!given || encoding === 'buffer') return given;
-    // A UTF-8 character split between two chunks is given whole, with the next.
-    const decoder = new StringDecoder('utf8');
-    flushes.push(() => {
-      const rest = decoder.end();
-      if (rest) given(rest);
-    });
-    return (b) => {
-      const text = decoder.write(b);
-      if (text) given(text);
-    };
-  };
-  for (const name of ['stdout', 'stderr'] as const) {
-    const listener = listenerOf(name);
-    p[name].on('data', (b: Buffer) => {
-      if (p.stopped) return;
-      sizes[name] += b.length;
-      if (sizes[name] > maxBuffer) return p.stop(new OutputLimitError(maxBuffer, `command wrote more than ${maxBuffer} bytes to ${name} (maxBuffer); it was killed`));
-      collected[name].push(b);
-      try {
-        listener?.(b);
-      } catch (e) {
-        p.stop(e instanceof Error ? e : new Error(String(e)));
-      }
-    });
-  }
-  if (options.stdin !== undefined) {
-    // The command may exit without reading its stdin: its exit status says enough.
-    p.write(options.stdin).then(() => p.end()).catch(() => {});
-  }
-  const status = await p.exited;
-  for (const flush of flushes) flush();
-  const stdout = Buffer.concat(collected.stdout);
-  const stderr = Buffer.concat(collected.stderr);
-  return encoding === 'buffer' ? { ...status, stdout, stderr } : { ...status, stdout: stdout.toString('utf8'), stderr: stderr.toString('utf8') };
+  return collectOutput(p, { maxBuffer, encoding, onStdout: options.onStdout, onStderr: options.onStderr, stdin: options.stdin });
 }
 
 /** Files of the guest of a VM of another process, over its control socket. */

@@ -20,6 +20,7 @@ import { GuestPtys } from './pty';
 import { OutputRing, parseOutputMode, type OutputMode } from './output-ring';
 import { ProcessRegistry, type GuestProcessInfo } from './process-registry';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
+import { collectOutput } from './exec-collect';
 
 const enum LinuxOp {
   Exec = 0x0201,
@@ -624,59 +625,13 @@ export class LinuxGuest {
     const maxBuffer = byteLimit('maxBuffer', options.maxBuffer, DEFAULT_MAX_BUFFER);
     const encoding: string = options.encoding ?? 'utf8';
     if (encoding !== 'utf8' && encoding !== 'buffer') throw new InvalidOptionError('encoding', `expected "utf8" or "buffer", got ${JSON.stringify(encoding)}`);
-    // Each gets what the encoding says: a string (through a decoder, below) or a Buffer.
+    // Each gets what the encoding says: a string (through a decoder, in collectOutput) or a Buffer.
     const listeners: Record<'stdout' | 'stderr', ((b: Buffer) => void) | undefined> = {
       stdout: callbackOption('onStdout', options.onStdout as ((b: Buffer) => void) | undefined),
       stderr: callbackOption('onStderr', options.onStderr as ((b: Buffer) => void) | undefined),
     };
     const p = this.startProcess('exec', command, { env: options.env, cwd: options.cwd, stdin: options.stdin !== undefined, timeoutMs: options.timeoutMs, signal: options.signal, user: options.user });
-    const collected = { stdout: [] as Buffer[], stderr: [] as Buffer[] };
-    const sizes = { stdout: 0, stderr: 0 };
-    const collect = (name: 'stdout' | 'stderr') => (b: Buffer) => {
-      if (p.stopped) return; // killed already: nothing more is kept
-      sizes[name] += b.length;
-      if (sizes[name] > maxBuffer) {
-        p.stop(new OutputLimitError(maxBuffer, `command wrote more than ${maxBuffer} bytes to ${name} (maxBuffer); it was killed`));
-        return;
-      }
-      collected[name].push(b);
-      try {
-        listeners[name]?.(b);
-      } catch (e) {
-        // The caller's callback threw: that ends the command, never the receive path it runs on.
-        p.stop(e instanceof Error ? e : new Error(String(e)));
-      }
-    };
-    if (options.stdin !== undefined && !options.signal?.aborted) {
-      p.write(options.stdin).then(() => p.end()).catch(() => {
-        // The command may exit without reading its stdin (EPIPE): its exit status says enough.
-      });
-    }
-    // Chunks come as the guest sent them: a decoder keeps a split UTF-8 character for the next,
-    // and what it holds at the end is given once the output is complete.
-    const flushes: (() => void)[] = [];
-    if (encoding === 'utf8') {
-      for (const name of ['stdout', 'stderr'] as const) {
-        const listener = listeners[name] as ((text: string) => void) | undefined;
-        if (!listener) continue;
-        const decoder = new StringDecoder('utf8');
-        listeners[name] = (b) => {
-          const text = decoder.write(b);
-          if (text) listener(text);
-        };
-        flushes.push(() => {
-          const rest = decoder.end();
-          if (rest) listener(rest);
-        });
-      }
-    }
-    p.stdout.on('data', collect('stdout'));
-    p.stderr.on('data', collect('stderr'));
-    const status = await p.exited;
-    for (const flush of flushes) flush();
-    const stdout = Buffer.concat(collected.stdout);
-    const stderr = Buffer.concat(collected.stderr);
-    return encoding === 'buffer' ? { ...status, stdout, stderr } : { ...status, stdout: stdout.toString('utf8'), stderr: stderr.toString('utf8') };
+    return collectOutput(p, { maxBuffer, encoding, onStdout: listeners.stdout, onStderr: listeners.stderr, stdin: options.signal?.aborted ? undefined : options.stdin });
   }
 
   /** MemTotal, MemFree, MemAvailable and Cached of the guest's /proc/meminfo. */
