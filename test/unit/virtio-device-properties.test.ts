@@ -183,8 +183,11 @@ function notify<D extends VirtioDevice>(rig: Rig<D>, q: RigQueue): void {
 /**
  * Lets the device finish in later turns of the event loop what its budget left (it must go on by
  * itself), checking each turn's bounds, until nothing moves for two turns or `maxTurns` pass.
+ * The default bound is a ring's worth of turns and more: a guest that posts a chain of a ring's
+ * worth of descriptors again each time the device takes one (the console's reposts, up to three
+ * rings of them) is served about two chains a turn, as the descriptor budget wants.
  */
-async function settle<D extends VirtioDevice>(rig: Rig<D>, maxTurns = 200): Promise<void> {
+async function settle<D extends VirtioDevice>(rig: Rig<D>, maxTurns = 2000): Promise<void> {
   for (let turn = 0, quiet = 0; turn < maxTurns && quiet < 2; turn++) {
     const before = rig.queues.map(takenFrom);
     const handedBefore = rig.handedOn();
