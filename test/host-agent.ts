@@ -82,3 +82,22 @@ export async function startHostAgent(bin: string, options: { etcDir?: string } =
     },
   };
 }
+
+/**
+ * One agent for a whole describe block: built (once) and started before its tests, ended and
+ * removed after them. The object returned is filled in by the block's beforeAll, so tests use it
+ * as they would the agent itself.
+ */
+export function useHostAgent(compiler: string): HostAgent {
+  const agent = {} as HostAgent;
+  let built: ReturnType<typeof buildAgent> | undefined;
+  beforeAll(async () => {
+    built = buildAgent(compiler);
+    Object.assign(agent, await startHostAgent(built.bin));
+  }, 120_000);
+  afterAll(async () => {
+    await agent.stop?.();
+    built?.remove();
+  });
+  return agent;
+}

@@ -8,23 +8,14 @@ import { pipeline } from 'node:stream/promises';
 import { InvalidOptionError } from '../../src';
 import { parseEnvironment } from '../../src/guest/environment';
 import { LinuxGuest } from '../../src/guest/linux-client';
-import { buildAgent, findCompiler, startHostAgent, type HostAgent } from '../host-agent';
+import { findCompiler, useHostAgent } from '../host-agent';
 
 const compiler = findCompiler();
 if (!compiler) console.log('exec output: SKIPPED, no C compiler found ($CC, gcc, clang or cc): the agent was not run on the host');
 const describeWithCompiler = compiler ? describe : describe.skip;
 
 describeWithCompiler('exec output and stdin', () => {
-  let built: ReturnType<typeof buildAgent>;
-  let agent: HostAgent;
-  beforeAll(async () => {
-    built = buildAgent(compiler!);
-    agent = await startHostAgent(built.bin);
-  }, 120_000);
-  afterAll(async () => {
-    await agent?.stop();
-    built?.remove();
-  });
+  const agent = useHostAgent(compiler!);
 
   it("encoding 'buffer' gives the bytes as written, which a string would have mangled", async () => {
     const r = await agent.linux.exec(['printf', '\\377\\000\\200a'], { encoding: 'buffer' });

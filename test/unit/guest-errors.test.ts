@@ -7,7 +7,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { CommandNotFoundError, GuestRequestError } from '../../src';
 import { FileOp } from '../../src/guest/file-wire';
-import { buildAgent, findCompiler, startHostAgent, type HostAgent } from '../host-agent';
+import { findCompiler, useHostAgent } from '../host-agent';
 
 const compiler = findCompiler();
 if (!compiler) console.log('guest errors: SKIPPED, no C compiler found ($CC, gcc, clang or cc): the agent was not run on the host');
@@ -20,17 +20,12 @@ async function rejection(p: Promise<unknown>): Promise<GuestRequestError> {
 }
 
 describeWithCompiler('errors of guest requests', () => {
-  let built: ReturnType<typeof buildAgent>;
-  let agent: HostAgent;
+  const agent = useHostAgent(compiler!);
   let work: string;
   beforeAll(async () => {
-    built = buildAgent(compiler!);
-    agent = await startHostAgent(built.bin);
     work = mkdtempSync(join(tmpdir(), 'pvisor-guest-errors-'));
   }, 120_000);
   afterAll(async () => {
-    await agent?.stop();
-    built?.remove();
     rmSync(work, { recursive: true, force: true });
   });
 

@@ -4,7 +4,7 @@
 // A kept stream is drained as it comes (it never holds its writer), keeps only its tail, and a
 // reattach gets that tail, then what comes. Skipped, saying so, without a C compiler.
 import { STREAM_WINDOW_BYTES } from '../../src/protocol/stream-window';
-import { buildAgent, findCompiler, startHostAgent, type HostAgent } from '../host-agent';
+import { findCompiler, useHostAgent } from '../host-agent';
 
 const compiler = findCompiler();
 if (!compiler) console.log('guest processes: SKIPPED, no C compiler found ($CC, gcc, clang or cc): the agent was not run on the host');
@@ -12,16 +12,7 @@ const describeWithCompiler = compiler ? describe : describe.skip;
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 describeWithCompiler('background processes with the real agent on the host', () => {
-  let built: ReturnType<typeof buildAgent>;
-  let agent: HostAgent;
-  beforeAll(async () => {
-    built = buildAgent(compiler!);
-    agent = await startHostAgent(built.bin);
-  }, 120_000);
-  afterAll(async () => {
-    await agent?.stop();
-    built?.remove();
-  });
+  const agent = useHostAgent(compiler!);
 
   it('a kept stream is drained past many windows, keeps only its last bytes, and its process is listed, found and ended', async () => {
     // 8 windows of output nobody reads: with 'pipe' it would stop after one.

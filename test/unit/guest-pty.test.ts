@@ -7,7 +7,7 @@ import { GuestRequestError, InvalidOptionError } from '../../src';
 import type { GuestPty } from '../../src/guest/pty';
 import { encodeFrame, FrameType } from '../../src/protocol/frame';
 import { STREAM_WINDOW_BYTES } from '../../src/protocol/stream-window';
-import { buildAgent, findCompiler, startHostAgent, type HostAgent } from '../host-agent';
+import { findCompiler, useHostAgent } from '../host-agent';
 
 const compiler = findCompiler();
 if (!compiler) console.log('guest pty: SKIPPED, no C compiler found ($CC, gcc, clang or cc): the agent was not run on the host');
@@ -43,16 +43,7 @@ function str(s: string): Buffer {
 }
 
 describeWithCompiler('terminals with the real agent on the host', () => {
-  let built: ReturnType<typeof buildAgent>;
-  let agent: HostAgent;
-  beforeAll(async () => {
-    built = buildAgent(compiler!);
-    agent = await startHostAgent(built.bin);
-  }, 120_000);
-  afterAll(async () => {
-    await agent?.stop();
-    built?.remove();
-  });
+  const agent = useHostAgent(compiler!);
 
   it('a shell on a terminal: its size, a resize seen by stty size, its exit status', async () => {
     const pty = agent.linux.pty.create({ cols: 80, rows: 24 });

@@ -12,7 +12,7 @@ import { AgentClient, CommonOp } from '../../src/protocol/agent-client';
 import { FileOp } from '../../src/guest/file-wire';
 import { isUserSpec } from '../../src/guest/guest-user';
 import { encodeFrame, FrameType } from '../../src/protocol/frame';
-import { buildAgent, findCompiler, startHostAgent, type HostAgent } from '../host-agent';
+import { buildAgent, findCompiler, startHostAgent, useHostAgent, type HostAgent } from '../host-agent';
 
 const compiler = findCompiler();
 const root = process.getuid?.() === 0;
@@ -78,18 +78,13 @@ describe('an agent whose HELLO lacks USERS or PTY (an initramfs built before the
 });
 
 describeAsRoot('commands and files as a user, with the real agent on the host', () => {
-  let built: ReturnType<typeof buildAgent>;
-  let agent: HostAgent;
+  const agent = useHostAgent(compiler!);
   let work: string;
   beforeAll(async () => {
-    built = buildAgent(compiler!);
-    agent = await startHostAgent(built.bin);
     work = mkdtempSync(join(tmpdir(), 'pvisor-guest-users-'));
     chmodSync(work, 0o755);
   }, 120_000);
   afterAll(async () => {
-    await agent?.stop();
-    built?.remove();
     rmSync(work, { recursive: true, force: true });
   });
 
