@@ -15,10 +15,12 @@ const MiB = 2 ** 20;
 // On a disk, as backings and snapshots are kept.
 const dir = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-linux-memory-'));
 const vms: Vm[] = [];
-afterAll(async () => {
-  for (const vm of vms) await vm.stop();
-  rmSync(dir, { recursive: true, force: true });
+// Each case's VMs end with it: in the nested harness's two emulated CPUs, the five Linux guests
+// the earlier cases left idling slowed the last case's boot past its timeout (CI, stop 31).
+afterEach(async () => {
+  for (const vm of vms.splice(0)) await vm.stop();
 });
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
