@@ -240,8 +240,8 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
 
 /**
  * `--isolation` and the `--limit-*` options, checked. What a jail cannot give the VM yet is
- * refused here rather than failing inside it: a network (its TAP lives in the host's namespace),
- * a page pool (its daemon's socket), `--vm-socket` (the launcher owns the socket).
+ * refused here rather than failing inside it: a page pool (its daemon's socket), `--vm-socket`
+ * (the launcher owns the socket). A network is the launcher's to make (src/jail/launcher.ts).
  */
 function isolationOf(
   values: { isolation?: string; 'limit-memory'?: string; 'limit-cpus'?: string; 'limit-pids'?: string; net?: string; 'vm-pool'?: string; 'vm-socket'?: string },
@@ -262,7 +262,6 @@ function isolationOf(
     if (given) throw new InvalidOptionError(`--limit-${given}`, 'only goes with --isolation process (a VM in this process has no limits of its own)');
     return { isolation, limits };
   }
-  if (source.kind === 'boot' && source.network !== 'none') throw new InvalidOptionError('--net', "does not go with --isolation process yet: the VM's TAP lives in the host's network namespace (use --isolation none)");
   if (values['vm-pool'] !== undefined) throw new InvalidOptionError('--vm-pool', 'does not go with --isolation process yet: the jail has no way to the pool daemon (use --isolation none)');
   if (values['vm-socket'] !== undefined) throw new InvalidOptionError('--vm-socket', 'does not go with --isolation process: the launcher listens on ID.sock in the runtime directory (use --name)');
   // The limits are checked against the VM they bound.

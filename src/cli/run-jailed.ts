@@ -4,6 +4,11 @@
  * with the same arguments, relays each control request to the jailed VMM's own socket, and ends
  * with the VMM's exit status, or with the typed error of what killed it (its memory limit: a
  * {@link VmLimitError}; its seccomp filter: a {@link JailViolationError}).
+ *
+ * What lives in the host's network namespace is this process's: the VM's network (`--net`, made
+ * by the launcher and handed to the jail as a TAP fd) and its published ports (`--publish`: this
+ * process listens on 127.0.0.1 and forwards each connection through the jailed VM's control
+ * socket, as `VmHandle.forward` does; a listener in the jail would be in its own, empty namespace).
  */
 import { randomBytes } from 'node:crypto';
 import { resolve } from 'node:path';
@@ -12,7 +17,10 @@ import { connect } from 'node:net';
 import { CONTROL_PROTOCOL_VERSION, controlRequest, ControlServer, ensureRuntimeDir, errorPayload, runtimeDir, socketPathFor, type ControlHandler, type ControlResponse, type ControlStreamHandler } from '../control-socket';
 import { InvalidOptionError, VmStateError, type JailViolationError, type VmLimitError } from '../errors';
 import { JailedVmm, MAX_RELAYED_ANSWER_BYTES } from '../jail/launcher';
+import { untilJailedReady } from '../jail/jailed-vm';
 import { resolveLimits } from '../jail/limits';
+import { parseNetworkOption } from '../network/options';
+import type { PortForward } from '../network/port-forward';
 import { formatMiB, MAX_TIMEOUT_MS } from '../units';
 import { validateVmName } from '../vm-name';
 import type { RunArgs } from './run-args';
@@ -80,19 +88,63 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
   };
   process.on('SIGINT', stopOnSignal);
   process.on('SIGTERM', stopOnSignal);
+  const forwards: PortForward[] = [];
   try {
-    vmm = JailedVmm.start({ id, limits, runArgv: argv, readOnly, readWrite, backingParent: args.backingDir });
+    const network = args.source.kind === 'boot' ? parseNetworkOption(args.source.network) : { kind: 'none' as const };
+    vmm = await JailedVmm.start({ id, limits, runArgv: withoutPublish(argv), readOnly, readWrite, backingParent: args.backingDir, ...(network.kind !== 'none' && { network }) });
     if (!args.quiet) process.stderr.write(`pvisor: ${id} jailed (pid ${vmm.pid}): memory at most ${formatMiB(limits.memoryBytes)}, ${limits.cpus} CPU(s), ${limits.pids} tasks\n`);
-    const outcome = await vmm.exited();
+    const ended = vmm.exited();
+    if (args.publish.length) void publish(vmm, id, args, forwards, ended);
+    const outcome = await ended;
     if ('exitCode' in outcome) return outcome.exitCode;
     if ('error' in outcome) throw outcome.error as VmLimitError | JailViolationError;
     process.stderr.write(`pvisor: ${id}: the jailed VM process was killed by ${outcome.signal}\n`);
     return 128 + (osConstants.signals[outcome.signal] ?? 0);
   } finally {
+    for (const f of forwards) f.close();
     process.off('SIGINT', stopOnSignal);
     process.off('SIGTERM', stopOnSignal);
     server.close();
   }
+}
+
+/**
+ * `--publish` for a jailed VM: once its VM is ready, this process listens on each host port and
+ * forwards through the jailed VMM's socket. A port that cannot be had stops the VM, as it ends an
+ * in-process run.
+ */
+async function publish(vmm: JailedVmm, id: string, args: RunArgs, forwards: PortForward[], ended: Promise<unknown>): Promise<void> {
+  let gone = false;
+  void ended.then(() => (gone = true));
+  try {
+    const handle = await Promise.race([untilJailedReady(id, vmm.innerSocketPath, MAX_TIMEOUT_MS), ended.then(() => undefined)]);
+    for (const p of args.publish) {
+      if (!handle || gone) return;
+      const f = await handle.forward(p.guestPort, { hostPort: p.hostPort });
+      forwards.push(f);
+      if (gone) f.close();
+      else if (!args.quiet) process.stderr.write(`pvisor: ${f.host}:${f.port} reaches the guest's port ${p.guestPort}\n`);
+    }
+  } catch (e) {
+    if (gone) return;
+    process.stderr.write(`pvisor: ${id}: --publish: ${(e as Error).message}; stopping the jailed VM\n`);
+    controlRequest(vmm.innerSocketPath, id, { op: 'stop' }, 30_000).catch(() => vmm.kill());
+  }
+}
+
+/**
+ * The run's arguments without `--publish` (before `--`): the launcher publishes, not the jailed
+ * run. Pure.
+ */
+export function withoutPublish(argv: readonly string[]): string[] {
+  const dash = argv.indexOf('--');
+  const own = dash >= 0 ? argv.slice(0, dash) : [...argv];
+  const out: string[] = [];
+  for (let i = 0; i < own.length; i++) {
+    if (own[i] === '--publish') i++;
+    else if (!own[i].startsWith('--publish=')) out.push(own[i]);
+  }
+  return [...out, ...(dash >= 0 ? argv.slice(dash) : [])];
 }
 
 /** The host files the VM reads and writes, which its jail mounts at the same paths. */
