@@ -14,7 +14,7 @@ import { randomBytes } from 'node:crypto';
 import { resolve } from 'node:path';
 import { constants as osConstants } from 'node:os';
 import { connect } from 'node:net';
-import { CONTROL_PROTOCOL_VERSION, controlRequest, ControlServer, ensureRuntimeDir, errorPayload, runtimeDir, socketPathFor, type ControlHandler, type ControlResponse, type ControlStreamHandler } from '../control-socket';
+import { CONTROL_PROTOCOL_VERSION, controlRequest, ControlServer, ensureRuntimeDir, errorPayload, idOfSocket, runtimeDir, socketPathFor, type ControlHandler, type ControlResponse, type ControlStreamHandler } from '../control-socket';
 import { InvalidOptionError, VmStateError, type JailViolationError, type VmLimitError } from '../errors';
 import { JailedVmm, MAX_RELAYED_ANSWER_BYTES } from '../jail/launcher';
 import { untilJailedReady } from '../jail/jailed-vm';
@@ -29,10 +29,12 @@ import { RefusedError } from './usage';
 /** Runs `args` jailed (`argv`: the run's own arguments, passed on); resolves with the run's exit status. */
 export async function runJailed(args: RunArgs, argv: readonly string[], machine: { memoryBytes: number; vcpus: number }): Promise<number> {
   const limits = resolveLimits(args.limits, machine);
-  const id = args.name !== undefined ? validateVmName(args.name) : randomBytes(3).toString('hex');
+  // --vm-socket: this process listens there (the jailed run's own socket is the one it was handed).
+  const explicit = args.socketPath;
+  const id = args.name !== undefined ? validateVmName(args.name) : explicit !== undefined ? validateVmName(idOfSocket(explicit), 'vm-socket') : randomBytes(3).toString('hex');
   const { readOnly, readWrite } = pathsOf(args);
-  const path = socketPathFor(id);
-  ensureRuntimeDir(runtimeDir());
+  const path = explicit ?? socketPathFor(id);
+  if (explicit === undefined) ensureRuntimeDir(runtimeDir());
   let vmm: JailedVmm | undefined;
   const relay: ControlHandler = async (request) => {
     if (request.op === 'snapshot' || request.op === 'hibernate') {

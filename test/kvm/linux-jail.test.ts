@@ -12,6 +12,7 @@ import { JAIL_RUN_DIR } from '../../src/jail/launcher';
 import type { JailedVmHandle } from '../../src/jail/jailed-vm';
 import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { Vm } from '../../src/vm';
+import { VmHandle } from '../../src/vm-handle';
 import { startPvisor, type Run } from '../cli-runs';
 
 const CGROUP = '/sys/fs/cgroup/pvisor';
@@ -155,8 +156,9 @@ describe('a Linux VM in a jailed process', () => {
       expectNothingLeft('LK', knet.tap!, knet.nftTable!);
     }, 420_000);
 
-    it("'--net nat --publish' through the CLI: the guest reaches the outside, the launcher publishes the port, and SIGTERM leaves nothing", async () => {
-      const run = startPvisor(env, ['run', '--isolation', 'process', '--name', 'LC', '--vm-backing-dir', dir, '--memory', '256MiB', '--vcpus', '1', '--net', 'nat', '--publish', '18089:8000', '--',
+    it("'--net nat --publish --vm-socket' through the CLI: the guest reaches the outside, the launcher publishes the port and listens on the socket, and SIGTERM leaves nothing", async () => {
+      const socketPath = join(dir, 'lc.sock');
+      const run = startPvisor(env, ['run', '--isolation', 'process', '--name', 'LC', '--vm-socket', socketPath, '--vm-backing-dir', dir, '--memory', '256MiB', '--vcpus', '1', '--net', 'nat', '--publish', '18089:8000', '--',
         'sh', '-c', `timeout 10 wget -q -O - http://${OUTSIDE}:8080/; echo; mkdir -p /tmp/w; echo published > /tmp/w/i; exec httpd -f -p 8000 -h /tmp/w`]);
       runs.push(run);
       await run.waitFor(/^hello from 198\.18\.1\.1$/m);
@@ -168,11 +170,14 @@ describe('a Linux VM in a jailed process', () => {
       let body = '';
       for (const end = Date.now() + 30_000; body !== 'published\n' && Date.now() < end; await new Promise((r) => setTimeout(r, 500))) body = await httpGet('http://127.0.0.1:18089/i').catch(() => '');
       expect(body).toBe('published\n');
+      const h = await VmHandle.connect('LC', { socketPath });
+      expect(await h.status()).toMatchObject({ id: 'LC', state: 'running' });
       run.child.kill('SIGTERM');
       const end = await run.exited;
       expect(end.signal).toBeNull();
       expectNothingLeft('LC', tap!, `pvisor_${launcher}_0`);
       await expect(httpGet('http://127.0.0.1:18089/i')).rejects.toThrow(/ECONNREFUSED/);
+      expect(existsSync(socketPath)).toBe(false);
     }, 300_000);
   });
 });

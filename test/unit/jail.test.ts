@@ -186,10 +186,10 @@ describe('pvisor run --isolation', () => {
     expect(() => parseRunArgs(['--isolation', 'process', '--limit-memory', '1MiB', '--', 'x'])).toThrow(/^limits\.memory: at least 64 MiB/);
   });
 
-  it('takes a network; refuses what a jail cannot give yet: a page pool, a socket path of its own', () => {
+  it('takes a network and a socket path; refuses what a jail cannot give yet: a page pool', () => {
     expect(parseRunArgs(['--isolation', 'process', '--net', 'nat', '--net-allow', '10.0.0.0/8', '--', 'x'])).toMatchObject({ isolation: 'process', source: { network: { mode: 'nat', allow: ['10.0.0.0/8'] } } });
     expect(() => parseRunArgs(['--isolation', 'process', '--vm-pool', '/s', '--', 'x'])).toThrow(/^--vm-pool: does not go with --isolation process yet/);
-    expect(() => parseRunArgs(['--isolation', 'process', '--vm-socket', '/tmp/a.sock', '--', 'x'])).toThrow(/^--vm-socket: does not go with --isolation process/);
+    expect(parseRunArgs(['--isolation', 'process', '--vm-socket', '/tmp/a.sock', '--', 'x'])).toMatchObject({ isolation: 'process', socketPath: '/tmp/a.sock' });
   });
 });
 
