@@ -99,9 +99,12 @@ function start(kind, i) {
     const med = (kind, f) => stats(rows.filter((r) => r.kind === kind).map(f)).median;
     console.log(`jail's cost per VM: start +${(med('process', (r) => r.startMs) - med('none', (r) => r.startMs)).toFixed(0)} ms (${(med('process', (r) => r.startMs) / med('none', (r) => r.startMs)).toFixed(2)}x), PSS +${mib(med('process', (r) => r.totalPss) - med('none', (r) => r.totalPss))} MiB (VMM process alone ${mib(med('process', (r) => r.vmmPss) - med('none', (r) => r.vmmPss))} MiB)`);
   } finally {
+    // Each run stops its VM and removes what it made (a jailed one: its cgroup, jail directory and
+    // network); under emulation that takes seconds, and a run killed before leaves them behind.
+    const ended = (r) => r.child.exitCode !== null || r.child.signalCode !== null;
     for (const r of runs) r.child.kill('SIGTERM');
-    await new Promise((r) => setTimeout(r, 3000));
-    for (const r of runs) if (r.child.exitCode === null) r.child.kill('SIGKILL');
+    for (const end = Date.now() + 120_000; runs.some((r) => !ended(r)) && Date.now() < end;) await new Promise((r) => setTimeout(r, 200));
+    for (const r of runs) if (!ended(r)) r.child.kill('SIGKILL');
     rmSync(dir, { recursive: true, force: true });
   }
 })().catch((e) => {

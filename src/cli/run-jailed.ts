@@ -19,7 +19,8 @@ import { InvalidOptionError, VmStateError, type JailViolationError, type VmLimit
 import { JailedVmm, MAX_RELAYED_ANSWER_BYTES } from '../jail/launcher';
 import { untilJailedReady } from '../jail/jailed-vm';
 import { resolveLimits } from '../jail/limits';
-import { parseNetworkOption } from '../network/options';
+import { parseMac } from '../network/addresses';
+import { parseNetworkOption, type NetworkPlan } from '../network/options';
 import type { PortForward } from '../network/port-forward';
 import { formatMiB, MAX_TIMEOUT_MS } from '../units';
 import { validateVmName } from '../vm-name';
@@ -92,8 +93,8 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
   process.on('SIGTERM', stopOnSignal);
   const forwards: PortForward[] = [];
   try {
-    const network = args.source.kind === 'boot' ? parseNetworkOption(args.source.network) : { kind: 'none' as const };
-    vmm = await JailedVmm.start({ id, limits, runArgv: withoutPublish(argv), readOnly, readWrite, backingParent: args.backingDir, ...(network.kind !== 'none' && { network }) });
+    const { network, mac } = await networkOf(args);
+    vmm = await JailedVmm.start({ id, limits, runArgv: withoutPublish(argv), readOnly, readWrite, backingParent: args.backingDir, ...(network.kind !== 'none' && { network, networkMac: mac }) });
     if (!args.quiet) process.stderr.write(`pvisor: ${id} jailed (pid ${vmm.pid}): memory at most ${formatMiB(limits.memoryBytes)}, ${limits.cpus} CPU(s), ${limits.pids} tasks\n`);
     const ended = vmm.exited();
     if (args.publish.length) void publish(vmm, id, args, forwards, ended);
@@ -147,6 +148,22 @@ export function withoutPublish(argv: readonly string[]): string[] {
     else if (!own[i].startsWith('--publish=')) out.push(own[i]);
   }
   return [...out, ...(dash >= 0 ? argv.slice(dash) : [])];
+}
+
+/**
+ * The network the launcher makes for the VM: `--net`'s, or for `--from` the snapshot's policy
+ * with its guest's MAC, as Vm.restore makes it in-process (each restored VM a TAP of its own).
+ */
+async function networkOf(args: RunArgs): Promise<{ network: NetworkPlan; mac?: Buffer }> {
+  const { source } = args;
+  if (source.kind === 'boot') return { network: parseNetworkOption(source.network) };
+  const { SnapshotReader } = await import('../snapshot/snapshot-dir');
+  const snapshot = SnapshotReader.open(source.dir);
+  snapshot.close();
+  const saved = snapshot.state.network;
+  if (!saved) return { network: { kind: 'none' } };
+  // Checked when the snapshot was read: a 'nat' option and a unicast MAC.
+  return { network: parseNetworkOption(saved.option), mac: parseMac(saved.mac) };
 }
 
 /** The host files the VM reads and writes, which its jail mounts at the same paths. */

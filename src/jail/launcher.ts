@@ -65,6 +65,8 @@ export interface JailPlan {
   gid?: number;
   /** The VM's network, set up here and handed to the jail (none when absent). */
   network?: Exclude<NetworkPlan, { kind: 'none' }>;
+  /** The guest's MAC on that network: a restored guest's is its snapshot's (default a new one). */
+  networkMac?: Buffer;
 }
 
 /** The fd the jailed VMM has the TAP on (after stdio, the control socket, the status pipe and the seccomp program). */
@@ -178,7 +180,7 @@ export class JailedVmm {
       let network: HostNetwork | undefined;
       if (plan.network) {
         const { HostNetwork } = await import('../network/host-network');
-        const net = await HostNetwork.setup(plan.network);
+        const net = await HostNetwork.setup(plan.network, plan.networkMac ? { mac: plan.networkMac } : {});
         network = net;
         undo.push(() => net.close());
         devices.push({ node: makeDeviceNode('/dev/vhost-net', join(dir, 'vhost-net'), uid, gid), path: '/dev/vhost-net' });

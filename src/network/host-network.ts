@@ -226,7 +226,7 @@ export class HostNetwork {
     // A jailed VMM: its launcher made the host side and handed over the TAP.
     const handed = handedNetwork();
     if (handed === null) {
-      throw new NetworkSetupError('unsupported', "this VMM runs in a jail whose launcher made no network for it (a jailed VMM cannot make a TAP or host rules); a jailed VM gets its network from Vm.start's or pvisor run's network option, and restoring a snapshot that has a network is not supported in a jail yet: use isolation 'none'");
+      throw new NetworkSetupError('unsupported', "this VMM runs in a jail whose launcher made no network for it (a jailed VMM cannot make a TAP or host rules): its launcher makes it from Vm.start's or pvisor run's network option, or from the snapshot pvisor run --from restores");
     }
     if (handed) return HostNetwork.adopt(plan, handed, options);
     if (plan.kind === 'nat' && !hasNetAdmin()) {

@@ -179,5 +179,24 @@ describe('a Linux VM in a jailed process', () => {
       await expect(httpGet('http://127.0.0.1:18089/i')).rejects.toThrow(/ECONNREFUSED/);
       expect(existsSync(socketPath)).toBe(false);
     }, 300_000);
+
+    it("'--from' a 'nat' snapshot through the CLI: the launcher makes the restored VM a network of its own with the snapshot's MAC", async () => {
+      // Taken in-process (a jailed VM's snapshot is refused yet).
+      const vm = await Vm.start({ memory: '256MiB', vcpus: 1, network: 'nat', bootTimeoutMs: 170_000 });
+      const snapshot = join(dir, 'nat-snapshot');
+      const mac = vm.network.mac!;
+      try {
+        await vm.snapshot(snapshot);
+      } finally {
+        await vm.stop();
+      }
+      const run = startPvisor(env, ['run', '--isolation', 'process', '--name', 'LR', '--vm-backing-dir', dir, '--from', snapshot, '--', 'sh', '-c', `cat /sys/class/net/eth0/address; timeout 10 wget -q -O - http://${OUTSIDE}:8080/`]);
+      runs.push(run);
+      const end = await run.exited;
+      expect(run.out()).toContain(mac);
+      expect(run.out()).toContain('hello from 198.18.1.1');
+      expect(end.code).toBe(0);
+      expectNothingLeft('LR', `pv${run.child.pid}n0`, `pvisor_${run.child.pid}_0`);
+    }, 300_000);
   });
 });
