@@ -3,7 +3,9 @@
  * (its control socket in the runtime directory), starts the VMM in a jail (../jail/launcher.ts)
  * with the same arguments, relays each control request to the jailed VMM's own socket, and ends
  * with the VMM's exit status, or with the typed error of what killed it (its memory limit: a
- * {@link VmLimitError}; its seccomp filter: a {@link JailViolationError}).
+ * {@link VmLimitError}; its seccomp filter: a {@link JailViolationError}). A snapshot is written
+ * by the jailed VMM into its own backing directory and copied out by this process
+ * (../jail/snapshot-handoff.ts).
  *
  * What lives in the host's network namespace is this process's: the VM's network (`--net`, made
  * by the launcher and handed to the jail as a TAP fd) and its published ports (`--publish`: this
@@ -18,6 +20,7 @@ import { CONTROL_PROTOCOL_VERSION, controlRequest, ControlServer, ensureRuntimeD
 import { InvalidOptionError, VmStateError, type JailViolationError, type VmLimitError } from '../errors';
 import { JailedVmm, MAX_RELAYED_ANSWER_BYTES } from '../jail/launcher';
 import { untilJailedReady } from '../jail/jailed-vm';
+import { handOffSnapshot } from '../jail/snapshot-handoff';
 import { resolveLimits } from '../jail/limits';
 import { parseMac } from '../network/addresses';
 import { parseNetworkOption, type NetworkPlan } from '../network/options';
@@ -38,13 +41,22 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
   if (explicit === undefined) ensureRuntimeDir(runtimeDir());
   let vmm: JailedVmm | undefined;
   const relay: ControlHandler = async (request) => {
-    if (request.op === 'snapshot' || request.op === 'hibernate') {
-      return { response: { ok: false, error: errorPayload(new InvalidOptionError(request.op, `not available for a jailed VM yet (its jail does not see the directory it would write); run it with --isolation none`)) } };
+    if (request.op === 'hibernate') {
+      return { response: { ok: false, error: errorPayload(new InvalidOptionError(request.op, `not available for a jailed VM yet (its process would have to be started again in a jail by pvisor resume); run it with --isolation none`)) } };
     }
     if (!vmm) return { response: { ok: false, error: errorPayload(new VmStateError(`${id} is starting`)) } };
+    const jailed = vmm;
+    const ask = (r: typeof request) => controlRequest(jailed.innerSocketPath, id, r, MAX_TIMEOUT_MS, MAX_RELAYED_ANSWER_BYTES);
     let r: ControlResponse;
     try {
-      r = await controlRequest(vmm.innerSocketPath, id, request, MAX_TIMEOUT_MS, MAX_RELAYED_ANSWER_BYTES);
+      if (request.op === 'snapshot') {
+        // The jailed VMM writes where it can (its backing directory); this process copies it out.
+        const target = resolve(request.dir);
+        r = await handOffSnapshot(jailed, machine.memoryBytes, target, async (staging) => {
+          const answer = await ask({ ...request, dir: staging });
+          return { written: answer.ok, value: answer.ok && answer.snapshot ? { ...answer, snapshot: { ...answer.snapshot, dir: target } } : answer };
+        });
+      } else r = await ask(request);
     } catch (e) {
       return { response: { ok: false, error: errorPayload(e) } };
     }

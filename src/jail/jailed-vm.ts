@@ -13,10 +13,11 @@ import { parseTimeoutMs, type Size } from '../units';
 import { VmHandle } from '../vm-handle';
 import { validateVmName } from '../vm-name';
 import { checkVmShape } from '../vm-shape';
-import type { GuestKind } from '../vm';
+import type { GuestKind, SnapshotInfo, SnapshotOptions } from '../vm';
 import { parseNetworkOption, type NetworkOption } from '../network/options';
 import { noNetwork, type VmNetwork } from '../network/vm-network';
 import { JailedVmm, type JailOutcome } from './launcher';
+import { handOffSnapshot } from './snapshot-handoff';
 import { resolveLimits, type JailLimitsInput } from './limits';
 
 /**
@@ -70,6 +71,12 @@ export interface JailInfo {
  * @category VM
  */
 export type JailedVmHandle = VmHandle & {
+  /**
+   * {@link VmHandle.snapshot}: the jailed child writes the snapshot into its own backing
+   * directory (the only one it can write), and this process copies it into `dir` as files of
+   * its own, checked as hostile input (docs/security.md).
+   */
+  snapshot(dir: string, options?: SnapshotOptions): Promise<SnapshotInfo>;
   readonly jail: JailInfo;
   /**
    * The VM's network, as {@link Vm.network} says it; its {@link VmNetwork.update} changes the
@@ -118,6 +125,12 @@ export async function startJailedVm(options: JailedVmOptions): Promise<JailedVmH
     const handle = await Promise.race([untilJailedReady(id, vmm.innerSocketPath, bootTimeoutMs), ended.then((o) => Promise.reject(errorOfEnd(id, o)))]);
     const jail: JailInfo = { pid: vmm.pid, exited: () => ended, kill: () => vmm.kill() };
     Object.defineProperty(handle, 'network', { value: vmm.network?.view() ?? noNetwork(), enumerable: true });
+    // The jailed VMM sees no directory of the caller's: it writes into its own, and this process copies it out.
+    const snapshot = (dir: string, opts?: SnapshotOptions): Promise<SnapshotInfo> => {
+      const target = resolve(dir);
+      return handOffSnapshot(vmm, memoryBytes, target, async (staging) => ({ written: true, value: { ...(await VmHandle.prototype.snapshot.call(handle, staging, opts)), dir: target } }));
+    };
+    Object.defineProperty(handle, 'snapshot', { value: snapshot });
     return Object.defineProperty(handle, 'jail', { value: jail, enumerable: true }) as JailedVmHandle;
   } catch (e) {
     vmm.kill();

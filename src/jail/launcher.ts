@@ -103,6 +103,10 @@ export class JailedVmm {
     private readonly cleanup: () => void,
     /** The VM's network, when it has one: its host side is this process's. */
     readonly network: HostNetwork | undefined,
+    /** The VM's own backing directory, bound into the jail and the jail uid's (a snapshot is staged there). */
+    readonly backingDir: string,
+    /** The jail's uid. */
+    readonly uid: number,
   ) {
     child.stdio[4]?.on('data', (d: Buffer) => {
       if (this.report.length < 4096) this.report += d.toString('utf8');
@@ -242,7 +246,7 @@ export class JailedVmm {
       });
       const argv = cgroup.enterArgv([bwrap, ...args]);
       const child = spawn(argv[0], argv.slice(1), { stdio: ['ignore', stdio.stdout, stdio.stderr, controlFd, 'pipe', filterFd, ...(network ? [network.tap.fd] : [])], env: {} });
-      return new JailedVmm(plan.id, innerSocketPath, child, cgroup, plan.limits, cleanup, network);
+      return new JailedVmm(plan.id, innerSocketPath, child, cgroup, plan.limits, cleanup, network, backingDir, uid);
     } catch (e) {
       cleanup();
       throw e;

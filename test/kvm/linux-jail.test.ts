@@ -5,15 +5,16 @@
 // because it boots the Linux guest (which kvm_pvm cannot run): it goes to the nested harness.
 // Needs /dev/kvm, root, bwrap and cgroup v2 (the harness's L1 has them).
 import { execFileSync, spawn, spawnSync, type ChildProcess } from 'node:child_process';
-import { existsSync, mkdtempSync, readFileSync, readlinkSync, rmSync } from 'node:fs';
+import { existsSync, lstatSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync } from 'node:fs';
 import { get } from 'node:http';
 import { join } from 'node:path';
 import { JAIL_RUN_DIR } from '../../src/jail/launcher';
 import type { JailedVmHandle } from '../../src/jail/jailed-vm';
 import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
+import { SnapshotReader } from '../../src/snapshot/snapshot-dir';
 import { Vm } from '../../src/vm';
 import { VmHandle } from '../../src/vm-handle';
-import { startPvisor, type Run } from '../cli-runs';
+import { pvisorOnce, startPvisor, type Run } from '../cli-runs';
 
 const CGROUP = '/sys/fs/cgroup/pvisor';
 const sh = (cmd: string) => execFileSync('sh', ['-c', cmd], { encoding: 'utf8' });
@@ -39,6 +40,17 @@ function vmmPid(id: string): number {
   const node = pids.filter((p) => /^Uid:\s+65534\b/m.test(readFileSync(`/proc/${p}/status`, 'utf8')) && readFileSync(`/proc/${p}/comm`, 'utf8').trim() === 'node');
   expect(node).toHaveLength(1);
   return node[0];
+}
+
+/** A snapshot copied out of a jail: this process's files, read-only, checked whole by the reader; nothing left staged in `backingDir`. */
+function expectSnapshotOfOurs(snapshot: string, backingDir: string): void {
+  expect(readdirSync(backingDir).filter((n) => n.startsWith('snapshot-'))).toEqual([]);
+  expect(readdirSync(snapshot).sort()).toEqual(['manifest.json', 'ram', 'state.json']);
+  for (const f of readdirSync(snapshot)) {
+    const st = lstatSync(join(snapshot, f));
+    expect(st.isFile() && st.uid === process.getuid!() && (st.mode & 0o777) === 0o444).toBe(true);
+  }
+  SnapshotReader.open(snapshot).close();
 }
 
 /** Nothing of jailed VM `id` and its network is left on the host: TAP, tables, cgroup, jail directory. */
@@ -85,10 +97,23 @@ describe('a Linux VM in a jailed process', () => {
       await p.end();
       expect(await p.exited).toEqual({ exitCode: 0, signal: null });
       expect(Buffer.concat(out).toString()).toBe('piped\n');
+
+      // A snapshot: the jailed VMM writes it into its own backing directory, this process copies it out.
+      await vm.files.write('/tmp/mark', 'before the snapshot');
+      const snapshot = join(dir, 'jailed-snapshot');
+      expect((await vm.snapshot(snapshot)).dir).toBe(snapshot);
+      expectSnapshotOfOurs(snapshot, join(dir, 'pvisor-jail-LJ'));
     } finally {
       await vm.stop();
     }
-  }, 360_000);
+    // It restores (here, in this process) with what the jailed guest had.
+    const restored = await Vm.restore(join(dir, 'jailed-snapshot'), { readyTimeoutMs: 170_000 });
+    try {
+      expect((await restored.exec('cat /tmp/mark')).stdout).toBe('before the snapshot');
+    } finally {
+      await restored.stop();
+    }
+  }, 480_000);
 
   describe('with a network', () => {
     let outside: ChildProcess;
@@ -172,6 +197,11 @@ describe('a Linux VM in a jailed process', () => {
       expect(body).toBe('published\n');
       const h = await VmHandle.connect('LC', { socketPath });
       expect(await h.status()).toMatchObject({ id: 'LC', state: 'running' });
+      // pvisor snapshot of a jailed VM: through the launcher's socket, copied out by the launcher.
+      const snapshot = join(dir, 'cli-snapshot');
+      const taken = await pvisorOnce(env, ['snapshot', 'LC', snapshot, '--vm-socket', socketPath]);
+      expect(taken).toMatchObject({ status: 0 });
+      expectSnapshotOfOurs(snapshot, join(dir, 'pvisor-jail-LC'));
       run.child.kill('SIGTERM');
       const end = await run.exited;
       expect(end.signal).toBeNull();
