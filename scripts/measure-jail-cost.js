@@ -6,7 +6,8 @@
 // pages among the processes that map them, so the runs of both kinds share node's text alike).
 // VMs of both kinds are started alternately and all kept running while PSS is read. Needs root,
 // KVM, bubblewrap and cgroup v2; in the harness:
-//   node scripts/with-kvm.js node scripts/measure-jail-cost.js [--vms 3] [--guest probe|linux]
+//   node scripts/with-kvm.js node scripts/measure-jail-cost.js [--vms 3] [--guest probe|linux] [--net nat]
+// (--net nat: each VM, of both kinds, with a network; the Linux guest only.)
 'use strict';
 const { spawn } = require('node:child_process');
 const { mkdtempSync, readdirSync, readFileSync, rmSync } = require('node:fs');
@@ -16,6 +17,8 @@ const args = process.argv.slice(2);
 const opt = (name, dflt) => (args.includes(name) ? args[args.indexOf(name) + 1] : dflt);
 const vmsPerKind = Number(opt('--vms', '3'));
 const guest = opt('--guest', 'probe');
+const net = opt('--net', 'none');
+if (net !== 'none' && guest !== 'linux') throw new Error('--net needs --guest linux');
 const main = join(__dirname, '..', 'dist', 'src', 'cli', 'main.js');
 const dir = mkdtempSync('/var/tmp/pvisor-jail-cost-');
 const env = { ...process.env, PVISOR_RUNTIME_DIR: join(dir, 'run') };
@@ -55,7 +58,7 @@ function tree(pid) {
 function start(kind, i) {
   const name = `${kind === 'process' ? 'j' : 'n'}${i}`;
   const t0 = performance.now();
-  const child = spawn(process.execPath, ['--expose-gc', main, 'run', '--isolation', kind, '--name', name, '--guest', guest, '--memory', memory, '--vcpus', '1', '--vm-backing-dir', dir, '--', ...command], { env, stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(process.execPath, ['--expose-gc', main, 'run', '--isolation', kind, '--name', name, '--guest', guest, '--memory', memory, '--vcpus', '1', ...(net === 'none' ? [] : ['--net', net]), '--vm-backing-dir', dir, '--', ...command], { env, stdio: ['ignore', 'pipe', 'pipe'] });
   let err = '';
   let out = '';
   child.stdout.on('data', (d) => (out += d));
@@ -84,7 +87,7 @@ function start(kind, i) {
     });
     const mib = (b) => (b / 1048576).toFixed(1);
     const stats = (xs) => { const s = [...xs].sort((a, b) => a - b); return { median: s[Math.floor(s.length / 2)], min: s[0], max: s.at(-1) }; };
-    console.log(`guest ${guest}, ${memory}, 1 vCPU, ${vmsPerKind} VMs of each kind alive at once`);
+    console.log(`guest ${guest}, ${memory}, 1 vCPU, network ${net}, ${vmsPerKind} VMs of each kind alive at once`);
     for (const kind of ['none', 'process']) {
       const mine = rows.filter((r) => r.kind === kind);
       const t = stats(mine.map((r) => r.startMs));
@@ -96,9 +99,12 @@ function start(kind, i) {
     const med = (kind, f) => stats(rows.filter((r) => r.kind === kind).map(f)).median;
     console.log(`jail's cost per VM: start +${(med('process', (r) => r.startMs) - med('none', (r) => r.startMs)).toFixed(0)} ms (${(med('process', (r) => r.startMs) / med('none', (r) => r.startMs)).toFixed(2)}x), PSS +${mib(med('process', (r) => r.totalPss) - med('none', (r) => r.totalPss))} MiB (VMM process alone ${mib(med('process', (r) => r.vmmPss) - med('none', (r) => r.vmmPss))} MiB)`);
   } finally {
+    // Each run stops its VM and removes what it made (a jailed one: its cgroup, jail directory and
+    // network); under emulation that takes seconds, and a run killed before leaves them behind.
+    const ended = (r) => r.child.exitCode !== null || r.child.signalCode !== null;
     for (const r of runs) r.child.kill('SIGTERM');
-    await new Promise((r) => setTimeout(r, 3000));
-    for (const r of runs) if (r.child.exitCode === null) r.child.kill('SIGKILL');
+    for (const end = Date.now() + 120_000; runs.some((r) => !ended(r)) && Date.now() < end;) await new Promise((r) => setTimeout(r, 200));
+    for (const r of runs) if (!ended(r)) r.child.kill('SIGKILL');
     rmSync(dir, { recursive: true, force: true });
   }
 })().catch((e) => {

@@ -240,11 +240,11 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
 
 /**
  * `--isolation` and the `--limit-*` options, checked. What a jail cannot give the VM yet is
- * refused here rather than failing inside it: a network (its TAP lives in the host's namespace),
- * a page pool (its daemon's socket), `--vm-socket` (the launcher owns the socket).
+ * refused here rather than failing inside it: a page pool (its daemon's socket). A network and
+ * `--vm-socket` are the launcher's (src/jail/launcher.ts, ../cli/run-jailed.ts).
  */
 function isolationOf(
-  values: { isolation?: string; 'limit-memory'?: string; 'limit-cpus'?: string; 'limit-pids'?: string; net?: string; 'vm-pool'?: string; 'vm-socket'?: string },
+  values: { isolation?: string; 'limit-memory'?: string; 'limit-cpus'?: string; 'limit-pids'?: string; net?: string; 'vm-pool'?: string },
   source: BootSource | SnapshotSource,
 ): { isolation: 'process' | 'none'; limits: JailLimitsInput } {
   const isolation = values.isolation ?? DEFAULT_ISOLATION;
@@ -262,9 +262,7 @@ function isolationOf(
     if (given) throw new InvalidOptionError(`--limit-${given}`, 'only goes with --isolation process (a VM in this process has no limits of its own)');
     return { isolation, limits };
   }
-  if (source.kind === 'boot' && source.network !== 'none') throw new InvalidOptionError('--net', "does not go with --isolation process yet: the VM's TAP lives in the host's network namespace (use --isolation none)");
   if (values['vm-pool'] !== undefined) throw new InvalidOptionError('--vm-pool', 'does not go with --isolation process yet: the jail has no way to the pool daemon (use --isolation none)');
-  if (values['vm-socket'] !== undefined) throw new InvalidOptionError('--vm-socket', 'does not go with --isolation process: the launcher listens on ID.sock in the runtime directory (use --name)');
   // The limits are checked against the VM they bound.
   if (source.kind === 'boot') resolveLimits(limits, source);
   return { isolation, limits };

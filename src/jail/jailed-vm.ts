@@ -13,8 +13,11 @@ import { parseTimeoutMs, type Size } from '../units';
 import { VmHandle } from '../vm-handle';
 import { validateVmName } from '../vm-name';
 import { checkVmShape } from '../vm-shape';
-import type { GuestKind } from '../vm';
+import type { GuestKind, SnapshotInfo, SnapshotOptions } from '../vm';
+import { parseNetworkOption, type NetworkOption } from '../network/options';
+import { noNetwork, type VmNetwork } from '../network/vm-network';
 import { JailedVmm, type JailOutcome } from './launcher';
+import { handOffSnapshot } from './snapshot-handoff';
 import { resolveLimits, type JailLimitsInput } from './limits';
 
 /**
@@ -37,6 +40,13 @@ export interface JailedVmOptions {
   bootTimeoutMs?: number;
   /** The directory the VM's own backing directory is made in (Offload's files on suspend). Default /var/tmp. */
   backingDir?: string;
+  /**
+   * The guest's network, as {@link VmOptions.network} (Linux guest). Its host side (the TAP, its
+   * nftables rules, the resolver of hostname rules) is made and kept by this process, which
+   * hands the jailed child only the TAP's open fd: the child needs no CAP_NET_ADMIN. It is
+   * removed when the child ends, however it ends. Needs what `'nat'` needs in-process.
+   */
+  network?: NetworkOption;
 }
 
 /**
@@ -60,10 +70,23 @@ export interface JailInfo {
  * A {@link VmHandle} on a VM that runs in a jailed child of this process.
  * @category VM
  */
-export type JailedVmHandle = VmHandle & { readonly jail: JailInfo };
+export type JailedVmHandle = VmHandle & {
+  /**
+   * {@link VmHandle.snapshot}: the jailed child writes the snapshot into its own backing
+   * directory (the only one it can write), and this process copies it into `dir` as files of
+   * its own, checked as hostile input (docs/security.md).
+   */
+  snapshot(dir: string, options?: SnapshotOptions): Promise<SnapshotInfo>;
+  readonly jail: JailInfo;
+  /**
+   * The VM's network, as {@link Vm.network} says it; its {@link VmNetwork.update} changes the
+   * egress rules, which this process keeps.
+   */
+  readonly network: VmNetwork;
+};
 
-const UNSUPPORTED = ['strategies', 'network', 'rootfs', 'env', 'kernelArgs', 'timeoutMs', 'onTimeout', 'hibernateDir', 'warningLimit'] as const;
-const KNOWN = ['isolation', 'limits', 'memory', 'vcpus', 'guest', 'kernel', 'initrd', 'name', 'labels', 'bootTimeoutMs', 'backingDir'];
+const UNSUPPORTED = ['strategies', 'rootfs', 'env', 'kernelArgs', 'timeoutMs', 'onTimeout', 'hibernateDir', 'warningLimit'] as const;
+const KNOWN = ['isolation', 'limits', 'memory', 'vcpus', 'guest', 'kernel', 'initrd', 'name', 'labels', 'bootTimeoutMs', 'backingDir', 'network'];
 
 /**
  * Starts a jailed VM. Rejects with an {@link InvalidOptionError} for an option a jailed VM does
@@ -76,6 +99,8 @@ export async function startJailedVm(options: JailedVmOptions): Promise<JailedVmH
     if (!KNOWN.includes(key)) throw new InvalidOptionError(key, `not an option of Vm.start with isolation: 'process' (its options: ${KNOWN.join(', ')})`);
   }
   const { memoryBytes, vcpus, guest } = checkVmShape(options);
+  const network = parseNetworkOption(options.network);
+  if (network.kind !== 'none' && guest !== 'linux') throw new InvalidOptionError('network', `only the Linux guest has a network device (this VM runs the ${guest} guest)`);
   const limits = resolveLimits(options.limits, { memoryBytes, vcpus });
   const bootTimeoutMs = options.bootTimeoutMs === undefined ? 60_000 : parseTimeoutMs('bootTimeoutMs', options.bootTimeoutMs);
   const id = options.name === undefined ? `jail-${randomBytes(3).toString('hex')}` : validateVmName(options.name);
@@ -87,13 +112,25 @@ export async function startJailedVm(options: JailedVmOptions): Promise<JailedVmH
     runArgv.push(flag, resolve(path));
   }
   for (const [k, v] of Object.entries(options.labels ?? {})) runArgv.push('--label', `${k}=${v}`);
+  // The child takes the network it is handed; this says only that it has one.
+  if (network.kind !== 'none') runArgv.push('--net', 'nat');
   // The run lasts until the handle stops it: the probe waits, the Linux guest sleeps.
   runArgv.push('--', ...(guest === 'probe' ? ['wait'] : ['sleep', '2147483647']));
-  const vmm = JailedVmm.start({ id, limits, runArgv, readOnly, readWrite: [], backingParent: options.backingDir ?? '/var/tmp' }, { stdout: 'ignore', stderr: 'inherit' });
+  const vmm = await JailedVmm.start(
+    { id, limits, runArgv, readOnly, readWrite: [], backingParent: options.backingDir ?? '/var/tmp', ...(network.kind !== 'none' && { network }) },
+    { stdout: 'ignore', stderr: 'inherit' },
+  );
   const ended = vmm.exited();
   try {
-    const handle = await Promise.race([untilReady(id, vmm.innerSocketPath, bootTimeoutMs), ended.then((o) => Promise.reject(errorOfEnd(id, o)))]);
+    const handle = await Promise.race([untilJailedReady(id, vmm.innerSocketPath, bootTimeoutMs), ended.then((o) => Promise.reject(errorOfEnd(id, o)))]);
     const jail: JailInfo = { pid: vmm.pid, exited: () => ended, kill: () => vmm.kill() };
+    Object.defineProperty(handle, 'network', { value: vmm.network?.view() ?? noNetwork(), enumerable: true });
+    // The jailed VMM sees no directory of the caller's: it writes into its own, and this process copies it out.
+    const snapshot = (dir: string, opts?: SnapshotOptions): Promise<SnapshotInfo> => {
+      const target = resolve(dir);
+      return handOffSnapshot(vmm, memoryBytes, target, async (staging) => ({ written: true, value: { ...(await VmHandle.prototype.snapshot.call(handle, staging, opts)), dir: target } }));
+    };
+    Object.defineProperty(handle, 'snapshot', { value: snapshot });
     return Object.defineProperty(handle, 'jail', { value: jail, enumerable: true }) as JailedVmHandle;
   } catch (e) {
     vmm.kill();
@@ -102,8 +139,8 @@ export async function startJailedVm(options: JailedVmOptions): Promise<JailedVmH
   }
 }
 
-/** Connects to the child's control socket and waits until its VM is no longer starting. */
-async function untilReady(id: string, socketPath: string, timeoutMs: number): Promise<VmHandle> {
+/** Connects to a jailed VMM's control socket and waits until its VM is no longer starting. */
+export async function untilJailedReady(id: string, socketPath: string, timeoutMs: number): Promise<VmHandle> {
   const deadline = Date.now() + timeoutMs;
   let handle: VmHandle | undefined;
   for (;;) {

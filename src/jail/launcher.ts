@@ -7,6 +7,11 @@
  *   (mknod'ed for the jail's uid, as Firecracker's jailer does), its control socket (listening,
  *   handed over as an fd) and the seccomp program (./seccomp.ts, handed over as an fd);
  * - the VM's own backing directory, owned by the jail's uid;
+ * - with a network, its host side (../network/host-network.ts: the TAP, its settings, its
+ *   nftables tables, the resolver of its egress rules), made here as an in-process VM's start
+ *   makes it; the jail gets the TAP's fd (inherited as fd 6), a /dev/vhost-net node of its uid,
+ *   and what the guest is to be told (../network/handed-network.ts), and needs no CAP_NET_ADMIN;
+ *   the launcher removes it all when the VMM ends, however it ends;
  * and then runs sh (to enter the cgroup) -> bwrap (./sandbox.ts: namespaces, empty root) ->
  * pvisor-jail-exec (the jail's uid and gid, no_new_privs, seccomp) -> node. The process it waits for is bwrap; what killed the VMM is read
  * from its report (none: it was killed) and its cgroup's memory.events.
@@ -25,6 +30,9 @@ import type { JailLimits } from './limits';
 import { listenUnixSocket } from './listen-socket';
 import { bwrapArgs, nodeRuntimeFiles, usrMergeLinks } from './sandbox';
 import { buildFilter } from './seccomp';
+import type { HostNetwork } from '../network/host-network';
+import { formatHandedNetwork, HANDED_NETWORK_ENV } from '../network/handed-network';
+import type { NetworkPlan } from '../network/options';
 
 /**
  * The jail's uid and gid by default: `nobody`/`nogroup` (65534), which owns no file on a Debian
@@ -55,7 +63,14 @@ export interface JailPlan {
   /** The jail's uid and gid (default {@link DEFAULT_JAIL_ID}). */
   uid?: number;
   gid?: number;
+  /** The VM's network, set up here and handed to the jail (none when absent). */
+  network?: Exclude<NetworkPlan, { kind: 'none' }>;
+  /** The guest's MAC on that network: a restored guest's is its snapshot's (default a new one). */
+  networkMac?: Buffer;
 }
+
+/** The fd the jailed VMM has the TAP on (after stdio, the control socket, the status pipe and the seccomp program). */
+const TAP_FD_IN_JAIL = 6;
 
 /**
  * How a jailed VMM ended.
@@ -86,6 +101,12 @@ export class JailedVmm {
     private readonly cgroup: JailCgroup,
     private readonly limits: JailLimits,
     private readonly cleanup: () => void,
+    /** The VM's network, when it has one: its host side is this process's. */
+    readonly network: HostNetwork | undefined,
+    /** The VM's own backing directory, bound into the jail and the jail uid's (a snapshot is staged there). */
+    readonly backingDir: string,
+    /** The jail's uid. */
+    readonly uid: number,
   ) {
     child.stdio[4]?.on('data', (d: Buffer) => {
       if (this.report.length < 4096) this.report += d.toString('utf8');
@@ -106,7 +127,7 @@ export class JailedVmm {
     return this.child.pid ?? -1;
   }
 
-  /** Resolves when the VMM has ended and the jail is taken down (cgroup, kvm node, backing directory). */
+  /** Resolves when the VMM has ended and the jail is taken down (cgroup, kvm node, backing directory, network). */
   exited(): Promise<JailOutcome> {
     return this.ended;
   }
@@ -117,10 +138,10 @@ export class JailedVmm {
   }
 
   /**
-   * Starts `plan`'s VMM in a new jail. Throws a {@link JailUnavailableError} (nothing left behind)
-   * when the host cannot jail it.
+   * Starts `plan`'s VMM in a new jail. Throws a {@link JailUnavailableError} when the host cannot
+   * jail it, a {@link NetworkSetupError} when it cannot make its network; nothing is left behind.
    */
-  static start(plan: JailPlan, stdio: { stdout: 'inherit' | 'ignore'; stderr: 'inherit' | 'ignore' } = { stdout: 'inherit', stderr: 'inherit' }): JailedVmm {
+  static async start(plan: JailPlan, stdio: { stdout: 'inherit' | 'ignore'; stderr: 'inherit' | 'ignore' } = { stdout: 'inherit', stderr: 'inherit' }): Promise<JailedVmm> {
     const { bwrap } = checkJailHost();
     const uid = plan.uid ?? envId('PVISOR_JAIL_UID') ?? DEFAULT_JAIL_ID;
     const gid = plan.gid ?? envId('PVISOR_JAIL_GID') ?? DEFAULT_JAIL_ID;
@@ -156,6 +177,17 @@ export class JailedVmm {
       for (const [host, name] of [['/dev/kvm', 'kvm'], ['/dev/userfaultfd', 'userfaultfd']] as const) {
         if (name !== 'kvm' && !existsSync(host)) continue;
         devices.push({ node: makeDeviceNode(host, join(dir, name), uid, gid), path: host });
+      }
+      // The network's host side, made here (root, the host's namespace) as Vm.start makes it.
+      // vhost-net is opened in the jail: VHOST_SET_OWNER binds its worker to the caller's memory,
+      // which must be the VMM's.
+      let network: HostNetwork | undefined;
+      if (plan.network) {
+        const { HostNetwork } = await import('../network/host-network');
+        const net = await HostNetwork.setup(plan.network, plan.networkMac ? { mac: plan.networkMac } : {});
+        network = net;
+        undo.push(() => net.close());
+        devices.push({ node: makeDeviceNode('/dev/vhost-net', join(dir, 'vhost-net'), uid, gid), path: '/dev/vhost-net' });
       }
       // The VM's own backing directory (Offload writes guest RAM there on suspend).
       const backingDir = join(plan.backingParent, `pvisor-jail-${plan.id}`);
@@ -194,6 +226,7 @@ export class JailedVmm {
         MALLOC_ARENA_MAX: '1',
         [JAIL_ENV.controlFd]: '3',
         [JAIL_ENV.statusFd]: '4',
+        [HANDED_NETWORK_ENV]: formatHandedNetwork(network?.handOver(TAP_FD_IN_JAIL)),
       };
       for (const k of ['PVISOR_NESTED', 'PVISOR_KEEP_PROCESS_PAGES', JAIL_ENV.testForbiddenSyscall]) {
         const v = process.env[k];
@@ -212,8 +245,8 @@ export class JailedVmm {
         command: [realpathSync(process.execPath), '--expose-gc', '--max-semi-space-size=1', join(PACKAGE_ROOT, 'dist', 'src', 'cli', 'main.js'), 'run', ...withJailedRunArgs(plan.runArgv, plan.id, backingDir)],
       });
       const argv = cgroup.enterArgv([bwrap, ...args]);
-      const child = spawn(argv[0], argv.slice(1), { stdio: ['ignore', stdio.stdout, stdio.stderr, controlFd, 'pipe', filterFd], env: {} });
-      return new JailedVmm(plan.id, innerSocketPath, child, cgroup, plan.limits, cleanup);
+      const child = spawn(argv[0], argv.slice(1), { stdio: ['ignore', stdio.stdout, stdio.stderr, controlFd, 'pipe', filterFd, ...(network ? [network.tap.fd] : [])], env: {} });
+      return new JailedVmm(plan.id, innerSocketPath, child, cgroup, plan.limits, cleanup, network, backingDir, uid);
     } catch (e) {
       cleanup();
       throw e;

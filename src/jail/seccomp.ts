@@ -57,6 +57,7 @@ export const ALLOWED_SYSCALLS: Readonly<Record<string, readonly string[]>> = {
 export const ALLOWED_IOCTL_TYPES: Readonly<Record<number, string>> = {
   0xae: "KVM (/dev/kvm, the VM's and each vCPU's fd)",
   0xaa: 'userfaultfd (lazy reload, cold compression)',
+  0xaf: "vhost (/dev/vhost-net: the guest network's data path in the host kernel)",
 };
 
 /** ioctl requests allowed one by one (<asm-generic/ioctls.h>): what node does on its stdio. */
@@ -67,6 +68,10 @@ export const ALLOWED_IOCTLS: Readonly<Record<number, string>> = {
   0x541b: 'FIONREAD (bytes waiting)',
   0x5450: 'FIONCLEX',
   0x5451: 'FIOCLEX',
+  // Not TUN's whole type byte: it is 'T' (0x54), the terminal ioctls' too (TIOCSTI among them).
+  // The TAP comes from the launcher already made (TUNSETIFF, TUNSETVNETHDRSZ): the device only
+  // says which offloads the guest accepts (src/network/tap.ts).
+  0x400454d0: "TUNSETOFFLOAD (the TAP's offloads, on the TAP fd the launcher handed over)",
 };
 
 /**

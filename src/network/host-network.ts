@@ -18,13 +18,14 @@ import { randomBytes } from 'node:crypto';
 import { InvalidOptionError, NetworkSetupError, SystemCallError, VmStateError } from '../errors';
 import { VmNetwork, type EgressRulesUpdate, type VmNetworkInfo } from './vm-network';
 import { tryLockFile } from '../sys/libc';
-import { allocateSubnet, formatCidr, formatIpv4, formatMac, macFor, parseIpAddrShow, parseIpv4 } from './addresses';
+import { allocateSubnet, formatCidr, formatIpv4, formatMac, macFor, parseIpAddrShow, parseIpv4, parseMac } from './addresses';
 import { EgressResolver } from './egress-resolver';
 import { addressDenied, formatEgressRule, nameAllowed, nameDenied, parseEgressPolicy, type EgressPolicy } from './egress-rules';
 import { EgressSet } from './egress-set';
 import { deleteTablesScript, egressUpdateScript, natRuleset, parseTableList, TABLE_FAMILIES, tableName, tableOwner } from './nft-rules';
 import type { NetworkPlan } from './options';
 import { Tap, TUN_PATH } from './tap';
+import { handedNetwork, type HandedNetwork } from './handed-network';
 import { restrictTap } from './tap-sysctls';
 import { processGone } from '../sys/processes';
 
@@ -173,6 +174,13 @@ export class HostNetwork {
   private closed = false;
   /** With egress rules: pvisor's resolver for the guest, and the set of addresses it opened. */
   private egress: { resolver: EgressResolver; set: EgressSet } | undefined;
+  /** A jailed VMM's: its launcher made it and keeps its rules. */
+  private handed = false;
+
+  /** What a jailed VMM is handed of this network: the description, with the fd it will have. */
+  handOver(tapFd: number): HandedNetwork {
+    return { tapFd, ...(this.kernelArg && { kernelArg: this.kernelArg }), info: { ...this.info, tap: this.tap.name, mac: formatMac(this.mac) } };
+  }
 
   private constructor(
     readonly info: VmNetworkInfo,
@@ -215,11 +223,30 @@ export class HostNetwork {
    * {@link NetworkSetupError}; nothing is left then.
    */
   static async setup(plan: Exclude<NetworkPlan, { kind: 'none' }>, options: HostNetworkOptions = {}): Promise<HostNetwork> {
+    // A jailed VMM: its launcher made the host side and handed over the TAP.
+    const handed = handedNetwork();
+    if (handed === null) {
+      throw new NetworkSetupError('unsupported', "this VMM runs in a jail whose launcher made no network for it (a jailed VMM cannot make a TAP or host rules): its launcher makes it from Vm.start's or pvisor run's network option, or from the snapshot pvisor run --from restores");
+    }
+    if (handed) return HostNetwork.adopt(plan, handed, options);
     if (plan.kind === 'nat' && !hasNetAdmin()) {
       throw new NetworkSetupError('permission', "network 'nat' needs CAP_NET_ADMIN (run as root, or give node the capability) to create a TAP device and nftables rules; use network 'none', or { tap: NAME } with a TAP made for you");
     }
     checkDevice(VHOST_NET_PATH, 'vhost-net (CONFIG_VHOST_NET, module vhost_net)');
     return HostNetwork.create(plan, options);
+  }
+
+  /**
+   * The network a jailed VMM was handed ({@link HandedNetwork}): the TAP's fd and what its
+   * launcher said of it. Nothing on the host is changed from here: {@link update} is refused (the
+   * rules are the launcher's) and {@link close} only closes this process's fd.
+   */
+  private static adopt(plan: Exclude<NetworkPlan, { kind: 'none' }>, handed: HandedNetwork, options: HostNetworkOptions): HostNetwork {
+    const mac = parseMac(handed.info.mac)!;
+    if (options.mac && !options.mac.equals(mac)) throw new NetworkSetupError('unsupported', `the jail's launcher made the network for MAC ${handed.info.mac}, not ${formatMac(options.mac)}`);
+    const net = new HostNetwork({ ...handed.info }, Tap.adopt(handed.tapFd, handed.info.tap), mac, handed.kernelArg, undefined, plan);
+    net.handed = true;
+    return net;
   }
 
   /**
@@ -306,6 +333,7 @@ export class HostNetwork {
   /** See {@link VmNetwork.update}. */
   async update(rules: EgressRulesUpdate): Promise<void> {
     const plan = this.plan;
+    if (this.handed) throw new VmStateError("this VM runs in a jail: its network's rules are its launcher's (update them through the launcher's handle, JailedVmHandle.network)");
     if (this.closed || plan.kind !== 'nat') throw new VmStateError(this.closed ? 'the VM has stopped: its network is gone' : `the VM's network is the user's TAP ${this.info.tap}: pvisor applies no rules to it (start it with network: { mode: 'nat', allow })`);
     if (rules === null || typeof rules !== 'object') throw new InvalidOptionError('network.update', 'expected { allow?, deny? }');
     const extra = Object.keys(rules).filter((k) => k !== 'allow' && k !== 'deny');

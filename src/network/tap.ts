@@ -39,6 +39,15 @@ export class Tap {
     return new Tap(fd, name);
   }
 
+  /**
+   * A TAP another process opened and set up (TUNSETIFF, TUNSETVNETHDRSZ), whose fd this process
+   * was handed: a jailed VMM's, whose launcher made it (src/jail/launcher.ts). This process then
+   * needs no /dev/net/tun and no CAP_NET_ADMIN, only TUNSETOFFLOAD on the fd.
+   */
+  static adopt(fd: number, name: string): Tap {
+    return new Tap(fd, name);
+  }
+
   /** TUNSETOFFLOAD: the offloads (TUN_F_*) the guest accepts in packets it is given. */
   setOffload(flags: number): void {
     ioctl(this.fd, C.TUNSETOFFLOAD, flags, 'TUNSETOFFLOAD');

@@ -120,7 +120,7 @@ describe('a VM in a jailed process', () => {
     expect(existsSync(join(CGROUP, 'V1'))).toBe(false);
 
     // Through the launcher's API: the typed error.
-    const vmm = JailedVmm.start({ id: 'V2', limits: resolveLimits({ memory: '128MiB' }, { memoryBytes: 256 * MiB, vcpus: 1 }), runArgv: ['--guest', 'probe', '--memory', '256MiB', '--vcpus', '1', '--', 'fill 224MiB random 7, digest'], readOnly: [], readWrite: [], backingParent: dir });
+    const vmm = await JailedVmm.start({ id: 'V2', limits: resolveLimits({ memory: '128MiB' }, { memoryBytes: 256 * MiB, vcpus: 1 }), runArgv: ['--guest', 'probe', '--memory', '256MiB', '--vcpus', '1', '--', 'fill 224MiB random 7, digest'], readOnly: [], readWrite: [], backingParent: dir });
     const outcome = await vmm.exited();
     expect('error' in outcome && outcome.error).toBeInstanceOf(VmLimitError);
     const e = (outcome as { error: VmLimitError }).error;
@@ -141,7 +141,7 @@ describe('a VM in a jailed process', () => {
     process.env.PVISOR_JAIL_TEST_FORBIDDEN_SYSCALL = '1';
     let vmm: JailedVmm;
     try {
-      vmm = JailedVmm.start({ id: 'S1', limits: resolveLimits(undefined, { memoryBytes: 64 * MiB, vcpus: 1 }), runArgv: ['--guest', 'probe', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 8MiB, digest, wait'], readOnly: [], readWrite: [], backingParent: dir });
+      vmm = await JailedVmm.start({ id: 'S1', limits: resolveLimits(undefined, { memoryBytes: 64 * MiB, vcpus: 1 }), runArgv: ['--guest', 'probe', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 8MiB, digest, wait'], readOnly: [], readWrite: [], backingParent: dir });
     } finally {
       delete process.env.PVISOR_JAIL_TEST_FORBIDDEN_SYSCALL;
     }
@@ -173,6 +173,7 @@ describe('a VM in a jailed process', () => {
     expect(outcome).toEqual({ exitCode: 0 });
     expect(existsSync(join(CGROUP, 'H1'))).toBe(false);
     // Options a jailed VM does not take yet are refused before anything starts.
-    await expect(Vm.start({ isolation: 'process', guest: 'linux', network: 'nat' } as never)).rejects.toThrow(/^network: not available with isolation: 'process' yet/);
+    await expect(Vm.start({ isolation: 'process', guest: 'linux', rootfs: { path: '/x' } } as never)).rejects.toThrow(/^rootfs: not available with isolation: 'process' yet/);
+    await expect(Vm.start({ isolation: 'process', guest: 'probe', network: 'nat' })).rejects.toThrow(/^network: only the Linux guest has a network device/);
   }, 180_000);
 });

@@ -8,7 +8,9 @@ import { existsSync, mkdtempSync, openSync, closeSync, realpathSync, rmSync, wri
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseRunArgs } from '../../src/cli/run-args';
-import { InvalidOptionError } from '../../src/errors';
+import { withoutPublish } from '../../src/cli/run-jailed';
+import { InvalidOptionError, NetworkSetupError } from '../../src/errors';
+import { formatHandedNetwork, handedNetwork, HANDED_NETWORK_ENV } from '../../src/network/handed-network';
 import { cgroup2MountOf, parseMemoryEvents } from '../../src/jail/cgroup';
 import { jailedEntry, parseJailedReport } from '../../src/jail/jailed-entry';
 import { withJailedRunArgs } from '../../src/jail/launcher';
@@ -86,6 +88,13 @@ describe('jail seccomp filter', () => {
     expect(rules).toContain('ioctl-type 0xae\n');
     expect(rules).toContain('ioctl-type 0xaa\n');
     expect(rules).toContain('ioctl 0x5401\n');
+    // The guest network: vhost's requests and TUNSETOFFLOAD on the handed TAP; never TUNSETIFF
+    // (a TAP of its own) nor TUN's whole type byte, which is the terminal ioctls' too (TIOCSTI).
+    expect(rules).toContain('ioctl-type 0xaf\n');
+    expect(rules).toContain('ioctl 0x400454d0\n');
+    expect(rules).not.toContain('ioctl 0x400454ca\n');
+    expect(rules).not.toContain('ioctl-type 0x54\n');
+    expect(rules).not.toContain('ioctl 0x5412\n');
     expect(rules.split('\n').filter(Boolean).every((l) => /^(allow [a-z0-9_]+|ioctl-type 0x[0-9a-f]{1,2}|ioctl 0x[0-9a-f]{1,8})$/.test(l))).toBe(true);
   });
 
@@ -125,6 +134,35 @@ describe('jail sandbox arguments', () => {
     expect(a.slice(a.indexOf('--'))).toEqual(['--', '/p/jail-exec', '65534', '65533', '5', '/usr/bin/node', 'main.js']);
   });
 
+  it('keeps --publish for the launcher (it listens in the host\'s namespace), and CMD whole', () => {
+    expect(withoutPublish(['--publish', '8080:80', '--net', 'nat', '--publish=9090:90', '--', 'sh', '--publish', '1:1'])).toEqual(['--net', 'nat', '--', 'sh', '--publish', '1:1']);
+    expect(withoutPublish(['--quiet'])).toEqual(['--quiet']);
+  });
+
+  it("hands the jailed VMM its network as the launcher made it, checked whole", () => {
+    const info = { mode: 'nat' as const, tap: 'pv123n0', mac: '52:54:00:12:34:56', guestAddress: '10.200.0.2/30', hostAddress: '10.200.0.1', allow: 'all' as const, nftTable: 'pvisor_123_0' };
+    const handed = { tapFd: 6, kernelArg: 'pvisor.net=10.200.0.2/30,10.200.0.1', info };
+    expect(handedNetwork({ [HANDED_NETWORK_ENV]: formatHandedNetwork(handed) })).toEqual(handed);
+    // Not a jailed VMM; a jailed one whose launcher made no network.
+    expect(handedNetwork({})).toBeUndefined();
+    expect(handedNetwork({ [HANDED_NETWORK_ENV]: formatHandedNetwork(undefined) })).toBeNull();
+    const bad: [unknown, RegExp][] = [
+      [{ ...handed, tapFd: 2 }, /tapFd: expected a file descriptor/],
+      [{ ...handed, tapFd: '6' }, /tapFd/],
+      [{ ...handed, kernelArg: 'pvisor.net=1.2.3.4/30 init=/bin/sh' }, /kernelArg: expected/],
+      [{ ...handed, info: { ...info, mode: 'none' } }, /info\.mode/],
+      [{ ...handed, info: { ...info, tap: 'a/b' } }, /info\.tap/],
+      [{ ...handed, info: { ...info, mac: '01:00:00:00:00:00' } }, /info\.mac/],
+      [null, /expected an object/],
+    ];
+    for (const [v, message] of bad) {
+      const call = () => handedNetwork({ [HANDED_NETWORK_ENV]: JSON.stringify(v) });
+      expect(call).toThrow(NetworkSetupError);
+      expect(call).toThrow(message);
+    }
+    expect(() => handedNetwork({ [HANDED_NETWORK_ENV]: '{' })).toThrow(/not JSON/);
+  });
+
   it("passes the jailed run its id and own backing directory before CMD, and reads its report", () => {
     expect(withJailedRunArgs(['--guest', 'probe', '--', 'fill', '8MiB'], 'J1', '/var/tmp/pvisor-jail-J1')).toEqual(['--guest', 'probe', '--name=J1', '--vm-backing-dir=/var/tmp/pvisor-jail-J1', '--', 'fill', '8MiB']);
     expect(parseJailedReport('exit 3\n')).toBe(3);
@@ -148,16 +186,18 @@ describe('pvisor run --isolation', () => {
     expect(() => parseRunArgs(['--isolation', 'process', '--limit-memory', '1MiB', '--', 'x'])).toThrow(/^limits\.memory: at least 64 MiB/);
   });
 
-  it('refuses what a jail cannot give yet: a network, a page pool, a socket path of its own', () => {
-    expect(() => parseRunArgs(['--isolation', 'process', '--net', 'nat', '--', 'x'])).toThrow(/^--net: does not go with --isolation process yet/);
+  it('takes a network and a socket path; refuses what a jail cannot give yet: a page pool', () => {
+    expect(parseRunArgs(['--isolation', 'process', '--net', 'nat', '--net-allow', '10.0.0.0/8', '--', 'x'])).toMatchObject({ isolation: 'process', source: { network: { mode: 'nat', allow: ['10.0.0.0/8'] } } });
     expect(() => parseRunArgs(['--isolation', 'process', '--vm-pool', '/s', '--', 'x'])).toThrow(/^--vm-pool: does not go with --isolation process yet/);
-    expect(() => parseRunArgs(['--isolation', 'process', '--vm-socket', '/tmp/a.sock', '--', 'x'])).toThrow(/^--vm-socket: does not go with --isolation process/);
+    expect(parseRunArgs(['--isolation', 'process', '--vm-socket', '/tmp/a.sock', '--', 'x'])).toMatchObject({ isolation: 'process', socketPath: '/tmp/a.sock' });
   });
 });
 
 describe('Vm.start({ isolation })', () => {
   it("refuses, before anything starts, what a jailed VM does not take yet, an unknown key, and isolation values that are not one", async () => {
-    await expect(Vm.start({ isolation: 'process', network: 'nat' } as never)).rejects.toThrow(/^network: not available with isolation: 'process' yet/);
+    await expect(Vm.start({ isolation: 'process', rootfs: { path: '/x' } } as never)).rejects.toThrow(/^rootfs: not available with isolation: 'process' yet/);
+    await expect(Vm.start({ isolation: 'process', guest: 'probe', network: 'nat' })).rejects.toThrow(/^network: only the Linux guest has a network device/);
+    await expect(Vm.start({ isolation: 'process', network: 'bridge' } as never)).rejects.toThrow(/^network: expected/);
     await expect(Vm.start({ isolation: 'process', strategies: [] } as never)).rejects.toThrow(/^strategies: not available/);
     await expect(Vm.start({ isolation: 'process', memroy: '1GiB' } as never)).rejects.toThrow(/^memroy: not an option of Vm.start with isolation: 'process'/);
     await expect(Vm.start({ isolation: 'process', limits: { memory: '1MiB' } })).rejects.toThrow(/^limits\.memory: at least 64 MiB/);
