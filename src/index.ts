@@ -63,6 +63,7 @@ export {
   JailViolationError,
 } from './errors';
 export type { StoreErrorReason } from './errors';
+export type { StoreOptions, StoreProgress, StoreTransfer } from './store/store-options';
 export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
 export type { VmNetworkInfo } from './network/vm-network';
 export type { VmNetwork, EgressRulesUpdate } from './network/vm-network';

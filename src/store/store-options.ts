@@ -11,7 +11,7 @@ import { DEFAULT_REQUEST_TIMEOUT_MS } from './object-io';
  * How pvisor reaches an object store. Every field is optional: by default the client comes from
  * the standard AWS environment and config (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`,
  * `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_PROFILE`...), as `new S3Client({})` reads it.
- * @category Snapshots
+ * @category VM
  */
 export interface StoreOptions {
   /** An S3 client to use instead of one from the environment; pvisor does not destroy it. */
@@ -37,7 +37,7 @@ export interface StoreOptions {
 
 /**
  * Progress of an upload or a download ({@link StoreOptions.onProgress}).
- * @category Snapshots
+ * @category VM
  */
 export interface StoreProgress {
   direction: 'upload' | 'download';
@@ -53,7 +53,7 @@ export interface StoreProgress {
 
 /**
  * What an upload or a download of a snapshot moved.
- * @category Snapshots
+ * @category VM
  */
 export interface StoreTransfer {
   /** The `s3://` location. */
