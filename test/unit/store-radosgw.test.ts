@@ -143,6 +143,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
       expect(sent).toBe(transfer.bytesTransferred);
       expect(sent).toBeLessThan(2 * 2 * MiB + 64 * 1024);
       expect(sent).toBeLessThan(first.bytesTransferred / 2);
+      process.stdout.write(`store upload: template ${first.bytesTransferred} bytes in ${first.chunksTransferred} objects (${first.ms.toFixed(0)} ms); child ${sent} bytes in ${transfer.chunksTransferred} objects (${transfer.ms.toFixed(0)} ms)\n`);
     } finally {
       client.destroy();
       before.copy(view, MiB);
