@@ -33,7 +33,7 @@ export interface Eviction {
   bytesKept: number;
 }
 
-/** A chunk cache directory: `chunks/<sha256>`, `tmp/` for entries being written, `restores/` for assembled snapshots. */
+/** A chunk cache directory: `chunks/<sha256>`, `tmp/` for entries being written, `work/` for snapshots being sent or assembled. */
 export class ChunkCache {
   private readonly pins = new Map<string, number>();
 
@@ -41,13 +41,13 @@ export class ChunkCache {
 
   /** Opens (creating, 0700) the cache in `dir`, bounded to `maxBytes`. */
   static open(dir: string, maxBytes: number = DEFAULT_CACHE_MAX_BYTES): ChunkCache {
-    for (const sub of ['', 'chunks', 'tmp', 'restores']) mkdirSync(join(dir, sub), { recursive: true, mode: 0o700 });
+    for (const sub of ['', 'chunks', 'tmp', 'work']) mkdirSync(join(dir, sub), { recursive: true, mode: 0o700 });
     return new ChunkCache(dir, maxBytes);
   }
 
-  /** A new, empty directory to assemble a snapshot in; the caller removes it. */
-  newRestoreDir(): string {
-    const dir = join(this.dir, 'restores', `${process.pid}-${randomBytes(6).toString('hex')}`);
+  /** A new, empty directory to write or assemble a snapshot in; the caller removes it. */
+  newWorkDir(): string {
+    const dir = join(this.dir, 'work', `${process.pid}-${randomBytes(6).toString('hex')}`);
     mkdirSync(dir, { mode: 0o700 });
     return dir;
   }
@@ -103,7 +103,7 @@ export class ChunkCache {
 
   /**
    * Removes the least recently used unpinned chunks until the cache holds at most
-   * {@link maxBytes}, and any leftover temporary entry of a process that is gone.
+   * {@link maxBytes}, and any temporary entry or work directory left by a process that is gone.
    */
   evict(): Eviction {
     this.removeStaleTemporaries();
@@ -142,6 +142,10 @@ export class ChunkCache {
     for (const name of readdirSync(join(this.dir, 'tmp'))) {
       const pid = Number(/\.(\d+)\.[0-9a-f]+$/.exec(name)?.[1]);
       if (pid && pid !== process.pid && !processAlive(pid)) rmSync(join(this.dir, 'tmp', name), { force: true });
+    }
+    for (const name of readdirSync(join(this.dir, 'work'))) {
+      const pid = Number(/^(\d+)-[0-9a-f]+$/.exec(name)?.[1]);
+      if (pid && pid !== process.pid && !processAlive(pid)) rmSync(join(this.dir, 'work', name), { recursive: true, force: true });
     }
   }
 }

@@ -53,7 +53,11 @@ export async function fetchSnapshot(url: StoreUrl, store: ObjectStore, cache: Ch
     if (sha === null) {
       out.zeroChunks++;
       chunksDone++;
-    } else places.set(sha, [...(places.get(sha) ?? []), i]);
+      return;
+    }
+    const at = places.get(sha);
+    if (at) at.push(i);
+    else places.set(sha, [i]);
   });
   for (const [sha, at] of places) {
     const sizes = new Set(at.map((i) => chunkSizeBytes(manifest.ramBytes, i)));
@@ -78,7 +82,7 @@ export async function fetchSnapshot(url: StoreUrl, store: ObjectStore, cache: Ch
     return bytes;
   };
 
-  const dir = cache.newRestoreDir();
+  const dir = cache.newWorkDir();
   const pinned = [...places.keys(), manifest.files.manifest.sha256, manifest.files.state.sha256];
   for (const sha of pinned) cache.pin(sha);
   let ramFd: number | undefined;

@@ -67,6 +67,9 @@ export class ObjectStore {
   async get(key: string, maxBytes: number, exactBytes = false): Promise<Buffer> {
     return this.bounded(`GET ${key}`, async (abortSignal) => {
       const r = await this.client.send(new GetObjectCommand({ Bucket: this.bucket, Key: key }), { abortSignal });
+      // A body that stops half-way ends with the call's bound, not with the socket's (a client
+      // given by the user may have no socket timeout at all).
+      abortSignal.addEventListener('abort', () => (r.Body as { destroy?: () => void } | undefined)?.destroy?.(), { once: true });
       const reason = exactBytes ? 'corrupt' : 'malformed';
       const tooLarge = (n: number): StoreError => new StoreError(reason, `s3://${this.bucket}/${key}: ${n} bytes or more, ${exactBytes ? 'not the' : 'more than the'} ${maxBytes} it ${exactBytes ? 'must have' : 'may have'}`);
       if (r.ContentLength !== undefined && r.ContentLength > maxBytes) {

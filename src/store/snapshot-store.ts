@@ -23,7 +23,7 @@ export async function snapshotToStore<T>(location: string, options: StoreOptions
   const store = ObjectStore.open(url, o);
   try {
     if ((await store.sizeOf(url.manifestKey)) !== undefined) throw new StoreError('exists', `${url.url}: a snapshot is there already; a snapshot goes to a new prefix`);
-    const dir = ChunkCache.open(o.cacheDir, o.cacheMaxBytes).newRestoreDir();
+    const dir = ChunkCache.open(o.cacheDir, o.cacheMaxBytes).newWorkDir();
     try {
       const written = await writeLocal(dir);
       const transfer = await uploadSnapshotDir(dir, url, store, o);

@@ -101,8 +101,15 @@ function readChunk(fd: number, path: string, data: readonly [number, number][], 
   const off = index * RAM_CHUNK_BYTES;
   const len = chunkSizeBytes(ramBytes, index);
   const chunk = Buffer.alloc(len);
-  for (const [start, end] of data) {
-    if (end <= off || start >= off + len) continue;
+  // The first run that ends past the chunk's start, by bisection: a fragmented file has many.
+  let lo = 0;
+  for (let hi = data.length; lo < hi;) {
+    const mid = (lo + hi) >>> 1;
+    if (data[mid][1] <= off) lo = mid + 1;
+    else hi = mid;
+  }
+  for (let r = lo; r < data.length && data[r][0] < off + len; r++) {
+    const [start, end] = data[r];
     const from = Math.max(off, start);
     const to = Math.min(off + len, end);
     for (let done = 0; done < to - from;) {

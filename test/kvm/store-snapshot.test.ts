@@ -95,7 +95,7 @@ function restoreElsewhere(url: string, host: string): { digest: string; restoreI
     expect(written.store!.chunksTransferred).toBeGreaterThanOrEqual(8 + 2);
     expect(written.store!.zeroChunks).toBeGreaterThan(10);
     // Host A's work directory is gone once the snapshot is sent.
-    expect(readdirSync(join(WORK, 'host-a', 'cache', 'restores'))).toEqual([]);
+    expect(readdirSync(join(WORK, 'host-a', 'cache', 'work'))).toEqual([]);
 
     const hostB = join(WORK, 'host-b');
     const first = restoreElsewhere(url, hostB);
@@ -107,7 +107,7 @@ function restoreElsewhere(url: string, host: string): { digest: string; restoreI
     expect(second.digest).toBe(hexOf(ws));
     expect(second.restoreInfo.store.chunksTransferred).toBe(0);
     expect(second.restoreInfo.store.chunksPresent).toBe(written.store!.chunksTransferred);
-    expect(readdirSync(join(hostB, 'cache', 'restores'))).toEqual([]);
+    expect(readdirSync(join(hostB, 'cache', 'work'))).toEqual([]);
     process.stdout.write(`store restore to ready: first ${first.restoreInfo.readyMs.toFixed(1)} ms (${(first.restoreInfo.store.bytesTransferred / MiB).toFixed(1)} MiB fetched), from the cache ${second.restoreInfo.readyMs.toFixed(1)} ms\n`);
   });
 });

@@ -1,9 +1,9 @@
 // The pure parts of snapshots in an object store (src/store/): s3:// URLs, the store manifest as
 // hostile input, the store options, bounded concurrency, and the chunk cache's bound and LRU
 // eviction (real files in a temporary directory). No object store, no KVM.
-import { mkdtempSync, readdirSync, rmSync, utimesSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readdirSync, rmSync, utimesSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { basename, join } from 'node:path';
 import { InvalidOptionError, StoreError } from '../../src';
 import { hostMemTotalBytes } from '../../src/memory-usage';
 import { ChunkCache, sha256Hex } from '../../src/store/chunk-cache';
@@ -189,13 +189,17 @@ describe('the chunk cache', () => {
     expect(readdirSync(join(dir, 'chunks'))).toEqual([chunks[1].sha]);
   });
 
-  it('removes a temporary entry of a process that is gone, keeps one of a live process', () => {
+  it('removes a temporary entry or work directory of a process that is gone, keeps those of a live process', () => {
     const cache = ChunkCache.open(dir, MiB);
     const dead = `${'a'.repeat(64)}.999999999.0abc`;
     const alive = `${'b'.repeat(64)}.${process.pid}.0abc`;
     writeFileSync(join(dir, 'tmp', dead), 'x');
     writeFileSync(join(dir, 'tmp', alive), 'x');
+    mkdirSync(join(dir, 'work', '999999999-0abc'));
+    writeFileSync(join(dir, 'work', '999999999-0abc', 'ram'), 'x');
+    const mine = cache.newWorkDir();
     cache.evict();
     expect(readdirSync(join(dir, 'tmp'))).toEqual([alive]);
+    expect(readdirSync(join(dir, 'work'))).toEqual([basename(mine)]);
   });
 });

@@ -47,7 +47,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
 
   /** Fresh cache directory for a "host" of its own. */
   const newCache = (): string => mkdtempSync(join(base, 'cache-'));
-  const restoresLeft = (cacheDir: string): string[] => readdirSync(join(cacheDir, 'restores'));
+  const workLeft = (cacheDir: string): string[] => readdirSync(join(cacheDir, 'work'));
 
   beforeAll(() => {
     const r = script('start');
@@ -110,7 +110,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
     } finally {
       fetched.remove();
     }
-    expect(restoresLeft(cacheDir)).toEqual([]);
+    expect(workLeft(cacheDir)).toEqual([]);
     // A second restore on that host fetches nothing but the manifest.
     const again = await fetchFromStore(url, { cacheDir });
     again.remove();
@@ -181,7 +181,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
       expect(e).toBeInstanceOf(StoreError);
       expect((e as StoreError).reason).toBe('corrupt');
       expect((e as StoreError).message).toContain(sha);
-      expect(restoresLeft(cacheDir)).toEqual([]);
+      expect(workLeft(cacheDir)).toEqual([]);
       expect(readdirSync(join(cacheDir, 'chunks'))).not.toContain(sha);
     } finally {
       before.copy(view, 20 * MiB);
@@ -201,7 +201,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
       const e = await fetchFromStore(`s3://pvisor/test-${run}/${where}`, { cacheDir }).catch((x: unknown) => x);
       expect((e as StoreError).reason).toBe('malformed');
       expect((e as StoreError).message).toMatch(message);
-      expect(restoresLeft(cacheDir)).toEqual([]);
+      expect(workLeft(cacheDir)).toEqual([]);
     }
   });
 
@@ -223,7 +223,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
         expect(e).toBeInstanceOf(StoreError);
         expect((e as StoreError).reason).toBe(reason);
         expect(ms).toBeLessThan(1500 + 1000);
-        expect(restoresLeft(options.cacheDir!)).toEqual([]);
+        expect(workLeft(options.cacheDir!)).toEqual([]);
         const t1 = performance.now();
         const up = await snapshotToStore(`s3://pvisor/test-${run}/never`, options, async () => undefined).catch((x: unknown) => x);
         expect((up as StoreError).reason).toBe(reason);
