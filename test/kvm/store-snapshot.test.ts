@@ -7,16 +7,20 @@
 // have the store's Debian packages.
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdirSync, readdirSync, rmSync } from 'node:fs';
+import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { Vm } from '../../src';
+import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
+import { pvisorOnce, startPvisor } from '../cli-runs';
 import { hexOf } from '../probe-digest';
 
 const ROOT = join(__dirname, '..', '..', '..');
 const SCRIPT = join(ROOT, 'scripts', 'object-store.sh');
-// In the repository, not /tmp: under the harness only the repository is the host's.
-const WORK = join(ROOT, '.cache', `store-snapshot-test-${process.pid}`);
-const STATE_DIR = join(WORK, 'store');
+// The store's state in the repository: under the harness only the repository is the host's.
+const STATE_DIR = join(ROOT, '.cache', `store-snapshot-test-${process.pid}`);
+// The "hosts" (runtime directories with their control sockets, chunk caches) on a local disk:
+// a socket cannot be made on the harness's 9p share of the repository.
+let WORK: string;
 const CANNOT_INSTALL = 3;
 const index = join(__dirname, '..', '..', 'src', 'index.js');
 const MiB = 1024 * 1024;
@@ -55,7 +59,7 @@ function restoreElsewhere(url: string, host: string): { digest: string; restoreI
   const saved: Record<string, string | undefined> = {};
 
   beforeAll(() => {
-    mkdirSync(WORK, { recursive: true });
+    WORK = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-store-snapshot-'));
     const r = script('start');
     if (r.status !== 0) throw new Error(`scripts/object-store.sh start exited ${r.status}:\n${r.stderr}`);
     for (const line of r.stdout.split('\n')) {
@@ -72,7 +76,7 @@ function restoreElsewhere(url: string, host: string): { digest: string; restoreI
       else process.env[k] = v;
     }
     const r = script('stop');
-    rmSync(WORK, { recursive: true, force: true });
+    if (WORK) rmSync(WORK, { recursive: true, force: true });
     expect(r.status).toBe(0);
   }, 120_000);
 
@@ -110,4 +114,25 @@ function restoreElsewhere(url: string, host: string): { digest: string; restoreI
     expect(readdirSync(join(hostB, 'cache', 'work'))).toEqual([]);
     process.stdout.write(`store restore to ready: first ${first.restoreInfo.readyMs.toFixed(1)} ms (${(first.restoreInfo.store.bytesTransferred / MiB).toFixed(1)} MiB fetched), from the cache ${second.restoreInfo.readyMs.toFixed(1)} ms\n`);
   });
+
+  it('pvisor snapshot ID s3://... from one host, pvisor run --from s3://... on another: digest equal, progress said', async () => {
+    const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/cli`;
+    const host = (name: string): NodeJS.ProcessEnv => ({ ...process.env, PVISOR_RUNTIME_DIR: join(WORK, name, 'run'), PVISOR_CHUNK_CACHE: join(WORK, name, 'cache') });
+    const run = startPvisor(host('cli-a'), ['run', '--guest', 'probe', '--name', 'C1', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 16MiB random 27, digest, wait']);
+    try {
+      await run.waitFor(/^digest: /m);
+      const s = await pvisorOnce(host('cli-a'), ['snapshot', 'C1', url]);
+      expect(s.status).toBe(0);
+      expect(s.stdout).toMatch(new RegExp(`^C1 snapshot: \\d+ RAM pages \\([\\d.]+ MiB\\) written to ${url.replace(/[/.]/g, '\\$&')} in [\\d.]+ ms; C1 is running$`, 'm'));
+      const r = await pvisorOnce(host('cli-b'), ['run', '--from', url, '--name', 'C2', '--', 'digest']);
+      expect(r.status).toBe(0);
+      expect(r.stderr).toMatch(new RegExp(`^pvisor: fetching the snapshot ${url.replace(/[/.]/g, '\\$&')}\\.\\.\\.$`, 'm'));
+      expect(r.stderr).toMatch(/: 1\d chunks fetched \([\d.]+ MiB\), 0 from the cache, \d+ zero, in \d+ ms$/m);
+      expect(r.stdout).toContain(`digest: ${hexOf(ws)}`);
+      expect(readdirSync(join(WORK, 'cli-b', 'cache', 'work'))).toEqual([]);
+    } finally {
+      await pvisorOnce(host('cli-a'), ['stop', 'C1']);
+      await run.exited;
+    }
+  }, 300_000);
 });
