@@ -111,7 +111,9 @@ export class ObjectStore {
       return await Promise.race([work, timedOut]);
     } catch (e) {
       if (e instanceof StoreError) throw e;
-      if (controller.signal.aborted) throw new StoreError('timeout', `s3://${this.bucket}: ${what} had no answer in ${this.requestTimeoutMs} ms`, { cause: e });
+      // The client's own socket timeouts (set below the bound when pvisor made the client) are the same failure.
+      const timedOutHere = controller.signal.aborted || (e as Error).name === 'TimeoutError' || (e as NodeJS.ErrnoException).code === 'ETIMEDOUT';
+      if (timedOutHere) throw new StoreError('timeout', `s3://${this.bucket}: ${what} had no answer in ${this.requestTimeoutMs} ms`, { cause: e });
       const status = statusOf(e);
       if (status === 404) throw new StoreError('not-found', `s3://${this.bucket}: ${what}: no such object`, { cause: e });
       if (status === 412) throw new StoreError('exists', `s3://${this.bucket}: ${what}: the object exists already`, { cause: e });

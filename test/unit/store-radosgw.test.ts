@@ -8,7 +8,7 @@
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
-import { createServer, type Server, type Socket } from 'node:net';
+import { connect, createServer, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
@@ -233,6 +233,48 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
       process.env.AWS_ENDPOINT_URL = savedEndpoint;
       for (const s of sockets) s.destroy();
       await new Promise((r) => silent.close(r));
+    }
+  });
+
+  it('a store that stops answering mid-restore is a StoreError timeout within the bound, and nothing is left', async () => {
+    // A TCP relay to radosgw that passes its first 3 MiB of answers (the manifest, the small
+    // files, a chunk or so), then passes nothing more: the store as seen by a host whose link
+    // to it died half-way. The relay is not an S3 server: every byte it passes is radosgw's.
+    const upstream = new URL(process.env.AWS_ENDPOINT_URL!);
+    let passed = 0;
+    let stalled = false;
+    const sockets: Socket[] = [];
+    const relay = await listen((client) => {
+      const server = connect(Number(upstream.port), upstream.hostname);
+      sockets.push(client, server);
+      client.on('data', (d) => server.write(d));
+      server.on('data', (d) => {
+        stalled ||= passed + d.length > 3 * MiB;
+        if (stalled) return;
+        passed += d.length;
+        client.write(d);
+      });
+      client.on('error', () => undefined);
+      server.on('error', () => undefined);
+    });
+    const savedEndpoint = process.env.AWS_ENDPOINT_URL;
+    process.env.AWS_ENDPOINT_URL = `http://127.0.0.1:${port(relay)}`;
+    try {
+      const cacheDir = newCache();
+      const t0 = performance.now();
+      const e = await fetchFromStore(`s3://pvisor/test-${run}/template`, { cacheDir, requestTimeoutMs: 2000 }).catch((x: unknown) => x);
+      const ms = performance.now() - t0;
+      expect(e).toBeInstanceOf(StoreError);
+      expect((e as StoreError).reason).toBe('timeout');
+      expect(passed).toBeGreaterThan(MiB);
+      expect(ms).toBeLessThan(2000 * 2 + 1000);
+      expect(workLeft(cacheDir)).toEqual([]);
+      // What did arrive whole and checked may stay cached; nothing else is.
+      expect(readdirSync(join(cacheDir, 'tmp'))).toEqual([]);
+    } finally {
+      process.env.AWS_ENDPOINT_URL = savedEndpoint;
+      for (const s of sockets) s.destroy();
+      await new Promise((r) => relay.close(r));
     }
   });
 });
