@@ -5,15 +5,14 @@
  * manifest last, create-only. Each chunk is checked against the directory's CRC32C as it is
  * read, so what is sent is what the snapshot sealed.
  */
+import { readSync } from 'node:fs';
+import { join } from 'node:path';
 import { StoreError } from '../errors';
 import { fileDataRuns } from '../memory/file-runs';
 import { crc32c } from '../native/crc32c';
 import { hex32, RAM_CHUNK_BYTES } from '../snapshot/ram-file';
-import { readRamChecksums } from '../snapshot/snapshot-dir';
+import { manifestBytesLimit, MAX_STATE_BYTES, readRamChecksums } from '../snapshot/snapshot-dir';
 import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile } from '../snapshot/snapshot-file';
-import { MAX_STATE_BYTES, manifestBytesLimit } from '../snapshot/snapshot-dir';
-import { readSync } from 'node:fs';
-import { join } from 'node:path';
 import { sha256Hex } from './chunk-cache';
 import { eachBounded, type ObjectStore } from './object-io';
 import type { ResolvedStoreOptions, StoreTransfer } from './store-options';
