@@ -188,6 +188,16 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
     }
   });
 
+  it("a hibernated VM's snapshot is not continued from a store (no claim that it resumes at most once yet)", async () => {
+    const url = `s3://pvisor/test-${run}/hibernated`;
+    await snapshotToStore(url, { cacheDir: newCache() }, async (dir) => writeSnapshot(dir, mem, { ...state, hibernated: { name: 'job-1' } }));
+    const cacheDir = newCache();
+    const e = await fetchFromStore(url, { cacheDir }).catch((x: unknown) => x);
+    expect((e as StoreError).reason).toBe('malformed');
+    expect((e as StoreError).message).toMatch(/holds a hibernated VM/);
+    expect(workLeft(cacheDir)).toEqual([]);
+  });
+
   it('a manifest larger than this host can need, or of the wrong shape, is refused as malformed', async () => {
     const client = new S3Client({});
     try {
