@@ -121,10 +121,14 @@ free_port() { # a free loopback port from the dynamic range, avoiding $1 if give
   return 1
 }
 
+# A package counts as there when the program start runs from it is: dpkg's database is not always
+# where the programs are (the nested KVM harness's L1 mounts the host's /usr and /etc, not /var).
+declare -A package_command=([ceph-mon]=ceph-mon [ceph-osd]=ceph-osd [radosgw]=radosgw [ceph-common]=ceph [curl]=curl [uuid-runtime]=uuidgen)
 missing_packages() {
   local p
   for p in "${packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || echo "$p"
+    command -v "${package_command[$p]}" >/dev/null 2>&1 ||
+      dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || echo "$p"
   done
 }
 

@@ -26,6 +26,7 @@ import type { StrategyStats } from './memory/strategy';
 import type { Labels } from './labels';
 import type { GuestKind, SnapshotInfo, VmMemoryUsage, VmState } from './vm';
 import type { DirEntry, FileStat } from './guest/file-wire';
+import { isStoreUrl, parseStoreUrl } from './store/store-url';
 // For {@link} in the documentation only.
 import type { Vm } from './vm';
 
@@ -221,7 +222,13 @@ export function parseRequest(line: string): ControlRequest {
       return { op: 'suspend', offload: r!.offload === true };
     case 'snapshot': {
       // The run's cwd is not the client's: a relative directory would land somewhere unexpected.
-      if (typeof r!.dir !== 'string' || !isAbsolute(r!.dir) || r!.dir.includes('\0')) throw new InvalidOptionError('control request', 'snapshot: dir must be an absolute path');
+      if (typeof r!.dir === 'string' && isStoreUrl(r!.dir)) {
+        try {
+          parseStoreUrl(r!.dir);
+        } catch (e) {
+          throw new InvalidOptionError('control request', `snapshot: dir: ${(e as Error).message}`);
+        }
+      } else if (typeof r!.dir !== 'string' || !isAbsolute(r!.dir) || r!.dir.includes('\0')) throw new InvalidOptionError('control request', 'snapshot: dir must be an absolute path or an s3://bucket/prefix location');
       if (r!.leavePaused !== undefined && typeof r!.leavePaused !== 'boolean') throw new InvalidOptionError('control request', 'snapshot: leavePaused must be true or false');
       return { op: 'snapshot', dir: r!.dir, leavePaused: r!.leavePaused === true };
     }

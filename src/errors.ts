@@ -282,6 +282,30 @@ export class SnapshotError extends PvisorError {
 }
 
 /**
+ * An object store (`s3://bucket/prefix`, see docs/object-store.md) refused, failed or did not
+ * answer, or what it returned is not what was stored. `reason`: `url` (the URL is malformed;
+ * nothing was sent), `unreachable` (no connection, or an S3 error answer), `timeout` (no answer
+ * within the request timeout), `not-found` (no snapshot at that URL), `exists` (a snapshot is
+ * there already), `malformed` (the manifest is too large or not of the expected shape),
+ * `corrupt` (a chunk's bytes do not have the hash that names them). Raised before anything is
+ * restored from what the store returned: no VM runs on bytes that failed a check.
+ * @category Errors
+ */
+export class StoreError extends PvisorError {
+  readonly reason: StoreErrorReason;
+  constructor(reason: StoreErrorReason, message: string, options?: { cause?: unknown }) {
+    super('PVISOR_STORE', message, options);
+    this.reason = reason;
+  }
+}
+
+/**
+ * {@link StoreError.reason}.
+ * @category Errors
+ */
+export type StoreErrorReason = 'url' | 'unreachable' | 'timeout' | 'not-found' | 'exists' | 'malformed' | 'corrupt';
+
+/**
  * The host side of a VM's network could not be set up; nothing of it is left on the host (no TAP,
  * rule or address), and the VM did not start. `reason`: `permission` (pvisor lacks CAP_NET_ADMIN or
  * access to /dev/net/tun or /dev/vhost-net), `unsupported` (the host lacks a device, kernel feature

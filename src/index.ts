@@ -51,6 +51,7 @@ export {
   OutputLimitError,
   RequestTooLargeError,
   SnapshotError,
+  StoreError,
   PoolUnavailableError,
   VmNotFoundError,
   ControlSocketError,
@@ -61,6 +62,8 @@ export {
   VmLimitError,
   JailViolationError,
 } from './errors';
+export type { StoreErrorReason } from './errors';
+export type { StoreOptions, StoreProgress, StoreTransfer } from './store/store-options';
 export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
 export type { VmNetworkInfo } from './network/vm-network';
 export type { VmNetwork, EgressRulesUpdate } from './network/vm-network';

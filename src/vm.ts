@@ -8,7 +8,7 @@ import { checkOptionKeys, optionKeys } from './option-keys';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
-import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError } from './errors';
+import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError, type StoreError } from './errors';
 import type { GuestPtys } from './guest/pty';
 import type { GuestProcessInfo } from './guest/process-registry';
 import { LinuxGuest, type Command, type ExecBufferOptions, type ExecBufferResult, type ExecOptions, type ExecResult, type GuestFiles, type GuestMemInfo, type GuestProcess, type RequestTimeout, type SpawnOptions } from './guest/linux-client';
@@ -18,6 +18,8 @@ import { nativePrebuild, prebuildMismatch } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
 import type { SnapshotReader, SnapshotState } from './snapshot/snapshot-dir';
+import type { StoreOptions, StoreTransfer } from './store/store-options';
+import { isStoreUrl } from './store/store-url';
 import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
 import type { MemoryStrategy, StrategyStats } from './memory/strategy';
@@ -189,6 +191,8 @@ export interface RootfsOptions {
 export interface SnapshotOptions {
   /** Leave the VM paused after the snapshot instead of resuming it (when it was running). Default false. */
   leavePaused?: boolean;
+  /** For an `s3://bucket/prefix` location: how the object store is reached, and progress. */
+  store?: StoreOptions;
 }
 
 /**
@@ -200,8 +204,10 @@ export interface SnapshotInfo {
   dir: string;
   /** Guest RAM pages written to the RAM file; the rest of RAM was zero and is a hole in it. */
   ramDataPageCount: number;
-  /** Milliseconds from the call to the directory being sealed (including the pause); fractional, to the microsecond. */
+  /** Milliseconds from the call to the directory being sealed (including the pause), or to the upload's end for an `s3://` location; fractional, to the microsecond. */
   ms: number;
+  /** For an `s3://` location: what was sent to the object store. */
+  store?: StoreTransfer;
 }
 
 /**
@@ -281,6 +287,8 @@ export interface RestoreOptions {
    * the VM is stopped. Default 60000 ms.
    */
   readyTimeoutMs?: number;
+  /** For an `s3://bucket/prefix` snapshot: how the object store and the chunk cache are reached, and progress. */
+  store?: StoreOptions;
 }
 
 const VM_OPTION_KEYS = optionKeys<VmOptions>({
@@ -291,7 +299,7 @@ const VM_OPTION_KEYS = optionKeys<VmOptions>({
 const ROOTFS_OPTION_KEYS = optionKeys<RootfsOptions>({ path: true, readOnly: true });
 const RESTORE_OPTION_KEYS = optionKeys<RestoreOptions>({
   name: true, keep: true, strategies: true, warningLimit: true, verify: true, readyTimeoutMs: true,
-  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true,
+  labels: true, env: true, timeoutMs: true, onTimeout: true, hibernateDir: true, logger: true, store: true,
 });
 const LIST_OPTION_KEYS = optionKeys<VmListOptions>({ labels: true });
 
@@ -323,8 +331,10 @@ function parseSandbox(options: VmOptions | RestoreOptions, ownLabels?: Labels, g
  * @category VM
  */
 export interface RestoreInfo {
-  /** The snapshot directory. */
+  /** The snapshot directory, or its `s3://` location. */
   dir: string;
+  /** For an `s3://` location: what was fetched from the object store (included in `readyMs`). */
+  store?: StoreTransfer;
   /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered); fractional, to the microsecond, as every duration here. */
   readyMs: number;
   /**
@@ -692,6 +702,15 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * uses and clones never share an address. Connections the snapshotted guest had open are gone
    * in the clone (their address is); servers it ran listen on. See docs/networking.md,
    * "Snapshots and clones".
+   *
+   * `dir` may be an object store location, `s3://bucket/prefix`, that {@link Vm.snapshot} wrote:
+   * its manifest is fetched and checked, each chunk comes from the host's chunk cache or the store
+   * (checked against its SHA-256 before it is cached or used), the snapshot is assembled in the
+   * cache's directory and restored from there as above (see {@link RestoreOptions.store} and
+   * docs/object-store.md). All of guest RAM that is not zero is fetched before the VM runs. A
+   * chunk that fails its check, a malformed manifest, or a store that does not answer within
+   * {@link StoreOptions.requestTimeoutMs} is a {@link StoreError}, and nothing has run. A
+   * hibernated VM is not restored from a store (yet).
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
     const t0 = performance.now();
@@ -702,6 +721,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     const verify = booleanOption('verify', options.verify, false);
     const keep = booleanOption('keep', options.keep, false);
     parseSandbox(options); // checked before the snapshot is opened; again below with its labels
+    if (isStoreUrl(dir)) return Vm.restoreFromStore(dir, options, t0);
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
     try {
@@ -733,6 +753,21 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     } finally {
       // Its RAM file is read, loaded from a duplicate, or mapped through one by now.
       snapshot.close();
+    }
+  }
+
+  /** {@link restore} of an `s3://` location: fetched into the chunk cache, restored from there. */
+  private static async restoreFromStore(url: string, options: RestoreOptions, t0: number): Promise<Vm> {
+    const { fetchFromStore } = await import('./store/snapshot-store');
+    const { store, ...local } = options;
+    const fetched = await fetchFromStore(url, store);
+    try {
+      const vm = await Vm.restore(fetched.dir, local);
+      vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: fetched.transfer };
+      return vm;
+    } finally {
+      // Read, loaded from a descriptor of its own, or mapped by now.
+      fetched.remove();
     }
   }
 
@@ -836,8 +871,17 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * A state larger than a restore reads (4 MiB of JSON: only bytes in flight on the agent
    * channel, requests the guest has not taken yet, make it that large) is refused with a
    * {@link SnapshotError} before anything is written, and the VM runs on.
+   *
+   * `dir` may be an object store location, `s3://bucket/prefix` (a prefix with no snapshot yet):
+   * the snapshot is written into a work directory of the chunk cache (the VM is paused only for
+   * that), then sent while the VM runs on: guest RAM as 2 MiB chunks named by their SHA-256, each
+   * sent only if the bucket lacks it (so a child of a template sends only what it changed), all-zero
+   * chunks not at all, and the manifest last, so that a half-sent snapshot is never restored. The
+   * client comes from the standard AWS environment (see {@link SnapshotOptions.store}); a store
+   * that fails or does not answer is a {@link StoreError}. See docs/object-store.md.
    */
   snapshot(dir: string, options: SnapshotOptions = {}): Promise<SnapshotInfo> {
+    if (isStoreUrl(dir)) return this.snapshotToStore(dir, options);
     return this.transition(async () => {
       const t0 = performance.now();
       this.requireState('running', 'paused');
@@ -851,6 +895,15 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
         if (wasRunning && !options.leavePaused && this._state === 'paused') this.resumeAfterSaving();
       }
     });
+  }
+
+  /** {@link snapshot} to an `s3://` location: written locally (the pause), then sent while the VM runs on. */
+  private async snapshotToStore(url: string, options: SnapshotOptions): Promise<SnapshotInfo> {
+    const t0 = performance.now();
+    const { snapshotToStore } = await import('./store/snapshot-store');
+    const { store, ...local } = options;
+    const { written, transfer } = await snapshotToStore(url, store, (dir) => this.snapshot(dir, local));
+    return { ...written, dir: url, ms: elapsedMs(t0), store: transfer };
   }
 
   /**

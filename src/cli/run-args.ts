@@ -5,7 +5,8 @@
  */
 import { resolve } from 'node:path';
 import { parseArgs } from 'node:util';
-import { InvalidOptionError } from '../errors';
+import { InvalidOptionError, StoreError } from '../errors';
+import { isStoreUrl, parseStoreUrl } from '../store/store-url';
 import { ColdCompression } from '../memory/strategies/cold-compression';
 import { CompressedOffload } from '../memory/strategies/compressed-offload';
 import { IdleRelease } from '../memory/strategies/idle-release';
@@ -200,7 +201,7 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   if (reload !== undefined && !values['vm-offload']) throw new InvalidOptionError('--vm-offload-reload', 'only goes with --vm-offload');
   if (reload !== undefined && reload !== 'eager' && reload !== 'lazy') throw new InvalidOptionError('--vm-offload-reload', `expected eager or lazy, got ${JSON.stringify(reload)}`);
   if (!command.length) throw new InvalidOptionError('command', 'nothing to run: give it after --, e.g. pvisor run -- uname -a');
-  const source = from !== undefined ? ({ kind: 'snapshot', dir: resolve(cwd, from), shared: values.shared } as const) : bootSource(values);
+  const source = from !== undefined ? ({ kind: 'snapshot', dir: snapshotLocation(from, cwd), shared: values.shared } as const) : bootSource(values);
 
   const strategies: MemoryStrategy[] = [];
   if (values.shared) strategies.push(new SharedSnapshot());
@@ -284,4 +285,15 @@ function bootSource(values: { memory?: string; vcpus?: string; guest?: string; k
   parseNetworkOption(network); // a bad rule is a usage error, before anything starts
   if (guest === 'probe' && network !== 'none') throw new InvalidOptionError('--net', 'is for the Linux guest');
   return { kind: 'boot', memoryBytes, memoryText, vcpus, guest, kernel: values.kernel, initrd: values.initrd, rootfs, network };
+}
+
+/** `--from`: a directory (made absolute) or an `s3://bucket/prefix` location (checked now). */
+function snapshotLocation(from: string, cwd: string): string {
+  if (!isStoreUrl(from)) return resolve(cwd, from);
+  try {
+    return parseStoreUrl(from).url;
+  } catch (e) {
+    if (e instanceof StoreError) throw new InvalidOptionError('--from', e.message);
+    throw e;
+  }
 }

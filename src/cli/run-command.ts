@@ -13,13 +13,26 @@ import { Vm, type GuestKind } from '../vm';
 import { ConsoleCopy } from './console-copy';
 import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from './probe-script';
 import { parseRunArgs, type RunArgs } from './run-args';
+import { isStoreUrl } from '../store/store-url';
+import type { FetchedSnapshot } from '../store/download';
 import { RunControl } from './run-control';
 import { jailedEntry, makeForbiddenSyscall } from '../jail/jailed-entry';
 import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
 
 /** Runs `pvisor run ARGS`; resolves with the run's exit status. */
 export async function cmdRun(argv: string[]): Promise<number> {
-  const args = parseUsage('run', () => parseRunArgs(argv));
+  const parsed = parseUsage('run', () => parseRunArgs(argv));
+  // --from s3://...: fetched into the chunk cache first, then restored from there as a directory.
+  const fetched = parsed.source.kind === 'snapshot' && isStoreUrl(parsed.source.dir) ? await fetchSnapshotFrom(parsed.source.dir, parsed) : undefined;
+  try {
+    const args = fetched && parsed.source.kind === 'snapshot' ? { ...parsed, source: { ...parsed.source, dir: fetched.dir } } : parsed;
+    return await runFrom(args, argv, fetched && (() => fetched.remove()));
+  } finally {
+    fetched?.remove();
+  }
+}
+
+async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void) | undefined): Promise<number> {
   const { source } = args;
   const machine = source.kind === 'boot' ? source : await readSnapshotMachine(source.dir);
   // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
@@ -40,6 +53,7 @@ export async function cmdRun(argv: string[]): Promise<number> {
   // In the jail (told by its environment) the same arguments run the VM here.
   const jailed = jailedEntry();
   if (args.isolation === 'process' && !jailed) {
+    if (afterRestore) throw new InvalidOptionError('--from', 'an s3:// snapshot does not go with --isolation process yet (the jail would fetch it again, without the store\'s credentials): use --isolation none');
     const { runJailed } = await import('./run-jailed');
     return runJailed(args, argv, machine);
   }
@@ -57,7 +71,28 @@ export async function cmdRun(argv: string[]): Promise<number> {
     // The name was checked as a name above: here it can only be taken by a running VM.
     throw e instanceof InvalidOptionError && e.option === 'name' ? new RefusedError(e.message) : e;
   });
-  return runVm(control, { args, steps, cursor });
+  return runVm(control, { args, steps, cursor, afterRestore });
+}
+
+/**
+ * Fetches the snapshot at `url` into the chunk cache (docs/object-store.md), saying on stderr
+ * how far it is, at most once a second, and what it moved.
+ */
+async function fetchSnapshotFrom(url: string, args: RunArgs): Promise<FetchedSnapshot> {
+  const { fetchFromStore } = await import('../store/snapshot-store');
+  const say = (line: string) => args.quiet || process.stderr.write(`pvisor: ${line}\n`);
+  say(`fetching the snapshot ${url}...`);
+  let lastMs = performance.now();
+  const fetched = await fetchFromStore(url, {
+    onProgress: (p) => {
+      if (performance.now() - lastMs < 1000) return;
+      lastMs = performance.now();
+      say(`${url}: ${p.chunksDone}/${p.chunksTotal} RAM chunks, ${formatMiB(p.bytesTransferred)} fetched`);
+    },
+  });
+  const t = fetched.transfer;
+  say(`${url}: ${t.chunksTransferred} chunks fetched (${formatMiB(t.bytesTransferred)}), ${t.chunksPresent} from the cache, ${t.zeroChunks} zero, in ${Math.round(t.ms)} ms`);
+  return fetched;
 }
 
 /** What {@link runVm} runs. */
@@ -72,6 +107,8 @@ export interface RunPlan {
    * run waits until the VM is stopped instead of starting it again.
    */
   resumed?: { recordPath: string; onReady(vm: Vm): void };
+  /** Called once the VM is restored (or its restore failed): a snapshot fetched from a store is removed. */
+  afterRestore?: () => void;
 }
 
 /**
@@ -97,7 +134,11 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
       else progress(`restoring a ${formatMiB(control.description.memoryBytes)} ${control.description.guest} VM with ${control.description.vcpus} vCPU(s) from ${source.dir}${source.shared ? ", its RAM the snapshot's file shared copy-on-write" : ''}...`);
       // No --label: a hibernated VM keeps its own.
       const labels = Object.keys(args.labels).length ? { labels: args.labels } : {};
-      vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies, ...labels });
+      try {
+        vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies, ...labels });
+      } finally {
+        plan.afterRestore?.();
+      }
       // The VM is back in a process (the restore removed its directory): it is no longer hibernated.
       if (resumed) rmSync(resumed.recordPath, { force: true });
     }

@@ -5,7 +5,8 @@
 import { readdirSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { parseArgs } from 'node:util';
-import { InvalidOptionError, PvisorError } from '../errors';
+import { InvalidOptionError, PvisorError, StoreError } from '../errors';
+import { isStoreUrl, parseStoreUrl } from '../store/store-url';
 import { formatMiB } from '../units';
 import { validateVmName } from '../vm-name';
 import { parseUsage, RefusedError } from './usage';
@@ -56,7 +57,7 @@ export function parseSnapshotArgs(argv: string[], cwd: string = process.cwd(), d
   return {
     id,
     socketPath: values['vm-socket'] ?? socketPathFor(id, dir),
-    dir: resolve(cwd, target),
+    dir: isStoreUrl(target) ? storeLocation(target) : resolve(cwd, target),
     leavePaused: values['leave-paused'],
     json: values.json,
   };
@@ -66,7 +67,7 @@ export function parseSnapshotArgs(argv: string[], cwd: string = process.cwd(), d
 export async function cmdSnapshot(argv: string[]): Promise<number> {
   const a = parseUsage('snapshot', () => parseSnapshotArgs(argv));
   // The caller's to change, refused before the VM is paused (the VM's process checks it again).
-  if (directoryHasEntries(a.dir)) throw new RefusedError(`snapshot ${a.id} refused: ${a.dir} is not empty; a snapshot goes into a new or empty directory`);
+  if (!isStoreUrl(a.dir) && directoryHasEntries(a.dir)) throw new RefusedError(`snapshot ${a.id} refused: ${a.dir} is not empty; a snapshot goes into a new or empty directory`);
   const progress = reportProgress(a);
   let r: ControlResponse;
   try {
@@ -99,7 +100,7 @@ function reportProgress(a: SnapshotArgs): { stop(): void } {
   const t0 = performance.now();
   let every: NodeJS.Timeout | undefined;
   const first = setTimeout(() => {
-    process.stderr.write(`pvisor: writing the snapshot of ${a.id} into ${a.dir}...\n`);
+    process.stderr.write(`pvisor: writing the snapshot of ${a.id} ${isStoreUrl(a.dir) ? 'and sending it to' : 'into'} ${a.dir}...\n`);
     every = setInterval(() => process.stderr.write(`pvisor: still writing the snapshot of ${a.id} (${Math.round((performance.now() - t0) / 1000)} s)\n`), PROGRESS_EVERY_MS);
   }, PROGRESS_AFTER_MS);
   return {
@@ -117,5 +118,15 @@ function directoryHasEntries(dir: string): boolean {
   } catch {
     // Missing, or not a directory: the VM's process says what is wrong with it.
     return false;
+  }
+}
+
+/** An `s3://bucket/prefix` target, checked here so that a typo fails before the VM is asked. */
+function storeLocation(target: string): string {
+  try {
+    return parseStoreUrl(target).url;
+  } catch (e) {
+    if (e instanceof StoreError) throw new InvalidOptionError('dir', e.message);
+    throw e;
   }
 }

@@ -163,7 +163,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       Steps: fill SIZE [repetitive|random|compressible] [SEED], rewrite PERCENT% [SEED], touch SIZE [ROUNDS],
              digest, release [OFFSET SIZE], idle, memory, pause, suspend, resume,
              sleep SECONDS (or 500ms, 2m), wait (last step: until pvisor stop ID or a signal)
-  pvisor run --from DIR [--shared] [--name ID] [--console] [--label KEY=VALUE]... [--quiet] [--vm-... memory strategy flags] -- CMD
+  pvisor run --from DIR|s3://BUCKET/PREFIX [--shared] [--name ID] [--console] [--label KEY=VALUE]... [--quiet] [--vm-... memory strategy flags] -- CMD
       Restores the VM a snapshot holds (written by pvisor snapshot or vm.snapshot()) instead of
       booting one, runs CMD in it as above (probe steps for a probe snapshot) and listens on its
       control socket as above. Its memory, vCPUs, guest and disks are the snapshot's: --memory,
@@ -191,11 +191,11 @@ const RESUME = `  pvisor resume ID [--vm-load] [--foreground] [--vm-socket PATH]
         ID.log beside the socket. --foreground: in this process instead, its output here.
       Refused (exit 1) if there is nothing to resume: the VM runs.
 `;
-const SNAPSHOT = `  pvisor snapshot ID DIR [--leave-paused] [--vm-socket PATH] [--json]
+const SNAPSHOT = `  pvisor snapshot ID DIR|s3://BUCKET/PREFIX [--leave-paused] [--vm-socket PATH] [--json]
       Writes a snapshot of the VM started by pvisor run --name ID into DIR (new or empty; relative
       to this shell): guest RAM as a sparse file, its machine state and a checksummed manifest,
       all read-only. The VM pauses for it and runs on after; --leave-paused: it stays paused until
-      pvisor resume ID. pvisor run --from DIR restores it.
+      pvisor resume ID. pvisor run --from DIR restores it. s3://BUCKET/PREFIX: docs/object-store.md.
 `;
 const STOP = `  pvisor stop ID [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Stops the VM; its run ends. A hibernated VM is discarded: its state is removed from disk.

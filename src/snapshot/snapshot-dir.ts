@@ -268,6 +268,26 @@ export class SnapshotReader {
   }
 }
 
+/** A snapshot directory's RAM size and per-chunk CRC32C, from its manifest: {@link readRamChecksums}. */
+export interface RamChecksums {
+  ramBytes: number;
+  chunkCrc32c: number[];
+}
+
+/**
+ * Reads and checks `dir`'s manifest only (bounded and parsed as {@link SnapshotReader.open}
+ * does): what a copy of its RAM file elsewhere (an object store) checks each chunk against.
+ */
+export function readRamChecksums(dir: string): RamChecksums {
+  const m = openSnapshotFile(join(dir, MANIFEST));
+  try {
+    const manifest = parseManifest(parseJson(readSnapshotFile(m, manifestBytesLimit(hostMemTotalBytes()), "a manifest of this host's largest guest RAM needs"), m.path), m.path);
+    return { ramBytes: manifest.ramBytes, chunkCrc32c: manifest.ramChunkCrc32c.map((h) => Number.parseInt(h, 16)) };
+  } finally {
+    closeSnapshotFiles(m);
+  }
+}
+
 /** What {@link SnapshotReader.checkMappedRam} did. */
 export interface MappedRamCheck {
   /** The same file was checked earlier in this process; nothing was read. */

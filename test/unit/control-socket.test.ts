@@ -68,6 +68,9 @@ describe('control socket', () => {
   it('a snapshot request names an absolute directory: the run\'s cwd is not the client\'s', () => {
     expect(parseRequest('{"op":"snapshot","dir":"/var/tmp/s1"}')).toEqual({ op: 'snapshot', dir: '/var/tmp/s1', leavePaused: false });
     expect(parseRequest('{"op":"snapshot","dir":"/s","leavePaused":true}')).toEqual({ op: 'snapshot', dir: '/s', leavePaused: true });
+    // Or an object store location, checked as one.
+    expect(parseRequest('{"op":"snapshot","dir":"s3://pvisor/t/1"}')).toEqual({ op: 'snapshot', dir: 's3://pvisor/t/1', leavePaused: false });
+    expect(() => parseRequest('{"op":"snapshot","dir":"s3://pvisor/../x"}')).toThrow(/snapshot: dir: .*segment/);
     for (const bad of ['{"op":"snapshot"}', '{"op":"snapshot","dir":"rel/s1"}', '{"op":"snapshot","dir":""}', '{"op":"snapshot","dir":7}', '{"op":"snapshot","dir":"/s","leavePaused":"no"}']) {
       expect(() => parseRequest(bad)).toThrow(/^control request: snapshot: /);
     }

@@ -20,6 +20,11 @@ describe('pvisor run: argument parsing', () => {
     expect(parseRunArgs(['--from', '/abs/snap', '--', 'digest'], cwd).source).toEqual({ kind: 'snapshot', dir: '/abs/snap', shared: false });
   });
 
+  it('--from s3://bucket/prefix is kept as a location, checked now', () => {
+    expect(parseRunArgs(['--from', 's3://pvisor/t/1/', '--', 'digest'], cwd).source).toEqual({ kind: 'snapshot', dir: 's3://pvisor/t/1/', shared: false });
+    expect(() => parseRunArgs(['--from', 's3://pvisor/a/../b', '--', 'digest'], cwd)).toThrow(/^--from: .*\.\. segment/);
+  });
+
   it('--shared maps the snapshot\'s RAM file (SharedSnapshot, first), and only goes with --from', () => {
     const a = parseRunArgs(['--from', 'snap', '--shared', '--vm-idle-release', '--', 'digest'], cwd);
     expect(a.source).toEqual({ kind: 'snapshot', dir: '/home/u/work/snap', shared: true });

@@ -22,6 +22,12 @@ describe('pvisor snapshot: argument parsing', () => {
     expect(() => parseSnapshotArgs(argv, cwd, dir)).toThrow(message);
   });
 
+  it('takes an s3://bucket/prefix location as it is, and refuses a malformed one before asking the VM', () => {
+    expect(parseSnapshotArgs(['T1', 's3://pvisor/templates/t1'], cwd, dir).dir).toBe('s3://pvisor/templates/t1');
+    expect(() => parseSnapshotArgs(['T1', 's3://pvisor'], cwd, dir)).toThrow(/^dir: "s3:\/\/pvisor": no prefix/);
+    expect(() => parseSnapshotArgs(['T1', 's3://Bad_Bucket/x'], cwd, dir)).toThrow(InvalidOptionError);
+  });
+
   it('does not take options of other commands', () => {
     expect(() => parseSnapshotArgs(['T1', 'd', '--vm-offload'], cwd, dir)).toThrow(/Unknown option/);
   });

@@ -1,0 +1,165 @@
+/**
+ * A host-local, content-addressed cache of chunks fetched from an object store: one file per
+ * chunk, named by its SHA-256, so that restores of a template and of its children, in any process
+ * that uses the same directory, fetch each chunk once. Its size is bounded: past the bound, the
+ * chunks used least recently (by modification time, which a use sets) are removed, except those
+ * a restore of this process is using. Entries are written to a temporary name and renamed once
+ * whole and checked, and checked again when read (a damaged entry is removed and fetched again):
+ * the cache's files are not trusted more than the store's.
+ */
+import { createHash, randomBytes } from 'node:crypto';
+import { mkdirSync, readdirSync, renameSync, rmSync, statSync, utimesSync, writeFileSync } from 'node:fs';
+import { homedir } from 'node:os';
+import { join } from 'node:path';
+import { SnapshotError } from '../errors';
+import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile } from '../snapshot/snapshot-file';
+
+/** The default bound of a chunk cache: 4 GiB. */
+export const DEFAULT_CACHE_MAX_BYTES = 4 * 1024 * 1024 * 1024;
+
+/** `$PVISOR_CHUNK_CACHE`, else `$XDG_CACHE_HOME/pvisor/chunks`, else `~/.cache/pvisor/chunks`. */
+export function defaultCacheDir(env: NodeJS.ProcessEnv = process.env): string {
+  if (env.PVISOR_CHUNK_CACHE) return env.PVISOR_CHUNK_CACHE;
+  return join(env.XDG_CACHE_HOME || join(homedir(), '.cache'), 'pvisor', 'chunks');
+}
+
+const SHA256_HEX = /^[0-9a-f]{64}$/;
+
+/** What {@link ChunkCache.evict} removed. */
+export interface Eviction {
+  chunksRemoved: number;
+  bytesRemoved: number;
+  /** Bytes the cache holds afterwards. */
+  bytesKept: number;
+}
+
+/** A chunk cache directory: `chunks/<sha256>`, `tmp/` for entries being written, `work/` for snapshots being sent or assembled. */
+export class ChunkCache {
+  private readonly pins = new Map<string, number>();
+
+  private constructor(readonly dir: string, readonly maxBytes: number) {}
+
+  /** Opens (creating, 0700) the cache in `dir`, bounded to `maxBytes`. */
+  static open(dir: string, maxBytes: number = DEFAULT_CACHE_MAX_BYTES): ChunkCache {
+    for (const sub of ['', 'chunks', 'tmp', 'work']) mkdirSync(join(dir, sub), { recursive: true, mode: 0o700 });
+    return new ChunkCache(dir, maxBytes);
+  }
+
+  /** A new, empty directory to write or assemble a snapshot in; the caller removes it. */
+  newWorkDir(): string {
+    const dir = join(this.dir, 'work', `${process.pid}-${randomBytes(6).toString('hex')}`);
+    mkdirSync(dir, { mode: 0o700 });
+    return dir;
+  }
+
+  /**
+   * The chunk `sha256` of `sizeBytes`, if the cache has it whole and with that hash; its use
+   * makes it the most recently used. A damaged entry is removed.
+   */
+  read(sha256: string, sizeBytes: number): Buffer | undefined {
+    const path = this.pathOf(sha256);
+    let file;
+    try {
+      file = openSnapshotFile(path);
+    } catch {
+      return undefined;
+    }
+    try {
+      // Of another size: whoever asks is wrong about it (a manifest is hostile), or the entry is;
+      // either way it is not this chunk, and a good entry is not removed for a bad question.
+      if (file.sizeBytes !== sizeBytes) return undefined;
+      const bytes = readSnapshotFile(file, sizeBytes, 'the chunk has');
+      if (sha256Hex(bytes) === sha256) {
+        const now = new Date();
+        utimesSync(path, now, now);
+        return bytes;
+      }
+    } catch (e) {
+      if (!(e instanceof SnapshotError)) throw e;
+    } finally {
+      closeSnapshotFiles(file);
+    }
+    rmSync(path, { force: true });
+    return undefined;
+  }
+
+  /** Adds `bytes`, whose SHA-256 the caller has checked to be `sha256`. */
+  write(sha256: string, bytes: Buffer): void {
+    const tmp = join(this.dir, 'tmp', `${sha256}.${process.pid}.${randomBytes(4).toString('hex')}`);
+    writeFileSync(tmp, bytes, { mode: 0o400, flag: 'wx' });
+    renameSync(tmp, this.pathOf(sha256));
+  }
+
+  /** Keeps `sha256` from eviction by this process until as many {@link unpin}s. */
+  pin(sha256: string): void {
+    this.pins.set(sha256, (this.pins.get(sha256) ?? 0) + 1);
+  }
+
+  unpin(sha256: string): void {
+    const n = (this.pins.get(sha256) ?? 0) - 1;
+    if (n > 0) this.pins.set(sha256, n);
+    else this.pins.delete(sha256);
+  }
+
+  /**
+   * Removes the least recently used unpinned chunks until the cache holds at most
+   * {@link maxBytes}, and any temporary entry or work directory left by a process that is gone.
+   */
+  evict(): Eviction {
+    this.removeStaleTemporaries();
+    const entries: { sha: string; sizeBytes: number; usedMs: number }[] = [];
+    let total = 0;
+    for (const name of readdirSync(join(this.dir, 'chunks'))) {
+      if (!SHA256_HEX.test(name)) continue;
+      try {
+        const st = statSync(this.pathOf(name));
+        entries.push({ sha: name, sizeBytes: st.size, usedMs: st.mtimeMs });
+        total += st.size;
+      } catch {
+        // Removed meanwhile by another process sharing the cache.
+      }
+    }
+    const out: Eviction = { chunksRemoved: 0, bytesRemoved: 0, bytesKept: total };
+    if (total <= this.maxBytes) return out;
+    entries.sort((a, b) => a.usedMs - b.usedMs);
+    for (const e of entries) {
+      if (out.bytesKept <= this.maxBytes) break;
+      if (this.pins.has(e.sha)) continue;
+      rmSync(this.pathOf(e.sha), { force: true });
+      out.chunksRemoved++;
+      out.bytesRemoved += e.sizeBytes;
+      out.bytesKept -= e.sizeBytes;
+    }
+    return out;
+  }
+
+  private pathOf(sha256: string): string {
+    if (!SHA256_HEX.test(sha256)) throw new SnapshotError(`not a SHA-256: ${sha256.slice(0, 80)}`);
+    return join(this.dir, 'chunks', sha256);
+  }
+
+  private removeStaleTemporaries(): void {
+    for (const name of readdirSync(join(this.dir, 'tmp'))) {
+      const pid = Number(/\.(\d+)\.[0-9a-f]+$/.exec(name)?.[1]);
+      if (pid && pid !== process.pid && !processAlive(pid)) rmSync(join(this.dir, 'tmp', name), { force: true });
+    }
+    for (const name of readdirSync(join(this.dir, 'work'))) {
+      const pid = Number(/^(\d+)-[0-9a-f]+$/.exec(name)?.[1]);
+      if (pid && pid !== process.pid && !processAlive(pid)) rmSync(join(this.dir, 'work', name), { recursive: true, force: true });
+    }
+  }
+}
+
+/** SHA-256 of `bytes`, lower-case hex. */
+export function sha256Hex(bytes: Uint8Array): string {
+  return createHash('sha256').update(bytes).digest('hex');
+}
+
+function processAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'EPERM';
+  }
+}

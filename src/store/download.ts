@@ -1,0 +1,156 @@
+/**
+ * Brings a snapshot from an object store into a local snapshot directory that the local restore
+ * (snapshot-dir.ts, Vm.restore) reads: the manifest is fetched, bounded and checked; each chunk it
+ * names comes from the host's chunk cache or, when missing, from the store, its SHA-256 checked
+ * before it is cached or written anywhere; guest RAM is assembled as a sparse RAM file. A chunk
+ * that fails its check, a store that does not answer, or a manifest of the wrong shape fails the
+ * whole fetch with a {@link StoreError}, and nothing of the directory is left.
+ *
+ * The whole snapshot is fetched before the VM runs: fetching each chunk on the guest's first
+ * touch (userfaultfd serving from the store) is a later step of issue 27.
+ */
+import { closeSync, ftruncateSync, openSync, rmSync, writeSync } from 'node:fs';
+import { join } from 'node:path';
+import { StoreError } from '../errors';
+import { hostMemTotalBytes } from '../memory-usage';
+import { RAM_CHUNK_BYTES } from '../snapshot/ram-file';
+import { sha256Hex, type ChunkCache } from './chunk-cache';
+import { eachBounded, type ObjectStore } from './object-io';
+import type { ResolvedStoreOptions, StoreTransfer } from './store-options';
+import { chunkSizeBytes, parseStoreManifest, storeManifestBytesLimit, type ChunkRef } from './store-manifest';
+import { chunkKey, type StoreUrl } from './store-url';
+
+/** A snapshot fetched into a local directory: {@link fetchSnapshot}. */
+export interface FetchedSnapshot {
+  /** The local snapshot directory, for {@link Vm.restore}. */
+  dir: string;
+  transfer: StoreTransfer;
+  /** Removes {@link dir}. A restore that is done with its files may remove it (a lazy load reads through a descriptor of its own). */
+  remove(): void;
+}
+
+/**
+ * Fetches the snapshot at `url` into a new directory of `cache`. A hibernated VM's snapshot is
+ * refused: bringing one back from a store (at most once) is a later step.
+ */
+export async function fetchSnapshot(url: StoreUrl, store: ObjectStore, cache: ChunkCache, options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'>): Promise<FetchedSnapshot> {
+  const t0 = performance.now();
+  let manifestBody: Buffer;
+  try {
+    manifestBody = await store.get(url.manifestKey, storeManifestBytesLimit(hostMemTotalBytes()));
+  } catch (e) {
+    if (e instanceof StoreError && e.reason === 'not-found') throw new StoreError('not-found', `${url.url}: no snapshot there (no ${url.manifestKey})`, { cause: e });
+    throw e;
+  }
+  const manifest = parseStoreManifest(manifestBody, `${url.url}/snapshot.json`);
+  const out: StoreTransfer = { url: url.url, chunksTotal: manifest.ramChunks.length, zeroChunks: 0, chunksTransferred: 0, chunksPresent: 0, bytesTransferred: manifestBody.length, ms: 0 };
+  let chunksDone = 0;
+  const progress = (): void => options.onProgress?.({ direction: 'download', url: url.url, chunksDone, chunksTotal: out.chunksTotal, bytesTransferred: out.bytesTransferred });
+
+  // Where each distinct chunk goes; every chunk's size follows from its place.
+  const places = new Map<string, number[]>();
+  manifest.ramChunks.forEach((sha, i) => {
+    if (sha === null) {
+      out.zeroChunks++;
+      chunksDone++;
+      return;
+    }
+    const at = places.get(sha);
+    if (at) at.push(i);
+    else places.set(sha, [i]);
+  });
+  for (const [sha, at] of places) {
+    const sizes = new Set(at.map((i) => chunkSizeBytes(manifest.ramBytes, i)));
+    if (sizes.size > 1) throw new StoreError('malformed', `${url.url}/snapshot.json: chunk ${sha} is named at places of different sizes (${[...sizes].join(', ')} bytes)`);
+  }
+
+  /** The chunk `ref`, from the cache or the store, checked. */
+  const chunk = async (ref: ChunkRef): Promise<Buffer> => {
+    const cached = cache.read(ref.sha256, ref.sizeBytes);
+    if (cached) {
+      out.chunksPresent++;
+      return cached;
+    }
+    const bytes = await store.get(chunkKey(ref.sha256), ref.sizeBytes, true);
+    out.bytesTransferred += bytes.length;
+    const sha = sha256Hex(bytes);
+    if (bytes.length !== ref.sizeBytes || sha !== ref.sha256) {
+      throw new StoreError('corrupt', `${url.url}: chunk ${chunkKey(ref.sha256)} is ${bytes.length} bytes with SHA-256 ${sha}, the manifest says ${ref.sizeBytes} bytes with ${ref.sha256}: the store returned other bytes than were stored; nothing was restored`);
+    }
+    cache.write(ref.sha256, bytes);
+    out.chunksTransferred++;
+    return bytes;
+  };
+
+  const dir = cache.newWorkDir();
+  const pinned = [...places.keys(), manifest.files.manifest.sha256, manifest.files.state.sha256];
+  for (const sha of pinned) cache.pin(sha);
+  let ramFd: number | undefined;
+  try {
+    const stateBytes = await chunk(manifest.files.state);
+    refuseHibernated(stateBytes, url);
+    writeNew(join(dir, 'state.json'), stateBytes);
+    writeNew(join(dir, 'manifest.json'), await chunk(manifest.files.manifest));
+    ramFd = openSync(join(dir, 'ram'), 'wx', 0o600);
+    ftruncateSync(ramFd, manifest.ramBytes);
+    const fd = ramFd;
+    await eachBounded([...places.entries()], options.concurrency, async ([sha, at]) => {
+      const bytes = await chunk({ sha256: sha, sizeBytes: chunkSizeBytes(manifest.ramBytes, at[0]) });
+      for (const i of at) writeDataPages(fd, bytes, i * RAM_CHUNK_BYTES);
+      chunksDone += at.length;
+      progress();
+    });
+    closeSync(ramFd);
+    ramFd = undefined;
+  } catch (e) {
+    if (ramFd !== undefined) closeSync(ramFd);
+    rmSync(dir, { recursive: true, force: true });
+    throw e;
+  } finally {
+    for (const sha of pinned) cache.unpin(sha);
+  }
+  cache.evict();
+  out.ms = performance.now() - t0;
+  progress();
+  return { dir, transfer: out, remove: () => rmSync(dir, { recursive: true, force: true }) };
+}
+
+const PAGE_BYTES = 4096;
+const ZERO_PAGE = Buffer.alloc(PAGE_BYTES);
+
+/** Writes `chunk` at `offset`, skipping all-zero pages: they stay holes, as the local format keeps them. */
+function writeDataPages(fd: number, chunk: Buffer, offset: number): void {
+  let runStart = -1;
+  for (let p = 0; p <= chunk.length; p += PAGE_BYTES) {
+    const zero = p >= chunk.length || chunk.subarray(p, p + PAGE_BYTES).equals(ZERO_PAGE.subarray(0, Math.min(PAGE_BYTES, chunk.length - p)));
+    if (!zero && runStart < 0) runStart = p;
+    if (zero && runStart >= 0) {
+      const run = chunk.subarray(runStart, Math.min(p, chunk.length));
+      for (let done = 0; done < run.length;) done += writeSync(fd, run, done, run.length - done, offset + runStart + done);
+      runStart = -1;
+    }
+  }
+}
+
+function writeNew(path: string, bytes: Buffer): void {
+  const fd = openSync(path, 'wx', 0o600);
+  try {
+    for (let done = 0; done < bytes.length;) done += writeSync(fd, bytes, done);
+  } finally {
+    closeSync(fd);
+  }
+}
+
+/** A hibernated VM's state: continuing it from a store, at most once, is not done yet. */
+function refuseHibernated(stateBytes: Buffer, url: StoreUrl): void {
+  let state: unknown;
+  try {
+    state = JSON.parse(stateBytes.toString('utf8'));
+  } catch {
+    // Not JSON: the local restore says so, with its own words.
+    return;
+  }
+  if (typeof state === 'object' && state !== null && 'hibernated' in state) {
+    throw new StoreError('malformed', `${url.url}: holds a hibernated VM, which a restore from an object store does not continue yet (it cannot make sure the VM resumes at most once)`);
+  }
+}

@@ -1,0 +1,53 @@
+/**
+ * Snapshots in an object store, as {@link Vm.snapshot} and {@link Vm.restore} use them: a snapshot
+ * is written locally as ever (the VM is paused only for that), then sent from its files while the
+ * VM runs on; a restore fetches into a local directory and restores from it.
+ */
+import { rmSync } from 'node:fs';
+import { StoreError } from '../errors';
+import { ChunkCache } from './chunk-cache';
+import { fetchSnapshot, type FetchedSnapshot } from './download';
+import { ObjectStore } from './object-io';
+import { resolveStoreOptions, type StoreOptions, type StoreTransfer } from './store-options';
+import { parseStoreUrl } from './store-url';
+import { uploadSnapshotDir } from './upload';
+
+/**
+ * Writes a snapshot with `writeLocal` into a work directory of the chunk cache, sends it to
+ * `location`, and removes the work directory. The URL and options are checked, and the location
+ * is checked to hold no snapshot yet, before `writeLocal` runs (before the VM is paused).
+ */
+export async function snapshotToStore<T>(location: string, options: StoreOptions | undefined, writeLocal: (dir: string) => Promise<T>): Promise<{ written: T; transfer: StoreTransfer }> {
+  const url = parseStoreUrl(location);
+  const o = resolveStoreOptions(options);
+  const store = ObjectStore.open(url, o);
+  try {
+    if ((await store.sizeOf(url.manifestKey)) !== undefined) throw new StoreError('exists', `${url.url}: a snapshot is there already; a snapshot goes to a new prefix`);
+    const dir = ChunkCache.open(o.cacheDir, o.cacheMaxBytes).newWorkDir();
+    try {
+      const written = await writeLocal(dir);
+      const transfer = await uploadSnapshotDir(dir, url, store, o);
+      return { written, transfer };
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  } finally {
+    store.close();
+  }
+}
+
+/**
+ * Fetches the snapshot at `location` into a new directory of the chunk cache (see
+ * {@link StoreOptions.cacheDir}); the caller restores from it and then calls `remove`.
+ */
+export async function fetchFromStore(location: string, options: StoreOptions | undefined): Promise<FetchedSnapshot> {
+  const url = parseStoreUrl(location);
+  const o = resolveStoreOptions(options);
+  const cache = ChunkCache.open(o.cacheDir, o.cacheMaxBytes);
+  const store = ObjectStore.open(url, o);
+  try {
+    return await fetchSnapshot(url, store, cache, o);
+  } finally {
+    store.close();
+  }
+}
