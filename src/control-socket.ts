@@ -24,11 +24,9 @@ import { AbortError, CommandNotFoundError, ControlProtocolError, ControlSocketEr
 import type { ExecResult } from './guest/linux-client';
 import type { StrategyStats } from './memory/strategy';
 import type { Labels } from './labels';
-import type { GuestKind, SnapshotInfo, VmMemoryUsage, VmState } from './vm';
+import type { GuestKind, SnapshotInfo, VmMemoryUsage, VmState } from './vm-types';
 import type { DirEntry, FileStat } from './guest/file-wire';
 import { isStoreUrl, parseStoreUrl } from './store/store-url';
-// For {@link} in the documentation only.
-import type { Vm } from './vm';
 
 /** The version of the control protocol this pvisor speaks; see docs/control-protocol.md. */
 export const CONTROL_PROTOCOL_VERSION = 1;

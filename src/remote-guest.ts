@@ -34,9 +34,6 @@ import type {
 import { checkOptionKeys, optionKeys } from './option-keys';
 import { parseTimeoutMs } from './units';
 import type { VmFiles, VmProcess } from './vm-api';
-// For {@link} in the documentation only.
-import type { Vm } from './vm';
-import type { VmHandle } from './vm-handle';
 import { collectOutput } from './guest/exec-collect';
 
 /** How {@link RemoteProcess} and {@link RemoteFiles} reach the VM: its socket, its id, a one-answer request. */

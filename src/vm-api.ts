@@ -24,11 +24,7 @@ import type {
   WriteOptions,
 } from './guest/linux-client';
 import type { ForwardOptions, PortForward } from './network/port-forward';
-import type { SnapshotInfo, SnapshotOptions, VmEvents, VmMemoryUsage } from './vm';
-// For {@link} in the documentation only.
-import type { Vm } from './vm';
-import type { VmHandle } from './vm-handle';
-import type { GuestFiles, GuestProcess } from './guest/linux-client';
+import type { SnapshotInfo, SnapshotOptions, VmEvents, VmMemoryUsage } from './vm-types';
 
 /**
  * A process started by {@link VmApi.spawn}: a {@link GuestProcess} in this process, a process

@@ -8,15 +8,13 @@ import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { controlRequest, CONTROL_PROTOCOL_VERSION, errorFromPayload, runtimeDir, socketPathFor, type ControlErrorPayload, type ControlMemory, type ControlRequest, type ControlResponse, type ControlVmInfo } from './control-socket';
 import type { Command, ExecBufferOptions, ExecBufferResult, ExecOptions, ExecResult, SpawnOptions } from './guest/linux-client';
-import type { GuestKind, SnapshotInfo, SnapshotOptions, VmState } from './vm';
+import type { GuestKind, SnapshotInfo, SnapshotOptions, VmState } from './vm-types';
 import { ControlSocketError, type ControlProtocolError, type InvalidOptionError, type TimeoutError, type VmNotFoundError, type VmStateError } from './errors';
 import { validateVmName } from './vm-name';
 import type { VmApi, VmApiEvents, VmFiles, VmProcess } from './vm-api';
 import { RemoteFiles, RemoteProcess, remoteExec, type RemoteVm } from './remote-guest';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
 import type { GuestProcess } from './guest/linux-client';
-// For {@link} in the documentation only.
-import type { Vm } from './vm';
 
 /**
  * Who a VM of another process is and what state it is in: the answer of {@link VmHandle.status}.

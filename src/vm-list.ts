@@ -14,13 +14,13 @@ import { controlRequest, idOfSocket, runtimeDir, socketPathFor, type ControlResp
 import { VmNotFoundError } from './errors';
 import { labelsFromText, matchesLabels, parseLabels, type Labels } from './labels';
 import { hibernatedIds, readHibernationRecord, recordPathFor, type HibernationRecord } from './snapshot/hibernation-record';
-import type { GuestKind, Vm, VmState } from './vm';
+import type { GuestKind, VmState } from './vm-types';
 
 /**
- * One VM of {@link Vm.list}.
- * @category VM
+ * One VM of {@link Vm.list} but the VM object itself, which only vm.ts can name: this module is
+ * part of it. {@link VmListEntry} adds it.
  */
-export interface VmListEntry {
+export interface VmListRow {
   /** Its name: `vm.name` in this process, the id of `pvisor run --name` (and of {@link VmHandle.connect}) otherwise. */
   name: string;
   /**
@@ -45,8 +45,6 @@ export interface VmListEntry {
   ageMs?: number;
   /** Its control socket (`control-socket`). */
   socketPath?: string;
-  /** The VM itself (`this-process`). */
-  vm?: Vm;
   /** Why the row lacks what it would say (a VM that did not answer, an answer or record that was refused). */
   error?: string;
 }
@@ -122,16 +120,16 @@ export async function scanRuntimeDir(dir: string = runtimeDir()): Promise<{ live
 const STATES: readonly string[] = ['starting', 'running', 'paused', 'suspended', 'stopped', 'crashed', 'hibernated'];
 
 /** A control socket's row as a list entry, every field of the answer checked. */
-export function entryOfLive(row: LiveRow, nowMs: number): VmListEntry {
+export function entryOfLive(row: LiveRow, nowMs: number): VmListRow {
   const base = { name: row.id, where: 'control-socket' as const, socketPath: row.socketPath, labels: parseLabels('labels', undefined) };
   const r = row.response;
-  const unresponsive = (error: string): VmListEntry => ({ ...base, state: 'unresponsive', pid: null, error });
+  const unresponsive = (error: string): VmListRow => ({ ...base, state: 'unresponsive', pid: null, error });
   if (!r) return unresponsive(row.error ?? 'no answer');
   const vm = (r as { vm?: unknown }).vm as Record<string, unknown> | undefined;
   if (typeof vm !== 'object' || vm === null) return unresponsive(!r.ok && r.error && typeof r.error.message === 'string' ? r.error.message.slice(0, 200) : 'no "vm" in its answer');
   if (typeof vm.state !== 'string' || !STATES.includes(vm.state)) return unresponsive('its answer has no valid "state"');
   if (!(Number.isSafeInteger(vm.pid) && (vm.pid as number) > 0)) return unresponsive('its answer has no valid "pid"');
-  const entry: VmListEntry = { ...base, state: vm.state as VmListEntry['state'], pid: vm.pid as number };
+  const entry: VmListRow = { ...base, state: vm.state as VmListRow['state'], pid: vm.pid as number };
   if (vm.guest === 'linux' || vm.guest === 'probe') entry.guest = vm.guest;
   if (Number.isSafeInteger(vm.memoryBytes) && (vm.memoryBytes as number) >= 0) entry.memoryBytes = vm.memoryBytes as number;
   try {
@@ -150,8 +148,8 @@ export function entryOfLive(row: LiveRow, nowMs: number): VmListEntry {
 }
 
 /** A hibernated VM's row as a list entry: its labels are the `--label` flags its record carries. */
-export function entryOfHibernated(row: HibernatedRow): VmListEntry {
-  const entry: VmListEntry = { name: row.id, where: 'hibernated', state: 'hibernated', pid: null, labels: parseLabels('labels', undefined) };
+export function entryOfHibernated(row: HibernatedRow): VmListRow {
+  const entry: VmListRow = { name: row.id, where: 'hibernated', state: 'hibernated', pid: null, labels: parseLabels('labels', undefined) };
   const h = row.record;
   if (!h) return { ...entry, error: row.error ?? 'no record' };
   try {
@@ -166,14 +164,14 @@ export function entryOfHibernated(row: HibernatedRow): VmListEntry {
  * This process's VMs, then the others, without the others' rows for a VM of this process (a
  * `pvisor run` that lists is both); only those with every label of `wanted`.
  */
-export function mergeVmLists(own: readonly VmListEntry[], others: readonly VmListEntry[], pid: number, wanted: Labels): VmListEntry[] {
+export function mergeVmLists(own: readonly VmListRow[], others: readonly VmListRow[], pid: number, wanted: Labels): VmListRow[] {
   const ownNames = new Set(own.map((e) => e.name));
   const rest = others.filter((e) => !(e.pid === pid && ownNames.has(e.name)));
   return [...own, ...rest].filter((e) => matchesLabels(e.labels, wanted));
 }
 
 /** {@link Vm.list} once this process's VMs are described: every VM this user may reach. */
-export async function listVms(own: readonly VmListEntry[], options: VmListOptions, dir: string = runtimeDir()): Promise<VmListEntry[]> {
+export async function listVms(own: readonly VmListRow[], options: VmListOptions, dir: string = runtimeDir()): Promise<VmListRow[]> {
   const wanted = parseLabels('labels', options.labels);
   const nowMs = Date.now();
   const { live, hibernated } = await scanRuntimeDir(dir);

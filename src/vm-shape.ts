@@ -6,7 +6,7 @@
 import { InvalidOptionError } from './errors';
 import { hostMemTotalBytes } from './memory-usage';
 import { parseSize, type Size } from './units';
-import type { GuestKind } from './vm';
+import type { GuestKind } from './vm-types';
 
 /** The most vCPUs a VM may have. */
 export const MAX_VCPUS = 8;

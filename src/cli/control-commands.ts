@@ -19,7 +19,7 @@ import {
 } from '../control-socket';
 import { processGone } from '../sys/processes';
 import { validateVmName } from '../vm-name';
-import type { GuestKind } from '../vm';
+import type { GuestKind } from '../vm-types';
 import { formatLabels, type Labels } from '../labels';
 import { readHibernationRecord, recordPathFor, type HibernationRecord } from '../snapshot/hibernation-record';
 import { entryOfHibernated, entryOfLive, scanRuntimeDir, type HibernatedRow, type LiveRow } from '../vm-list';

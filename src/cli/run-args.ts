@@ -21,7 +21,7 @@ import { labelsFromText, type Labels } from '../labels';
 import { parseDurationMs } from '../units';
 import { checkVmShape, MAX_VCPUS } from '../vm-shape';
 import { validateVmName } from '../vm-name';
-import type { GuestKind, RootfsOptions } from '../vm';
+import type { GuestKind, RootfsOptions } from '../vm-types';
 import { networkFromCli, parseNetworkOption, type NetworkOption } from '../network/options';
 import { resolveLimits, type JailLimitsInput } from '../jail/limits';
 

@@ -9,7 +9,8 @@ import { InvalidOptionError, VmStateError } from '../errors';
 import type { ExecResult } from '../guest/linux-client';
 import type { Labels } from '../labels';
 import { memoryBackedFilesystem } from '../memory/backing-file';
-import type { GuestKind, Vm } from '../vm';
+import type { Vm } from '../vm';
+import type { GuestKind } from '../vm-types';
 import { hibernationDirFor, logPathFor, recordPathFor, writeHibernationRecord, type HibernationRecord } from '../snapshot/hibernation-record';
 import { formatProbeScript, parseProbeScript, runProbeScript, type ScriptCursor } from './probe-script';
 import {

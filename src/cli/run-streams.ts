@@ -10,7 +10,8 @@ import { finished } from 'node:stream/promises';
 import { VmStateError } from '../errors';
 import { CONTROL_PROTOCOL_VERSION, errorPayload, type ControlFilesRequest, type ControlResponse, type ControlStreamRequest, type ControlVmInfo } from '../control-socket';
 import { MAX_UNSENT_STREAM_BYTES, serveStream, StreamChannel, type StreamSession } from '../control-stream';
-import type { Vm, VmEvents } from '../vm';
+import type { Vm } from '../vm';
+import type { VmEvents } from '../vm-types';
 
 /** Writes one answer line on a stream connection; an error answer closes it. */
 function answerLine(conn: Socket, response: ControlResponse): void {

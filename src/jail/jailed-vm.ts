@@ -13,7 +13,7 @@ import { parseTimeoutMs, type Size } from '../units';
 import { VmHandle } from '../vm-handle';
 import { validateVmName } from '../vm-name';
 import { checkVmShape } from '../vm-shape';
-import type { GuestKind, SnapshotInfo, SnapshotOptions } from '../vm';
+import type { GuestKind, SnapshotInfo, SnapshotOptions } from '../vm-types';
 import { parseNetworkOption, type NetworkOption } from '../network/options';
 import { noNetwork, type VmNetwork } from '../network/vm-network';
 import { JailedVmm, type JailOutcome } from './launcher';

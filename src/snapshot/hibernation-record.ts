@@ -16,7 +16,7 @@ import { randomBytes } from 'node:crypto';
 import { closeSync, constants, fstatSync, fsyncSync, lstatSync, openSync, readdirSync, readSync, renameSync, rmSync, writeSync } from 'node:fs';
 import { basename, dirname, isAbsolute, join, normalize } from 'node:path';
 import { SnapshotError } from '../errors';
-import type { GuestKind } from '../vm';
+import type { GuestKind } from '../vm-types';
 import { validateVmName } from '../vm-name';
 
 const RECORD_SUFFIX = '.hibernated';

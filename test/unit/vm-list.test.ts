@@ -6,7 +6,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { InvalidOptionError, Vm } from '../../src';
 import { parseLabels } from '../../src/labels';
-import { entryOfHibernated, entryOfLive, listVms, mergeVmLists, scanRuntimeDir, type VmListEntry } from '../../src/vm-list';
+import { entryOfHibernated, entryOfLive, listVms, mergeVmLists, scanRuntimeDir, type VmListRow } from '../../src/vm-list';
 
 const vmInfo = { id: 'A', pid: 4242, state: 'running', guest: 'probe', memoryBytes: 2 ** 26, vcpus: 1, labels: { team: 'x' }, startedAt: '2026-12-03T05:00:00.000Z' };
 
@@ -72,7 +72,7 @@ describe('entries from a control socket are checked', () => {
 });
 
 describe('merging', () => {
-  const entry = (name: string, pid: number, labels: Record<string, string> = {}, where: VmListEntry['where'] = 'control-socket'): VmListEntry => ({ name, where, state: 'running', pid, labels: parseLabels('labels', labels) });
+  const entry = (name: string, pid: number, labels: Record<string, string> = {}, where: VmListRow['where'] = 'control-socket'): VmListRow => ({ name, where, state: 'running', pid, labels: parseLabels('labels', labels) });
 
   it("a VM of this process that also has a control socket is listed once, as this process's", () => {
     const own = [entry('a', 100, {}, 'this-process')];
