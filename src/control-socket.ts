@@ -21,7 +21,7 @@ import { lstatSync, mkdirSync, rmSync, chmodSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import { basename, isAbsolute, join } from 'node:path';
 import { AbortError, CommandNotFoundError, ControlProtocolError, ControlSocketError, GuestRequestError, InvalidOptionError, OutputLimitError, PvisorError, TimeoutError, VmNotFoundError, VmStateError } from './errors';
-import type { ExecResult } from './guest/linux-client';
+import type { ExecResult } from './guest/guest-types';
 import type { StrategyStats } from './memory/strategy';
 import type { Labels } from './labels';
 import type { GuestKind, SnapshotInfo, VmMemoryUsage, VmState } from './vm-types';

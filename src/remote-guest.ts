@@ -30,10 +30,11 @@ import type {
   SpawnOptions,
   StatOptions,
   WriteOptions,
-} from './guest/linux-client';
+  VmFiles,
+  VmProcess,
+} from './guest/guest-types';
 import { checkOptionKeys, optionKeys } from './option-keys';
 import { parseTimeoutMs } from './units';
-import type { VmFiles, VmProcess } from './vm-api';
 import { collectOutput } from './guest/exec-collect';
 
 /** How {@link RemoteProcess} and {@link RemoteFiles} reach the VM: its socket, its id, a one-answer request. */

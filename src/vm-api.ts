@@ -4,78 +4,9 @@
  * with either; the compiler checks that both keep to it.
  * @module
  */
-import type { Readable, Writable } from 'node:stream';
-import type { DirEntry, FileStat } from './guest/file-wire';
-import type {
-  Command,
-  ExecBufferOptions,
-  ExecBufferResult,
-  ExecOptions,
-  ExecResult,
-  ExitStatus,
-  FilesCallOptions,
-  ListOptions,
-  MkdirOptions,
-  ReadOptions,
-  RemoveOptions,
-  RequestTimeout,
-  SpawnOptions,
-  StatOptions,
-  WriteOptions,
-} from './guest/linux-client';
+import type { Command, ExecBufferOptions, ExecBufferResult, ExecOptions, ExecResult, SpawnOptions, VmFiles, VmProcess } from './guest/guest-types';
 import type { ForwardOptions, PortForward } from './network/port-forward';
 import type { SnapshotInfo, SnapshotOptions, VmEvents, VmMemoryUsage } from './vm-types';
-
-/**
- * A process started by {@link VmApi.spawn}: a {@link GuestProcess} in this process, a process
- * streamed over the control socket from a {@link VmHandle}. Its output streams are under credit
- * either way: one nobody reads holds only its own process in the guest.
- * @category Guest
- */
-export interface VmProcess {
-  /** The command's standard output; read it, pipe it or destroy it (the process ends only once its output has come). */
-  readonly stdout: Readable;
-  /** The command's standard error; as {@link stdout}. */
-  readonly stderr: Readable;
-  /** The command's standard input (spawned with `stdin: true`, else null): `pipeline(source, p.stdin)` feeds it and finishes once the guest has it all. */
-  readonly stdin: Writable | null;
-  /** The guest pid, once the program has started; rejects as {@link exited} if it never started. */
-  readonly pid: Promise<number>;
-  /** Resolves when the process has ended and its output is complete; rejects if it never started, or was killed for a timeout or signal of the caller's. */
-  readonly exited: Promise<ExitStatus>;
-  /** Writes to stdin (spawned with `stdin: true`); resolves once the guest side has taken it. */
-  write(data: string | Uint8Array, options?: RequestTimeout): Promise<void>;
-  /** Closes stdin after everything written so far; resolves once the guest has it all. */
-  end(options?: RequestTimeout): Promise<void>;
-  /** Sends a signal (default SIGTERM) to the process and everything it started. */
-  kill(signal?: NodeJS.Signals | number, options?: RequestTimeout): Promise<void>;
-}
-
-/**
- * Files of a VM's Linux guest ({@link GuestFiles} in this process): read, write (whole or
- * streamed), list, stat, mkdir, remove, rename. Every call takes `timeoutMs` and an AbortSignal.
- * @category Guest
- */
-export interface VmFiles {
-  /** The whole content of a regular file; larger than `maxBytes` (default 256 MiB) rejects with an OutputLimitError. */
-  read(path: string, options?: ReadOptions): Promise<Buffer>;
-  /** A file's content as a stream under credit: at most a window (256 KiB) ahead of its consumer. */
-  readStream(path: string, options?: FilesCallOptions): Readable;
-  /** Creates or replaces a file (missing parents created) with bytes, a string, or the chunks of an async iterable. */
-  write(path: string, data: string | Uint8Array | AsyncIterable<string | Uint8Array>, options?: WriteOptions): Promise<void>;
-  /** A stream that writes a file as data comes; it finishes once the guest has closed the file and confirmed every byte. */
-  writeStream(path: string, options?: WriteOptions): Writable;
-  /** The entries of a directory, as lstat sees them. */
-  list(path: string, options?: ListOptions): Promise<DirEntry[]>;
-  /** A file's type, mode, owner, size and mtime. */
-  stat(path: string, options?: StatOptions): Promise<FileStat>;
-  /** Creates a directory. */
-  mkdir(path: string, options?: MkdirOptions): Promise<void>;
-  /** Removes a file, a symlink or an empty directory; with `recursive`, a whole tree. */
-  remove(path: string, options?: RemoveOptions): Promise<void>;
-  /** Renames `from` to `to`, replacing `to` as rename(2) does. */
-  rename(from: string, to: string, options?: FilesCallOptions): Promise<void>;
-}
 
 /**
  * The events every {@link VmApi} emits: its state changes and its end.

@@ -7,14 +7,15 @@ import { createConnection, type Socket } from 'node:net';
 import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { controlRequest, CONTROL_PROTOCOL_VERSION, errorFromPayload, runtimeDir, socketPathFor, type ControlErrorPayload, type ControlMemory, type ControlRequest, type ControlResponse, type ControlVmInfo } from './control-socket';
-import type { Command, ExecBufferOptions, ExecBufferResult, ExecOptions, ExecResult, SpawnOptions } from './guest/linux-client';
+import type { Command, ExecBufferOptions, ExecBufferResult, ExecOptions, ExecResult, SpawnOptions } from './guest/guest-types';
 import type { GuestKind, SnapshotInfo, SnapshotOptions, VmState } from './vm-types';
 import { ControlSocketError, type ControlProtocolError, type InvalidOptionError, type TimeoutError, type VmNotFoundError, type VmStateError } from './errors';
 import { validateVmName } from './vm-name';
-import type { VmApi, VmApiEvents, VmFiles, VmProcess } from './vm-api';
+import type { VmApi, VmApiEvents } from './vm-api';
+import type { VmFiles, VmProcess } from './guest/guest-types';
 import { RemoteFiles, RemoteProcess, remoteExec, type RemoteVm } from './remote-guest';
 import { ConnectionBudget, forwardPort, MAX_VM_FORWARD_CONNECTIONS, type ForwardOptions, type PortForward } from './network/port-forward';
-import type { GuestProcess } from './guest/linux-client';
+import type { GuestProcess } from './guest/guest-process';
 
 /**
  * Who a VM of another process is and what state it is in: the answer of {@link VmHandle.status}.

@@ -7,7 +7,7 @@
  * it the same way, through {@link AgentSession}.
  */
 import { join } from 'node:path';
-import type { GuestProcess } from '../guest/linux-client';
+import type { GuestProcess } from '../guest/guest-process';
 import { PACKAGE_ROOT } from '../native';
 import type { Vm } from '../vm';
 

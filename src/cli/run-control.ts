@@ -6,7 +6,7 @@
 import { randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
 import { InvalidOptionError, VmStateError } from '../errors';
-import type { ExecResult } from '../guest/linux-client';
+import type { ExecResult } from '../guest/guest-types';
 import type { Labels } from '../labels';
 import { memoryBackedFilesystem } from '../memory/backing-file';
 import type { Vm } from '../vm';

@@ -9,9 +9,9 @@
 import type { Readable } from 'node:stream';
 import { StringDecoder } from 'node:string_decoder';
 import { OutputLimitError } from '../errors';
-import type { ExecBufferResult, ExecResult, ExitStatus } from './linux-client';
+import type { ExecBufferResult, ExecResult, ExitStatus } from './guest-types';
 // For {@link} in the documentation only.
-import type { GuestProcess } from './linux-client';
+import type { GuestProcess } from './guest-process';
 
 /** What collecting needs of a started command. */
 export interface CollectedProcess {

@@ -3,30 +3,27 @@
  * streamed output, stdin and signals; read and write files; guest memory figures.
  */
 import { randomBytes } from 'node:crypto';
-import { constants as osConstants } from 'node:os';
 import { Readable, Writable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { StringDecoder } from 'node:string_decoder';
-import { AbortError, abortError, CommandNotFoundError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
+import { AbortError, abortError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
 import { checkOptionKeys, optionKeys } from '../option-keys';
 import type { AgentClient } from '../protocol/agent-client';
 import { MAX_PAYLOAD_BYTES } from '../protocol/frame';
 import { booleanOption, parseTimeoutMs } from '../units';
 import { GuestOutput } from './guest-output';
-import type { VmFiles, VmProcess } from '../vm-api';
+import { DEFAULT_REQUEST_TIMEOUT_MS, CHUNK_STDOUT, frameChunks, requestTimeout } from './agent-requests';
+import { GuestProcess } from './guest-process';
+import type { Command, ExecBufferOptions, ExecBufferResult, ExecOptions, ExecResult, FilesCallOptions, GuestMemInfo, ListOptions, MkdirOptions, ReadOptions, RemoveOptions, RequestTimeout, SpawnOptions, StatOptions, VmFiles, WriteOptions } from './guest-types';
 import { mergeEnvironment } from './environment';
 import { userOption } from './guest-user';
 import { GuestPtys } from './pty';
-import { OutputRing, parseOutputMode, type OutputMode } from './output-ring';
+import { parseOutputMode } from './output-ring';
 import { ProcessRegistry, type GuestProcessInfo } from './process-registry';
 import { decodeCount, decodeEntries, decodeStat, FileOp, modeField, pathField, u32Fields as u32s, type DirEntry, type FileStat } from './file-wire';
 import { collectOutput } from './exec-collect';
 
 const enum LinuxOp {
-  Exec = 0x0201,
-  StdinWrite = 0x0202,
-  StdinClose = 0x0203,
-  Kill = 0x0204,
   MemInfo = 0x0220,
   DropCaches = 0x0221,
   Shutdown = 0x0230,
@@ -47,61 +44,11 @@ export interface RestoredReport {
   endedRequests: number;
 }
 
-const CHUNK_STDOUT = 1;
-const CHUNK_STDERR = 2;
-const CHUNK_STARTED = 4;
 const EXEC_STDIN = 1;
 /** EXEC's flags bit 1: the command runs on a new terminal (docs/agent-protocol.md, EXEC). */
 const EXEC_PTY = 2;
 const WRITE_APPEND = 1;
 const WRITE_MKDIRS = 2;
-/** Data per STDIN_WRITE / FILE_WRITE frame, well inside the 1 MiB payload limit. */
-const DATA_PER_FRAME = 512 * 1024;
-/**
- * How long a request the agent answers at once may take by default (a file frame, a kill, the
- * memory figures): the agent answers these in milliseconds, so a silent one is a broken one.
- */
-const DEFAULT_REQUEST_TIMEOUT_MS = 30_000;
-/** After a timeout's SIGKILL, how long exec waits for the process's end before it gives up on it. */
-const KILL_GRACE_MS = 5_000;
-
-/**
- * Options of a request to the agent.
- * @category Guest
- */
-export interface RequestTimeout {
-  /**
-   * Reject with a {@link TimeoutError} if the agent has not answered after this long (for a write
-   * of a file or of stdin, per frame of 512 KiB; for a read or a listing, the whole of it). A
-   * whole number of milliseconds, 1 to 2^31-1. Default 30000.
-   */
-  timeoutMs?: number;
-}
-
-/**
- * Options of a files call: its timeout, and a signal that cancels it.
- * @category Guest
- */
-export interface FilesCallOptions extends RequestTimeout {
-  /**
-   * Aborting rejects the call with an {@link AbortError} (at once if the signal has already
-   * aborted: nothing is sent) and closes what it opened in the guest (a file being read or
-   * written, a directory being listed). An operation the agent does at once (stat, mkdir, remove,
-   * rename) is not undone if it was already sent.
-   */
-  signal?: AbortSignal;
-  /**
-   * Linux guest: the user the call runs as, a name from the guest's /etc/passwd (with its groups
-   * from /etc/group) or `"uid:gid"`: the guest checks every path as that user's, and what the
-   * call creates is that user's. Default: root. An unknown name is an {@link UnknownUserError}.
-   */
-  user?: string;
-}
-
-function requestTimeout(options: RequestTimeout | undefined): number {
-  return options?.timeoutMs === undefined ? DEFAULT_REQUEST_TIMEOUT_MS : parseTimeoutMs('timeoutMs', options.timeoutMs);
-}
-
 /** The `signal` option: absent, or an AbortSignal. */
 function abortSignal(value: unknown): AbortSignal | undefined {
   if (value === undefined || value instanceof AbortSignal) return value;
@@ -111,118 +58,6 @@ function abortSignal(value: unknown): AbortSignal | undefined {
 /** The timeout, signal and user of a files call, checked. */
 function callLimits(agent: AgentClient, options: FilesCallOptions): { timeoutMs: number; signal: AbortSignal | undefined; user: string | undefined } {
   return { timeoutMs: requestTimeout(options), signal: abortSignal(options.signal), user: userOption(agent, options.user) };
-}
-
-/**
- * A command: an argv array, or a string that `/bin/sh -c` runs.
- * @category Guest
- */
-export type Command = string | readonly string[];
-
-/**
- * Options of {@link Vm.spawn}.
- * @category Guest
- */
-export interface SpawnOptions {
-  /**
-   * Variables added to (or overriding) the guest's base environment (PATH, HOME) and the VM's own
-   * ({@link VmOptions.env}).
-   */
-  env?: Record<string, string>;
-  /** Working directory in the guest. Default `/`. */
-  cwd?: string;
-  /** Keep stdin open for {@link GuestProcess.write}. Default false: stdin is /dev/null. */
-  stdin?: boolean;
-  /**
-   * Kill the process (SIGKILL) after this long, and reject {@link GuestProcess.exited} with a
-   * {@link TimeoutError} (a whole number of milliseconds, 1 to 2^31-1); if the guest does not
-   * report the end of the killed process within 5 s more, `exited` rejects anyway. Default: no limit.
-   */
-  timeoutMs?: number;
-  /**
-   * Aborting kills the process (SIGKILL) and rejects {@link GuestProcess.exited} with an
-   * {@link AbortError}; a signal that has already aborted starts nothing.
-   */
-  signal?: AbortSignal;
-  /**
-   * The user the command runs as: a name from the guest's /etc/passwd (its groups from
-   * /etc/group, HOME, USER and LOGNAME from its entry), or `"uid:gid"` (no other groups, HOME
-   * `/`). Groups, gid, then uid are set before the command's cwd is entered and it is executed.
-   * Default: root. An unknown name rejects with an {@link UnknownUserError}; a malformed one, or an
-   * agent that cannot run as a user, throws.
-   */
-  user?: string;
-  /**
-   * What becomes of the command's stdout: `'pipe'` (the default), the {@link GuestProcess.stdout}
-   * stream, which holds the command once a window of it waits unread; `'ignore'`, dropped as it
-   * comes (`stdout` is an empty stream); `{ keep: bytes }`, for a background process: drained as it
-   * comes, its last `bytes` (1 to 64 MiB) kept, to be read later with {@link GuestProcess.keptOutput}
-   * or followed with {@link GuestProcess.output}, also after {@link Vm.process} found it again
-   * (`stdout` is an empty stream).
-   */
-  stdout?: OutputMode;
-  /** As {@link stdout}, for stderr. */
-  stderr?: OutputMode;
-}
-
-/**
- * What every {@link Vm.exec} takes, whatever the output's encoding.
- * @category Guest
- */
-export interface ExecCommonOptions {
-  /** As {@link SpawnOptions.env}: over the VM's {@link VmOptions.env}. */
-  env?: Record<string, string>;
-  cwd?: string;
-  /** Bytes given to the command's stdin, which is then closed. */
-  stdin?: string | Uint8Array;
-  /**
-   * Kill the command (SIGKILL) and reject with TimeoutError after this long (a whole number of
-   * milliseconds, 1 to 2^31-1); if the guest does not report the end of the killed command within
-   * 5 s more, reject anyway. Default: no limit.
-   */
-  timeoutMs?: number;
-  /** Aborting kills the command (SIGKILL) and rejects with an {@link AbortError}. */
-  signal?: AbortSignal;
-  /** As {@link SpawnOptions.user}. */
-  user?: string;
-  /**
-   * The most bytes of stdout, and of stderr, that are collected: beyond it the command is killed
-   * (SIGKILL) and exec rejects with an {@link OutputLimitError}. A whole number of bytes, or
-   * Infinity. Default 1 MiB, as Node's `child_process.exec`. For more, stream with
-   * {@link Vm.spawn}.
-   */
-  maxBuffer?: number;
-}
-
-/**
- * Options of {@link Vm.exec}: the output as strings.
- * @category Guest
- */
-export interface ExecOptions extends ExecCommonOptions {
-  /**
-   * `'utf8'` (the default): `stdout` and `stderr` are strings. For the bytes as the command
-   * wrote them, `'buffer'` ({@link ExecBufferOptions}).
-   */
-  encoding?: 'utf8';
-  /**
-   * Called with each piece of stdout as it comes (a UTF-8 character is never split between two
-   * calls), while exec also collects it.
-   */
-  onStdout?: (chunk: string) => void;
-  /** As {@link onStdout}, for stderr. */
-  onStderr?: (chunk: string) => void;
-}
-
-/**
- * Options of {@link Vm.exec} asking for the output as bytes ({@link ExecBufferResult}), for binary output.
- * @category Guest
- */
-export interface ExecBufferOptions extends ExecCommonOptions {
-  encoding: 'buffer';
-  /** Called with each piece of stdout as it comes, while exec also collects it. */
-  onStdout?: (chunk: Buffer) => void;
-  /** As {@link onStdout}, for stderr. */
-  onStderr?: (chunk: Buffer) => void;
 }
 
 const SPAWN_OPTION_KEYS = optionKeys<SpawnOptions>({ env: true, cwd: true, stdin: true, timeoutMs: true, signal: true, user: true, stdout: true, stderr: true });
@@ -243,307 +78,12 @@ function byteLimit(option: string, value: unknown, fallback: number, unit = 'byt
   return value;
 }
 
-/**
- * How a process ended.
- * @category Guest
- */
-export interface ExitStatus {
-  /** Exit code, or null when a signal ended it. */
-  exitCode: number | null;
-  /** The signal that ended it, e.g. `SIGKILL`, or null. */
-  signal: NodeJS.Signals | null;
-}
-
-/**
- * What {@link Vm.exec} resolves to.
- * @category Guest
- */
-export interface ExecResult extends ExitStatus {
-  stdout: string;
-  stderr: string;
-}
-
-/**
- * What exec resolves with for `encoding: 'buffer'`: the output's bytes.
- * @category Guest
- */
-export interface ExecBufferResult extends ExitStatus {
-  stdout: Buffer;
-  stderr: Buffer;
-}
-
-/**
- * Guest memory figures from /proc/meminfo, bytes.
- * @category Guest
- */
-export interface GuestMemInfo {
-  totalBytes: number;
-  freeBytes: number;
-  availableBytes: number;
-  cachedBytes: number;
-}
-
-const signalNames = Object.fromEntries(Object.entries(osConstants.signals).map(([name, n]) => [n, name])) as Record<number, NodeJS.Signals>;
-
 function str(s: string, what: string): Buffer {
   const bytes = Buffer.from(s, 'utf8');
   if (bytes.includes(0)) throw new InvalidOptionError(what, 'must not contain NUL bytes');
   const len = Buffer.alloc(4);
   len.writeUInt32LE(bytes.length, 0);
   return Buffer.concat([len, bytes]);
-}
-
-/** `bytes` cut into frame-sized chunks; at least one, so that empty data is still sent once. */
-function frameChunks(bytes: Buffer): Buffer[] {
-  const chunks = [bytes.subarray(0, DATA_PER_FRAME)];
-  for (let off = DATA_PER_FRAME; off < bytes.length; off += DATA_PER_FRAME) chunks.push(bytes.subarray(off, off + DATA_PER_FRAME));
-  return chunks;
-}
-
-function signalNumber(signal: NodeJS.Signals | number): number {
-  const n = typeof signal === 'number' ? signal : osConstants.signals[signal];
-  if (!Number.isInteger(n) || n < 1 || n > 64) throw new InvalidOptionError('signal', `unknown signal ${String(signal)}`);
-  return n;
-}
-
-/**
- * A process running in the guest.
- * @category Guest
- */
-export class GuestProcess implements VmProcess {
-  /**
-   * The command's standard output. Up to 256 KiB (the stream's credit window) waits for a
-   * consumer; beyond it the guest sends nothing more of it until it is read, and the command
-   * blocks in write() meanwhile (every other stream and answer of this VM goes on). The process
-   * ends ({@link exited}) only once its output has come, so read it, pipe it, or destroy it
-   * (what comes is then dropped).
-   */
-  readonly stdout: Readable;
-  /** The command's standard error; as {@link stdout}. */
-  readonly stderr: Readable;
-  /**
-   * The command's standard input as a stream (spawned with `stdin: true`, else null): what is
-   * written goes through {@link write}, `end()` closes it through {@link end}, so
-   * `pipeline(source, p.stdin)` feeds the command and finishes once the guest has it all.
-   * Made on first use: exec writes its stdin without one.
-   */
-  get stdin(): Writable | null {
-    if (!this.stdinOpen) return null;
-    this.stdinStream ??= new Writable({
-      write: (chunk: Buffer, _encoding, callback) => this.write(chunk).then(() => callback(), callback),
-      final: (callback) => this.end().then(() => callback(), callback),
-    });
-    return this.stdinStream;
-  }
-  private stdinStream: Writable | undefined;
-  private readonly stdinOpen: boolean;
-  /** The guest pid, once the program has started. */
-  readonly pid: Promise<number>;
-  /** The kept tails of stdout and stderr (`{ keep }`), else undefined. */
-  private readonly rings: [OutputRing | undefined, OutputRing | undefined];
-  /** Resolves when the process has ended and its output is complete; rejects if it never started. */
-  readonly exited: Promise<ExitStatus>;
-  private stdinQueue: Promise<unknown> = Promise.resolve();
-  /** The EXEC's request id, which names the process in STDIN_WRITE, STDIN_CLOSE and KILL. */
-  private readonly handle: number;
-  /** Why the host killed the process (its timeout, its signal, exec's maxBuffer): `exited` rejects with it. */
-  private stoppedFor: Error | undefined;
-  /** Rejects `exited` when the guest does not report the killed process's end in time. */
-  private gaveUp!: (e: Error) => void;
-  private grace: NodeJS.Timeout | undefined;
-
-  /** @internal */
-  constructor(
-    private readonly agent: AgentClient,
-    argvPayload: Buffer,
-    limits: { timeoutMs?: number; signal?: AbortSignal } = {},
-    what: { call?: string; argv0?: string; stdin?: boolean; user?: string; stdout?: OutputMode; stderr?: OutputMode } = {},
-  ) {
-    this.stdinOpen = what.stdin === true;
-    const stdout = new GuestOutput(agent, CHUNK_STDOUT);
-    const stderr = new GuestOutput(agent, CHUNK_STDERR);
-    const modes = [what.stdout ?? 'pipe', what.stderr ?? 'pipe'] as const;
-    this.rings = [undefined, undefined];
-    const outputs = [stdout, stderr].map((o, i) => {
-      const mode = modes[i];
-      if (mode === 'pipe') return o.readable;
-      // Drained as it comes: a destroyed stream grants back all that comes; a kept one takes it.
-      if (mode === 'ignore') o.readable.destroy();
-      else {
-        const ring = (this.rings[i] = new OutputRing(mode.keep));
-        o.readable.on('data', (b: Buffer) => ring.push(b));
-        o.readable.on('error', () => {});
-      }
-      const empty = new Readable({ read() {} });
-      empty.push(null);
-      return empty;
-    });
-    this.stdout = outputs[0];
-    this.stderr = outputs[1];
-    let started!: (pid: number) => void;
-    let neverStarted!: (e: Error) => void;
-    this.pid = new Promise((resolve, reject) => {
-      started = resolve;
-      neverStarted = reject;
-    });
-    // A command the guest refused never starts: `pid` rejects with `exited`'s reason.
-    this.pid.catch(() => {});
-    const { signal, timeoutMs } = limits;
-    const req = signal?.aborted ? { id: 0, done: Promise.reject(abortError('the command', signal)) } : agent.start(LinuxOp.Exec, argvPayload, {
-      onChunk: (flags, payload) => {
-        // A STARTED chunk too short for a pid is the guest's mistake: ignored, never a throw out
-        // of the receive path (which would end the VM as a VMM error).
-        if (flags === CHUNK_STARTED) {
-          if (payload.length >= 4) started(payload.readUInt32LE(0));
-        } else if (flags === CHUNK_STDOUT) stdout.deliver(payload);
-        else if (flags === CHUNK_STDERR) stderr.deliver(payload);
-      },
-      holdsChunks: true,
-      call: what.call,
-      user: what.user,
-    });
-    this.handle = req.id;
-    stdout.attach(req.id);
-    stderr.attach(req.id);
-    const ended = req.done.then(
-      (r) => {
-        stdout.end();
-        stderr.end();
-        // Ended without a STARTED chunk that held a pid: `pid` must settle all the same.
-        neverStarted(new GuestRequestError(0, 'the guest ended the command without reporting its pid'));
-        if (r.length < 8) throw new GuestRequestError(0, `the guest ended a command with a ${r.length}-byte status, 8 expected`);
-        const code = r.readInt32LE(0);
-        const sig = r.readInt32LE(4);
-        return sig ? { exitCode: null, signal: signalNames[sig] ?? (`SIG${sig}` as NodeJS.Signals) } : { exitCode: code, signal: null };
-      },
-      (err: Error) => {
-        // The agent's exec of a command it cannot find or run: its errno, then the command.
-        const e = what.argv0 !== undefined && err instanceof GuestRequestError && (err.errno === 'ENOENT' || err.errno === 'EACCES') && err.message.endsWith(`: ${what.argv0}`) ? new CommandNotFoundError(what.argv0, err) : err;
-        // Closed without an error: a stream 'error' nobody listens to would throw in the host
-        // process. Why the process ended is `exited`'s rejection.
-        this.stdout.destroy();
-        this.stderr.destroy();
-        neverStarted(e);
-        throw e;
-      },
-    );
-    // A guest that does not report the killed process's end must not hold the caller forever.
-    const abandoned = new Promise<never>((_, reject) => (this.gaveUp = reject));
-    const timer = timeoutMs === undefined ? undefined : setTimeout(() => this.stop(new TimeoutError(`command did not finish within ${timeoutMs} ms; it was killed`)), timeoutMs);
-    const onAbort = () => this.stop(abortError('the command', signal!));
-    if (req.id) signal?.addEventListener('abort', onAbort, { once: true });
-    this.exited = Promise.race([ended, abandoned]).then(
-      (status) => {
-        if (this.stoppedFor) throw this.stoppedFor;
-        return status;
-      },
-      (e: Error) => {
-        throw this.stoppedFor ?? e;
-      },
-    );
-    this.exited
-      .finally(() => {
-        if (timer) clearTimeout(timer);
-        if (this.grace) clearTimeout(this.grace);
-        signal?.removeEventListener('abort', onAbort);
-      })
-      // A caller that only awaits `exited` must not see an unhandled rejection from `pid`.
-      .catch(() => {});
-  }
-
-  /**
-   * Kills the process (SIGKILL) for `reason`, which `exited` then rejects with (after the guest
-   * reports the end, or 5 s without it). The first reason wins.
-   * @internal
-   */
-  stop(reason: Error): void {
-    if (this.stoppedFor) return;
-    this.stoppedFor = reason;
-    this.kill('SIGKILL').catch(() => {});
-    this.grace = setTimeout(() => this.gaveUp(reason), KILL_GRACE_MS);
-  }
-
-  /** True once the host has killed the process for a reason of its own ({@link stop}). @internal */
-  get stopped(): boolean {
-    return this.stoppedFor !== undefined;
-  }
-
-  /**
-   * Writes to the process's stdin (spawned with `stdin: true`); resolves once it is in the pipe.
-   * The timeout is per frame of 512 KiB (a process that does not read its stdin fills the pipe).
-   */
-  write(data: string | Uint8Array, options?: RequestTimeout): Promise<void> {
-    const timeoutMs = requestTimeout(options);
-    const bytes = typeof data === 'string' ? Buffer.from(data, 'utf8') : Buffer.from(data);
-    const next = this.stdinQueue.then(async () => {
-      for (const chunk of frameChunks(bytes)) await this.agent.request(LinuxOp.StdinWrite, Buffer.concat([u32s(this.handle), chunk]), { timeoutMs });
-    });
-    this.stdinQueue = next.catch(() => {});
-    return next;
-  }
-
-  /** Closes stdin after everything written so far; the process then reads EOF. */
-  end(options?: RequestTimeout): Promise<void> {
-    const timeoutMs = requestTimeout(options);
-    const next = this.stdinQueue.then(async () => {
-      await this.agent.request(LinuxOp.StdinClose, u32s(this.handle), { timeoutMs });
-    });
-    this.stdinQueue = next.catch(() => {});
-    return next;
-  }
-
-  /**
-   * The last bytes of stdout and stderr kept by `{ keep }` (oldest first; empty for a stream not
-   * kept), with how many bytes each carried in all.
-   */
-  keptOutput(): { stdout: Buffer; stderr: Buffer; stdoutBytes: number; stderrBytes: number } {
-    const [o, e] = this.rings;
-    return { stdout: o?.kept() ?? Buffer.alloc(0), stderr: e?.kept() ?? Buffer.alloc(0), stdoutBytes: o?.totalBytes ?? 0, stderrBytes: e?.totalBytes ?? 0 };
-  }
-
-  /**
-   * Follows the kept streams (`{ keep }`): each callback gets what was kept first, then every
-   * chunk as it comes, until the returned function is called or the output ends. A stream not
-   * kept gives nothing here (a `'pipe'` one belongs to {@link stdout} / {@link stderr}). A
-   * callback that throws is removed; the process goes on.
-   */
-  output(listeners: { onStdout?: (chunk: Buffer) => void; onStderr?: (chunk: Buffer) => void }): () => void {
-    const stops: (() => void)[] = [];
-    const follow = (ring: OutputRing | undefined, listener: ((chunk: Buffer) => void) | undefined, name: string) => {
-      if (!ring || listener === undefined) return;
-      if (typeof listener !== 'function') throw new InvalidOptionError(name, `expected a function, got ${typeof listener}`);
-      let stop = () => {};
-      const safe = (chunk: Buffer) => {
-        try {
-          listener(chunk);
-        } catch {
-          stop();
-        }
-      };
-      const kept = ring.kept();
-      stop = ring.listen(safe);
-      stops.push(stop);
-      if (kept.length) safe(kept);
-    };
-    follow(this.rings[0], listeners.onStdout, 'onStdout');
-    follow(this.rings[1], listeners.onStderr, 'onStderr');
-    return () => stops.forEach((s) => s());
-  }
-
-  /** Whether stdout or stderr is kept (`{ keep }`). */
-  get keepsOutput(): boolean {
-    return this.rings[0] !== undefined || this.rings[1] !== undefined;
-  }
-
-  /** The EXEC's request id, which names the process in the agent's requests. @internal */
-  get requestId(): number {
-    return this.handle;
-  }
-
-  /** Sends a signal to the process and everything it started (its process group). */
-  async kill(signal: NodeJS.Signals | number = 'SIGTERM', options?: RequestTimeout): Promise<void> {
-    await this.agent.request(LinuxOp.Kill, u32s(this.handle, signalNumber(signal)), { timeoutMs: requestTimeout(options) });
-  }
 }
 
 /** Processes, files and memory figures of a Linux guest. */
@@ -714,66 +254,6 @@ const DEFAULT_MAX_ENTRIES = 100_000;
 const WRITE_STREAM_HIGH_WATER_BYTES = 1024 * 1024;
 /** The chunk that says a write handle's file is open (FILE_WRITE_OPEN). */
 const CHUNK_OPENED = 4;
-
-/**
- * Options of {@link GuestFiles.read}.
- * @category Guest
- */
-export interface ReadOptions extends FilesCallOptions {
-  /** The most bytes kept: a larger file rejects with an {@link OutputLimitError}. A whole number or Infinity; default 256 MiB. */
-  maxBytes?: number;
-}
-
-/**
- * Options of {@link GuestFiles.write} and {@link GuestFiles.writeStream}.
- * @category Guest
- */
-export interface WriteOptions extends FilesCallOptions {
-  /** The file's mode, set exactly (not masked by a umask), 0 to 0o7777; default 0o644. */
-  mode?: number;
-}
-
-/**
- * Options of {@link GuestFiles.list}.
- * @category Guest
- */
-export interface ListOptions extends FilesCallOptions {
-  /** The most entries kept: a larger directory rejects with an {@link OutputLimitError}. A whole number or Infinity; default 100000. */
-  maxEntries?: number;
-}
-
-/**
- * Options of {@link GuestFiles.stat}.
- * @category Guest
- */
-export interface StatOptions extends FilesCallOptions {
-  /** Describe what a symlink points to rather than the symlink itself. Default false (lstat). */
-  followSymlinks?: boolean;
-}
-
-/**
- * Options of {@link GuestFiles.mkdir}.
- * @category Guest
- */
-export interface MkdirOptions extends FilesCallOptions {
-  /** Create missing parents too (mode 0o755), and take an existing directory as done. Default false. */
-  recursive?: boolean;
-  /** The directory's mode, set exactly (not masked by a umask), 0 to 0o7777; default 0o755. */
-  mode?: number;
-}
-
-/**
- * Options of {@link GuestFiles.remove}.
- * @category Guest
- */
-export interface RemoveOptions extends FilesCallOptions {
-  /**
-   * Remove a directory with everything in it (up to 256 levels deep). Symlinks are removed, never
-   * followed. The first entry that cannot be removed stops it, and the error names that entry;
-   * what was removed before stays removed. Default false: a file, a symlink or an empty directory.
-   */
-  recursive?: boolean;
-}
 
 /** `promise`, or a {@link TimeoutError} saying `what` after `ms`. */
 function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {

@@ -5,7 +5,8 @@
  * model of the working set (probe-content.ts), as the probe's are.
  */
 import { GuestRequestError, InvalidOptionError } from '../errors';
-import type { ExecOptions, ExecResult, GuestProcess, SpawnOptions } from './linux-client';
+import type { GuestProcess } from './guest-process';
+import type { ExecOptions, ExecResult, SpawnOptions } from './guest-types';
 import { expectedDigestHex, isProbeContent, PROBE_CONTENTS, rewritesPage, type ProbeContent, type ProbeWorkingSet } from './probe-content';
 import type { FillOptions, ReleaseOptions, RewriteOptions, TouchOptions, ZeroOptions } from './probe-client';
 import { pageMiBOption, u32Option } from '../units';

@@ -4,7 +4,8 @@
  * find it again, with its kept output ({@link GuestProcess.keptOutput}) and its exit. Ended ones
  * go, except the last {@link MAX_ENDED_KEPT} whose output was kept, which stay to be read.
  */
-import type { ExitStatus, GuestProcess } from './linux-client';
+import type { GuestProcess } from './guest-process';
+import type { ExitStatus } from './guest-types';
 
 /** Ended processes with kept output that stay listed: their tails are what a caller looks for. */
 export const MAX_ENDED_KEPT = 64;

@@ -10,7 +10,8 @@ import { GuestFeatureError, InvalidOptionError } from '../errors';
 import { checkOptionKeys, optionKeys } from '../option-keys';
 import { FEATURE_PTY, type AgentClient } from '../protocol/agent-client';
 import { u32Fields } from './file-wire';
-import type { Command, ExitStatus, GuestProcess, RequestTimeout, SpawnOptions } from './linux-client';
+import type { GuestProcess } from './guest-process';
+import type { Command, ExitStatus, RequestTimeout, SpawnOptions } from './guest-types';
 
 /** The agent's RESIZE op (docs/agent-protocol.md). */
 const OP_RESIZE = 0x0205;

@@ -17,7 +17,8 @@
  */
 import { createServer, type Server, type Socket } from 'node:net';
 import { InvalidOptionError } from '../errors';
-import type { Command, GuestProcess, SpawnOptions } from '../guest/linux-client';
+import type { GuestProcess } from '../guest/guest-process';
+import type { Command, SpawnOptions } from '../guest/guest-types';
 
 /**
  * Host to guest, the most that waits for the write in flight to finish before the socket is

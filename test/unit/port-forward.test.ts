@@ -7,7 +7,8 @@ import { Readable } from 'node:stream';
 import { randomBytes } from 'node:crypto';
 import { ConnectionBudget, forwardPort, STDIN_BATCH_BYTES } from '../../src/network/port-forward';
 import { InvalidOptionError } from '../../src';
-import type { Command, GuestProcess, SpawnOptions } from '../../src/guest/linux-client';
+import type { GuestProcess } from '../../src/guest/guest-process';
+import type { Command, SpawnOptions } from '../../src/guest/guest-types';
 
 const KiB = 1024;
 const MiB = 1024 * KiB;
