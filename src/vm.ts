@@ -15,7 +15,7 @@ import { LinuxGuest, type GuestFiles } from './guest/linux-client';
 import type { GuestProcess } from './guest/guest-process';
 import type { Command, ExecBufferOptions, ExecBufferResult, ExecOptions, ExecResult, GuestMemInfo, RequestTimeout, SpawnOptions } from './guest/guest-types';
 import { ProbeGuest } from './guest/probe-client';
-import { SharedSnapshot } from './memory/strategies/shared-snapshot';
+import { planSnapshotRam, refuseRestoreOnlyStrategies } from './memory/snapshot-ram';
 import { nativePrebuild, prebuildMismatch } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
@@ -24,6 +24,7 @@ import type { StoreOptions } from './store/store-options';
 import { isStoreUrl } from './store/store-url';
 import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
+import { fileSharedBytes } from './memory/ram-backing';
 import type { MemoryStrategy } from './memory/strategy';
 import { booleanOption, elapsedMs, parseTimeoutMs } from './units';
 import { parseLogger, VmLog, type Logger } from './logger';
@@ -200,7 +201,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     const name = options.name === undefined ? `vm-${++vmCounter}` : validateVmName(options.name);
     const warningLimit = parseWarningLimit(options.warningLimit);
     const strategies = [...(options.strategies ?? [])];
-    if (strategies.some((s) => s instanceof SharedSnapshot)) throw new InvalidOptionError('strategies', "SharedSnapshot maps a snapshot's RAM: give it to Vm.restore, not Vm.start");
+    refuseRestoreOnlyStrategies(strategies);
     const sandbox = parseSandbox(options, undefined, { kind: guest, whose: 'this VM runs' });
     const network = parseNetworkOption(options.network);
     if (network.kind !== 'none' && guest !== 'linux') throw new InvalidOptionError('network', `only the Linux guest has a network device (this VM runs the ${guest} guest)`);
@@ -425,9 +426,8 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     const { readyTimeoutMs, warningLimit, verify } = options;
     const { state, dir } = snapshot;
     const strategies = [...(options.strategies ?? [])];
-    // Bound before the composition is planned: its RAM file is guest RAM's backing.
-    const shared = strategies.find((s): s is SharedSnapshot => s instanceof SharedSnapshot);
-    shared?.useRamFile(snapshot.ramPath, snapshot.ramFd);
+    // Before the composition is planned: the RAM file may be guest RAM's backing.
+    const ramPlan = planSnapshotRam(strategies, snapshot, { verify });
     const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies, warningLimit, options.sandbox);
     const host = checkKvmHost();
     if (state.guest === 'linux') requireKernelModeGuests(host, 'linux');
@@ -453,18 +453,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     let ramLoad: RestoreInfo['ramLoad'] = 'read';
     try {
       const tRam = performance.now();
-      const ram = vm.machine.memory;
-      const lazy = !shared && !verify && vm.memory.canLoadLazily ? snapshot.openRamForLazyLoad() : undefined;
-      ramLoad = shared ? 'mapped' : lazy ? 'lazy' : 'read';
-      if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(snapshot.checkMappedRam(ram.backing.fd, shared.verifyAgain));
-      else if (!lazy) snapshot.readRam(ram);
-      // Strategies map before anything touches RAM: a lazy load needs it untouched.
-      vm.memory.attach(ram);
-      if (lazy) {
-        await vm.memory.loadLazily(lazy.fd, lazy.ranges, (why, offset) =>
-          new SnapshotError(`${snapshot.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
-        );
-      }
+      ramLoad = await ramPlan.load(vm.memory, vm.machine.memory);
       phases.ramMs = elapsedMs(tRam);
       vm.agent.restoreState(state.agent, 'snapshot.agent');
       if (state.guest === 'probe') (vm._probe = new ProbeGuest(vm.agent)).restoreState(state.guestClient, 'snapshot.guestClient');
@@ -1066,8 +1055,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     this.requireState('running', 'paused', 'suspended');
     const mem = this.machine.memory;
     const ram = rangeResident(mem.hostAddr, mem.sizeBytes);
-    // In a private file mapping, a page the guest wrote is an anonymous copy; the rest is the file's.
-    const sharedBytes = mem.backing.kind === 'private-file' ? ram.rssBytes - ram.anonymousBytes : 0;
+    const sharedBytes = fileSharedBytes(mem.backing.kind, ram);
     return {
       capacityBytes: this.memoryBytes,
       guestRamPssBytes: ram.pssBytes,

@@ -70,6 +70,16 @@ export const BACKING_CAPABILITIES: Readonly<Record<RamBackingKind, readonly RamC
   'private-file': ['zero-on-discard', 'ksm-mergeable'],
 };
 
+/**
+ * Of resident guest RAM (`rssBytes`, of which `anonymousBytes` anonymous), the bytes that are
+ * still the backing file's: page cache shared with every other mapping of the file. 0 for a
+ * backing that is not a file's.
+ */
+export function fileSharedBytes(kind: RamBackingKind, resident: { rssBytes: number; anonymousBytes: number }): number {
+  // In a private file mapping, a page the guest wrote is an anonymous copy; the rest is the file's.
+  return kind === 'private-file' ? resident.rssBytes - resident.anonymousBytes : 0;
+}
+
 /** Describes a request in words, for errors. */
 export function describeBacking(request: RamBackingRequest): string {
   switch (request.kind) {

@@ -1,0 +1,78 @@
+/**
+ * How guest RAM comes back from a snapshot's RAM file on a restore, decided in the memory layer
+ * because the strategies decide it: a {@link SharedSnapshot} clone maps the file (it is guest
+ * RAM's backing, checked in full once per process per unchanged file); otherwise RAM is loaded
+ * lazily through userfaultfd where the composition allows it (see
+ * {@link MemoryComposition.canLoadLazily}), or read and checked in full first (`verify`, or a
+ * composition that drops or replaces resident pages). `Vm.restore` calls it and names no strategy.
+ * @module
+ */
+import { InvalidOptionError, SnapshotError } from '../errors';
+import type { GuestRam, MemoryComposition } from './composition';
+import type { PageRun } from './pages';
+import type { RamBacking } from './ram-backing';
+import type { MemoryStrategy } from './strategy';
+import { SharedSnapshot } from './strategies/shared-snapshot';
+import type { FileRange } from './uffd-server';
+
+/** How guest RAM came from the snapshot (`RestoreInfo.ramLoad`). */
+export type SnapshotRamLoad = 'read' | 'lazy' | 'mapped';
+
+/** What a restore needs of the snapshot's RAM file (the snapshot reader has it). */
+export interface SnapshotRamFile<Ram> {
+  /** For messages. */
+  readonly ramPath: string;
+  /** The RAM file, open read-only. */
+  readonly ramFd: number;
+  /** Reads all of guest RAM into `ram` (fresh), checking every chunk first. */
+  readRam(ram: Ram): void;
+  /** The file's size checked, its holes checked; the chunks with data as ranges to load lazily, each checked as it loads. */
+  openRamForLazyLoad(): { fd: number; ranges: FileRange[] };
+  /** Checks the file that guest RAM maps as `fd` (unless this process did, and not `again`); its holes. */
+  checkMappedRam(fd: number, again: boolean): { checkedBefore: boolean; chunksRead: number; ms: number; holes: PageRun[] };
+}
+
+/** How guest RAM will come from the snapshot's RAM file: {@link planSnapshotRam}. */
+export interface SnapshotRamPlan<Ram> {
+  /**
+   * Brings guest RAM (mapped, no vCPU has run) back from the file and runs the strategies' map
+   * hooks: in the order a lazy load needs, as they must run before anything touches RAM.
+   * Resolves with how RAM came.
+   */
+  load(memory: MemoryComposition, ram: Ram): Promise<SnapshotRamLoad>;
+}
+
+/**
+ * Plans guest RAM's restore from `file` for a VM of `strategies`. Call before the composition is
+ * planned: a {@link SharedSnapshot} among them is bound to the file here, which makes the file
+ * guest RAM's backing.
+ */
+export function planSnapshotRam<Ram extends GuestRam & { readonly backing: RamBacking }>(
+  strategies: readonly MemoryStrategy[],
+  file: SnapshotRamFile<Ram>,
+  options: { verify: boolean },
+): SnapshotRamPlan<Ram> {
+  // Bound before the composition is planned: its RAM file is guest RAM's backing.
+  const shared = strategies.find((s): s is SharedSnapshot => s instanceof SharedSnapshot);
+  shared?.useRamFile(file.ramPath, file.ramFd);
+  return {
+    async load(memory, ram) {
+      const lazy = !shared && !options.verify && memory.canLoadLazily ? file.openRamForLazyLoad() : undefined;
+      if (ram.backing.kind === 'private-file' && shared) shared.noteCheck(file.checkMappedRam(ram.backing.fd, shared.verifyAgain));
+      else if (!lazy) file.readRam(ram);
+      // Strategies map before anything touches RAM: a lazy load needs it untouched.
+      memory.attach(ram);
+      if (lazy) {
+        await memory.loadLazily(lazy.fd, lazy.ranges, (why, offset) =>
+          new SnapshotError(`${file.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
+        );
+      }
+      return shared ? 'mapped' : lazy ? 'lazy' : 'read';
+    },
+  };
+}
+
+/** Refuses, at a start, the strategies that only a restore can serve (they map a snapshot's RAM). */
+export function refuseRestoreOnlyStrategies(strategies: readonly MemoryStrategy[]): void {
+  if (strategies.some((s) => s instanceof SharedSnapshot)) throw new InvalidOptionError('strategies', "SharedSnapshot maps a snapshot's RAM: give it to Vm.restore, not Vm.start");
+}
