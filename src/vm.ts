@@ -15,7 +15,7 @@ import { LinuxGuest, type GuestFiles } from './guest/linux-client';
 import type { GuestProcess } from './guest/guest-process';
 import type { Command, ExecBufferOptions, ExecBufferResult, ExecOptions, ExecResult, GuestMemInfo, RequestTimeout, SpawnOptions } from './guest/guest-types';
 import { ProbeGuest } from './guest/probe-client';
-import { planSnapshotRam, refuseRestoreOnlyStrategies } from './memory/snapshot-ram';
+import { planSnapshotRam, refuseRestoreOnlyStrategies } from './snapshot/ram-restore';
 import { nativePrebuild, prebuildMismatch } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';

@@ -1,19 +1,21 @@
 /**
- * How guest RAM comes back from a snapshot's RAM file on a restore, decided in the memory layer
- * because the strategies decide it: a {@link SharedSnapshot} clone maps the file (it is guest
- * RAM's backing, checked in full once per process per unchanged file); otherwise RAM is loaded
- * lazily through userfaultfd where the composition allows it (see
- * {@link MemoryComposition.canLoadLazily}), or read and checked in full first (`verify`, or a
- * composition that drops or replaces resident pages). `Vm.restore` calls it and names no strategy.
+ * How guest RAM comes back from a snapshot's RAM file on a restore, decided by the memory
+ * strategies: a {@link SharedSnapshot} clone maps the file (it is guest RAM's backing, checked in
+ * full once per process per unchanged file); otherwise RAM is loaded lazily through userfaultfd
+ * where the composition allows it (see {@link MemoryComposition.canLoadLazily}), or read and
+ * checked in full first (`verify`, or a composition that drops or replaces resident pages).
+ * `Vm.restore` calls it and names no strategy. It lives with the snapshot files, above the
+ * memory layer it drives: in src/memory/ it would be a module of the core that names a strategy,
+ * which imports the core.
  * @module
  */
 import { InvalidOptionError, SnapshotError } from '../errors';
-import type { GuestRam, MemoryComposition } from './composition';
-import type { PageRun } from './pages';
-import type { RamBacking } from './ram-backing';
-import type { MemoryStrategy } from './strategy';
-import { SharedSnapshot } from './strategies/shared-snapshot';
-import type { FileRange } from './uffd-server';
+import type { GuestRam, MemoryComposition } from '../memory/composition';
+import type { PageRun } from '../memory/pages';
+import type { RamBacking } from '../memory/ram-backing';
+import type { MemoryStrategy } from '../memory/strategy';
+import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
+import type { FileRange } from '../memory/uffd-server';
 
 /** How guest RAM came from the snapshot (`RestoreInfo.ramLoad`). */
 export type SnapshotRamLoad = 'read' | 'lazy' | 'mapped';

@@ -6,7 +6,7 @@ import { join } from 'node:path';
 import { IdleRelease, InvalidOptionError, SharedSnapshot, SnapshotError, type PvisorError } from '../../src';
 import type { GuestRam, MemoryComposition } from '../../src/memory/composition';
 import type { RamBacking } from '../../src/memory/ram-backing';
-import { planSnapshotRam, refuseRestoreOnlyStrategies, type SnapshotRamFile } from '../../src/memory/snapshot-ram';
+import { planSnapshotRam, refuseRestoreOnlyStrategies, type SnapshotRamFile } from '../../src/snapshot/ram-restore';
 
 type Ram = GuestRam & { readonly backing: RamBacking };
 
