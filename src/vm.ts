@@ -24,7 +24,7 @@ import type { StoreOptions } from './store/store-options';
 import { isStoreUrl } from './store/store-url';
 import { processResident, rangeResident } from './memory-usage';
 import { MemoryComposition } from './memory/composition';
-import { fileSharedBytes } from './memory/ram-backing';
+import { fileSharedBytes } from './guest-ram/ram-backing';
 import type { MemoryStrategy } from './memory/strategy';
 import { booleanOption, elapsedMs, parseTimeoutMs } from './units';
 import { parseLogger, VmLog, type Logger } from './logger';

@@ -6,8 +6,8 @@
  * devices or guest.
  */
 import { GuestCrashError, PvisorError, VmStateError, type SystemCallError } from '../errors';
-import { ownPageRuns, type PageRun } from './pages';
-import { BACKING_CAPABILITIES, describeBacking, openBacking, type DiscardTo, type RamBacking, type RamBackingKind, type RamBackingRequest } from './ram-backing';
+import { ownPageRuns, type PageRun } from '../guest-ram/pages';
+import { BACKING_CAPABILITIES, describeBacking, openBacking, type DiscardTo, type RamBacking, type RamBackingKind, type RamBackingRequest } from '../guest-ram/ram-backing';
 import { StrategyConflictError, type FileRunOver, type MemoryStrategy, type StrategyContext, type StrategyStats, type SuspendWork } from './strategy';
 import type { FileRange, UffdServer } from './uffd-server';
 

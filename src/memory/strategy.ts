@@ -6,12 +6,14 @@
  * @module
  */
 import { PvisorError, type SystemCallError } from '../errors';
-import type { PageRun } from './pages';
-import type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from './ram-backing';
+import type { FileRunOver } from '../guest-ram/file-runs';
+import type { PageRun } from '../guest-ram/pages';
+import type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from '../guest-ram/ram-backing';
 import type { UffdServer } from './uffd-server';
 
-export type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from './ram-backing';
-export type { PageRun } from './pages';
+export type { DiscardTo, RamBackingKind, RamBackingRequest, RamCapability } from '../guest-ram/ram-backing';
+export type { PageRun } from '../guest-ram/pages';
+export type { FileRunOver } from '../guest-ram/file-runs';
 
 /**
  * A host resource that only one strategy of a VM may drive: free page reports, the image a
@@ -20,17 +22,6 @@ export type { PageRun } from './pages';
  * @category Strategies
  */
 export type ExclusiveResource = 'free-page-reporting' | 'suspend-image' | 'resident-pages';
-
-/**
- * A run of a file to map over guest RAM: [offset, offset+length) of the RAM mapping gets the file's bytes from `fileOffset`.
- * @category Strategies
- */
-export interface FileRunOver {
-  /** Offset into the guest RAM mapping. */
-  offset: number;
-  length: number;
-  fileOffset: number;
-}
 
 /**
  * What a strategy sees of guest RAM.

@@ -19,7 +19,7 @@
 import { close, fdatasync, write } from 'node:fs';
 import { promisify } from 'node:util';
 import { BackingFileError } from '../errors';
-import { splitZeroPages, type PageRun } from './pages';
+import { splitZeroPages, type PageRun } from '../guest-ram/pages';
 import type { StrategyRam } from './strategy';
 
 const writeAsync = promisify(write);

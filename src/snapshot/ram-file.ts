@@ -10,7 +10,7 @@ import { SnapshotError } from '../errors';
 import type { FileRange } from '../memory/uffd-server';
 import { crc32c } from '../native/crc32c';
 import { adviseRandomAccess } from '../sys/libc';
-import { fileDataRuns } from '../memory/file-runs';
+import { fileDataRuns } from '../guest-ram/file-runs';
 
 /** Bytes per checksummed chunk: a huge page, and small enough that one bad byte costs little to find. */
 export const RAM_CHUNK_BYTES = 2 * 1024 * 1024;

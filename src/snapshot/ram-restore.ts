@@ -11,8 +11,8 @@
  */
 import { InvalidOptionError, SnapshotError } from '../errors';
 import type { GuestRam, MemoryComposition } from '../memory/composition';
-import type { PageRun } from '../memory/pages';
-import type { RamBacking } from '../memory/ram-backing';
+import type { PageRun } from '../guest-ram/pages';
+import type { RamBacking } from '../guest-ram/ram-backing';
 import type { MemoryStrategy } from '../memory/strategy';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import type { FileRange } from '../memory/uffd-server';

@@ -8,7 +8,7 @@
 import { readSync } from 'node:fs';
 import { join } from 'node:path';
 import { StoreError } from '../errors';
-import { fileDataRuns } from '../memory/file-runs';
+import { fileDataRuns } from '../guest-ram/file-runs';
 import { crc32c } from '../native/crc32c';
 import { hex32, RAM_CHUNK_BYTES } from '../snapshot/ram-file';
 import { manifestBytesLimit, MAX_STATE_BYTES, readRamChecksums } from '../snapshot/snapshot-dir';

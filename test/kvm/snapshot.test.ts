@@ -6,7 +6,7 @@ import { chmodSync, closeSync, existsSync, fstatSync, ftruncateSync, mkdirSync, 
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { ColdCompression, HostUnsupportedError, IdleRelease, InvalidOptionError, KsmAdvice, Offload, SharedSnapshot, SnapshotError, StrategyConflictError, Vm } from '../../src';
-import { fileDataRuns } from '../../src/memory/file-runs';
+import { fileDataRuns } from '../../src/guest-ram/file-runs';
 import { crc32c } from '../../src/native/crc32c';
 import { hex32 } from '../../src/snapshot/ram-file';
 import { hexOf } from '../probe-digest';

@@ -2,7 +2,7 @@
 import { closeSync, ftruncateSync, mkdtempSync, openSync, rmSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { fileDataRuns } from '../../src/memory/file-runs';
+import { fileDataRuns } from '../../src/guest-ram/file-runs';
 
 describe('fileDataRuns', () => {
   const dir = mkdtempSync(join(tmpdir(), 'pvisor-file-runs-'));

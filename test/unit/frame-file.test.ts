@@ -6,7 +6,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { CCtx, DCtx, compressBound } from 'zstd-napi/binding';
 import { BackingFileError } from '../../src/errors';
-import { unitsTouched as residentUnits } from '../../src/memory/pages';
+import { unitsTouched as residentUnits } from '../../src/guest-ram/pages';
 import { checkFrame, decodeFrame, encodeFrame, FrameFileReader, FrameFileWriter, HEADER_BYTES, type FrameEntry, type FrameFileHeader } from '../../src/memory/frame-file';
 
 const FRAME = 64 * 1024;

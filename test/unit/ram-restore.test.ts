@@ -5,7 +5,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { IdleRelease, InvalidOptionError, SharedSnapshot, SnapshotError, type PvisorError } from '../../src';
 import type { GuestRam, MemoryComposition } from '../../src/memory/composition';
-import type { RamBacking } from '../../src/memory/ram-backing';
+import type { RamBacking } from '../../src/guest-ram/ram-backing';
 import { planSnapshotRam, refuseRestoreOnlyStrategies, type SnapshotRamFile } from '../../src/snapshot/ram-restore';
 
 type Ram = GuestRam & { readonly backing: RamBacking };

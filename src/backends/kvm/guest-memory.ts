@@ -8,11 +8,10 @@
  */
 import { fstatSync } from 'node:fs';
 import { GuestCrashError, type SystemCallError } from '../../errors';
-import { mapFileRuns } from '../../memory/file-runs';
-import { guardRam, type RamGuard } from '../../memory/ram-guard';
-import { RunCollector, type PageRun } from '../../memory/pages';
-import type { DiscardTo, RamBacking } from '../../memory/ram-backing';
-import type { FileRunOver } from '../../memory/strategy';
+import { mapFileRuns, type FileRunOver } from '../../guest-ram/file-runs';
+import { guardRam, type RamGuard } from '../../guest-ram/ram-guard';
+import { RunCollector, type PageRun } from '../../guest-ram/pages';
+import type { DiscardTo, RamBacking } from '../../guest-ram/ram-backing';
 import * as C from '../../sys/constants';
 import { closeFd, madvise, mmap, mprotect, munmap, viewAt } from '../../sys/libc';
 import type { VmFd } from './ioctls';
@@ -81,7 +80,7 @@ export class GuestMemory {
    * the backing's fd (closed when RAM is unmapped). Everything else about guest RAM goes through
    * the returned object.
    *
-   * The mapping is guarded against SIGBUS (see ../../memory/ram-guard.ts): a page of a file mapped
+   * The mapping is guarded against SIGBUS (see ../../guest-ram/ram-guard.ts): a page of a file mapped
    * as guest RAM that is gone when the host touches it (the file truncated, a read error) reads
    * zero instead of ending the process, and `onLost` is told, on the event loop, why (see
    * {@link lostBacking}); the VM must then end.

@@ -12,7 +12,7 @@ import { ProbeDoorbell, PROBE_DOORBELL_BASE, PROBE_DOORBELL_SIZE } from './devic
 import { DeviceManager, virtioStatesOf, type DeviceOptions, type VirtioDeviceState } from './device-manager';
 import type { VirtioConsole } from './devices/virtio-console';
 import { signallingFromEnv, type VirtioSignalling } from './signalling';
-import type { RamBacking } from '../../memory/ram-backing';
+import type { RamBacking } from '../../guest-ram/ram-backing';
 import { GuestMemory } from './guest-memory';
 import { IoBus, type VcpuAction } from './io-bus';
 import { Kvm, VmFd, VcpuFd } from './ioctls';

@@ -18,7 +18,7 @@ import { backingDirOptions, backingFilePath, checkBackingDir, removeBackingFile,
 import { checkFrame, FrameFileReader, FrameFileWriter, type FrameEntry, type FrameFileHeader } from '../frame-file';
 import type { FramePool } from '../frame-pool';
 import { releaseFileCache } from '../page-cache';
-import { splitZeroPages, unitsTouched } from '../pages';
+import { splitZeroPages, unitsTouched } from '../../guest-ram/pages';
 import type { Offload } from './offload';
 import { loadZstd } from '../zstd-binding';
 import { roundMs, type MemoryStrategy, type StrategyContext, type StrategyRam, type StrategyStats, type SuspendWork } from '../strategy';

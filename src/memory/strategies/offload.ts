@@ -20,7 +20,7 @@ import { PAGE_SIZE } from '../../sys/constants';
 import { booleanOption } from '../../units';
 import { backingDirOptions, backingFilePath, checkBackingDir, createBackingFile, createDirectBackingFile, removeBackingFile, type BackingDirOptions } from '../backing-file';
 import { releaseFileCache } from '../page-cache';
-import { cutRuns } from '../pages';
+import { cutRuns } from '../../guest-ram/pages';
 import { roundMs, type ExclusiveResource, type MemoryStrategy, type RamCapability, type StrategyContext, type StrategyStats, type SuspendWork } from '../strategy';
 import type { UffdSource, UffdSourceEvent } from '../uffd-server';
 import { WriteOut, type WrittenPiece } from '../write-out';

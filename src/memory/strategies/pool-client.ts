@@ -450,7 +450,7 @@ export class PoolClient implements MemoryStrategy {
     }
     flush();
     // All of the slice's runs in one native call: one call per run (a page each, for a
-    // repetitive working set) grew this process by tens of MiB (see ../file-runs.ts).
+    // repetitive working set) grew this process by tens of MiB (see ../../guest-ram/file-runs.ts).
     const done = ram.mapFileRuns(pool.fd, runs.map((r) => ({ offset: r.guest * PAGE_SIZE, length: r.pages * PAGE_SIZE, fileOffset: r.pool * PAGE_SIZE })));
     for (const r of runs.slice(0, done.mapped)) {
       for (let k = 0; k < r.pages; k++) mapped.set(r.guest + k, r.pool + k);

@@ -8,7 +8,7 @@
  *
  * The library is opened on first use (importing pvisor loads no native code), on the main thread
  * like every other binding (see ../sys/libc.ts), under a name of its own: opening it again only
- * takes another reference to what ./uffd-server.ts may have opened.
+ * takes another reference to what ../memory/uffd-server.ts may have opened.
  */
 import type * as Ffi from 'ffi-rs';
 import { SystemCallError } from '../errors';
@@ -18,6 +18,17 @@ import { openLibc } from '../sys/libc';
 /** One run: [address, address + length) gets the file's bytes from `fileOffset`. All page-aligned. */
 export interface FileRun {
   address: number;
+  length: number;
+  fileOffset: number;
+}
+
+/**
+ * A run of a file to map over guest RAM: [offset, offset+length) of the RAM mapping gets the file's bytes from `fileOffset`.
+ * @category Strategies
+ */
+export interface FileRunOver {
+  /** Offset into the guest RAM mapping. */
+  offset: number;
   length: number;
   fileOffset: number;
 }
