@@ -12,33 +12,22 @@ import { join } from 'node:path';
 import { Vm } from '../../src';
 import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { pvisorOnce, startPvisor } from '../cli-runs';
+import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
 import { hexOf } from '../probe-digest';
 
 const ROOT = join(__dirname, '..', '..', '..');
-const SCRIPT = join(ROOT, 'scripts', 'object-store.sh');
 // The store's state in the repository: under the harness only the repository is the host's.
 const STATE_DIR = join(ROOT, '.cache', `store-snapshot-test-${process.pid}`);
 // The "hosts" (runtime directories with their control sockets, chunk caches) on a local disk:
 // a socket cannot be made on the harness's 9p share of the repository.
 let WORK: string;
-const CANNOT_INSTALL = 3;
 const index = join(__dirname, '..', '..', 'src', 'index.js');
 const MiB = 1024 * 1024;
 const ws = { content: 'random' as const, seed: 27, sizeBytes: 16 * MiB, rewrites: [] };
 
-function script(...args: string[]): { status: number | null; stdout: string; stderr: string } {
-  // memstore: a small store that starts sooner, and needs no block file on the harness's 9p share.
-  const r = spawnSync('bash', [SCRIPT, ...args, '--dir', STATE_DIR], {
-    encoding: 'utf8',
-    timeout: 600_000,
-    env: { ...process.env, OBJECT_STORE_BACKEND: 'memstore', OBJECT_STORE_SIZE_MIB: '1024', OBJECT_STORE_TIMEOUT_S: '400' },
-  });
-  return { status: r.status, stdout: r.stdout, stderr: r.stderr };
-}
-
-const check = spawnSync('bash', [SCRIPT, 'check'], { encoding: 'utf8' });
-const why = check.status === CANNOT_INSTALL ? check.stderr.trim().replace(/^object-store: /, '') : undefined;
-if (why) console.log(`probe snapshot through the object store: SKIPPED, ${why}`);
+// memstore: a small store that starts sooner, and needs no block file on the harness's 9p share.
+const script = objectStoreScript(STATE_DIR, { timeoutMs: 600_000, env: { OBJECT_STORE_BACKEND: 'memstore', OBJECT_STORE_SIZE_MIB: '1024', OBJECT_STORE_TIMEOUT_S: '400' } });
+const why = objectStoreSkipReason('probe snapshot through the object store');
 
 /** Restores `url` in a new node process whose runtime directory and chunk cache are `host`'s; its digest and restore figures. */
 function restoreElsewhere(url: string, host: string): { digest: string; restoreInfo: { ramLoad: string; readyMs: number; store: { chunksTransferred: number; chunksPresent: number; bytesTransferred: number } } } {
@@ -56,25 +45,15 @@ function restoreElsewhere(url: string, host: string): { digest: string; restoreI
 }
 
 (why ? describe.skip : describe)(`a probe VM through the object store${why ? ` (skipped: ${why})` : ''}`, () => {
-  const saved: Record<string, string | undefined> = {};
+  let restoreEnv = () => {};
 
   beforeAll(() => {
     WORK = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-store-snapshot-'));
-    const r = script('start');
-    if (r.status !== 0) throw new Error(`scripts/object-store.sh start exited ${r.status}:\n${r.stderr}`);
-    for (const line of r.stdout.split('\n')) {
-      const m = /^export ([A-Z0-9_]+)=(\S*)$/.exec(line);
-      if (!m) continue;
-      saved[m[1]] = process.env[m[1]];
-      process.env[m[1]] = m[2];
-    }
+    ({ restoreEnv } = startObjectStore(script));
   }, 620_000);
 
   afterAll(() => {
-    for (const [k, v] of Object.entries(saved)) {
-      if (v === undefined) delete process.env[k];
-      else process.env[k] = v;
-    }
+    restoreEnv();
     const r = script('stop');
     if (WORK) rmSync(WORK, { recursive: true, force: true });
     expect(r.status).toBe(0);

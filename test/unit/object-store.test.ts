@@ -5,7 +5,6 @@
 // compare-and-swap writes (If-Match), byte-range reads, list and delete.
 // Skipped, saying why, only when this machine cannot have the store's Debian packages (not root
 // and not installed, or no apt-get); any other failure to start fails the test.
-import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -19,36 +18,16 @@ import {
   S3Client,
   S3ServiceException,
 } from '@aws-sdk/client-s3';
+import { objectStoreScript, objectStoreSkipReason, parseExports, startObjectStore } from '../object-store-env';
 
 const ROOT = join(__dirname, '..', '..', '..');
-const SCRIPT = join(ROOT, 'scripts', 'object-store.sh');
 // A state directory of this test's own, so a store a developer started is left alone.
 const STATE_DIR = join(ROOT, '.cache', `object-store-test-${process.pid}`);
 const BUCKET = 'pvisor';
 const MiB = 1024 * 1024;
 
-/** The script's exit code when this machine cannot install the store's packages. */
-const CANNOT_INSTALL = 3;
-
-function script(...args: string[]): { status: number | null; stdout: string; stderr: string } {
-  // 300 s: a first start on a fresh machine installs Ceph's packages (about 45 s here) first.
-  const r = spawnSync('bash', [SCRIPT, ...args, '--dir', STATE_DIR], { encoding: 'utf8', timeout: 300_000 });
-  return { status: r.status, stdout: r.stdout, stderr: r.stderr };
-}
-
-/** `export NAME=value` lines, as the script prints them, into a map. */
-function parseExports(text: string): Record<string, string> {
-  const env: Record<string, string> = {};
-  for (const line of text.split('\n')) {
-    const m = /^export ([A-Z0-9_]+)=(\S*)$/.exec(line);
-    if (m) env[m[1]] = m[2];
-  }
-  return env;
-}
-
-const check = spawnSync('bash', [SCRIPT, 'check'], { encoding: 'utf8' });
-const why = check.status === CANNOT_INSTALL ? check.stderr.trim().replace(/^object-store: /, '') : undefined;
-if (why) console.log(`object store: SKIPPED, ${why}`);
+const script = objectStoreScript(STATE_DIR);
+const why = objectStoreSkipReason('object store');
 
 /** The HTTP status of a rejected S3 call, or 'ok'. */
 async function outcome(p: Promise<unknown>): Promise<number | 'ok'> {
@@ -64,26 +43,17 @@ async function outcome(p: Promise<unknown>): Promise<number | 'ok'> {
 (why ? describe.skip : describe)(`the test object store (radosgw)${why ? ` (skipped: ${why})` : ''}`, () => {
   let exports: Record<string, string>;
   let s3: S3Client;
-  const saved: Record<string, string | undefined> = {};
+  let restoreEnv = () => {};
 
   beforeAll(() => {
-    const r = script('start');
-    if (r.status !== 0) throw new Error(`scripts/object-store.sh start exited ${r.status}:\n${r.stderr}`);
-    exports = parseExports(r.stdout);
     // The standard AWS environment and nothing else: what pvisor's own client will read.
-    for (const [k, v] of Object.entries(exports)) {
-      saved[k] = process.env[k];
-      process.env[k] = v;
-    }
+    ({ exports, restoreEnv } = startObjectStore(script));
     s3 = new S3Client({});
   }, 320_000);
 
   afterAll(() => {
     s3?.destroy();
-    for (const [k, v] of Object.entries(saved)) {
-      if (v === undefined) delete process.env[k];
-      else process.env[k] = v;
-    }
+    restoreEnv();
     const pids = existsSync(join(STATE_DIR, 'run'))
       ? ['mon.a', 'osd.0', 'client.rgw'].map((n) => join(STATE_DIR, 'run', `${n}.pid`)).filter(existsSync).map((f) => Number(readFileSync(f, 'utf8')))
       : [];

@@ -5,7 +5,6 @@
 // that refuses connections and one that accepts and never answers, each a typed StoreError
 // within a bound, with nothing left behind. One store for the whole file.
 // Skipped, saying why, only when this machine cannot have the store's Debian packages.
-import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { connect, createServer, type Server, type Socket } from 'node:net';
@@ -18,28 +17,19 @@ import { SnapshotReader, writeSnapshot, type SnapshotState } from '../../src/sna
 import { fetchFromStore, snapshotToStore } from '../../src/store/snapshot-store';
 import type { StoreOptions, StoreProgress, StoreTransfer } from '../../src/store/store-options';
 import { chunkKey } from '../../src/store/store-url';
+import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
 
 const ROOT = join(__dirname, '..', '..', '..');
-const SCRIPT = join(ROOT, 'scripts', 'object-store.sh');
 const STATE_DIR = join(ROOT, '.cache', `object-store-store-test-${process.pid}`);
 const MiB = 1024 * 1024;
 const RAM_BYTES = 32 * MiB;
-/** The script's exit code when this machine cannot install the store's packages. */
-const CANNOT_INSTALL = 3;
-
-function script(...args: string[]): { status: number | null; stdout: string; stderr: string } {
-  const r = spawnSync('bash', [SCRIPT, ...args, '--dir', STATE_DIR], { encoding: 'utf8', timeout: 300_000 });
-  return { status: r.status, stdout: r.stdout, stderr: r.stderr };
-}
-
-const check = spawnSync('bash', [SCRIPT, 'check'], { encoding: 'utf8' });
-const why = check.status === CANNOT_INSTALL ? check.stderr.trim().replace(/^object-store: /, '') : undefined;
-if (why) console.log(`object store snapshots: SKIPPED, ${why}`);
+const script = objectStoreScript(STATE_DIR);
+const why = objectStoreSkipReason('object store snapshots');
 
 const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTES, vcpus: 1, machine: { m: 1 }, devices: {}, agent: {}, guestClient: null };
 
 (why ? describe.skip : describe)(`snapshots in the object store (radosgw)${why ? ` (skipped: ${why})` : ''}`, () => {
-  const saved: Record<string, string | undefined> = {};
+  let restoreEnv = () => {};
   let base: string;
   let mem: GuestMemory;
   const run = randomBytes(4).toString('hex');
@@ -50,14 +40,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
   const workLeft = (cacheDir: string): string[] => readdirSync(join(cacheDir, 'work'));
 
   beforeAll(() => {
-    const r = script('start');
-    if (r.status !== 0) throw new Error(`scripts/object-store.sh start exited ${r.status}:\n${r.stderr}`);
-    for (const line of r.stdout.split('\n')) {
-      const m = /^export ([A-Z0-9_]+)=(\S*)$/.exec(line);
-      if (!m) continue;
-      saved[m[1]] = process.env[m[1]];
-      process.env[m[1]] = m[2];
-    }
+    ({ restoreEnv } = startObjectStore(script));
     base = mkdtempSync(join(tmpdir(), 'pvisor-store-test-'));
     mem = GuestMemory.map(RAM_BYTES);
     // Chunks 0-3 random, 4 and 5 the same bytes (stored once), 6 one page of data, the rest zero.
@@ -72,10 +55,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
   afterAll(() => {
     mem?.unmap();
     if (base) rmSync(base, { recursive: true, force: true });
-    for (const [k, v] of Object.entries(saved)) {
-      if (v === undefined) delete process.env[k];
-      else process.env[k] = v;
-    }
+    restoreEnv();
     const r = script('stop');
     expect(r.status).toBe(0);
   }, 60_000);

@@ -1,0 +1,74 @@
+// The test object store (scripts/object-store.sh: Ceph radosgw on loopback) as a test file uses
+// it: the script run against a state directory of the file's own (so a store a developer started
+// is left alone), why this machine cannot have it, and the AWS environment it prints put into
+// this process's and taken out again.
+import { spawnSync } from 'node:child_process';
+import { join } from 'node:path';
+
+const SCRIPT = join(__dirname, '..', '..', 'scripts', 'object-store.sh');
+/** The script's exit code when this machine cannot install the store's packages. */
+const CANNOT_INSTALL = 3;
+
+export interface ScriptResult {
+  status: number | null;
+  stdout: string;
+  stderr: string;
+}
+
+/**
+ * Runs the script with `--dir stateDir`. 300 s by default: a first start on a fresh machine
+ * installs Ceph's packages (about 45 s here) first. `env`: the script's own settings (backend, size).
+ */
+export function objectStoreScript(stateDir: string, options: { timeoutMs?: number; env?: Record<string, string> } = {}): (...args: string[]) => ScriptResult {
+  return (...args) => {
+    const r = spawnSync('bash', [SCRIPT, ...args, '--dir', stateDir], { encoding: 'utf8', timeout: options.timeoutMs ?? 300_000, env: { ...process.env, ...options.env } });
+    return { status: r.status, stdout: r.stdout, stderr: r.stderr };
+  };
+}
+
+/**
+ * Why this machine cannot have the store (not root and the packages not installed, or no
+ * apt-get), said once on the console as `what: SKIPPED, why`; undefined when it can. Any other
+ * failure to start is the test's to fail on.
+ */
+export function objectStoreSkipReason(what: string): string | undefined {
+  const check = spawnSync('bash', [SCRIPT, 'check'], { encoding: 'utf8' });
+  const why = check.status === CANNOT_INSTALL ? check.stderr.trim().replace(/^object-store: /, '') : undefined;
+  if (why) console.log(`${what}: SKIPPED, ${why}`);
+  return why;
+}
+
+/** `export NAME=value` lines, as the script prints them, into a map. */
+export function parseExports(text: string): Record<string, string> {
+  const env: Record<string, string> = {};
+  for (const line of text.split('\n')) {
+    const m = /^export ([A-Z0-9_]+)=(\S*)$/.exec(line);
+    if (m) env[m[1]] = m[2];
+  }
+  return env;
+}
+
+/**
+ * Starts the store (throwing with its stderr if it does not start) and puts the AWS environment
+ * it prints into process.env, so that clients read nothing else. Returns the exports, and
+ * `restoreEnv()`, which puts back what process.env had.
+ */
+export function startObjectStore(script: (...args: string[]) => ScriptResult): { exports: Record<string, string>; restoreEnv(): void } {
+  const r = script('start');
+  if (r.status !== 0) throw new Error(`scripts/object-store.sh start exited ${r.status}:\n${r.stderr}`);
+  const exports = parseExports(r.stdout);
+  const saved: Record<string, string | undefined> = {};
+  for (const [k, v] of Object.entries(exports)) {
+    saved[k] = process.env[k];
+    process.env[k] = v;
+  }
+  return {
+    exports,
+    restoreEnv: () => {
+      for (const [k, v] of Object.entries(saved)) {
+        if (v === undefined) delete process.env[k];
+        else process.env[k] = v;
+      }
+    },
+  };
+}
