@@ -7,6 +7,7 @@ import { existsSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { parseArgs } from 'node:util';
 import { AGENT_ROOTFS_SCRIPT, agentRootfsImage } from '../bench/agent-workload';
+import type { FleetBenchOptions } from '../bench/fleet';
 import type { FloorsBenchOptions } from '../bench/floors';
 import { SIGNALLING_MODES, type LinuxBenchOptions } from '../bench/linux';
 import { DEFAULT_COLD_CPU_SHARE, LINUX_MODES, MODES, SEEDS, type BenchGuest, type Content } from '../bench/memory-modes';
@@ -238,4 +239,29 @@ export function parseSoakArgs(argv: string[]): WithJson<SoakBenchOptions> {
   const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
   if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1 || workingSetMiB > MAX_WORKING_SET_MIB) throw new InvalidOptionError('--working-set', `expected whole MiB from 1MiB to ${MAX_WORKING_SET_MIB}MiB`);
   return { cycles, vms, strategies, workingSetMiB, dir: resolve(values['backing-dir']), json: values.json };
+}
+
+/** `pvisor bench fleet`'s options. */
+export const BENCH_FLEET_OPTIONS = {
+  runs: { type: 'string', default: '3' },
+  clones: { type: 'string', default: '4' },
+  'working-set': { type: 'string', default: '32MiB' },
+  dir: { type: 'string', default: DEFAULT_BACKING_DIR },
+  bucket: { type: 'string', default: 'pvisor' },
+  json: { type: 'string' },
+} as const;
+
+/** Checks `pvisor bench fleet`'s arguments. */
+export function parseFleetArgs(argv: string[]): WithJson<FleetBenchOptions> {
+  const { values } = parseArgs({ args: argv, options: BENCH_FLEET_OPTIONS, strict: true });
+  const runs = Number(values.runs);
+  if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
+  const clones = Number(values.clones);
+  if (!Number.isInteger(clones) || clones < 0 || clones > 16) throw new InvalidOptionError('--clones', 'expected 0 to 16');
+  const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
+  // The VM has 128 MiB, and the child appends 8 MiB to the working set.
+  if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1 || workingSetMiB > 64) throw new InvalidOptionError('--working-set', 'expected whole MiB, 1MiB to 64MiB');
+  // An S3 bucket name: 3 to 63 lower-case letters, digits, dots and hyphens.
+  if (!/^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$/.test(values.bucket)) throw new InvalidOptionError('--bucket', `not a bucket name: ${JSON.stringify(values.bucket)}`);
+  return { runs, clones, workingSetMiB, dir: resolve(values.dir), bucket: values.bucket, json: values.json };
 }

@@ -80,6 +80,12 @@ export async function cmdBench(argv: string[]): Promise<number> {
       writeJson(await benchFloors(opts), opts.json);
       return 0;
     }
+    case 'fleet': {
+      const opts = parseUsage('bench fleet', () => args.parseFleetArgs(rest));
+      const { benchFleet } = await import('../bench/fleet');
+      writeJson(await benchFleet(opts), opts.json);
+      return 0;
+    }
     case 'soak': {
       const opts = parseUsage('bench soak', () => args.parseSoakArgs(rest));
       const { benchSoak } = await import('../bench/soak');

@@ -265,6 +265,12 @@ const BENCH_SOAK = `  pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms
       (after a full collection), time per cycle (median, p99).
       --vms N runs N VMs in one process at once. Exits 1 if a cycle failed.
 `;
+const BENCH_FLEET = `  pvisor bench fleet [--runs 3] [--clones 4] [--working-set 32MiB] [--dir DIR] [--bucket pvisor] [--json FILE]
+      Snapshots in an object store (probe guest; Linux later): restore to ready locally, from the
+      store with a cold and a warm chunk cache; bytes read before ready; the upload of a child
+      that changed 8 MiB; chunks fetched by N clones on one host. The store is the one
+      AWS_ENDPOINT_URL names, else one it starts (scripts/object-store.sh, root) and stops.
+`;
 
 /** The bench subcommands a user runs, and their usage. */
 export const BENCH_USAGE = {
@@ -274,6 +280,7 @@ export const BENCH_USAGE = {
   snapshot: BENCH_SNAPSHOT,
   floors: BENCH_FLOORS,
   soak: BENCH_SOAK,
+  fleet: BENCH_FLEET,
 } as const;
 
 /** A bench subcommand a user runs. */
@@ -298,7 +305,7 @@ export const PVISOR_HELP = `pvisor: KVM sandboxes that cost the host only the me
 
 Usage:
 ${RUN}${SUSPEND}${RESUME}${SNAPSHOT}${STOP}${PS}  pvisor bench NAME ...
-      Benchmarks against the reference study (vmm, linux, memory, snapshot, floors, soak):
+      Benchmarks against the reference study (vmm, linux, memory, snapshot, floors, soak, fleet):
       pvisor bench --help lists them.
   pvisor --help | COMMAND --help | --version (-v, -V)
 

@@ -4,7 +4,7 @@
 import { spawnSync } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { BENCH_FLOORS_OPTIONS, BENCH_LINUX_OPTIONS, BENCH_SNAPSHOT_OPTIONS, BENCH_SOAK_OPTIONS, BENCH_VMM_OPTIONS, TABLE12_OPTIONS, TABLE3_OPTIONS } from '../../src/cli/bench-args';
+import { BENCH_FLEET_OPTIONS, BENCH_FLOORS_OPTIONS, BENCH_LINUX_OPTIONS, BENCH_SNAPSHOT_OPTIONS, BENCH_SOAK_OPTIONS, BENCH_VMM_OPTIONS, TABLE12_OPTIONS, TABLE3_OPTIONS } from '../../src/cli/bench-args';
 import { PVISOR_NODE_ENV, PVISOR_NODE_FLAGS } from '../../src/node-flags';
 import { BENCH_USAGE, PVISOR_USAGE } from '../../src/cli/usage';
 
@@ -52,7 +52,7 @@ describe('--help and --version', () => {
     }
     const bench = pvisor('bench', '--help');
     expect(bench.status).toBe(0);
-    for (const name of ['vmm', 'linux', 'memory', 'snapshot', 'floors', 'soak']) expect(bench.stdout).toContain(`pvisor bench ${name}`);
+    for (const name of ['vmm', 'linux', 'memory', 'snapshot', 'floors', 'soak', 'fleet']) expect(bench.stdout).toContain(`pvisor bench ${name}`);
   });
 
   it('--help after -- belongs to the guest command, not to pvisor run', () => {
@@ -172,6 +172,7 @@ describe("each bench's usage names exactly the options it accepts", () => {
     snapshot: Object.keys(BENCH_SNAPSHOT_OPTIONS),
     floors: Object.keys(BENCH_FLOORS_OPTIONS),
     soak: Object.keys(BENCH_SOAK_OPTIONS),
+    fleet: Object.keys(BENCH_FLEET_OPTIONS),
   };
   it.each(Object.keys(accepted) as (keyof typeof BENCH_USAGE)[])('bench %s', (name) => {
     const named = new Set([...BENCH_USAGE[name].matchAll(/\[--([a-z][a-z-]*)/g)].map((m) => m[1]));
