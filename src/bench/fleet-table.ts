@@ -35,8 +35,20 @@ export interface FleetFigures {
   childSentBytes: number;
   childChunksSent: number;
   childChunksPresent: number;
+  /** Indexes of the RAM chunks whose content the child's manifest names differently from the template's. */
+  childChangedChunks: number[];
   /** Chunk objects each clone's restore fetched from the store, in order (empty: not measured). */
   cloneChunksFetched: number[];
+}
+
+/**
+ * Indexes of the RAM chunks that differ between two store manifests' `ramChunks` (a SHA-256, or
+ * null for an all-zero chunk); chunks past the shorter one count as changed.
+ */
+export function changedChunkIndexes(before: readonly (string | null)[], after: readonly (string | null)[]): number[] {
+  const out: number[] = [];
+  for (let i = 0; i < Math.max(before.length, after.length); i++) if (i >= before.length || i >= after.length || before[i] !== after[i]) out.push(i);
+  return out;
 }
 
 /** `a / b / c` of min / median / max, whole ms. */
@@ -80,7 +92,7 @@ export function fleetTableRows(f: FleetFigures): string[][] {
     ['store restore to ready, cold cache, ms', `${mmm(f.storeColdMs)} (${goals[0].value.toFixed(2)}x local)`, '<= 2x local', g(0)],
     ['store restore to ready, warm cache, ms', `${mmm(f.storeWarmMs)} (${goals[1].value.toFixed(2)}x local)`, '<= 2x local', g(1)],
     ['read from the store before ready (cold)', `${(f.bytesBeforeReady / MiB).toFixed(1)} MiB = ${(goals[2].value * 100).toFixed(0)}% of the ${f.workingSetMiB} MiB working set`, '<= 10% of the working set', g(2)],
-    [`child upload, ${CHILD_CHANGED_MIB} MiB changed`, `${(f.childSentBytes / MiB).toFixed(1)} MiB sent (${f.childChunksSent} objects sent, ${f.childChunksPresent} present)`, '<= 10 MiB sent', g(3)],
+    [`child upload, ${CHILD_CHANGED_MIB} MiB changed`, `${(f.childSentBytes / MiB).toFixed(1)} MiB sent (${f.childChunksSent} objects sent, ${f.childChunksPresent} present; RAM chunks changed: ${f.childChangedChunks.join(', ')})`, '<= 10 MiB sent', g(3)],
   ];
   if (goals.length > 4) {
     const [first, ...later] = f.cloneChunksFetched;

@@ -13,10 +13,15 @@
 import { closeSync, mkdtempSync, openSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
+import { hostMemTotalBytes } from '../memory-usage';
+import { ObjectStore } from '../store/object-io';
+import { resolveStoreOptions } from '../store/store-options';
+import { parseStoreManifest, storeManifestBytesLimit } from '../store/store-manifest';
+import { parseStoreUrl } from '../store/store-url';
 import { dropFileCache } from '../sys/libc';
 import { Vm } from '../vm';
 import { openBenchStore } from './fleet-store';
-import { CHILD_CHANGED_MIB, fleetGoals, fleetTableRows, type FleetFigures } from './fleet-table';
+import { changedChunkIndexes, CHILD_CHANGED_MIB, fleetGoals, fleetTableRows, type FleetFigures } from './fleet-table';
 import { printTableBlock, progress, stats } from './report';
 
 const SEED = 27;
@@ -51,6 +56,17 @@ function dropCache(path: string): void {
   }
 }
 
+/** The `ramChunks` of the store manifest at `location` (checked as a restore checks it). */
+async function ramChunksAt(location: string): Promise<(string | null)[]> {
+  const url = parseStoreUrl(location);
+  const store = ObjectStore.open(url, resolveStoreOptions({}));
+  try {
+    return parseStoreManifest(await store.get(url.manifestKey, storeManifestBytesLimit(hostMemTotalBytes())), location).ramChunks;
+  } finally {
+    store.close();
+  }
+}
+
 /** `pvisor bench fleet`: measures, prints the table, returns the JSON. */
 export async function benchFleet(o: FleetBenchOptions): Promise<object> {
   const store = openBenchStore();
@@ -75,6 +91,8 @@ export async function benchFleet(o: FleetBenchOptions): Promise<object> {
     } finally {
       await source.stop();
     }
+    // Which chunks the child changed: those of the appended MiB, and any of the probe's own pages.
+    const childChangedChunks = changedChunkIndexes(await ramChunksAt(templateUrl), await ramChunksAt(`${prefix}/child`));
 
     const check = async (vm: Vm, what: string) => {
       const got = (await vm.probe.digest()).hex;
@@ -128,6 +146,7 @@ export async function benchFleet(o: FleetBenchOptions): Promise<object> {
       childSentBytes: child.bytesTransferred,
       childChunksSent: child.chunksTransferred,
       childChunksPresent: child.chunksPresent,
+      childChangedChunks,
       cloneChunksFetched,
     };
     process.stdout.write(`Fleet: probe guest (the Linux guest's row is a later step), ${MEMORY} / 1 vCPU, ${o.workingSetMiB} MiB random working set, ${o.runs} runs (ms min / median / max; ready = first request answered; local: RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store fetches the whole snapshot before the VM runs)\n`);

@@ -2,7 +2,7 @@
 // issue 27's goals in the table it prints (nothing here is timed or needs a store).
 import { parseFleetArgs } from '../../src/cli/bench-args';
 import { parseExportLines } from '../../src/bench/fleet-store';
-import { fleetGoals, fleetTableRows, type FleetFigures } from '../../src/bench/fleet-table';
+import { changedChunkIndexes, fleetGoals, fleetTableRows, type FleetFigures } from '../../src/bench/fleet-table';
 import { InvalidOptionError } from '../../src/errors';
 
 const MiB = 2 ** 20;
@@ -39,6 +39,14 @@ describe('the store exports the bench reads', () => {
   });
 });
 
+describe('the chunks a child changed', () => {
+  it('are the places whose hash differs, zero chunks included, and those past the shorter manifest', () => {
+    expect(changedChunkIndexes(['a', null, 'b', 'c'], ['a', 'x', 'b', null])).toEqual([1, 3]);
+    expect(changedChunkIndexes(['a', 'b'], ['a', 'b'])).toEqual([]);
+    expect(changedChunkIndexes(['a'], ['a', null, 'z'])).toEqual([1, 2]);
+  });
+});
+
 describe('pvisor bench fleet table', () => {
   const figures: FleetFigures = {
     runs: 3,
@@ -50,6 +58,7 @@ describe('pvisor bench fleet table', () => {
     childSentBytes: 10 * MiB + 1,
     childChunksSent: 6,
     childChunksPresent: 13,
+    childChangedChunks: [0, 20, 21],
     cloneChunksFetched: [20, 0, 0, 0],
   };
 
@@ -76,7 +85,7 @@ describe('pvisor bench fleet table', () => {
     expect(rows[3][3]).toBe('yes');
     expect(rows[4][1]).toBe('36.0 MiB = 113% of the 32 MiB working set');
     expect(rows[4][3]).toBe('NO');
-    expect(rows[5][1]).toBe('10.0 MiB sent (6 objects sent, 13 present)');
+    expect(rows[5][1]).toBe('10.0 MiB sent (6 objects sent, 13 present; RAM chunks changed: 0, 20, 21)');
     expect(rows[5][3]).toBe('NO');
     expect(rows[6]).toEqual(['4 clones on one host, chunks fetched', '1st 20, then 0, 0, 0', '0 after the 1st', 'yes']);
     for (const r of rows) expect(r).toHaveLength(4);
