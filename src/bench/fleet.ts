@@ -10,7 +10,7 @@
  * first) and one from the same, now warm, cache. Last, N clones of the template restored on one
  * host (one cache): the chunks each fetched. Every restored VM's digest must be the template's.
  */
-import { closeSync, mkdtempSync, openSync, rmSync } from 'node:fs';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { hostMemTotalBytes } from '../memory-usage';
@@ -18,10 +18,10 @@ import { ObjectStore } from '../store/object-io';
 import { resolveStoreOptions } from '../store/store-options';
 import { parseStoreManifest, storeManifestBytesLimit } from '../store/store-manifest';
 import { parseStoreUrl } from '../store/store-url';
-import { dropFileCache } from '../sys/libc';
 import { Vm } from '../vm';
 import { openBenchStore } from './fleet-store';
 import { changedChunkIndexes, CHILD_CHANGED_MIB, fleetGoals, fleetTableRows, type FleetFigures } from './fleet-table';
+import { dropCache, toReady } from './probe-restore';
 import { printTableBlock, progress, stats } from './report';
 
 const SEED = 27;
@@ -37,23 +37,6 @@ export interface FleetBenchOptions {
   dir: string;
   /** The bucket, in the store the AWS environment names (or the one the bench starts). */
   bucket: string;
-}
-
-/** Time from `start` to its VM answering a first request, ms; the VM is returned running. */
-async function toReady(start: () => Promise<Vm>): Promise<{ vm: Vm; ms: number }> {
-  const t0 = performance.now();
-  const vm = await start();
-  await vm.probe.exitStorm(1);
-  return { vm, ms: performance.now() - t0 };
-}
-
-function dropCache(path: string): void {
-  const fd = openSync(path, 'r');
-  try {
-    dropFileCache(fd);
-  } finally {
-    closeSync(fd);
-  }
 }
 
 /** The `ramChunks` of the store manifest at `location` (checked as a restore checks it). */

@@ -7,35 +7,18 @@
  * clone's digest must equal the host model's, or the bench fails. Last, a SharedSnapshot clone
  * with Offload rewrites 8 MiB and is suspended: what the offload wrote is the clone's own pages.
  */
-import { mkdtempSync, openSync, closeSync, rmSync, statSync } from 'node:fs';
+import { mkdtempSync, rmSync, statSync } from 'node:fs';
 import { join } from 'node:path';
 import { Offload } from '../memory/strategies/offload';
 import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
-import { dropFileCache } from '../sys/libc';
 import { Vm } from '../vm';
+import { dropCache, toReady } from './probe-restore';
 import { printTable, progress, stats } from './report';
 
 const MiB = 2 ** 20;
 const WORKING_SET_MIB = 64;
 const SEED = 42;
 const CLONE_WRITES_MIB = 8;
-
-/** Time from `start` to its VM answering a first request, ms; the VM is returned running. */
-async function toReady(start: () => Promise<Vm>): Promise<{ vm: Vm; ms: number }> {
-  const t0 = performance.now();
-  const vm = await start();
-  await vm.probe.exitStorm(1);
-  return { vm, ms: performance.now() - t0 };
-}
-
-function dropCache(path: string): void {
-  const fd = openSync(path, 'r');
-  try {
-    dropFileCache(fd);
-  } finally {
-    closeSync(fd);
-  }
-}
 
 /** `pvisor bench snapshot`'s options, checked. */
 export interface SnapshotBenchOptions {
