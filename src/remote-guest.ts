@@ -36,6 +36,7 @@ import type {
 import { checkOptionKeys, optionKeys } from './option-keys';
 import { parseTimeoutMs } from './units';
 import { collectOutput } from './guest/exec-collect';
+import { stdinWritable } from './guest/guest-process';
 
 /** How {@link RemoteProcess} and {@link RemoteFiles} reach the VM: its socket, its id, a one-answer request. */
 export interface RemoteVm {
@@ -150,10 +151,7 @@ export class RemoteProcess implements VmProcess {
 
   get stdin(): Writable | null {
     if (!this.stdinOpen) return null;
-    this.stdinStream ??= new Writable({
-      write: (chunk: Buffer, _encoding, callback) => this.write(chunk).then(() => callback(), callback),
-      final: (callback) => this.end().then(() => callback(), callback),
-    });
+    this.stdinStream ??= stdinWritable(this);
     return this.stdinStream;
   }
 

@@ -35,6 +35,18 @@ function signalNumber(signal: NodeJS.Signals | number): number {
 }
 
 /**
+ * A process's standard input as a Writable over its own `write` and `end`, so that
+ * `pipeline(source, p.stdin)` finishes once the guest has it all; for the local process and the
+ * one behind a VM's control socket alike.
+ */
+export function stdinWritable(p: Pick<VmProcess, 'write' | 'end'>): Writable {
+  return new Writable({
+    write: (chunk: Buffer, _encoding, callback) => p.write(chunk).then(() => callback(), callback),
+    final: (callback) => p.end().then(() => callback(), callback),
+  });
+}
+
+/**
  * A process running in the guest.
  * @category Guest
  */
@@ -57,10 +69,7 @@ export class GuestProcess implements VmProcess {
    */
   get stdin(): Writable | null {
     if (!this.stdinOpen) return null;
-    this.stdinStream ??= new Writable({
-      write: (chunk: Buffer, _encoding, callback) => this.write(chunk).then(() => callback(), callback),
-      final: (callback) => this.end().then(() => callback(), callback),
-    });
+    this.stdinStream ??= stdinWritable(this);
     return this.stdinStream;
   }
   private stdinStream: Writable | undefined;
