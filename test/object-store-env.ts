@@ -4,6 +4,7 @@
 // this process's and taken out again.
 import { spawnSync } from 'node:child_process';
 import { join } from 'node:path';
+import { parseExportLines } from '../src/bench/fleet-store';
 
 const SCRIPT = join(__dirname, '..', '..', 'scripts', 'object-store.sh');
 /** The script's exit code when this machine cannot install the store's packages. */
@@ -38,16 +39,6 @@ export function objectStoreSkipReason(what: string): string | undefined {
   return why;
 }
 
-/** `export NAME=value` lines, as the script prints them, into a map. */
-export function parseExports(text: string): Record<string, string> {
-  const env: Record<string, string> = {};
-  for (const line of text.split('\n')) {
-    const m = /^export ([A-Z0-9_]+)=(\S*)$/.exec(line);
-    if (m) env[m[1]] = m[2];
-  }
-  return env;
-}
-
 /**
  * Starts the store (throwing with its stderr if it does not start) and puts the AWS environment
  * it prints into process.env, so that clients read nothing else. Returns the exports, and
@@ -56,7 +47,7 @@ export function parseExports(text: string): Record<string, string> {
 export function startObjectStore(script: (...args: string[]) => ScriptResult): { exports: Record<string, string>; restoreEnv(): void } {
   const r = script('start');
   if (r.status !== 0) throw new Error(`scripts/object-store.sh start exited ${r.status}:\n${r.stderr}`);
-  const exports = parseExports(r.stdout);
+  const exports = parseExportLines(r.stdout);
   const saved: Record<string, string | undefined> = {};
   for (const [k, v] of Object.entries(exports)) {
     saved[k] = process.env[k];

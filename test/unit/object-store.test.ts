@@ -18,7 +18,8 @@ import {
   S3Client,
   S3ServiceException,
 } from '@aws-sdk/client-s3';
-import { objectStoreScript, objectStoreSkipReason, parseExports, startObjectStore } from '../object-store-env';
+import { parseExportLines } from '../../src/bench/fleet-store';
+import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
 
 const ROOT = join(__dirname, '..', '..', '..');
 // A state directory of this test's own, so a store a developer started is left alone.
@@ -72,7 +73,7 @@ async function outcome(p: Promise<unknown>): Promise<number | 'ok'> {
     const again = script('start');
     expect(again.status).toBe(0);
     expect(again.stderr).toMatch(/already running/);
-    expect(parseExports(again.stdout)).toEqual(exports);
+    expect(parseExportLines(again.stdout)).toEqual(exports);
     // The bucket exists, and these keys may use it.
     expect(await outcome(s3.send(new HeadBucketCommand({ Bucket: BUCKET })))).toBe('ok');
   });
