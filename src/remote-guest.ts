@@ -7,7 +7,6 @@
  */
 import { Writable, type Readable } from 'node:stream';
 import { finished, pipeline } from 'node:stream/promises';
-import { StringDecoder } from 'node:string_decoder';
 import { constants as osConstants } from 'node:os';
 import { AbortError, abortError, InvalidOptionError, OutputLimitError, TimeoutError, type PvisorError } from './errors';
 import { ControlStream } from './control-stream-client';

@@ -1,7 +1,7 @@
 /**
  * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
  */
-import { accessSync, closeSync, constants as fsConstants, existsSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { accessSync, constants as fsConstants, existsSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { checkOptionKeys, optionKeys } from './option-keys';

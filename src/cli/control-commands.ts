@@ -50,7 +50,6 @@ export interface ControlArgs {
 
 /** A suspend writes all of guest RAM to disk: give a big VM on a slow disk its time. */
 const OPERATION_TIMEOUT_MS = 10 * 60 * 1000;
-const STATUS_TIMEOUT_MS = 10 * 1000;
 
 /**
  * Parses `pvisor suspend|resume|stop [ID] [--vm-socket PATH] [--vm-job-id JOB] [--vm-attempt-id A]`

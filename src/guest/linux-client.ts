@@ -5,7 +5,6 @@
 import { randomBytes } from 'node:crypto';
 import { Readable, Writable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
-import { StringDecoder } from 'node:string_decoder';
 import { AbortError, abortError, GuestRequestError, InvalidOptionError, OutputLimitError, TimeoutError } from '../errors';
 import { checkOptionKeys, optionKeys } from '../option-keys';
 import type { AgentClient } from '../protocol/agent-client';
