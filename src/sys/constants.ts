@@ -96,6 +96,13 @@ export const KVM_GET_PIT2 = 0x8070ae9f; // _IOR(KVMIO, 0x9f, struct kvm_pit_stat
 export const KVM_SET_PIT2 = 0x4070aea0; // _IOW(KVMIO, 0xa0, struct kvm_pit_state2)
 export const KVM_GET_CLOCK = 0x8030ae7c; // _IOR(KVMIO, 0x7c, struct kvm_clock_data)
 export const KVM_SET_CLOCK = 0x4030ae7b; // _IOW(KVMIO, 0x7b, struct kvm_clock_data)
+/** _IO(KVMIO, 0x80): issued only by the vCPU threads of native-prebuilds/helpers/vcpu_runner.c (its KVM_RUN_IOCTL). */
+export const KVM_RUN = 0xae80;
+/**
+ * _IOW(KVMIO, 0x49, struct kvm_userspace_memory_region2): never issued by pvisor. A jailed VMM's
+ * filter refuses it; the jail's test hook (src/jail/jailed-entry.ts) makes it to show that.
+ */
+export const KVM_SET_USER_MEMORY_REGION2 = 0x40a0ae49;
 export const KVM_FPU_SIZE = 416;
 export const KVM_XSAVE_SIZE = 4096;
 export const KVM_XCRS_SIZE = 392;
@@ -238,6 +245,25 @@ export const VHOST_MEMORY_REGION_SIZE = 32;
 // struct vhost_vring_addr { __u32 index; __u32 flags; __u64 desc_user_addr; __u64 used_user_addr;
 // __u64 avail_user_addr; __u64 log_guest_addr; }
 export const VHOST_VRING_ADDR_SIZE = 40;
+
+// <linux/userfaultfd.h>: ioctls on /dev/userfaultfd and on a userfaultfd (0xAA), issued only by
+// native-prebuilds/helpers/uffd_server.c (which takes them from the header; these are its values on x86-64)
+export const USERFAULTFD_IOC_NEW = 0xaa00; // _IO(0xAA, 0x00), Linux 6.1+
+export const UFFDIO_API = 0xc018aa3f; // _IOWR(0xAA, 0x3F, struct uffdio_api)
+export const UFFDIO_REGISTER = 0xc020aa00; // _IOWR(0xAA, 0x00, struct uffdio_register)
+export const UFFDIO_UNREGISTER = 0x8010aa01; // _IOR(0xAA, 0x01, struct uffdio_range)
+export const UFFDIO_WAKE = 0x8010aa02; // _IOR(0xAA, 0x02, struct uffdio_range)
+export const UFFDIO_COPY = 0xc028aa03; // _IOWR(0xAA, 0x03, struct uffdio_copy)
+export const UFFDIO_ZEROPAGE = 0xc020aa04; // _IOWR(0xAA, 0x04, struct uffdio_zeropage)
+export const UFFDIO_WRITEPROTECT = 0xc018aa06; // _IOWR(0xAA, 0x06, struct uffdio_writeprotect)
+
+// <asm-generic/ioctls.h>: the terminal and file ioctls node (libuv) makes on its stdio and pipes
+export const TCGETS = 0x5401;
+export const TIOCGWINSZ = 0x5413;
+export const FIONREAD = 0x541b;
+export const FIONBIO = 0x5421;
+export const FIONCLEX = 0x5450;
+export const FIOCLEX = 0x5451;
 
 // <linux/if_tun.h>: ioctls on /dev/net/tun, _IOW('T', nr, int)
 export const TUNSETIFF = 0x400454ca;

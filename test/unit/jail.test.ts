@@ -4,7 +4,7 @@
 // capabilities, no_new_privs and the filter, sees none of the host's files, and is killed by
 // SIGSYS for a call outside the filter.
 import { spawnSync } from 'node:child_process';
-import { existsSync, mkdtempSync, openSync, closeSync, realpathSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, openSync, closeSync, readdirSync, readFileSync, realpathSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseRunArgs } from '../../src/cli/run-args';
@@ -16,11 +16,17 @@ import { jailedEntry, parseJailedReport } from '../../src/jail/jailed-entry';
 import { withJailedRunArgs } from '../../src/jail/launcher';
 import { cgroupFiles, DEFAULT_MEMORY_HEADROOM_BYTES, DEFAULT_PIDS, resolveLimits } from '../../src/jail/limits';
 import { bwrapArgs, librariesOfLdd, nodeRuntimeFiles, parentDirs, usrMergeLinks } from '../../src/jail/sandbox';
-import { ALLOWED_SYSCALLS, BPF_INSTRUCTION_BYTES, buildFilter, filterRules } from '../../src/jail/seccomp';
+import { ALLOWED_IOCTLS, ALLOWED_SYSCALLS, BPF_INSTRUCTION_BYTES, buildFilter, filterRules, ioctlTableMarkdown } from '../../src/jail/seccomp';
+import * as C from '../../src/sys/constants';
 import { nativePrebuild, PACKAGE_ROOT } from '../../src/native';
 import { Vm } from '../../src/vm';
 
 const MiB = 1024 * 1024;
+
+/** The .ts files under `dir`, recursively. */
+function tsFiles(dir: string): string[] {
+  return readdirSync(dir, { withFileTypes: true }).flatMap((e) => (e.isDirectory() ? tsFiles(join(dir, e.name)) : e.name.endsWith('.ts') ? [join(dir, e.name)] : []));
+}
 
 describe('jail limits', () => {
   const vm = { memoryBytes: 256 * MiB, vcpus: 2 };
@@ -85,17 +91,61 @@ describe('jail seccomp filter', () => {
       expect(names).not.toContain(never);
     }
     const rules = filterRules();
-    expect(rules).toContain('ioctl-type 0xae\n');
-    expect(rules).toContain('ioctl-type 0xaa\n');
+    expect(rules.split('\n').filter(Boolean).every((l) => /^(allow [a-z0-9_]+|ioctl 0x[0-9a-f]{1,8})$/.test(l))).toBe(true);
+    // ioctl request by request: no driver's whole type byte any more.
+    expect(rules).not.toMatch(/ioctl-type/);
+    expect(rules).toContain(`ioctl 0x${C.KVM_RUN.toString(16)}\n`);
     expect(rules).toContain('ioctl 0x5401\n');
     // The guest network: vhost's requests and TUNSETOFFLOAD on the handed TAP; never TUNSETIFF
-    // (a TAP of its own) nor TUN's whole type byte, which is the terminal ioctls' too (TIOCSTI).
-    expect(rules).toContain('ioctl-type 0xaf\n');
+    // (a TAP of its own), nor a terminal ioctl that types into the user's terminal (TIOCSTI).
+    expect(rules).toContain(`ioctl 0x${C.VHOST_NET_SET_BACKEND.toString(16)}\n`);
     expect(rules).toContain('ioctl 0x400454d0\n');
     expect(rules).not.toContain('ioctl 0x400454ca\n');
-    expect(rules).not.toContain('ioctl-type 0x54\n');
     expect(rules).not.toContain('ioctl 0x5412\n');
-    expect(rules.split('\n').filter(Boolean).every((l) => /^(allow [a-z0-9_]+|ioctl-type 0x[0-9a-f]{1,2}|ioctl 0x[0-9a-f]{1,8})$/.test(l))).toBe(true);
+    // Requests of the same drivers the VMM never makes.
+    for (const never of [C.KVM_SET_USER_MEMORY_REGION2, 0xc008ae09 /* KVM_GET_EMULATED_CPUID */, 0x4010ae42 /* KVM_GET_DIRTY_LOG */, 0xc00caee0 /* KVM_CREATE_DEVICE */, 0x4008af04 /* VHOST_SET_LOG_BASE */, 0xc020aa3f /* UFFDIO_POISON */]) {
+      expect(rules).not.toContain(`ioctl 0x${never.toString(16)}\n`);
+    }
+  });
+
+  it('allows exactly the ioctl requests the VMM issues: every one in src/ and in the native helpers it loads, and none it does not', () => {
+    const requests = Object.values(ALLOWED_IOCTLS).map((a) => a.request);
+    expect(new Set(requests).size).toBe(requests.length);
+    // Each entry is the constant of its name (src/sys/constants.ts), and of its driver's type byte.
+    const typeOf: Record<string, number> = { '/dev/kvm': 0xae, 'VM fd': 0xae, 'vCPU fd': 0xae, '/dev/userfaultfd': 0xaa, userfaultfd: 0xaa, '/dev/vhost-net': 0xaf, 'TAP fd': 0x54, 'stdio and pipes': 0x54 };
+    for (const [name, { request, target, why }] of Object.entries(ALLOWED_IOCTLS)) {
+      expect([name, request]).toEqual([name, (C as Record<string, unknown>)[name]]);
+      expect([name, (request >>> 8) & 0xff]).toEqual([name, typeOf[target]]);
+      expect(why.length).toBeGreaterThan(3);
+    }
+
+    // Every ioctl request constant the TypeScript source names (outside the constants and this
+    // allowlist) is allowed, but for the TAP's creation, which the launcher makes, outside the jail.
+    const madeByLauncher = ['TUNSETIFF', 'TUNSETVNETHDRSZ'];
+    const ioctlDrivers = new Set([0xae, 0xaa, 0xaf, 0x54]);
+    const isRequest = (v: unknown) => typeof v === 'number' && v >= 0x100 && ioctlDrivers.has((v >>> 8) & 0xff);
+    const requestNames = Object.entries(C).filter(([n, v]) => /^(KVM|VHOST|TUN|UFFDIO|USERFAULTFD)[A-Z0-9_]*$/.test(n) && isRequest(v)).map(([n]) => n);
+    const srcText = tsFiles(join(PACKAGE_ROOT, 'src')).filter((f) => !/src\/(sys\/constants|jail\/seccomp)\.ts$/.test(f)).map((f) => readFileSync(f, 'utf8')).join('\n');
+    const usedInTs = requestNames.filter((n) => new RegExp(`\\bC\\.${n}\\b`).test(srcText));
+    expect(usedInTs.length).toBeGreaterThan(50);
+    for (const n of usedInTs) if (!madeByLauncher.includes(n)) expect([n, ALLOWED_IOCTLS[n] !== undefined]).toEqual([n, true]);
+    for (const n of madeByLauncher) expect(ALLOWED_IOCTLS[n]).toBeUndefined();
+
+    // Every ioctl the native libraries the VMM loads make (their sources, as build.sh lists them).
+    const helpers = join(PACKAGE_ROOT, 'native-prebuilds', 'helpers');
+    const sources = [...readFileSync(join(helpers, 'build.sh'), 'utf8').matchAll(/^build libpvisor-[a-z]+\.so (.*)$/gm)].flatMap((m) => m[1].split(/\s+/).filter((w) => /^[a-z_]+\.c$/.test(w)));
+    expect(sources).toEqual(expect.arrayContaining(['vcpu_runner.c', 'uffd_server.c']));
+    const inC = sources.flatMap((f) => [...readFileSync(join(helpers, f), 'utf8').matchAll(/\bioctl\([^,]+,\s*([A-Z_0-9]+)/g)].map((m) => m[1].replace(/_IOCTL$/, '')));
+    expect(new Set(inC)).toEqual(new Set(['KVM_RUN', 'USERFAULTFD_IOC_NEW', 'UFFDIO_API', 'UFFDIO_REGISTER', 'UFFDIO_UNREGISTER', 'UFFDIO_WAKE', 'UFFDIO_COPY', 'UFFDIO_ZEROPAGE', 'UFFDIO_WRITEPROTECT']));
+    for (const n of inC) expect([n, ALLOWED_IOCTLS[n] !== undefined]).toEqual([n, true]);
+
+    // And nothing else: each allowed request is issued by that code, or by node on its stdio.
+    const byNode = Object.entries(ALLOWED_IOCTLS).filter(([, a]) => a.target === 'stdio and pipes').map(([n]) => n);
+    expect(Object.keys(ALLOWED_IOCTLS).sort()).toEqual([...new Set([...usedInTs.filter((n) => !madeByLauncher.includes(n)), ...inC, ...byNode])].sort());
+  });
+
+  it("docs/security.md holds the allowlist's ioctl table as the code has it", () => {
+    expect(readFileSync(join(PACKAGE_ROOT, 'docs', 'security.md'), 'utf8')).toContain(ioctlTableMarkdown());
   });
 
   it('becomes a BPF program through libseccomp; the helper refuses an unknown name or rule', () => {
@@ -106,7 +156,7 @@ describe('jail seccomp filter', () => {
     expect(buildFilter(`${filterRules()}allow ptrace\n`).length).toBeGreaterThan(program.length);
     expect(() => buildFilter('allow no_such_call\n')).toThrow(/unknown syscall: no_such_call/);
     expect(() => buildFilter('permit read\n')).toThrow(/unknown rule/);
-    expect(() => buildFilter('ioctl-type 0x1ff\n')).toThrow(/bad number/);
+    expect(() => buildFilter('ioctl 0x1ffffffff\n')).toThrow(/bad number/);
   });
 });
 
@@ -264,5 +314,23 @@ const canSandbox =
     expect(killed.stdout).not.toContain('returned');
     // bwrap reports its child's death by a signal as 128 + the signal.
     expect(killed.status).toBe(128 + 31);
+  });
+
+  it('filters ioctl by request: an allowed KVM request reaches the kernel, one of the same driver outside the list kills', () => {
+    // On fd -1: the kernel answers EBADF to a request the filter let through, and touches nothing.
+    const call = (request: number) => `const { define, DataType, open } = require(${JSON.stringify(realpathSync(require.resolve('ffi-rs')))}); open({ library: 'libc', path: 'libc.so.6' });
+      const f = define({ ioctl: { library: 'libc', retType: DataType.I32, paramsType: [DataType.I32, DataType.U64, DataType.U64], errno: true } });
+      const r = f.ioctl([-1, ${request}, 0]); console.log('returned', r.value, r.errnoCode);`;
+    for (const request of [C.KVM_RUN, C.KVM_CREATE_VM, C.UFFDIO_COPY, C.VHOST_SET_OWNER]) {
+      const allowed = inJail(call(request));
+      expect(allowed.stdout).toMatch(/^returned -1 9$/m);
+      expect(allowed.status).toBe(0);
+    }
+    // The old filter let every request of KVM's type byte through; these are killed now.
+    for (const request of [C.KVM_SET_USER_MEMORY_REGION2, 0xc008ae09 /* KVM_GET_EMULATED_CPUID */, 0x5412 /* TIOCSTI */]) {
+      const killed = inJail(call(request));
+      expect(killed.stdout).not.toContain('returned');
+      expect(killed.status).toBe(128 + 31);
+    }
   });
 });
