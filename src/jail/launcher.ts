@@ -12,7 +12,8 @@
  *   makes it; the jail gets the TAP's fd (inherited as fd 6), a /dev/vhost-net node of its uid,
  *   and what the guest is to be told (../network/handed-network.ts), and needs no CAP_NET_ADMIN;
  *   the launcher removes it all when the VMM ends, however it ends;
- * and then runs sh (to enter the cgroup) -> bwrap (./sandbox.ts: namespaces, empty root) ->
+ * and then runs sh (to enter the cgroup) -> prlimit (./rlimits.ts: no core dumps, a bound on open
+ * files) -> bwrap (./sandbox.ts: namespaces, empty root) ->
  * pvisor-jail-exec (the jail's uid and gid, no_new_privs, seccomp) -> node. The process it waits for is bwrap; what killed the VMM is read
  * from its report (none: it was killed) and its cgroup's memory.events.
  * @module
@@ -28,6 +29,7 @@ import { JailCgroup } from './cgroup';
 import { JAIL_ENV, parseJailedReport } from './jailed-entry';
 import type { JailLimits } from './limits';
 import { listenUnixSocket } from './listen-socket';
+import { withJailRlimits } from './rlimits';
 import { bwrapArgs, nodeRuntimeFiles, usrMergeLinks } from './sandbox';
 import { buildFilter } from './seccomp';
 import type { HostNetwork } from '../network/host-network';
@@ -244,7 +246,7 @@ export class JailedVmm {
         env,
         command: [realpathSync(process.execPath), '--expose-gc', '--max-semi-space-size=1', join(PACKAGE_ROOT, 'dist', 'src', 'cli', 'main.js'), 'run', ...withJailedRunArgs(plan.runArgv, plan.id, backingDir)],
       });
-      const argv = cgroup.enterArgv([bwrap, ...args]);
+      const argv = cgroup.enterArgv(withJailRlimits([bwrap, ...args]));
       const child = spawn(argv[0], argv.slice(1), { stdio: ['ignore', stdio.stdout, stdio.stderr, controlFd, 'pipe', filterFd, ...(network ? [network.tap.fd] : [])], env: {} });
       return new JailedVmm(plan.id, innerSocketPath, child, cgroup, plan.limits, cleanup, network, backingDir, uid);
     } catch (e) {
