@@ -13,9 +13,10 @@ export const JAIL_ENV = {
   controlFd: 'PVISOR_JAIL_CONTROL_FD',
   statusFd: 'PVISOR_JAIL_STATUS_FD',
   /**
-   * Test-only: set (to 1) by test/kvm/jail.test.ts, the jailed VMM makes a system call its filter
-   * does not allow once its VM is running, so that the test sees seccomp kill it. Read only in
-   * the jail, where only the launcher sets the environment.
+   * Test-only: set by test/kvm/jail.test.ts, the jailed VMM makes a call its filter does not
+   * allow once its VM is running, so that the test sees seccomp kill it: `1`, a system call
+   * (acct); `ioctl`, a KVM ioctl request outside the allowed ones (KVM_SET_USER_MEMORY_REGION2).
+   * Read only in the jail, where only the launcher sets the environment.
    */
   testForbiddenSyscall: 'PVISOR_JAIL_TEST_FORBIDDEN_SYSCALL',
 } as const;
@@ -26,8 +27,8 @@ export interface JailedEntry {
   controlFd: number;
   /** Where the exit status goes before the process exits. */
   statusFd: number;
-  /** The test hook ({@link JAIL_ENV}.testForbiddenSyscall) is on. */
-  forbiddenSyscallHook: boolean;
+  /** The test hook ({@link JAIL_ENV}.testForbiddenSyscall): which forbidden call it makes, or `false` when off. */
+  forbiddenSyscallHook: false | 'syscall' | 'ioctl';
 }
 
 function fdOf(text: string | undefined): number | undefined {
@@ -39,7 +40,8 @@ export function jailedEntry(env: NodeJS.ProcessEnv = process.env): JailedEntry |
   const controlFd = fdOf(env[JAIL_ENV.controlFd]);
   const statusFd = fdOf(env[JAIL_ENV.statusFd]);
   if (controlFd === undefined || statusFd === undefined) return undefined;
-  return { controlFd, statusFd, forbiddenSyscallHook: env[JAIL_ENV.testForbiddenSyscall] === '1' };
+  const hook = env[JAIL_ENV.testForbiddenSyscall];
+  return { controlFd, statusFd, forbiddenSyscallHook: hook === '1' ? 'syscall' : hook === 'ioctl' ? 'ioctl' : false };
 }
 
 /** Tells the launcher the exit status this process is about to exit with (jailed processes only). */
@@ -61,12 +63,19 @@ export function parseJailedReport(text: string): number | undefined {
 
 /** acct(2): never made by the VMM (and harmless if it were allowed: EPERM without CAP_SYS_PACCT). */
 const SYS_ACCT = 163;
+/** ioctl(2). */
+const SYS_IOCTL = 16;
 
-/** The test hook: one system call outside the filter. Returns only if the filter let it through. */
-export function makeForbiddenSyscall(): number {
+/**
+ * The test hook: one call outside the filter, the one the environment asks for (acct, or a KVM
+ * ioctl request the filter does not list, on fd -1: harmless if it were let through, EBADF).
+ * Returns only if the filter let it through.
+ */
+export function makeForbiddenSyscall(kind: 'syscall' | 'ioctl' = jailedEntry()?.forbiddenSyscallHook || 'syscall'): number {
   // Loaded here, not imported: this module is read by every pvisor command, and libc's binding loads ffi-rs.
   const { openLibc } = require('../sys/libc') as typeof import('../sys/libc');
+  const { KVM_SET_USER_MEMORY_REGION2 } = require('../sys/constants') as typeof import('../sys/constants');
   const { define, DataType } = openLibc();
-  const f = define({ syscall: { library: 'libc', retType: DataType.I64, paramsType: [DataType.I64, DataType.I64] } });
-  return f.syscall([SYS_ACCT, 0]) as number;
+  const f = define({ syscall: { library: 'libc', retType: DataType.I64, paramsType: [DataType.I64, DataType.I64, DataType.I64, DataType.I64] } });
+  return (kind === 'ioctl' ? f.syscall([SYS_IOCTL, -1, KVM_SET_USER_MEMORY_REGION2, 0]) : f.syscall([SYS_ACCT, 0, 0, 0])) as number;
 }

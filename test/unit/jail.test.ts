@@ -15,6 +15,7 @@ import { cgroup2MountOf, parseMemoryEvents } from '../../src/jail/cgroup';
 import { jailedEntry, parseJailedReport } from '../../src/jail/jailed-entry';
 import { withJailedRunArgs } from '../../src/jail/launcher';
 import { cgroupFiles, DEFAULT_MEMORY_HEADROOM_BYTES, DEFAULT_PIDS, resolveLimits } from '../../src/jail/limits';
+import { JAIL_OPEN_FILES, JAIL_RLIMITS, withJailRlimits } from '../../src/jail/rlimits';
 import { bwrapArgs, librariesOfLdd, nodeRuntimeFiles, parentDirs, usrMergeLinks } from '../../src/jail/sandbox';
 import { ALLOWED_IOCTLS, ALLOWED_SYSCALLS, BPF_INSTRUCTION_BYTES, buildFilter, filterRules, ioctlTableMarkdown } from '../../src/jail/seccomp';
 import * as C from '../../src/sys/constants';
@@ -66,6 +67,15 @@ describe('jail limits', () => {
     ]);
     // The kernel refuses a quota under 1 ms.
     expect(cgroupFiles({ memoryBytes: 128 * MiB, cpus: 0.001, pids: 64 })[4][1]).toBe('1000 100000');
+  });
+});
+
+describe('jail rlimits', () => {
+  it('wrap the jail in prlimit: no core dumps, open files bounded as Firecracker bounds them, hard and soft alike; nothing else', () => {
+    expect(withJailRlimits(['/usr/bin/bwrap', '--x', '--', 'node'])).toEqual(['/usr/bin/prlimit', '--core=0:0', `--nofile=${JAIL_OPEN_FILES}:${JAIL_OPEN_FILES}`, '--', '/usr/bin/bwrap', '--x', '--', 'node']);
+    expect(JAIL_OPEN_FILES).toBe(2048);
+    // Guest-RAM-sized files (Offload, a snapshot) and pids (the cgroup's pids.max) are not rlimits' job.
+    expect(Object.keys(JAIL_RLIMITS).sort()).toEqual(['core', 'nofile']);
   });
 });
 
@@ -221,6 +231,9 @@ describe('jail sandbox arguments', () => {
     expect(jailedEntry({})).toBeUndefined();
     expect(jailedEntry({ PVISOR_JAIL_CONTROL_FD: '3', PVISOR_JAIL_STATUS_FD: '4' })).toEqual({ controlFd: 3, statusFd: 4, forbiddenSyscallHook: false });
     expect(jailedEntry({ PVISOR_JAIL_CONTROL_FD: '3; rm', PVISOR_JAIL_STATUS_FD: '4' })).toBeUndefined();
+    // The test hook: a system call, or a KVM ioctl outside the list; nothing else turns it on.
+    const hook = (v: string) => jailedEntry({ PVISOR_JAIL_CONTROL_FD: '3', PVISOR_JAIL_STATUS_FD: '4', PVISOR_JAIL_TEST_FORBIDDEN_SYSCALL: v })?.forbiddenSyscallHook;
+    expect([hook('1'), hook('ioctl'), hook('0'), hook('yes')]).toEqual(['syscall', 'ioctl', false, false]);
   });
 });
 
@@ -277,7 +290,9 @@ const canSandbox =
     const args = bwrapArgs({ readOnly: [...files, join(PACKAGE_ROOT, 'native-prebuilds'), realpathSync(join(PACKAGE_ROOT, 'node_modules'))], readWrite: [], devices: [], links: usrMergeLinks(), uid: 65534, gid: 65534, jailExec: nativePrebuild('pvisor-jail-exec'), seccompFd: 5, env: { PATH: '/usr/bin' }, command: [realpathSync(process.execPath), '-e', script] });
     const fd = openSync(filterPath, 'r');
     try {
-      const r = spawnSync('/usr/bin/bwrap', args, { stdio: ['ignore', 'pipe', 'pipe', 'ignore', 'ignore', fd], encoding: 'utf8', timeout: 60_000 });
+      // As the launcher starts it: with the jail's rlimits.
+      const [cmd, ...rest] = withJailRlimits(['/usr/bin/bwrap', ...args]);
+      const r = spawnSync(cmd, rest, { stdio: ['ignore', 'pipe', 'pipe', 'ignore', 'ignore', fd], encoding: 'utf8', timeout: 60_000 });
       return { status: r.status, signal: r.signal, stdout: r.stdout, stderr: r.stderr };
     } finally {
       closeSync(fd);
@@ -292,13 +307,17 @@ const canSandbox =
       let secret; try { fs.readFileSync(${JSON.stringify(join(dir, 'secret'))}); secret = 'read'; } catch (e) { secret = e.code; }
       let passwd; try { fs.readFileSync('/etc/passwd'); passwd = 'read'; } catch (e) { passwd = e.code; }
       let write; try { fs.writeFileSync('/usr/x', ''); write = 'wrote'; } catch (e) { write = e.code; }
-      console.log(JSON.stringify({ uid: process.getuid(), gid: process.getgid(), groups: process.getgroups(), capEff: field('CapEff'), nnp: field('NoNewPrivs'), seccomp: field('Seccomp'), secret, passwd, write, pid: process.pid }));
+      const limits = fs.readFileSync('/proc/self/limits', 'utf8');
+      const limit = (n) => new RegExp('^' + n + '\\\\s+(\\\\S+)\\\\s+(\\\\S+)', 'm').exec(limits).slice(1).join(' ');
+      console.log(JSON.stringify({ uid: process.getuid(), gid: process.getgid(), groups: process.getgroups(), capEff: field('CapEff'), nnp: field('NoNewPrivs'), seccomp: field('Seccomp'), secret, passwd, write, pid: process.pid, core: limit('Max core file size'), nofile: limit('Max open files') }));
     `);
     expect(r.stderr).toBe('');
     expect(r.status).toBe(0);
     const o = JSON.parse(r.stdout);
     // No supplementary group: node's getgroups() adds the effective gid itself.
     expect(o).toMatchObject({ uid: 65534, gid: 65534, groups: [65534], capEff: '0000000000000000', nnp: '1', seccomp: '2', secret: 'ENOENT', passwd: 'ENOENT', write: 'EROFS' });
+    // The rlimits, soft and hard: no core dump of guest RAM, open files bounded.
+    expect(o).toMatchObject({ core: '0 0', nofile: `${JAIL_OPEN_FILES} ${JAIL_OPEN_FILES}` });
     // Its own pid namespace: bwrap's init is 1.
     expect(o.pid).toBeLessThan(10);
   });
