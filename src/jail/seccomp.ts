@@ -156,11 +156,18 @@ export const ALLOWED_IOCTLS: Readonly<Record<string, AllowedIoctl>> = {
   TUNSETOFFLOAD: { request: C.TUNSETOFFLOAD, target: 'TAP fd', why: 'the offloads the guest accepted' },
   // What node (libuv) does on the stdio it inherits and its own pipes.
   TCGETS: { request: C.TCGETS, target: 'stdio and pipes', why: 'is it a terminal?' },
+  // node's exit puts back the terminal settings it found on each stdio terminal, changed or not
+  // (Firecracker allows it for the same reason). Settings only: typing into it (TIOCSTI) is refused.
+  TCSETS: { request: C.TCSETS, target: 'stdio and pipes', why: "puts back a terminal's settings at exit (node)" },
   TIOCGWINSZ: { request: C.TIOCGWINSZ, target: 'stdio and pipes', why: "the terminal's width" },
   FIONBIO: { request: C.FIONBIO, target: 'stdio and pipes', why: 'non-blocking' },
   FIONREAD: { request: C.FIONREAD, target: 'stdio and pipes', why: 'bytes waiting' },
   FIONCLEX: { request: C.FIONCLEX, target: 'stdio and pipes', why: 'close-on-exec off' },
   FIOCLEX: { request: C.FIOCLEX, target: 'stdio and pipes', why: 'close-on-exec on' },
+  // libuv's uv_tty_init on a terminal: is it a pty's slave (then it reopens it by name)? Without
+  // it and TCSETS, a jailed `pvisor run` whose stdout is a terminal was killed by SIGSYS at its
+  // first output line.
+  TIOCGPTN: { request: C.TIOCGPTN, target: 'stdio and pipes', why: "is the terminal a pty's slave? (libuv, when stdout or stderr is a terminal)" },
 };
 
 /**

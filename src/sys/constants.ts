@@ -259,11 +259,13 @@ export const UFFDIO_WRITEPROTECT = 0xc018aa06; // _IOWR(0xAA, 0x06, struct uffdi
 
 // <asm-generic/ioctls.h>: the terminal and file ioctls node (libuv) makes on its stdio and pipes
 export const TCGETS = 0x5401;
+export const TCSETS = 0x5402;
 export const TIOCGWINSZ = 0x5413;
 export const FIONREAD = 0x541b;
 export const FIONBIO = 0x5421;
 export const FIONCLEX = 0x5450;
 export const FIOCLEX = 0x5451;
+export const TIOCGPTN = 0x80045430; // _IOR('T', 0x30, unsigned int)
 
 // <linux/if_tun.h>: ioctls on /dev/net/tun, _IOW('T', nr, int)
 export const TUNSETIFF = 0x400454ca;

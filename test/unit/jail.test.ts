@@ -322,6 +322,19 @@ const canSandbox =
     expect(o.pid).toBeLessThan(10);
   });
 
+  it('lets node write to a terminal: libuv asks it TIOCGPTN (a `pvisor run` in a shell has its stdout on one)', () => {
+    if (!existsSync('/usr/bin/script')) return; // util-linux's script gives the jail a pty; Debian's bsdutils is essential
+    const filterPath = join(dir, 'filter-tty.bpf');
+    writeFileSync(filterPath, buildFilter());
+    const files = nodeRuntimeFiles(realpathSync(join(PACKAGE_ROOT, 'node_modules')));
+    const args = bwrapArgs({ readOnly: [...files, join(PACKAGE_ROOT, 'native-prebuilds')], readWrite: [], devices: [], links: usrMergeLinks(), uid: 65534, gid: 65534, jailExec: nativePrebuild('pvisor-jail-exec'), seccompFd: 5, env: {}, command: [realpathSync(process.execPath), '-e', "console.log('stdout a terminal: ' + process.stdout.isTTY); console.error('stderr too: ' + process.stderr.isTTY)"] });
+    const quoted = withJailRlimits(['/usr/bin/bwrap', ...args]).map((a) => `'${a.replace(/'/g, "'\\''")}'`).join(' ');
+    const r = spawnSync('/usr/bin/script', ['-qec', `${quoted} 5<'${filterPath}'; echo "status $?"`, '/dev/null'], { encoding: 'utf8', timeout: 60_000 });
+    expect(r.stdout).toContain('stdout a terminal: true');
+    expect(r.stdout).toContain('stderr too: true');
+    expect(r.stdout).toMatch(/status 0\r?$/m);
+  });
+
   it('kills node with SIGSYS for a call outside the filter (acct), and lets an allowed one through', () => {
     const call = (nr: number) => `const { define, DataType, open } = require(${JSON.stringify(realpathSync(require.resolve('ffi-rs')))}); open({ library: 'libc', path: 'libc.so.6' });
       const f = define({ syscall: { library: 'libc', retType: DataType.I64, paramsType: [DataType.I64, DataType.I64] } });
