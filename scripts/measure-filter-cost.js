@@ -20,66 +20,10 @@ const seccomp = require('../dist/src/jail/seccomp');
 const sandbox = require('../dist/src/jail/sandbox');
 const { nativePrebuild, PACKAGE_ROOT } = require('../dist/src/native');
 const C = require('../dist/src/sys/constants');
+const { evaluateSeccomp: evaluate } = require('../dist/test/seccomp-eval');
 
 const args = process.argv.slice(2);
 const calls = Number(args.includes('--calls') ? args[args.indexOf('--calls') + 1] : 2_000_000);
-/** x86-64's audit arch (AUDIT_ARCH_X86_64), which every libseccomp program checks first. */
-const AUDIT_ARCH_X86_64 = 0xc000003e;
-
-/**
- * Runs a classic-BPF seccomp program on one call (struct seccomp_data: nr, arch, ip, args[6]) as
- * the kernel would, and counts the instructions it executes: the filter's cost for that call,
- * exact, where a timing on a loaded machine is not. Knows the instructions libseccomp emits.
- */
-function evaluate(program, nr, args) {
-  const data = Buffer.alloc(64);
-  data.writeUInt32LE(nr, 0);
-  data.writeUInt32LE(AUDIT_ARCH_X86_64, 4);
-  args.forEach((a, i) => data.writeBigUInt64LE(BigInt(a), 16 + 8 * i));
-  let A = 0, X = 0, pc = 0, executed = 0;
-  const mem = new Uint32Array(16);
-  for (;;) {
-    const at = pc * 8;
-    const code = program.readUInt16LE(at), jt = program[at + 2], jf = program[at + 3], k = program.readUInt32LE(at + 4);
-    executed++;
-    pc++;
-    const src = code & 0x08 ? X : k;
-    switch (code & 0x07) {
-      case 0x00: // LD
-        if ((code & 0xe0) === 0x20) A = data.readUInt32LE(k);
-        else if ((code & 0xe0) === 0x00) A = k;
-        else if ((code & 0xe0) === 0x60) A = mem[k];
-        else throw new Error(`LD mode 0x${code.toString(16)}`);
-        break;
-      case 0x01: X = (code & 0xe0) === 0x60 ? mem[k] : k; break;
-      case 0x02: mem[k] = A; break;
-      case 0x03: mem[k] = X; break;
-      case 0x04: { // ALU
-        const op = code & 0xf0;
-        if (op === 0x50) A = (A & src) >>> 0;
-        else if (op === 0x40) A = (A | src) >>> 0;
-        else if (op === 0x00) A = (A + src) >>> 0;
-        else if (op === 0x10) A = (A - src) >>> 0;
-        else if (op === 0xa0) A = (A ^ src) >>> 0;
-        else if (op === 0x70) A = A >>> src;
-        else if (op === 0x60) A = (A << src) >>> 0;
-        else throw new Error(`ALU op 0x${code.toString(16)}`);
-        break;
-      }
-      case 0x05: { // JMP
-        const op = code & 0xf0;
-        if (op === 0x00) { pc += k; break; }
-        const t = op === 0x10 ? A === src : op === 0x20 ? A > src : op === 0x30 ? A >= src : op === 0x40 ? (A & src) !== 0 : undefined;
-        if (t === undefined) throw new Error(`JMP op 0x${code.toString(16)}`);
-        pc += t ? jt : jf;
-        break;
-      }
-      case 0x06: return { executed, action: (code & 0x10 ? A : k) >>> 0 };
-      case 0x07: if (code & 0x80) A = X; else X = A; break;
-    }
-  }
-}
-
 const starts = Number(args.includes('--starts') ? args[args.indexOf('--starts') + 1] : 0);
 
 /** Starts jailed probe VMs under each filter's rules, alternately; prints the median time to the end of each run. */

@@ -13,7 +13,8 @@
  *   ioctl 0xNNNN          ioctl with exactly this request (the low 32 bits: the kernel's
  *                         ioctl takes an unsigned int, so the upper half of the register is ignored);
  *                         the jail's allowlist uses only this form for ioctl, never ioctl-type
- * Every other call kills the whole process (SCMP_ACT_KILL_PROCESS: SIGSYS, all threads).
+ * Every other call, and every call of another architecture, kills the whole process
+ * (SCMP_ACT_KILL_PROCESS: SIGSYS, all threads).
  * Exit status: 0 with the program on stdout; 2 with a message on stderr for a bad line or an
  * unknown syscall name (the allowlist must name only calls this kernel's headers know).
  * It owns nothing that outlives it and runs once per jailed VM, before the jail starts.
@@ -41,6 +42,13 @@ int main(void) {
    * (KVM_RUN, on every vCPU entry, 78 instead of 195; scripts/measure-filter-cost.js counts them). */
   if (seccomp_attr_set(ctx, SCMP_FLTATR_CTL_OPTIMIZE, 2) != 0) {
     fprintf(stderr, "pvisor-seccomp-bpf: libseccomp cannot build a binary tree (libseccomp 2.5 or later needed)\n");
+    seccomp_release(ctx);
+    return 2;
+  }
+  /* A call of another architecture (an i386 int 0x80, x32) ends the whole process too: libseccomp's
+   * default for it kills only the calling thread, which would leave the VMM running without it. */
+  if (seccomp_attr_set(ctx, SCMP_FLTATR_ACT_BADARCH, SCMP_ACT_KILL_PROCESS) != 0) {
+    fprintf(stderr, "pvisor-seccomp-bpf: seccomp_attr_set(SCMP_FLTATR_ACT_BADARCH) failed\n");
     seccomp_release(ctx);
     return 2;
   }

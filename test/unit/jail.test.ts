@@ -19,6 +19,7 @@ import { JAIL_OPEN_FILES, JAIL_RLIMITS, withJailRlimits } from '../../src/jail/r
 import { bwrapArgs, librariesOfLdd, nodeRuntimeFiles, parentDirs, usrMergeLinks } from '../../src/jail/sandbox';
 import { ALLOWED_IOCTLS, ALLOWED_SYSCALLS, BPF_INSTRUCTION_BYTES, buildFilter, filterRules, ioctlTableMarkdown } from '../../src/jail/seccomp';
 import * as C from '../../src/sys/constants';
+import { AUDIT_ARCH_I386, evaluateSeccomp, RET_ALLOW, RET_KILL_PROCESS } from '../seccomp-eval';
 import { nativePrebuild, PACKAGE_ROOT } from '../../src/native';
 import { Vm } from '../../src/vm';
 
@@ -152,6 +153,44 @@ describe('jail seccomp filter', () => {
     // And nothing else: each allowed request is issued by that code, or by node on its stdio.
     const byNode = Object.entries(ALLOWED_IOCTLS).filter(([, a]) => a.target === 'stdio and pipes').map(([n]) => n);
     expect(Object.keys(ALLOWED_IOCTLS).sort()).toEqual([...new Set([...usedInTs.filter((n) => !madeByLauncher.includes(n)), ...inC, ...byNode])].sort());
+  });
+
+  it('the BPF program, run on each call as the kernel runs it: every listed request allowed, any other request killed, 32-bit calls killed, each call judged in few instructions', () => {
+    const program = buildFilter();
+    const SYS_read = 0, SYS_ioctl = 16, SYS_ptrace = 101, SYS_futex = 202;
+    const ioctlOf = (request: number) => evaluateSeccomp(program, SYS_ioctl, [3, request, 0]);
+    for (const [name, { request }] of Object.entries(ALLOWED_IOCTLS)) {
+      expect([name, ioctlOf(request).action]).toEqual([name, RET_ALLOW]);
+      // The kernel reads 32 bits of the request: the upper half of the register does not matter.
+      expect([name, ioctlOf(request + 2 ** 32).action]).toEqual([name, RET_ALLOW]);
+    }
+    const listed = new Set(Object.values(ALLOWED_IOCTLS).map((a) => a.request));
+    // Every other request of KVM's, userfaultfd's and vhost's type bytes (all 256 numbers in each
+    // direction and a few sizes), and the terminals' TIOCSTI, is killed.
+    let refused = 0;
+    for (const type of [0xae, 0xaa, 0xaf]) {
+      for (let nr = 0; nr < 256; nr++) {
+        for (const dirSize of [0, 0x4008, 0x8008, 0xc008, 0x4040, 0x40a0]) {
+          const request = ((dirSize << 16) | (type << 8) | nr) >>> 0;
+          if (listed.has(request)) continue;
+          expect([request.toString(16), ioctlOf(request).action]).toEqual([request.toString(16), RET_KILL_PROCESS]);
+          refused++;
+        }
+      }
+    }
+    expect(refused).toBeGreaterThan(4000);
+    expect(ioctlOf(0x5412 /* TIOCSTI */).action).toBe(RET_KILL_PROCESS);
+    expect(evaluateSeccomp(program, SYS_read).action).toBe(RET_ALLOW);
+    expect(evaluateSeccomp(program, SYS_ptrace).action).toBe(RET_KILL_PROCESS);
+    // A 32-bit call (int 0x80: i386's numbers, 54 is its ioctl) is killed, not judged as x86-64's.
+    // The whole process, not only the calling thread (libseccomp's default for another architecture).
+    expect(evaluateSeccomp(program, 54, [3, C.KVM_RUN, 0], AUDIT_ARCH_I386).action).toBe(RET_KILL_PROCESS);
+    // An x32 call (x86-64's arch, the x32 bit in its number) too.
+    expect(evaluateSeccomp(program, 0x40000000 + SYS_ioctl, [3, C.KVM_RUN, 0]).action).toBe(RET_KILL_PROCESS);
+    // The cost per call (a binary tree over syscall numbers, then the request chain): futex, on
+    // every wake-up, and KVM_RUN, on every vCPU entry.
+    expect(evaluateSeccomp(program, SYS_futex).executed).toBeLessThan(25);
+    expect(ioctlOf(C.KVM_RUN).executed).toBeLessThan(100);
   });
 
   it("docs/security.md holds the allowlist's ioctl table as the code has it", () => {
