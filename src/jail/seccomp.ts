@@ -76,7 +76,7 @@ export interface AllowedIoctl {
  * requests of native-prebuilds/helpers/uffd_server.c, and what node does on its stdio. Unlike
  * Firecracker's, the list holds the calls that build the VM too (KVM_CREATE_VM, KVM_CREATE_VCPU,
  * KVM_SET_USER_MEMORY_REGION): the filter is installed before node starts, not after the VM is
- * built, and a suspend and resume or a restore runs the same calls again in the same process.
+ * built (docs/security.md says what a second filter, stacked then, would take).
  */
 export const ALLOWED_IOCTLS: Readonly<Record<string, AllowedIoctl>> = {
   // /dev/kvm (src/backends/kvm/ioctls.ts, class Kvm)
@@ -86,7 +86,7 @@ export const ALLOWED_IOCTLS: Readonly<Record<string, AllowedIoctl>> = {
   KVM_GET_SUPPORTED_CPUID: { request: C.KVM_GET_SUPPORTED_CPUID, target: '/dev/kvm', why: 'the CPUID the guest is given' },
   KVM_GET_MSR_INDEX_LIST: { request: C.KVM_GET_MSR_INDEX_LIST, target: '/dev/kvm', why: 'the MSRs a snapshot saves' },
   KVM_GET_MSR_FEATURE_INDEX_LIST: { request: C.KVM_GET_MSR_FEATURE_INDEX_LIST, target: '/dev/kvm', why: 'the feature MSRs a snapshot saves too' },
-  KVM_CREATE_VM: { request: C.KVM_CREATE_VM, target: '/dev/kvm', why: 'the VM (once per start or restore)' },
+  KVM_CREATE_VM: { request: C.KVM_CREATE_VM, target: '/dev/kvm', why: 'the VM (once, at its start or restore)' },
   // The VM's fd (class VmFd)
   KVM_SET_USER_MEMORY_REGION: { request: C.KVM_SET_USER_MEMORY_REGION, target: 'VM fd', why: "guest RAM's memory slots" },
   KVM_SET_TSS_ADDR: { request: C.KVM_SET_TSS_ADDR, target: 'VM fd', why: 'the TSS pages Intel VT needs below 4 GiB' },
