@@ -108,7 +108,7 @@ describe('a VM in a jailed process', () => {
     expect(r.status).toBe(0);
     const snapshot = join(dir, 'F1-snapshot');
     const taken = await pvisorOnce(env, ['snapshot', 'F1', snapshot]);
-    expect(taken.stderr).toBe('');
+    expect(taken.stderr).toBe(`pvisor: writing the snapshot of F1 into ${snapshot}...\n`);
     expect(taken.status).toBe(0);
     const h = await VmHandle.connect('F1', { socketPath: join(dir, 'run', 'F1.sock') });
     expect((await h.exec('digest')).stdout).toContain(`digest: ${before}`);
