@@ -406,13 +406,14 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   private static async restoreFromStore(url: string, options: RestoreOptions, t0: number): Promise<Vm> {
     const { fetchFromStore } = await import('./store/snapshot-store');
     const { store, ...local } = options;
-    const fetched = await fetchFromStore(url, store);
+    const { SharedSnapshot } = await import('./memory/strategies/shared-snapshot');
+    const fetched = await fetchFromStore(url, store, local.strategies?.some((s) => s instanceof SharedSnapshot));
     try {
       const vm = await Vm.restore(fetched.dir, local);
       vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: fetched.transfer };
       return vm;
     } finally {
-      // Read, loaded from a descriptor of its own, or mapped by now.
+      // Read, loaded from a descriptor of its own, or mapped (and locked) by now.
       fetched.remove();
     }
   }
