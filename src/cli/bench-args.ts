@@ -244,7 +244,7 @@ export function parseSoakArgs(argv: string[]): WithJson<SoakBenchOptions> {
 /** `pvisor bench fleet`'s options. */
 export const BENCH_FLEET_OPTIONS = {
   runs: { type: 'string', default: '3' },
-  clones: { type: 'string', default: '4' },
+  clones: { type: 'string', default: '16' },
   'working-set': { type: 'string', default: '32MiB' },
   dir: { type: 'string', default: DEFAULT_BACKING_DIR },
   bucket: { type: 'string', default: 'pvisor' },

@@ -9,7 +9,7 @@ const MiB = 2 ** 20;
 
 describe('pvisor bench fleet arguments', () => {
   it('has defaults, and takes each option', () => {
-    expect(parseFleetArgs([])).toMatchObject({ runs: 3, clones: 4, workingSetMiB: 32, bucket: 'pvisor', json: undefined });
+    expect(parseFleetArgs([])).toMatchObject({ runs: 3, clones: 16, workingSetMiB: 32, bucket: 'pvisor', json: undefined });
     const o = parseFleetArgs(['--runs', '5', '--clones', '0', '--working-set', '16MiB', '--dir', 'rel', '--bucket', 'my-bucket.1', '--json', 'x.json']);
     expect(o).toMatchObject({ runs: 5, clones: 0, workingSetMiB: 16, bucket: 'my-bucket.1', json: 'x.json' });
     expect(o.dir).toBe(`${process.cwd()}/rel`);
@@ -95,5 +95,16 @@ describe('pvisor bench fleet table', () => {
     expect(fleetTableRows({ ...figures, cloneChunksFetched: [] })).toHaveLength(6);
     expect(fleetTableRows({ ...figures, cloneChunksFetched: [20] })).toHaveLength(6);
     expect(fleetGoals({ ...figures, cloneChunksFetched: [20] })).toHaveLength(4);
+  });
+
+  it('judges and prints the clones\' guest RAM PSS against local SharedSnapshot clones\'', () => {
+    const withPss = { ...figures, clonePssBytes: { store: 11 * MiB, local: 10 * MiB } };
+    const goals = fleetGoals(withPss);
+    expect(goals).toHaveLength(6);
+    expect(goals[5].value).toBeCloseTo(1.1);
+    expect(goals[5].met).toBe(true);
+    expect(fleetGoals({ ...withPss, clonePssBytes: { store: 11.2 * MiB, local: 10 * MiB } })[5].met).toBe(false);
+    const rows = fleetTableRows(withPss);
+    expect(rows[7]).toEqual(['4 SharedSnapshot clones, guest RAM PSS per clone', '11.0 MiB from the store, 10.0 MiB local (1.10x)', 'as local SharedSnapshot clones', 'yes']);
   });
 });
