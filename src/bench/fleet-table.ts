@@ -121,3 +121,38 @@ export function fleetTableRows(f: FleetFigures): string[][] {
   }
   return rows;
 }
+
+/** What one run of `pvisor bench fleet --guest linux` measured. */
+export interface FleetLinuxFigures {
+  runs: number;
+  /** The VM's memory, as given to Vm.start. */
+  memory: string;
+  /** Restore to the agent's answer: local lazy, from the store with a cold cache, then warm. */
+  localMs: MsStats;
+  storeColdMs: MsStats;
+  storeWarmMs: MsStats;
+  /** Bytes a cold-cache restore read from the store before the VM was ready. */
+  bytesBeforeReady: number;
+}
+
+/** The Linux row's goals judged from `f`, in the table's order. */
+export function fleetLinuxGoals(f: FleetLinuxFigures): FleetGoal[] {
+  const cold = f.storeColdMs.median / f.localMs.median;
+  const warm = f.storeWarmMs.median / f.localMs.median;
+  return [
+    { figure: 'Linux: store restore to agent ready, cold cache / local (median)', value: cold, goal: `<= ${STORE_RESTORE_RATIO_GOAL}x`, met: cold <= STORE_RESTORE_RATIO_GOAL },
+    { figure: 'Linux: store restore to agent ready, warm cache / local (median)', value: warm, goal: `<= ${STORE_RESTORE_RATIO_GOAL}x`, met: warm <= STORE_RESTORE_RATIO_GOAL },
+  ];
+}
+
+/** The Linux table's rows, header first, as {@link fleetTableRows}'s. */
+export function fleetLinuxRows(f: FleetLinuxFigures): string[][] {
+  const goals = fleetLinuxGoals(f);
+  const g = (i: number) => (goals[i].met ? 'yes' : 'NO');
+  return [
+    ['figure', 'pvisor', 'goal (issue 27)', 'met'],
+    ['Linux: local lazy restore to agent ready, ms', mmm(f.localMs), '-', '-'],
+    ['Linux: store restore to agent ready, cold cache, ms', `${mmm(f.storeColdMs)} (${goals[0].value.toFixed(2)}x local; ${(f.bytesBeforeReady / MiB).toFixed(1)} MiB read)`, '<= 2x local', g(0)],
+    ['Linux: store restore to agent ready, warm cache, ms', `${mmm(f.storeWarmMs)} (${goals[1].value.toFixed(2)}x local)`, '<= 2x local', g(1)],
+  ];
+}

@@ -1,6 +1,6 @@
 /**
  * `pvisor bench fleet`: snapshots in an object store (issue 27), on the probe guest, in one run so
- * that the ratios hold on a noisy host (the Linux guest's row of the issue is a later step). A
+ * that the ratios hold on a noisy host (the Linux guest's row: fleet-linux.ts, `--guest linux`). A
  * 128 MiB / 1 vCPU VM fills a random working set and is snapshotted twice, to a local directory
  * and to the store (the template); then it appends {@link CHILD_CHANGED_MIB} MiB to its working
  * set (the bytes before it rewritten as they were) and is snapshotted to the store again (the
@@ -33,6 +33,8 @@ const MEMORY = '128MiB';
 
 /** `pvisor bench fleet`'s options, checked. */
 export interface FleetBenchOptions {
+  /** `probe` (the default) or `linux`: the Linux row (restore times only; fleet-linux.ts). */
+  guest: 'probe' | 'linux';
   runs: number;
   /** Clones of the template restored on one host (0 skips them). */
   clones: number;
@@ -153,7 +155,7 @@ export async function benchFleet(o: FleetBenchOptions): Promise<object> {
       cloneChunksFetched,
       ...(clonePssBytes && { clonePssBytes }),
     };
-    process.stdout.write(`Fleet: probe guest (the Linux guest's row is a later step), ${MEMORY} / 1 vCPU, ${o.workingSetMiB} MiB random working set, ${o.runs} runs (ms min / median / max; ready = first request answered; local: RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store fetches the whole snapshot before the VM runs)\n`);
+    process.stdout.write(`Fleet: probe guest (the Linux row: --guest linux), ${MEMORY} / 1 vCPU, ${o.workingSetMiB} MiB random working set, ${o.runs} runs (ms min / median / max; ready = first request answered; local: RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store fetches the whole snapshot before the VM runs)\n`);
     printTableBlock(fleetTableRows(figures));
     return { ...figures, storeOrigin: store.origin, storeStartMs: store.startMs, templateUpload: template, childUpload: child, goals: fleetGoals(figures) };
   } finally {
