@@ -356,7 +356,11 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * docs/object-store.md). All of guest RAM that is not zero is fetched before the VM runs. A
    * chunk that fails its check, a malformed manifest, or a store that does not answer within
    * {@link StoreOptions.requestTimeoutMs} is a {@link StoreError}, and nothing has run. A
-   * hibernated VM is not restored from a store (yet).
+   * hibernated VM is not restored from a store (yet). With a {@link SharedSnapshot} among the
+   * strategies the snapshot is assembled once per host, in the cache's `snapshots/`, and every
+   * such clone on the host, in any process that uses the same cache, maps that one RAM file
+   * (`restoreInfo.store.sharedEntry` says whether this restore found it there); a cache entry
+   * that another user could change is a {@link SnapshotError}.
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
     const t0 = performance.now();
