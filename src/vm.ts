@@ -356,7 +356,11 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * docs/object-store.md). All of guest RAM that is not zero is fetched before the VM runs. A
    * chunk that fails its check, a malformed manifest, or a store that does not answer within
    * {@link StoreOptions.requestTimeoutMs} is a {@link StoreError}, and nothing has run. A
-   * hibernated VM is not restored from a store (yet).
+   * hibernated VM is not restored from a store (yet). With a {@link SharedSnapshot} among the
+   * strategies the snapshot is assembled once per host, in the cache's `snapshots/`, and every
+   * such clone on the host, in any process that uses the same cache, maps that one RAM file
+   * (`restoreInfo.store.sharedEntry` says whether this restore found it there); a cache entry
+   * that another user could change is a {@link SnapshotError}.
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
     const t0 = performance.now();
@@ -406,13 +410,14 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   private static async restoreFromStore(url: string, options: RestoreOptions, t0: number): Promise<Vm> {
     const { fetchFromStore } = await import('./store/snapshot-store');
     const { store, ...local } = options;
-    const fetched = await fetchFromStore(url, store);
+    const { SharedSnapshot } = await import('./memory/strategies/shared-snapshot');
+    const fetched = await fetchFromStore(url, store, local.strategies?.some((s) => s instanceof SharedSnapshot));
     try {
       const vm = await Vm.restore(fetched.dir, local);
       vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: fetched.transfer };
       return vm;
     } finally {
-      // Read, loaded from a descriptor of its own, or mapped by now.
+      // Read, loaded from a descriptor of its own, or mapped (and locked) by now.
       fetched.remove();
     }
   }

@@ -1,14 +1,17 @@
 /**
  * `pvisor bench fleet`: snapshots in an object store (issue 27), on the probe guest, in one run so
- * that the ratios hold on a noisy host (the Linux guest's row of the issue is a later step). A
+ * that the ratios hold on a noisy host (the Linux guest's row: fleet-linux.ts, `--guest linux`). A
  * 128 MiB / 1 vCPU VM fills a random working set and is snapshotted twice, to a local directory
  * and to the store (the template); then it appends {@link CHILD_CHANGED_MIB} MiB to its working
  * set (the bytes before it rewritten as they were) and is snapshotted to the store again (the
  * child): what that upload sent. Each run then times, to the first answered request, a local lazy
  * restore (the RAM file's page cache dropped), a restore from the store into an empty chunk cache
  * (what it read from the store is the "before ready" figure: today the whole snapshot is fetched
- * first) and one from the same, now warm, cache. Last, N clones of the template restored on one
- * host (one cache): the chunks each fetched. Every restored VM's digest must be the template's.
+ * first) and one from the same, now warm, cache. Last, N SharedSnapshot clones of the template
+ * restored on one host (one cache), all running: the chunks each fetched, and their guest RAM PSS
+ * per clone beside that of N SharedSnapshot clones of the local snapshot (the cache's shared
+ * snapshot is one file that all map, as the local RAM file is). Every restored VM's digest must
+ * be the template's.
  */
 import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
@@ -18,6 +21,7 @@ import { ObjectStore } from '../store/object-io';
 import { resolveStoreOptions } from '../store/store-options';
 import { parseStoreManifest, storeManifestBytesLimit } from '../store/store-manifest';
 import { parseStoreUrl } from '../store/store-url';
+import { SharedSnapshot } from '../memory/strategies/shared-snapshot';
 import { Vm } from '../vm';
 import { openBenchStore } from './fleet-store';
 import { changedChunkIndexes, CHILD_CHANGED_MIB, fleetGoals, fleetTableRows, type FleetFigures } from './fleet-table';
@@ -29,6 +33,8 @@ const MEMORY = '128MiB';
 
 /** `pvisor bench fleet`'s options, checked. */
 export interface FleetBenchOptions {
+  /** `probe` (the default) or `linux`: the Linux row (restore times only; fleet-linux.ts). */
+  guest: 'probe' | 'linux';
   runs: number;
   /** Clones of the template restored on one host (0 skips them). */
   clones: number;
@@ -47,6 +53,21 @@ async function ramChunksAt(location: string): Promise<(string | null)[]> {
     return parseStoreManifest(await store.get(url.manifestKey, storeManifestBytesLimit(hostMemTotalBytes())), location).ramChunks;
   } finally {
     store.close();
+  }
+}
+
+/**
+ * Restores `count` clones with `restore`, all running at once, reads each one's working set (its
+ * digest, which must be `expected`), and resolves with their mean guest RAM PSS; they are stopped.
+ */
+async function clonesPss(count: number, expected: string, restore: () => Promise<Vm>): Promise<number> {
+  const vms: Vm[] = [];
+  try {
+    for (let i = 0; i < count; i++) vms.push(await restore());
+    for (const [i, vm] of vms.entries()) if ((await vm.probe.digest()).hex !== expected) throw new Error(`clone ${i + 1}: digest differs from the template's`);
+    return vms.reduce((sum, vm) => sum + vm.memoryUsage().guestRamPssBytes, 0) / count;
+  } finally {
+    for (const vm of vms) await vm.stop();
   }
 }
 
@@ -105,18 +126,19 @@ export async function benchFleet(o: FleetBenchOptions): Promise<object> {
       progress(`run ${i + 1}/${o.runs}: local ${l.ms.toFixed(0)} ms, store cold ${c.ms.toFixed(0)} ms (${(bytesBeforeReady / 2 ** 20).toFixed(1)} MiB read), store warm ${w.ms.toFixed(0)} ms`);
     }
 
+    // The clones of one host: SharedSnapshot from the store (one cache), then as many of the local snapshot.
     const cloneChunksFetched: number[] = [];
-    const clones: Vm[] = [];
-    try {
-      for (let i = 0; i < o.clones; i++) {
-        const vm = await Vm.restore(templateUrl, { store: { cacheDir: join(base, 'host-c') } });
-        clones.push(vm);
+    let clonePssBytes: FleetFigures['clonePssBytes'];
+    if (o.clones) {
+      const fromStore = await clonesPss(o.clones, expected, async () => {
+        const vm = await Vm.restore(templateUrl, { strategies: [new SharedSnapshot()], store: { cacheDir: join(base, 'host-c') } });
         cloneChunksFetched.push(vm.restoreInfo!.store!.chunksTransferred);
-      }
-      if (o.clones) progress(`${o.clones} clones on one host fetched ${cloneChunksFetched.join(', ')} chunks`);
-      for (const [i, vm] of clones.entries()) if ((await vm.probe.digest()).hex !== expected) throw new Error(`clone ${i + 1}: digest differs from the template's`);
-    } finally {
-      for (const vm of clones) await vm.stop();
+        return vm;
+      });
+      progress(`${o.clones} SharedSnapshot clones from the store on one host fetched ${cloneChunksFetched.join(', ')} chunks; guest RAM PSS ${(fromStore / 2 ** 20).toFixed(1)} MiB per clone`);
+      const local = await clonesPss(o.clones, expected, () => Vm.restore(localDir, { strategies: [new SharedSnapshot()] }));
+      progress(`${o.clones} SharedSnapshot clones of the local snapshot: guest RAM PSS ${(local / 2 ** 20).toFixed(1)} MiB per clone`);
+      clonePssBytes = { store: fromStore, local };
     }
 
     const figures: FleetFigures = {
@@ -131,8 +153,9 @@ export async function benchFleet(o: FleetBenchOptions): Promise<object> {
       childChunksPresent: child.chunksPresent,
       childChangedChunks,
       cloneChunksFetched,
+      ...(clonePssBytes && { clonePssBytes }),
     };
-    process.stdout.write(`Fleet: probe guest (the Linux guest's row is a later step), ${MEMORY} / 1 vCPU, ${o.workingSetMiB} MiB random working set, ${o.runs} runs (ms min / median / max; ready = first request answered; local: RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store fetches the whole snapshot before the VM runs)\n`);
+    process.stdout.write(`Fleet: probe guest (the Linux row: --guest linux), ${MEMORY} / 1 vCPU, ${o.workingSetMiB} MiB random working set, ${o.runs} runs (ms min / median / max; ready = first request answered; local: RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store fetches the whole snapshot before the VM runs)\n`);
     printTableBlock(fleetTableRows(figures));
     return { ...figures, storeOrigin: store.origin, storeStartMs: store.startMs, templateUpload: template, childUpload: child, goals: fleetGoals(figures) };
   } finally {

@@ -244,7 +244,8 @@ export function parseSoakArgs(argv: string[]): WithJson<SoakBenchOptions> {
 /** `pvisor bench fleet`'s options. */
 export const BENCH_FLEET_OPTIONS = {
   runs: { type: 'string', default: '3' },
-  clones: { type: 'string', default: '4' },
+  guest: { type: 'string', default: 'probe' },
+  clones: { type: 'string', default: '16' },
   'working-set': { type: 'string', default: '32MiB' },
   dir: { type: 'string', default: DEFAULT_BACKING_DIR },
   bucket: { type: 'string', default: 'pvisor' },
@@ -263,5 +264,6 @@ export function parseFleetArgs(argv: string[]): WithJson<FleetBenchOptions> {
   if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1 || workingSetMiB > 64) throw new InvalidOptionError('--working-set', 'expected whole MiB, 1MiB to 64MiB');
   // An S3 bucket name: 3 to 63 lower-case letters, digits, dots and hyphens.
   if (!/^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$/.test(values.bucket)) throw new InvalidOptionError('--bucket', `not a bucket name: ${JSON.stringify(values.bucket)}`);
-  return { runs, clones, workingSetMiB, dir: resolve(values.dir), bucket: values.bucket, json: values.json };
+  if (values.guest !== 'probe' && values.guest !== 'linux') throw new InvalidOptionError('--guest', 'expected probe or linux');
+  return { guest: values.guest, runs, clones, workingSetMiB, dir: resolve(values.dir), bucket: values.bucket, json: values.json };
 }

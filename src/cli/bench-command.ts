@@ -82,8 +82,13 @@ export async function cmdBench(argv: string[]): Promise<number> {
     }
     case 'fleet': {
       const opts = parseUsage('bench fleet', () => args.parseFleetArgs(rest));
-      const { benchFleet } = await import('../bench/fleet');
-      writeJson(await benchFleet(opts), opts.json);
+      if (opts.guest === 'linux') {
+        const { benchFleetLinux } = await import('../bench/fleet-linux');
+        writeJson(await benchFleetLinux(opts), opts.json);
+      } else {
+        const { benchFleet } = await import('../bench/fleet');
+        writeJson(await benchFleet(opts), opts.json);
+      }
       return 0;
     }
     case 'soak': {

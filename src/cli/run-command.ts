@@ -90,9 +90,10 @@ async function fetchSnapshotFrom(url: string, args: RunArgs): Promise<FetchedSna
       lastMs = performance.now();
       say(`${url}: ${p.chunksDone}/${p.chunksTotal} RAM chunks, ${formatMiB(p.bytesTransferred)} fetched`);
     },
-  });
+    // --shared: the host's one copy of the snapshot in the cache, which every --shared clone maps.
+  }, args.source.kind === 'snapshot' && args.source.shared);
   const t = fetched.transfer;
-  say(`${url}: ${t.chunksTransferred} chunks fetched (${formatMiB(t.bytesTransferred)}), ${t.chunksPresent} from the cache, ${t.zeroChunks} zero, in ${Math.round(t.ms)} ms`);
+  say(`${url}: ${t.chunksTransferred} chunks fetched (${formatMiB(t.bytesTransferred)}), ${t.chunksPresent} from the cache, ${t.zeroChunks} zero, in ${Math.round(t.ms)} ms${t.sharedEntry === 'reused' ? ' (the snapshot shared in the cache, as other --shared clones map it)' : ''}`);
   return fetched;
 }
 

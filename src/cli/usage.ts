@@ -265,10 +265,13 @@ const BENCH_SOAK = `  pvisor bench soak [--cycles 1000] [--strategy LIST] [--vms
       (after a full collection), time per cycle (median, p99).
       --vms N runs N VMs in one process at once. Exits 1 if a cycle failed.
 `;
-const BENCH_FLEET = `  pvisor bench fleet [--runs 3] [--clones 4] [--working-set 32MiB] [--dir DIR] [--bucket pvisor] [--json FILE]
-      Snapshots in an object store (probe guest; Linux later): restore to ready locally, from the
-      store with a cold and a warm chunk cache; bytes read before ready; the upload of a child
-      that changed 8 MiB; chunks fetched by N clones on one host. The store is the one
+const BENCH_FLEET = `  pvisor bench fleet [--guest probe|linux] [--runs 3] [--clones 16] [--working-set 32MiB] [--dir DIR]
+                     [--bucket pvisor] [--json FILE]
+      Snapshots in an object store (probe guest): restore to ready locally, from the store with
+      a cold and a warm chunk cache; bytes read before ready; the upload of a child that changed
+      8 MiB; N SharedSnapshot clones on one host: chunks fetched, guest RAM PSS per clone beside
+      N clones of the local snapshot (--clones 0 skips them). --guest linux: a 256 MiB Linux
+      VM's restore to agent ready, local lazy and from the store, instead. The store is the one
       AWS_ENDPOINT_URL names, else one it starts (scripts/object-store.sh, root) and stops.
 `;
 

@@ -13,6 +13,7 @@ import { homedir } from 'node:os';
 import { join } from 'node:path';
 import { SnapshotError } from '../errors';
 import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile } from '../snapshot/snapshot-file';
+import { listSharedEntries, removeSharedEntry } from './shared-entry';
 
 /** The default bound of a chunk cache: 4 GiB. */
 export const DEFAULT_CACHE_MAX_BYTES = 4 * 1024 * 1024 * 1024;
@@ -28,12 +29,18 @@ const SHA256_HEX = /^[0-9a-f]{64}$/;
 /** What {@link ChunkCache.evict} removed. */
 export interface Eviction {
   chunksRemoved: number;
+  /** Shared snapshots (shared-entry.ts) removed: none that a clone maps. */
+  sharedSnapshotsRemoved: number;
   bytesRemoved: number;
   /** Bytes the cache holds afterwards. */
   bytesKept: number;
 }
 
-/** A chunk cache directory: `chunks/<sha256>`, `tmp/` for entries being written, `work/` for snapshots being sent or assembled. */
+/**
+ * A chunk cache directory: `chunks/<sha256>`, `tmp/` for entries being written, `work/` for
+ * snapshots being sent or assembled, `snapshots/<key>/` for snapshots that SharedSnapshot clones
+ * map (shared-entry.ts).
+ */
 export class ChunkCache {
   private readonly pins = new Map<string, number>();
 
@@ -47,9 +54,14 @@ export class ChunkCache {
 
   /** A new, empty directory to write or assemble a snapshot in; the caller removes it. */
   newWorkDir(): string {
-    const dir = join(this.dir, 'work', `${process.pid}-${randomBytes(6).toString('hex')}`);
+    const dir = this.newWorkPath();
     mkdirSync(dir, { mode: 0o700 });
     return dir;
+  }
+
+  /** A new name in `work/`, not made: eviction renames a shared snapshot there to remove it. */
+  private newWorkPath(): string {
+    return join(this.dir, 'work', `${process.pid}-${randomBytes(6).toString('hex')}`);
   }
 
   /**
@@ -107,26 +119,33 @@ export class ChunkCache {
    */
   evict(): Eviction {
     this.removeStaleTemporaries();
-    const entries: { sha: string; sizeBytes: number; usedMs: number }[] = [];
+    // Chunks, and shared snapshots (shared-entry.ts) by the bytes they take on disk: one bound for both.
+    const entries: { sizeBytes: number; usedMs: number; shared: boolean; remove(): boolean }[] = [];
     let total = 0;
     for (const name of readdirSync(join(this.dir, 'chunks'))) {
       if (!SHA256_HEX.test(name)) continue;
       try {
         const st = statSync(this.pathOf(name));
-        entries.push({ sha: name, sizeBytes: st.size, usedMs: st.mtimeMs });
+        const remove = () => !this.pins.has(name) && (rmSync(this.pathOf(name), { force: true }), true);
+        entries.push({ sizeBytes: st.size, usedMs: st.mtimeMs, shared: false, remove });
         total += st.size;
       } catch {
         // Removed meanwhile by another process sharing the cache.
       }
     }
-    const out: Eviction = { chunksRemoved: 0, bytesRemoved: 0, bytesKept: total };
+    for (const e of listSharedEntries(this.dir)) {
+      // Kept while a clone in any process maps it (its flock).
+      entries.push({ sizeBytes: e.sizeBytes, usedMs: e.usedMs, shared: true, remove: () => removeSharedEntry(this.dir, e.key, this.newWorkPath()) });
+      total += e.sizeBytes;
+    }
+    const out: Eviction = { chunksRemoved: 0, sharedSnapshotsRemoved: 0, bytesRemoved: 0, bytesKept: total };
     if (total <= this.maxBytes) return out;
     entries.sort((a, b) => a.usedMs - b.usedMs);
     for (const e of entries) {
       if (out.bytesKept <= this.maxBytes) break;
-      if (this.pins.has(e.sha)) continue;
-      rmSync(this.pathOf(e.sha), { force: true });
-      out.chunksRemoved++;
+      if (!e.remove()) continue;
+      if (e.shared) out.sharedSnapshotsRemoved++;
+      else out.chunksRemoved++;
       out.bytesRemoved += e.sizeBytes;
       out.bytesKept -= e.sizeBytes;
     }

@@ -25,23 +25,22 @@ export interface FetchedSnapshot {
   /** The local snapshot directory, for {@link Vm.restore}. */
   dir: string;
   transfer: StoreTransfer;
-  /** Removes {@link dir}. A restore that is done with its files may remove it (a lazy load reads through a descriptor of its own). */
+  /**
+   * Lets go of {@link dir}: removes it, or, for a snapshot shared in the chunk cache
+   * (shared-ram.ts), releases this restore's hold on it. A restore that is done with its files
+   * may call it (a lazy load reads through a descriptor of its own; a mapping holds its own lock).
+   */
   remove(): void;
 }
 
 /**
  * Fetches the snapshot at `url` into a new directory of `cache`. A hibernated VM's snapshot is
- * refused: bringing one back from a store (at most once) is a later step.
+ * refused: bringing one back from a store (at most once) is a later step. `fetchedManifest`: the
+ * manifest's bytes if the caller has fetched them already (shared-ram.ts keys by them).
  */
-export async function fetchSnapshot(url: StoreUrl, store: ObjectStore, cache: ChunkCache, options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'>): Promise<FetchedSnapshot> {
+export async function fetchSnapshot(url: StoreUrl, store: ObjectStore, cache: ChunkCache, options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'>, fetchedManifest?: Buffer): Promise<FetchedSnapshot> {
   const t0 = performance.now();
-  let manifestBody: Buffer;
-  try {
-    manifestBody = await store.get(url.manifestKey, storeManifestBytesLimit(hostMemTotalBytes()));
-  } catch (e) {
-    if (e instanceof StoreError && e.reason === 'not-found') throw new StoreError('not-found', `${url.url}: no snapshot there (no ${url.manifestKey})`, { cause: e });
-    throw e;
-  }
+  const manifestBody = fetchedManifest ?? (await fetchManifestBody(url, store));
   const manifest = parseStoreManifest(manifestBody, `${url.url}/snapshot.json`);
   const out: StoreTransfer = { url: url.url, chunksTotal: manifest.ramChunks.length, zeroChunks: 0, chunksTransferred: 0, chunksPresent: 0, bytesTransferred: manifestBody.length, ms: 0 };
   let chunksDone = 0;
@@ -113,6 +112,16 @@ export async function fetchSnapshot(url: StoreUrl, store: ObjectStore, cache: Ch
   out.ms = performance.now() - t0;
   progress();
   return { dir, transfer: out, remove: () => rmSync(dir, { recursive: true, force: true }) };
+}
+
+/** The bytes of the manifest at `url`, bounded (not parsed yet); a missing one is a {@link StoreError} `not-found`. */
+export async function fetchManifestBody(url: StoreUrl, store: ObjectStore): Promise<Buffer> {
+  try {
+    return await store.get(url.manifestKey, storeManifestBytesLimit(hostMemTotalBytes()));
+  } catch (e) {
+    if (e instanceof StoreError && e.reason === 'not-found') throw new StoreError('not-found', `${url.url}: no snapshot there (no ${url.manifestKey})`, { cause: e });
+    throw e;
+  }
 }
 
 const PAGE_BYTES = 4096;

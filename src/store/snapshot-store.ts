@@ -8,6 +8,7 @@ import { StoreError } from '../errors';
 import { ChunkCache } from './chunk-cache';
 import { fetchSnapshot, type FetchedSnapshot } from './download';
 import { ObjectStore } from './object-io';
+import { fetchSharedSnapshot } from './shared-ram';
 import { resolveStoreOptions, type StoreOptions, type StoreTransfer } from './store-options';
 import { parseStoreUrl } from './store-url';
 import { uploadSnapshotDir } from './upload';
@@ -38,15 +39,17 @@ export async function snapshotToStore<T>(location: string, options: StoreOptions
 
 /**
  * Fetches the snapshot at `location` into a new directory of the chunk cache (see
- * {@link StoreOptions.cacheDir}); the caller restores from it and then calls `remove`.
+ * {@link StoreOptions.cacheDir}); the caller restores from it and then calls `remove`. `shared`
+ * (a restore with SharedSnapshot): into the cache's shared snapshot of it instead, found there if
+ * another restore on this host assembled it (shared-ram.ts).
  */
-export async function fetchFromStore(location: string, options: StoreOptions | undefined): Promise<FetchedSnapshot> {
+export async function fetchFromStore(location: string, options: StoreOptions | undefined, shared = false): Promise<FetchedSnapshot> {
   const url = parseStoreUrl(location);
   const o = resolveStoreOptions(options);
   const cache = ChunkCache.open(o.cacheDir, o.cacheMaxBytes);
   const store = ObjectStore.open(url, o);
   try {
-    return await fetchSnapshot(url, store, cache, o);
+    return await (shared ? fetchSharedSnapshot : fetchSnapshot)(url, store, cache, o);
   } finally {
     store.close();
   }

@@ -70,6 +70,11 @@ export interface StoreTransfer {
   bytesTransferred: number;
   /** Milliseconds the transfer took; fractional. */
   ms: number;
+  /**
+   * A restore with SharedSnapshot: whether the host's chunk cache had the snapshot assembled
+   * already (`reused`: its RAM file is the one the other clones map) or it was `assembled` now.
+   */
+  sharedEntry?: 'reused' | 'assembled';
 }
 
 /** {@link StoreOptions}, checked, with their defaults. */

@@ -2,14 +2,14 @@
 // issue 27's goals in the table it prints (nothing here is timed or needs a store).
 import { parseFleetArgs } from '../../src/cli/bench-args';
 import { parseExportLines } from '../../src/bench/fleet-store';
-import { changedChunkIndexes, fleetGoals, fleetTableRows, type FleetFigures } from '../../src/bench/fleet-table';
+import { changedChunkIndexes, fleetGoals, fleetLinuxGoals, fleetLinuxRows, fleetTableRows, type FleetFigures } from '../../src/bench/fleet-table';
 import { InvalidOptionError } from '../../src/errors';
 
 const MiB = 2 ** 20;
 
 describe('pvisor bench fleet arguments', () => {
   it('has defaults, and takes each option', () => {
-    expect(parseFleetArgs([])).toMatchObject({ runs: 3, clones: 4, workingSetMiB: 32, bucket: 'pvisor', json: undefined });
+    expect(parseFleetArgs([])).toMatchObject({ runs: 3, clones: 16, workingSetMiB: 32, bucket: 'pvisor', json: undefined });
     const o = parseFleetArgs(['--runs', '5', '--clones', '0', '--working-set', '16MiB', '--dir', 'rel', '--bucket', 'my-bucket.1', '--json', 'x.json']);
     expect(o).toMatchObject({ runs: 5, clones: 0, workingSetMiB: 16, bucket: 'my-bucket.1', json: 'x.json' });
     expect(o.dir).toBe(`${process.cwd()}/rel`);
@@ -29,7 +29,13 @@ describe('pvisor bench fleet arguments', () => {
   });
 
   it('refuses an unknown option', () => {
-    expect(() => parseFleetArgs(['--guest', 'linux'])).toThrow(/Unknown option '--guest'/);
+    expect(() => parseFleetArgs(['--guests', 'linux'])).toThrow(/Unknown option '--guests'/);
+  });
+
+  it('takes --guest probe (the default) or linux, nothing else', () => {
+    expect(parseFleetArgs([]).guest).toBe('probe');
+    expect(parseFleetArgs(['--guest', 'linux']).guest).toBe('linux');
+    expect(() => parseFleetArgs(['--guest', 'windows'])).toThrow(/--guest: expected probe or linux/);
   });
 });
 
@@ -95,5 +101,31 @@ describe('pvisor bench fleet table', () => {
     expect(fleetTableRows({ ...figures, cloneChunksFetched: [] })).toHaveLength(6);
     expect(fleetTableRows({ ...figures, cloneChunksFetched: [20] })).toHaveLength(6);
     expect(fleetGoals({ ...figures, cloneChunksFetched: [20] })).toHaveLength(4);
+  });
+
+  it('judges and prints the clones\' guest RAM PSS against local SharedSnapshot clones\'', () => {
+    const withPss = { ...figures, clonePssBytes: { store: 11 * MiB, local: 10 * MiB } };
+    const goals = fleetGoals(withPss);
+    expect(goals).toHaveLength(6);
+    expect(goals[5].value).toBeCloseTo(1.1);
+    expect(goals[5].met).toBe(true);
+    expect(fleetGoals({ ...withPss, clonePssBytes: { store: 11.2 * MiB, local: 10 * MiB } })[5].met).toBe(false);
+    const rows = fleetTableRows(withPss);
+    expect(rows[7]).toEqual(['4 SharedSnapshot clones, guest RAM PSS per clone', '11.0 MiB from the store, 10.0 MiB local (1.10x)', 'as local SharedSnapshot clones', 'yes']);
+  });
+});
+
+describe('pvisor bench fleet --guest linux table', () => {
+  const figures = { runs: 2, memory: '256MiB', localMs: { min: 900, median: 1000, max: 1100 }, storeColdMs: { min: 2000, median: 2500, max: 3000 }, storeWarmMs: { min: 1500, median: 1800, max: 1900 }, bytesBeforeReady: 40 * MiB };
+
+  it('judges the store restores against the local lazy one, and prints them', () => {
+    expect(fleetLinuxGoals(figures).map((g) => [g.value, g.met])).toEqual([
+      [2.5, false],
+      [1.8, true],
+    ]);
+    const rows = fleetLinuxRows(figures);
+    expect(rows[1]).toEqual(['Linux: local lazy restore to agent ready, ms', '900 / 1000 / 1100', '-', '-']);
+    expect(rows[2]).toEqual(['Linux: store restore to agent ready, cold cache, ms', '2000 / 2500 / 3000 (2.50x local; 40.0 MiB read)', '<= 2x local', 'NO']);
+    expect(rows[3][3]).toBe('yes');
   });
 });

@@ -181,7 +181,7 @@ describe('the chunk cache', () => {
     // A read makes chunk 1 the most recently used; chunk 0 is pinned by a restore.
     expect(cache.read(chunks[1].sha, 4096)).toBeDefined();
     cache.pin(chunks[0].sha);
-    expect(cache.evict()).toEqual({ chunksRemoved: 2, bytesRemoved: 8192, bytesKept: 12288 });
+    expect(cache.evict()).toEqual({ chunksRemoved: 2, sharedSnapshotsRemoved: 0, bytesRemoved: 8192, bytesKept: 12288 });
     expect(readdirSync(join(dir, 'chunks')).sort()).toEqual([chunks[0].sha, chunks[1].sha, chunks[4].sha].sort());
     cache.unpin(chunks[0].sha);
     const small = ChunkCache.open(dir, 4096);

@@ -6,7 +6,7 @@
 // within a bound, with nothing left behind. One store for the whole file.
 // Skipped, saying why, only when this machine cannot have the store's Debian packages.
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { connect, createServer, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -14,6 +14,7 @@ import { PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
 import { StoreError } from '../../src';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { SnapshotReader, writeSnapshot, type SnapshotState } from '../../src/snapshot/snapshot-dir';
+import { ChunkCache, sha256Hex } from '../../src/store/chunk-cache';
 import { fetchFromStore, snapshotToStore } from '../../src/store/snapshot-store';
 import type { StoreOptions, StoreProgress, StoreTransfer } from '../../src/store/store-options';
 import { chunkKey } from '../../src/store/store-url';
@@ -96,6 +97,38 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
     again.remove();
     expect(again.transfer).toMatchObject({ chunksTransferred: 0, chunksPresent: 8 });
     expect(again.transfer.bytesTransferred).toBeLessThan(4096);
+  });
+
+  it("with SharedSnapshot: assembled once into the cache's snapshots/<manifest sha256>, RAM identical; a second restore holds the same files and fetches no chunk", async () => {
+    const url = `s3://pvisor/test-${run}/shared`;
+    await snapshotToStore(url, { cacheDir: newCache() }, async (dir) => writeSnapshot(dir, mem, state));
+    const cacheDir = newCache();
+    const a = await fetchFromStore(url, { cacheDir }, true);
+    const b = await fetchFromStore(url, { cacheDir }, true);
+    try {
+      expect(a.transfer).toMatchObject({ sharedEntry: 'assembled', chunksTransferred: 8, chunksPresent: 0 });
+      expect(b.transfer).toMatchObject({ sharedEntry: 'reused', chunksTransferred: 0, chunksPresent: 8 });
+      expect(b.transfer.bytesTransferred).toBeLessThan(4096);
+      expect(a.dir).toBe(join(cacheDir, 'snapshots', sha256Hex(await fetchObject(`test-${run}/shared/snapshot.json`))));
+      expect(b.dir).toBe(a.dir);
+      expect(workLeft(cacheDir)).toEqual([]);
+      const reader = SnapshotReader.open(b.dir);
+      const back = GuestMemory.map(RAM_BYTES);
+      try {
+        reader.readRam(back);
+        expect(back.hostView(0, RAM_BYTES).equals(mem.hostView(0, RAM_BYTES))).toBe(true);
+      } finally {
+        reader.close();
+        back.unmap();
+      }
+    } finally {
+      a.remove();
+      b.remove();
+    }
+    // Let go of, it stays for the next clone, until eviction needs its room.
+    expect(existsSync(join(a.dir, 'ram'))).toBe(true);
+    expect(ChunkCache.open(cacheDir, 0).evict().sharedSnapshotsRemoved).toBe(1);
+    expect(existsSync(a.dir)).toBe(false);
   });
 
   it('a child snapshot that changed 3 MiB sends only the 2 chunks it changed', async () => {

@@ -10,6 +10,7 @@
  */
 import { fstatSync } from 'node:fs';
 import { InvalidOptionError, SnapshotError } from '../../errors';
+import { tryLockFile } from '../../sys/libc';
 import { booleanOption } from '../../units';
 import { roundMs, type MemoryStrategy, type PageRun, type RamBackingRequest, type StrategyContext, type StrategyStats } from '../strategy';
 
@@ -69,10 +70,16 @@ export class SharedSnapshot implements MemoryStrategy {
    * @internal Binds this strategy to the RAM file of the snapshot being restored, open as `fd`
    * (by {@link Vm.restore}, before the composition is planned), after checking who may change it
    * (see {@link checkSharedRamFile}). One strategy serves one VM.
+   *
+   * It also takes a shared flock on `fd`, if it can: guest RAM maps a duplicate of `fd`, which
+   * shares the lock, so the lock lasts as long as the mapping. A chunk cache's shared snapshot
+   * (src/store/shared-entry.ts) is not evicted while any process holds one; a local snapshot's
+   * RAM file is locked by nobody else, and losing the lock there harms nothing.
    */
   useRamFile(path: string, fd: number): void {
     if (this.ramPath !== undefined) throw new InvalidOptionError('strategies', 'this SharedSnapshot already serves a VM: give each Vm.restore a new one');
     checkSharedRamFile(fd, path);
+    tryLockFile(fd, false);
     this.ramPath = path;
     this.ramFd = fd;
   }
