@@ -402,19 +402,18 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     }
   }
 
-  /** {@link restore} of an `s3://` location: fetched into the chunk cache, restored from there. */
+  /**
+   * {@link restore} of an `s3://` location: fetched into the chunk cache, restored from there; a
+   * hibernated VM claimed in the store first (./store/hibernate-store.ts).
+   */
   private static async restoreFromStore(url: string, options: RestoreOptions, t0: number): Promise<Vm> {
-    const { fetchFromStore } = await import('./store/snapshot-store');
+    const { restoreFromStore } = await import('./store/hibernate-store');
     const { store, ...local } = options;
-    const fetched = await fetchFromStore(url, store);
-    try {
-      const vm = await Vm.restore(fetched.dir, local);
-      vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: fetched.transfer };
-      return vm;
-    } finally {
-      // Read, loaded from a descriptor of its own, or mapped by now.
-      fetched.remove();
-    }
+    const r = await restoreFromStore(url, store, (dir) => Vm.restore(dir, local));
+    const vm = r.restored;
+    vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: r.transfer };
+    if (r.claimWarning) vm.warnings.warn(r.claimWarning);
+    return vm;
   }
 
   private static async restoreFrom(
@@ -561,6 +560,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * it was.
    */
   hibernate(dir: string, options: HibernateOptions = {}): Promise<HibernateInfo> {
+    if (isStoreUrl(dir)) return this.hibernateToStore(dir, options);
     return this.transition(async () => {
       const t0 = performance.now();
       this.requireState('running', 'paused');
@@ -588,6 +588,14 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
       await this.end({ hibernatedTo: dir });
       return info;
     });
+  }
+
+  /** {@link hibernate} to an `s3://` location: written locally, sent while paused, then the VM ends. */
+  private async hibernateToStore(url: string, options: HibernateOptions): Promise<HibernateInfo> {
+    const t0 = performance.now();
+    const { hibernateToStore } = await import('./store/hibernate-store');
+    const info = await hibernateToStore(url, options.store, options.beforeStop, (dir, beforeStop) => this.hibernate(dir, { beforeStop }));
+    return { ...info, ms: elapsedMs(t0) };
   }
 
   /** What a snapshot cannot hold, refused before the VM is paused. */
