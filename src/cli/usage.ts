@@ -177,12 +177,11 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
 
 const SUSPEND = `  pvisor suspend ID [--vm-offload] [--hibernate [--store s3://B/P]] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Pauses the VM started by pvisor run --name ID; with --vm-offload its RAM goes to disk too.
-      --hibernate (implies --vm-offload): the VM's whole state goes to disk, under the run's
-        --vm-backing-dir (default /var/tmp), or with --store to a new prefix of an object store
-        (any host resumes it), and its process ends: a hibernated VM costs no memory at all. A
-        probe step under way finishes first; the steps left go on after the resume. In the Linux
-        guest, CMD and every process keep running, detached (output dropped, stdin closed). Refused
-        for a suspended VM, a writable rootfs or --net tap:NAME (--net nat gets a new TAP).
+      --hibernate (implies --vm-offload): the VM's whole state goes to --vm-backing-dir (default
+        /var/tmp), or --store to a new object store prefix (any host resumes it), and its process
+        ends. A probe step under way finishes first, the rest after the resume; a Linux guest's
+        processes run on, detached (output dropped, stdin closed). Refused for a suspended VM, a
+        writable rootfs or --net tap:NAME (--net nat gets a new TAP).
 `;
 const RESUME = `  pvisor resume ID [--vm-load] [--foreground] [--store s3://B/P [--take-over CLAIM]] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Lets it run again; RAM that a suspend offloaded is loaded back and verified first.
