@@ -8,7 +8,7 @@ import { checkOptionKeys, optionKeys } from './option-keys';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
-import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError, type StoreError } from './errors';
+import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError, type StoreClaimedError, type StoreError } from './errors';
 import type { GuestPtys } from './guest/pty';
 import type { GuestProcessInfo } from './guest/process-registry';
 import { LinuxGuest, type GuestFiles } from './guest/linux-client';
@@ -355,8 +355,11 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * cache's directory and restored from there as above (see {@link RestoreOptions.store} and
    * docs/object-store.md). All of guest RAM that is not zero is fetched before the VM runs. A
    * chunk that fails its check, a malformed manifest, or a store that does not answer within
-   * {@link StoreOptions.requestTimeoutMs} is a {@link StoreError}, and nothing has run. A
-   * hibernated VM is not restored from a store (yet).
+   * {@link StoreOptions.requestTimeoutMs} is a {@link StoreError}, and nothing has run. A VM
+   * hibernated there ({@link hibernate} of an `s3://` location) is continued at most once: the
+   * restore claims it in the store before any of its RAM is fetched, and a VM another restore
+   * claimed is a {@link StoreClaimedError} naming who and when (see
+   * {@link StoreOptions.takeOverClaim} for a claimant that died before its VM ran).
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
     const t0 = performance.now();
@@ -558,6 +561,13 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * gets a new TAP and address, see {@link Vm.restore}). If writing fails (a full disk), or
    * {@link HibernateOptions.beforeStop} throws, what was written is removed and the VM goes on as
    * it was.
+   *
+   * `dir` may be an object store location, `s3://bucket/prefix` (a new prefix): the hibernation
+   * is written into a work directory of the chunk cache and sent, as {@link snapshot} sends one,
+   * while the VM is still paused; only then does the VM end, and `Vm.restore(url)` on any host
+   * continues it, once (the first restore claims it in the store). A failed upload leaves the VM
+   * going on here, its hibernation withdrawn in the store so that nobody resumes it. See
+   * {@link HibernateOptions.store} and docs/object-store.md, "Hibernated VMs in a store".
    */
   hibernate(dir: string, options: HibernateOptions = {}): Promise<HibernateInfo> {
     if (isStoreUrl(dir)) return this.hibernateToStore(dir, options);
