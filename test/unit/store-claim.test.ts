@@ -3,12 +3,22 @@
 // one VM, each with a client of its own as another host would have, and exactly one wins; a
 // resumed claim refuses the next; a released one is taken again; a take-over of a dead claimant's
 // claim is won by one of several racing takers; a withdrawn hibernation is refused; a claim
-// object that is not one is a typed error. No KVM: claims are all store.
+// object that is not one is a typed error. Then hibernations through the store around a
+// snapshot directory written over real guest memory (no KVM: the VM's part is Vm.hibernate's and
+// Vm.restore's, tested in test/kvm/store-hibernate.test.ts): uploaded before the VM would end,
+// restored once; a restore that fails gives the claim back; a hibernation that fails after its
+// upload is withdrawn and never restored.
 import { randomBytes } from 'node:crypto';
+import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { PutObjectCommand } from '@aws-sdk/client-s3';
 import { StoreClaimedError, StoreError } from '../../src';
+import { GuestMemory } from '../../src/backends/kvm/guest-memory';
+import { SnapshotReader, writeSnapshot, type SnapshotState } from '../../src/snapshot/snapshot-dir';
 import { claimKey, readClaim, takeClaim, withdrawHibernation, type HeldClaim } from '../../src/store/claim';
+import { hibernateToStore, restoreFromStore } from '../../src/store/hibernate-store';
+import type { HibernateInfo } from '../../src/vm-types';
 import { ObjectStore } from '../../src/store/object-io';
 import { parseStoreUrl } from '../../src/store/store-url';
 import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
@@ -129,4 +139,90 @@ const RACERS = 12;
     expect(((await takeClaim(host(big), big).catch((x: unknown) => x)) as StoreError).reason).toBe('malformed');
     expect(((await takeClaim(s, location(), { takeOver: '../x' }).catch((x: unknown) => x)) as StoreError).reason).toBe('malformed');
   }, 60_000);
+
+  describe('hibernations through the store', () => {
+    const RAM_BYTES = 8 * 1024 * 1024;
+    const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTES, vcpus: 1, machine: { m: 1 }, devices: {}, agent: {}, guestClient: null, hibernated: { name: 'h1', labels: { team: 'blue' } } };
+    let base: string;
+    let mem: GuestMemory;
+    const cache = () => mkdtempSync(join(base, 'cache-'));
+    /** What Vm.hibernate does locally, over real guest memory: the snapshot, then beforeStop. */
+    const hibernateLocal = async (dir: string, beforeStop: (info: HibernateInfo) => Promise<void>): Promise<HibernateInfo> => {
+      const w = writeSnapshot(dir, mem, state, { fileMode: 0o400 });
+      const info = { dir, ramDataPageCount: w.ramDataPageCount, bytesOnDisk: 0, ms: 0 };
+      await beforeStop(info);
+      return info;
+    };
+    /** What Vm.restore does locally: the directory's RAM, read and checked. */
+    const readRam = async (dir: string): Promise<Buffer> => {
+      const r = SnapshotReader.open(dir);
+      try {
+        expect(r.state.hibernated).toEqual({ name: 'h1', labels: { team: 'blue' } });
+        const into = GuestMemory.map(RAM_BYTES);
+        try {
+          r.readRam(into);
+          return Buffer.from(into.hostView(0, RAM_BYTES));
+        } finally {
+          into.unmap();
+        }
+      } finally {
+        r.close();
+      }
+    };
+
+    beforeAll(() => {
+      base = mkdtempSync(join(tmpdir(), 'pvisor-claim-test-'));
+      mem = GuestMemory.map(RAM_BYTES);
+      randomBytes(3 * 1024 * 1024).copy(mem.hostView(0, RAM_BYTES), 0);
+    });
+    afterAll(() => {
+      mem?.unmap();
+      if (base) rmSync(base, { recursive: true, force: true });
+    });
+
+    it('is sent before the VM would end, restored once on another host, refused the second time, and a failed restore gives it back', async () => {
+      const url = location();
+      const hostA = cache();
+      let sentBeforeStop = false;
+      const info = await hibernateToStore(url.url, { cacheDir: hostA }, (i) => void (sentBeforeStop = i.store !== undefined && i.dir === url.url), hibernateLocal);
+      expect(sentBeforeStop).toBe(true);
+      expect(info.store).toMatchObject({ chunksTotal: 4, zeroChunks: 2 });
+      expect(readdirSync(join(hostA, 'work'))).toEqual([]);
+      // The same prefix again is refused before anything is written.
+      let wrote = false;
+      await expect(hibernateToStore(url.url, { cacheDir: hostA }, undefined, async (d, b) => ((wrote = true), hibernateLocal(d, b)))).rejects.toMatchObject({ reason: 'exists' });
+      expect(wrote).toBe(false);
+
+      // A restore that fails before the VM runs: the claim is given back.
+      await expect(restoreFromStore(url.url, { cacheDir: cache() }, async () => {
+        throw new Error('the VM did not start');
+      })).rejects.toThrow('the VM did not start');
+      expect((await readClaim(host(url), url))?.body.state).toBe('released');
+
+      const hostB = cache();
+      const r = await restoreFromStore(url.url, { cacheDir: hostB }, readRam);
+      expect(r.hibernated).toBe(true);
+      expect(r.claimWarning).toBeUndefined();
+      expect(r.restored.equals(mem.hostView(0, RAM_BYTES))).toBe(true);
+      expect(readdirSync(join(hostB, 'work'))).toEqual([]);
+      expect((await readClaim(host(url), url))?.body).toMatchObject({ state: 'resumed', pid: process.pid });
+
+      let ran = false;
+      const e = await restoreFromStore(url.url, { cacheDir: cache() }, async () => (ran = true)).catch((x: unknown) => x);
+      expect(e).toBeInstanceOf(StoreClaimedError);
+      expect((e as StoreClaimedError).claim.state).toBe('resumed');
+      expect(ran).toBe(false);
+    }, 60_000);
+
+    it('a hibernation whose beforeStop fails after the upload is withdrawn: the VM goes on where it was, and no restore continues it', async () => {
+      const url = location();
+      await expect(hibernateToStore(url.url, { cacheDir: cache() }, () => {
+        throw new Error('the record could not be written');
+      }, hibernateLocal)).rejects.toThrow('the record could not be written');
+      expect((await readClaim(host(url), url))?.body.state).toBe('withdrawn');
+      const e = await restoreFromStore(url.url, { cacheDir: cache() }, readRam).catch((x: unknown) => x);
+      expect(e).toBeInstanceOf(StoreClaimedError);
+      expect((e as Error).message).toMatch(/was withdrawn by .*: its hibernation failed after the upload and the VM went on there/);
+    }, 60_000);
+  });
 });
