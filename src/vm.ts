@@ -134,6 +134,8 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   /** The rootfs attached, if any: a snapshot records it. */
   private rootfs: DiskConfig | undefined;
   private _restoreInfo: RestoreInfo | undefined;
+  /** Set while {@link hibernate} to an `s3://` location writes its local part: where the VM goes. */
+  private hibernatingToStore: string | undefined;
   private readonly warnings: WarningLimiter;
   /** Where the VM's trace goes (`logger`); silent without one. */
   private readonly log: VmLog;
@@ -595,7 +597,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
         throw e;
       }
       // From here the directory is the VM (a crash meanwhile ended a machine already saved).
-      await this.end({ hibernatedTo: dir });
+      await this.end({ hibernatedTo: this.hibernatingToStore ?? dir });
       return info;
     });
   }
@@ -604,7 +606,15 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   private async hibernateToStore(url: string, options: HibernateOptions): Promise<HibernateInfo> {
     const t0 = performance.now();
     const { hibernateToStore } = await import('./store/hibernate-store');
-    const info = await hibernateToStore(url, options.store, options.beforeStop, (dir, beforeStop) => this.hibernate(dir, { beforeStop }));
+    const info = await hibernateToStore(url, options.store, options.beforeStop, async (dir, beforeStop) => {
+      // The exit event says where the VM went: the store, not the work directory it passed through.
+      this.hibernatingToStore = url;
+      try {
+        return await this.hibernate(dir, { beforeStop });
+      } finally {
+        this.hibernatingToStore = undefined;
+      }
+    });
     return { ...info, ms: elapsedMs(t0) };
   }
 

@@ -89,13 +89,13 @@ async function runFromStore(id: string, socketPath: string, store: StoreResume, 
     // Not `resuming`: a record of the same id on this host is another VM, and is refused.
     control = await RunControl.open({ name: id, socketPath, guest: record.guest, memoryBytes: record.memoryBytes, vcpus: record.vcpus, carry });
   } catch (e) {
-    if (e instanceof InvalidOptionError && e.option === 'name') throw new RefusedError(`resume ${id} --store refused: ${e.message}`);
+    if (e instanceof InvalidOptionError && e.option === 'name') throw new RefusedError(`a VM named ${id} runs or is hibernated on this host (${e.message})`);
     throw e;
   }
   try {
     return await runVm(control, { ...plan, restoreStore: store.takeOver ? { takeOverClaim: store.takeOver } : undefined });
   } catch (e) {
-    if (e instanceof StoreClaimedError) throw new RefusedError(`resume ${id} refused: ${e.message}`);
+    if (e instanceof StoreClaimedError) throw new RefusedError(e.message);
     throw e;
   }
 }

@@ -90,8 +90,10 @@ function restoreElsewhere(location: string, host: string): Restored {
     const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/vm`;
     const vm = await start('store-h');
     const hostA = join(WORK, 'host-a');
+    const exit = new Promise<{ hibernatedTo?: string }>((resolve) => vm.once('exit', resolve));
     const info = await vm.hibernate(url, { store: { cacheDir: join(hostA, 'cache') } });
     expect(vm.state).toBe('stopped');
+    expect((await exit).hibernatedTo).toBe(url);
     expect(info.dir).toBe(url);
     expect(info.store).toMatchObject({ url, chunksTotal: 32 });
     expect(info.store!.chunksTransferred).toBeGreaterThanOrEqual(8 + 2);
