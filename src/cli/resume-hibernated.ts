@@ -77,7 +77,7 @@ export interface StoreResume {
  * Continues VM `id` hibernated at `store.url` in this process: its run record is read from the
  * store and checked, the id claimed here (a VM of that id running or hibernated on this host is
  * refused), then Vm.restore claims the VM in the store before it runs: a VM another resume
- * claimed is refused (exit 2) naming who and when, with nothing run.
+ * claimed is refused (exit 1) naming who and when, with nothing run.
  */
 async function runFromStore(id: string, socketPath: string, store: StoreResume, report: ReturnType<typeof readyReporter>): Promise<number> {
   const { getRunRecord } = await import('../store/run-record');

@@ -3,7 +3,7 @@
 // cache): same digest, same name and labels; a second resume is refused with the typed error that
 // names who claimed it. Then the CLI's round trip: pvisor suspend ID --hibernate --store on host
 // A, pvisor resume ID --store on host B (same id, a new socket there, digest equal), a resume on
-// host C refused (exit 2). It prints the times of local and store hibernation and resume, and the
+// host C refused (exit 1). It prints the times of local and store hibernation and resume, and the
 // bytes sent (docs/object-store.md, "Hibernated VMs in a store"). Real KVM, processes, store;
 // under the nested harness the store runs inside the L1, as in store-snapshot.test.ts.
 import { spawnSync } from 'node:child_process';
@@ -156,7 +156,7 @@ function restoreElsewhere(location: string, host: string): Restored {
       expect(d.vm.labels).toEqual({ team: 'red' });
 
       const c = await pvisorOnce(host('cli-c'), ['resume', 'S1', '--store', url]);
-      expect(c.status).toBe(2);
+      expect(c.status).toBe(1);
       expect(c.stderr).toMatch(/^pvisor: resume S1 refused: .*the hibernated VM was (resumed|claimed) by .* pid \d+ at .*A hibernated VM is resumed at most once/m);
       expect(existsSync(join(WORK, 'cli-c', 'run', 'S1.sock'))).toBe(false);
 
