@@ -9,8 +9,8 @@
  */
 import { spawn } from 'node:child_process';
 import { closeSync, constants, fstatSync, openSync, writeSync } from 'node:fs';
-import { join } from 'node:path';
-import { ControlServer, errorPayload } from '../control-socket';
+import { dirname, join } from 'node:path';
+import { ControlServer, ensureRuntimeDir, errorPayload } from '../control-socket';
 import { InvalidOptionError, PvisorError, SnapshotError, StoreClaimedError, TimeoutError } from '../errors';
 import type { Vm } from '../vm';
 import { checkHibernatedDir, discardHibernated, logPathFor, readHibernationRecord, recordPathFor, type HibernationRecord } from '../snapshot/hibernation-record';
@@ -157,6 +157,8 @@ const READY_TIMEOUT_MS = 10 * 60 * 1000;
  */
 export async function startResume(id: string, socketPath: string, store?: StoreResume): Promise<ResumeReport & { ok: true }> {
   const log = logPathFor(socketPath);
+  // From a store, this host may never have run a VM: its runtime directory is made as a run makes it.
+  if (store) ensureRuntimeDir(dirname(socketPath));
   const logFd = openLog(log);
   let child;
   try {
