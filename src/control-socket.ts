@@ -27,6 +27,7 @@ import type { Labels } from './labels';
 import type { GuestKind, SnapshotInfo, VmMemoryUsage, VmState } from './vm-types';
 import type { DirEntry, FileStat } from './guest/file-wire';
 import { isStoreUrl, parseStoreUrl } from './store/store-url';
+import type { StoreTransfer } from './store/store-options';
 
 /** The version of the control protocol this pvisor speaks; see docs/control-protocol.md. */
 export const CONTROL_PROTOCOL_VERSION = 1;
@@ -38,7 +39,7 @@ export type ControlRequest =
   | { op: 'suspend'; offload: boolean }
   | { op: 'resume' }
   | { op: 'snapshot'; dir: string; leavePaused: boolean }
-  | { op: 'hibernate' }
+  | { op: 'hibernate'; store?: string }
   | { op: 'stop' }
   | ControlFilesRequest
   | ControlStreamRequest;
@@ -115,6 +116,8 @@ export interface ControlHibernation {
   log: string;
   ramDataPageCount: number;
   bytesOnDisk: number;
+  /** Hibernated to an object store: `dir` and `record` are `s3://` locations, and this is what was sent. */
+  store?: StoreTransfer;
 }
 
 /** An answer from a VM's control socket. */
@@ -212,7 +215,15 @@ export function parseRequest(line: string): ControlRequest {
     case 'resume':
       return { op: 'resume' };
     case 'hibernate':
-      return { op: 'hibernate' };
+      // To an object store: the VM leaves this host (docs/object-store.md, "Hibernated VMs in a store").
+      if (r!.store === undefined) return { op: 'hibernate' };
+      try {
+        if (typeof r!.store !== 'string') throw new Error('not a string');
+        parseStoreUrl(r!.store);
+      } catch (e) {
+        throw new InvalidOptionError('control request', `hibernate: store: ${(e as Error).message}`);
+      }
+      return { op: 'hibernate', store: r!.store };
     case 'stop':
       return { op: 'stop' };
     case 'suspend':

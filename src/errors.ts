@@ -287,8 +287,10 @@ export class SnapshotError extends PvisorError {
  * nothing was sent), `unreachable` (no connection, or an S3 error answer), `timeout` (no answer
  * within the request timeout), `not-found` (no snapshot at that URL), `exists` (a snapshot is
  * there already), `malformed` (the manifest is too large or not of the expected shape),
- * `corrupt` (a chunk's bytes do not have the hash that names them). Raised before anything is
- * restored from what the store returned: no VM runs on bytes that failed a check.
+ * `corrupt` (a chunk's bytes do not have the hash that names them), `claimed` (a hibernated
+ * VM in the store is being resumed or was resumed by another restore: {@link StoreClaimedError}).
+ * Raised before anything is restored from what the store returned: no VM runs on bytes that
+ * failed a check.
  * @category Errors
  */
 export class StoreError extends PvisorError {
@@ -300,10 +302,42 @@ export class StoreError extends PvisorError {
 }
 
 /**
+ * Who holds a hibernated VM's claim in an object store (docs/object-store.md, "Hibernated VMs in
+ * a store"). `state`: `claimed` (a restore took it and had not said the VM runs), `resumed` (the
+ * VM ran there), `withdrawn` (its hibernation failed after the upload and the VM went on where it
+ * was: the store's copy is not that VM any more).
+ * @category Errors
+ */
+export interface StoreClaimInfo {
+  /** The claim's own id: give it as {@link StoreOptions.takeOverClaim} to take the VM over. */
+  claimId: string;
+  state: 'claimed' | 'resumed' | 'withdrawn';
+  /** The host name and pid of the process that claimed it. */
+  host: string;
+  pid: number;
+  /** When it claimed the VM, and when it said the VM runs (ISO 8601). */
+  claimedAt: string;
+  resumedAt?: string;
+}
+
+/**
+ * A restore of a hibernated VM from an object store was refused because another restore claimed
+ * that VM first: a VM is resumed at most once. `claim` says who and when. Nothing was restored.
+ * @category Errors
+ */
+export class StoreClaimedError extends StoreError {
+  readonly claim: StoreClaimInfo;
+  constructor(claim: StoreClaimInfo, message: string, options?: { cause?: unknown }) {
+    super('claimed', message, options);
+    this.claim = claim;
+  }
+}
+
+/**
  * {@link StoreError.reason}.
  * @category Errors
  */
-export type StoreErrorReason = 'url' | 'unreachable' | 'timeout' | 'not-found' | 'exists' | 'malformed' | 'corrupt';
+export type StoreErrorReason = 'url' | 'unreachable' | 'timeout' | 'not-found' | 'exists' | 'malformed' | 'corrupt' | 'claimed';
 
 /**
  * The host side of a VM's network could not be set up; nothing of it is left on the host (no TAP,

@@ -55,6 +55,7 @@ export {
   RequestTooLargeError,
   SnapshotError,
   StoreError,
+  StoreClaimedError,
   PoolUnavailableError,
   VmNotFoundError,
   ControlSocketError,
@@ -65,7 +66,7 @@ export {
   VmLimitError,
   JailViolationError,
 } from './errors';
-export type { StoreErrorReason } from './errors';
+export type { StoreErrorReason, StoreClaimInfo } from './errors';
 export type { StoreOptions, StoreProgress, StoreTransfer } from './store/store-options';
 export type { NetworkOption, NatNetworkOptions, TapNetworkOptions } from './network/options';
 export type { VmNetworkInfo } from './network/vm-network';

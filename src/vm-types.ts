@@ -197,6 +197,8 @@ export interface HibernateOptions {
    * running (or paused) as it was, and hibernate rejects with that error.
    */
   beforeStop?: (info: HibernateInfo) => void | Promise<void>;
+  /** For an `s3://bucket/prefix` location: how the object store and the chunk cache (its work directory) are reached, and progress. */
+  store?: StoreOptions;
 }
 
 /**
@@ -210,8 +212,14 @@ export interface HibernateInfo {
   ramDataPageCount: number;
   /** What the directory takes on disk. */
   bytesOnDisk: number;
-  /** Milliseconds from the call to the directory being synced (including the pause); fractional, to the microsecond. */
+  /** Milliseconds from the call to the directory being synced (including the pause), or to the upload's end for an `s3://` location; fractional, to the microsecond. */
   ms: number;
+  /**
+   * For an `s3://` location: what was sent to the object store. `dir` is then the location, and
+   * `bytesOnDisk` what the hibernation took in the chunk cache's work directory before it was
+   * sent (removed since).
+   */
+  store?: StoreTransfer;
 }
 
 /**

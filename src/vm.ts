@@ -8,7 +8,7 @@ import { checkOptionKeys, optionKeys } from './option-keys';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
-import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError, type StoreError } from './errors';
+import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError, type StoreClaimedError, type StoreError } from './errors';
 import type { GuestPtys } from './guest/pty';
 import type { GuestProcessInfo } from './guest/process-registry';
 import { LinuxGuest, type GuestFiles } from './guest/linux-client';
@@ -134,6 +134,8 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   /** The rootfs attached, if any: a snapshot records it. */
   private rootfs: DiskConfig | undefined;
   private _restoreInfo: RestoreInfo | undefined;
+  /** Set while {@link hibernate} to an `s3://` location writes its local part: where the VM goes. */
+  private hibernatingToStore: string | undefined;
   private readonly warnings: WarningLimiter;
   /** Where the VM's trace goes (`logger`); silent without one. */
   private readonly log: VmLog;
@@ -355,12 +357,15 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * cache's directory and restored from there as above (see {@link RestoreOptions.store} and
    * docs/object-store.md). All of guest RAM that is not zero is fetched before the VM runs. A
    * chunk that fails its check, a malformed manifest, or a store that does not answer within
-   * {@link StoreOptions.requestTimeoutMs} is a {@link StoreError}, and nothing has run. A
-   * hibernated VM is not restored from a store (yet). With a {@link SharedSnapshot} among the
-   * strategies the snapshot is assembled once per host, in the cache's `snapshots/`, and every
-   * such clone on the host, in any process that uses the same cache, maps that one RAM file
-   * (`restoreInfo.store.sharedEntry` says whether this restore found it there); a cache entry
-   * that another user could change is a {@link SnapshotError}.
+   * {@link StoreOptions.requestTimeoutMs} is a {@link StoreError}, and nothing has run. A VM
+   * hibernated there ({@link hibernate} of an `s3://` location) is continued at most once: the
+   * restore claims it in the store before any of its RAM is fetched, and a VM another restore
+   * claimed is a {@link StoreClaimedError} naming who and when (see
+   * {@link StoreOptions.takeOverClaim} for a claimant that died before its VM ran). With a
+   * {@link SharedSnapshot} among the strategies the snapshot is assembled once per host, in the
+   * cache's `snapshots/`, and every such clone on the host, in any process that uses the same
+   * cache, maps that one RAM file (`restoreInfo.store.sharedEntry` says whether this restore
+   * found it there); a cache entry that another user could change is a {@link SnapshotError}.
    */
   static async restore(dir: string, options: RestoreOptions = {}): Promise<Vm> {
     const t0 = performance.now();
@@ -406,20 +411,20 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     }
   }
 
-  /** {@link restore} of an `s3://` location: fetched into the chunk cache, restored from there. */
+  /**
+   * {@link restore} of an `s3://` location: fetched into the chunk cache, restored from there; a
+   * hibernated VM claimed in the store first (./store/hibernate-store.ts).
+   */
   private static async restoreFromStore(url: string, options: RestoreOptions, t0: number): Promise<Vm> {
-    const { fetchFromStore } = await import('./store/snapshot-store');
+    const { restoreFromStore } = await import('./store/hibernate-store');
     const { store, ...local } = options;
     const { SharedSnapshot } = await import('./memory/strategies/shared-snapshot');
-    const fetched = await fetchFromStore(url, store, local.strategies?.some((s) => s instanceof SharedSnapshot));
-    try {
-      const vm = await Vm.restore(fetched.dir, local);
-      vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: fetched.transfer };
-      return vm;
-    } finally {
-      // Read, loaded from a descriptor of its own, or mapped (and locked) by now.
-      fetched.remove();
-    }
+    const shared = local.strategies?.some((s) => s instanceof SharedSnapshot) ?? false;
+    const r = await restoreFromStore(url, store, (dir) => Vm.restore(dir, local), shared);
+    const vm = r.restored;
+    vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: r.transfer };
+    if (r.claimWarning) vm.warnings.warn(r.claimWarning);
+    return vm;
   }
 
   private static async restoreFrom(
@@ -564,8 +569,16 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * gets a new TAP and address, see {@link Vm.restore}). If writing fails (a full disk), or
    * {@link HibernateOptions.beforeStop} throws, what was written is removed and the VM goes on as
    * it was.
+   *
+   * `dir` may be an object store location, `s3://bucket/prefix` (a new prefix): the hibernation
+   * is written into a work directory of the chunk cache and sent, as {@link snapshot} sends one,
+   * while the VM is still paused; only then does the VM end, and `Vm.restore(url)` on any host
+   * continues it, once (the first restore claims it in the store). A failed upload leaves the VM
+   * going on here, its hibernation withdrawn in the store so that nobody resumes it. See
+   * {@link HibernateOptions.store} and docs/object-store.md, "Hibernated VMs in a store".
    */
   hibernate(dir: string, options: HibernateOptions = {}): Promise<HibernateInfo> {
+    if (isStoreUrl(dir)) return this.hibernateToStore(dir, options);
     return this.transition(async () => {
       const t0 = performance.now();
       this.requireState('running', 'paused');
@@ -590,9 +603,25 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
         throw e;
       }
       // From here the directory is the VM (a crash meanwhile ended a machine already saved).
-      await this.end({ hibernatedTo: dir });
+      await this.end({ hibernatedTo: this.hibernatingToStore ?? dir });
       return info;
     });
+  }
+
+  /** {@link hibernate} to an `s3://` location: written locally, sent while paused, then the VM ends. */
+  private async hibernateToStore(url: string, options: HibernateOptions): Promise<HibernateInfo> {
+    const t0 = performance.now();
+    const { hibernateToStore } = await import('./store/hibernate-store');
+    const info = await hibernateToStore(url, options.store, options.beforeStop, async (dir, beforeStop) => {
+      // The exit event says where the VM went: the store, not the work directory it passed through.
+      this.hibernatingToStore = url;
+      try {
+        return await this.hibernate(dir, { beforeStop });
+      } finally {
+        this.hibernatingToStore = undefined;
+      }
+    });
+    return { ...info, ms: elapsedMs(t0) };
   }
 
   /** What a snapshot cannot hold, refused before the VM is paused. */

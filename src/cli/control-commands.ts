@@ -22,6 +22,7 @@ import { validateVmName } from '../vm-name';
 import type { GuestKind } from '../vm-types';
 import { formatLabels, type Labels } from '../labels';
 import { readHibernationRecord, recordPathFor, type HibernationRecord } from '../snapshot/hibernation-record';
+import { parseStoreUrl } from '../store/store-url';
 import { entryOfHibernated, entryOfLive, scanRuntimeDir, type HibernatedRow, type LiveRow } from '../vm-list';
 import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
 
@@ -41,6 +42,13 @@ export interface ControlArgs {
   hibernate: boolean;
   /** resume `--foreground`: a hibernated VM continues in this process instead of a detached one. */
   foreground: boolean;
+  /**
+   * suspend `--hibernate --store s3://...`: the VM goes to an object store and leaves this host;
+   * resume `--store s3://...`: a VM hibernated there continues here (docs/object-store.md).
+   */
+  store?: string;
+  /** resume `--store --take-over CLAIM`: the claim of a resume that died before its VM ran, taken over. */
+  takeOver?: string;
   /** resume: `--vm-load` was given (resume always loads back what a suspend took). */
   load: boolean;
   /** Print the socket's answer as JSON instead of a sentence. */
@@ -64,8 +72,8 @@ export function parseControlArgs(command: ControlCommand, argv: string[], dir: s
       'vm-job-id': { type: 'string' },
       'vm-attempt-id': { type: 'string' },
       json: { type: 'boolean', default: false },
-      ...(command === 'suspend' ? { 'vm-offload': { type: 'boolean', default: false }, hibernate: { type: 'boolean', default: false } } : {}),
-      ...(command === 'resume' ? { 'vm-load': { type: 'boolean', default: false }, foreground: { type: 'boolean', default: false } } : {}),
+      ...(command === 'suspend' ? { 'vm-offload': { type: 'boolean', default: false }, hibernate: { type: 'boolean', default: false }, store: { type: 'string' } } : {}),
+      ...(command === 'resume' ? { 'vm-load': { type: 'boolean', default: false }, foreground: { type: 'boolean', default: false }, store: { type: 'string' }, 'take-over': { type: 'string' } } : {}),
     },
     allowPositionals: true,
     strict: true,
@@ -80,6 +88,20 @@ export function parseControlArgs(command: ControlCommand, argv: string[], dir: s
   const id = given ?? jobId ?? (socket !== undefined ? idOfSocket(socket) : undefined);
   if (id === undefined) throw new InvalidOptionError('id', `which VM? e.g. pvisor ${command} ID (pvisor ps lists them)`);
   validateVmName(id, 'id');
+  const store = values.store as string | undefined;
+  if (store !== undefined) {
+    if (command === 'suspend' && values.hibernate !== true) throw new InvalidOptionError('store', 'goes with --hibernate: pvisor suspend ID --hibernate --store s3://BUCKET/PREFIX');
+    try {
+      parseStoreUrl(store);
+    } catch (e) {
+      throw new InvalidOptionError('store', (e as Error).message);
+    }
+  }
+  const takeOver = values['take-over'] as string | undefined;
+  if (takeOver !== undefined) {
+    if (store === undefined) throw new InvalidOptionError('take-over', 'goes with --store: it takes over the claim of a VM hibernated in an object store');
+    if (!/^[0-9a-f]{32}$/.test(takeOver)) throw new InvalidOptionError('take-over', 'must be a claim id (32 hex digits, as a refused resume names it)');
+  }
   return {
     id,
     socketPath: socket ?? socketPathFor(id, dir),
@@ -87,6 +109,8 @@ export function parseControlArgs(command: ControlCommand, argv: string[], dir: s
     offload: values['vm-offload'] === true || values.hibernate === true,
     hibernate: values.hibernate === true,
     foreground: values.foreground === true,
+    ...(store !== undefined && { store }),
+    ...(takeOver !== undefined && { takeOver }),
     load: values['vm-load'] === true,
     json: values.json === true,
     attemptId: values['vm-attempt-id'] as string | undefined,
@@ -104,22 +128,24 @@ export async function cmdControl(command: ControlCommand, argv: string[]): Promi
   if (command === 'resume' && (await probeSocket(a.socketPath)) !== 'live') {
     // No process answers for it: a hibernated VM is continued in a new one.
     const { runHibernated, startResume } = await import('./resume-hibernated');
-    if (a.foreground) return runHibernated(a.id, a.socketPath);
-    if (!hibernationOf(a)) return cmdControlRequest(command, a);
+    const store = a.store !== undefined ? { url: a.store, ...(a.takeOver && { takeOver: a.takeOver }) } : undefined;
+    if (a.foreground) return runHibernated(a.id, a.socketPath, store);
+    if (!store && !hibernationOf(a)) return cmdControlRequest(command, a);
     const t0 = performance.now();
-    const report = await startResume(a.id, a.socketPath);
+    const report = await startResume(a.id, a.socketPath, store);
     const tookMs = Math.round((performance.now() - t0) * 10) / 10;
-    if (a.json) process.stdout.write(`${JSON.stringify({ id: a.id, tookMs, ...report })}\n`);
+    if (a.json) process.stdout.write(`${JSON.stringify({ id: a.id, tookMs, ...(store && { store: store.url }), ...report })}\n`);
     else {
       const load = report.ramLoad === 'lazy' ? 'guest RAM loading lazily' : `guest RAM ${report.ramLoad}`;
       process.stdout.write(
-        `${a.id}${attemptOf(a)} resumed from hibernation in ${tookMs} ms (ready ${report.readyMs} ms after its process began restoring; ${load}): ` +
+        `${a.id}${attemptOf(a)} resumed from hibernation${store ? ` in ${store.url}` : ''} in ${tookMs} ms (ready ${report.readyMs} ms after its process began restoring; ${load}): ` +
           `pid ${report.pid}, guest RAM resident ${formatBytes(report.guestRamResidentBytes)}, process ${formatBytes(report.processPssBytes)}; its output goes to ${report.log}\n`,
       );
     }
     return 0;
   }
   if (a.foreground) throw new RefusedError(`resume ${a.id} --foreground refused: ${a.id} is not hibernated (a process runs it)`);
+  if (command === 'resume' && a.store !== undefined) throw new RefusedError(`resume ${a.id} --store refused: a VM named ${a.id} runs on this host (${a.socketPath})`);
   return cmdControlRequest(command, a);
 }
 
@@ -130,7 +156,7 @@ function hibernationOf(a: ControlArgs): HibernationRecord | undefined {
 
 /** Sends the command to the VM's process, or acts on its hibernation when it has none. */
 async function cmdControlRequest(command: ControlCommand, a: ControlArgs): Promise<number> {
-  const request: ControlRequest = command === 'suspend' ? (a.hibernate ? { op: 'hibernate' } : { op: 'suspend', offload: a.offload }) : { op: command };
+  const request: ControlRequest = command === 'suspend' ? (a.hibernate ? { op: 'hibernate', ...(a.store !== undefined && { store: a.store }) } : { op: 'suspend', offload: a.offload }) : { op: command };
   let r: ControlResponse;
   try {
     r = await controlRequest(a.socketPath, a.id, request, OPERATION_TIMEOUT_MS);
@@ -219,6 +245,13 @@ function describeHibernation(a: ControlArgs, r: ControlResponse & { ok: true }, 
   const took = r.tookMs !== undefined ? ` in ${r.tookMs} ms` : '';
   const memory = before ? `guest RAM resident ${formatBytes(before.guestRamResidentBytes)}, process ${formatBytes(before.processPssBytes)} -> 0` : 'memory -> 0';
   const process = ended ? `its process (pid ${r.vm.pid}) has ended (pvisor run exits ${EXIT_HIBERNATED})` : `its process (pid ${r.vm.pid}) has not ended yet`;
+  if (h.store) {
+    const t = h.store;
+    return (
+      `${a.id}${attemptOf(a)} hibernated to ${h.dir}${took}: ${memory}; ${formatBytes(t.bytesTransferred)} sent in ${t.chunksTransferred} objects (${t.chunksPresent} present, ${t.zeroChunks} zero chunks); ` +
+      `${process}. pvisor resume ${a.id} --store ${h.dir} continues it, on this host or another`
+    );
+  }
   return `${a.id}${attemptOf(a)} hibernated${took}: ${memory}; ${formatBytes(h.bytesOnDisk)} on disk in ${h.dir}; ${process}. pvisor resume ${a.id} continues it`;
 }
 

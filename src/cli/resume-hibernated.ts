@@ -9,9 +9,9 @@
  */
 import { spawn } from 'node:child_process';
 import { closeSync, constants, fstatSync, openSync, writeSync } from 'node:fs';
-import { join } from 'node:path';
-import { ControlServer, errorPayload } from '../control-socket';
-import { InvalidOptionError, PvisorError, SnapshotError, TimeoutError } from '../errors';
+import { dirname, join } from 'node:path';
+import { ControlServer, ensureRuntimeDir, errorPayload } from '../control-socket';
+import { InvalidOptionError, PvisorError, SnapshotError, StoreClaimedError, TimeoutError } from '../errors';
 import type { Vm } from '../vm';
 import { checkHibernatedDir, discardHibernated, logPathFor, readHibernationRecord, recordPathFor, type HibernationRecord } from '../snapshot/hibernation-record';
 import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from '../node-flags';
@@ -34,9 +34,10 @@ export type ResumeReport =
  * run's exit status (as `pvisor run`'s). Refuses with exit 2 if the VM is not hibernated (it runs,
  * or another resume or a stop took it meanwhile).
  */
-export async function runHibernated(id: string, socketPath: string): Promise<number> {
+export async function runHibernated(id: string, socketPath: string, store?: StoreResume): Promise<number> {
   const report = readyReporter();
   try {
+    if (store) return await runFromStore(id, socketPath, store, report);
     const recordPath = recordPathFor(socketPath);
     const first = readHibernationRecord(recordPath, id);
     if (!first) throw new RefusedError(`${id} is not hibernated (no ${recordPath})`);
@@ -62,6 +63,39 @@ export async function runHibernated(id: string, socketPath: string): Promise<num
     return await runVm(control, plan);
   } catch (e) {
     report.failed(e);
+    throw e;
+  }
+}
+
+/** `pvisor resume ID --store s3://...`: where the VM is, and a claim to take over. */
+export interface StoreResume {
+  url: string;
+  takeOver?: string;
+}
+
+/**
+ * Continues VM `id` hibernated at `store.url` in this process: its run record is read from the
+ * store and checked, the id claimed here (a VM of that id running or hibernated on this host is
+ * refused), then Vm.restore claims the VM in the store before it runs: a VM another resume
+ * claimed is refused (exit 1) naming who and when, with nothing run.
+ */
+async function runFromStore(id: string, socketPath: string, store: StoreResume, report: ReturnType<typeof readyReporter>): Promise<number> {
+  const { getRunRecord } = await import('../store/run-record');
+  const record = await getRunRecord(store.url, id);
+  const plan = planOf(record, `${store.url}/pvisor-run.json`, (vm) => report.ready(vm, logPathFor(socketPath)));
+  const carry = { flags: record.flags, backingDir: plan.args.backingDir, command: record.command ?? [], script: plan.cursor };
+  let control: RunControl;
+  try {
+    // Not `resuming`: a record of the same id on this host is another VM, and is refused.
+    control = await RunControl.open({ name: id, socketPath, guest: record.guest, memoryBytes: record.memoryBytes, vcpus: record.vcpus, carry });
+  } catch (e) {
+    if (e instanceof InvalidOptionError && e.option === 'name') throw new RefusedError(`a VM named ${id} runs or is hibernated on this host (${e.message})`);
+    throw e;
+  }
+  try {
+    return await runVm(control, { ...plan, restoreStore: store.takeOver ? { takeOverClaim: store.takeOver } : undefined });
+  } catch (e) {
+    if (e instanceof StoreClaimedError) throw new RefusedError(e.message);
     throw e;
   }
 }
@@ -121,13 +155,16 @@ const READY_TIMEOUT_MS = 10 * 60 * 1000;
  * beside the socket; resolves with its report once the VM is ready, or rejects with why not
  * (a {@link RefusedError} if it was not hibernated after all).
  */
-export async function startResume(id: string, socketPath: string): Promise<ResumeReport & { ok: true }> {
+export async function startResume(id: string, socketPath: string, store?: StoreResume): Promise<ResumeReport & { ok: true }> {
   const log = logPathFor(socketPath);
+  // From a store, this host may never have run a VM: its runtime directory is made as a run makes it.
+  if (store) ensureRuntimeDir(dirname(socketPath));
   const logFd = openLog(log);
   let child;
   try {
-    writeSync(logFd, `pvisor: ${new Date().toISOString()} pvisor resume ${id}: a new process continues the hibernated VM\n`);
-    child = spawn(process.execPath, [...PVISOR_NODE_FLAGS, join(__dirname, 'main.js'), 'resume', id, '--foreground', '--vm-socket', socketPath], {
+    writeSync(logFd, `pvisor: ${new Date().toISOString()} pvisor resume ${id}${store ? ` --store ${store.url}` : ''}: a new process continues the hibernated VM\n`);
+    const storeArgs = store ? ['--store', store.url, ...(store.takeOver ? ['--take-over', store.takeOver] : [])] : [];
+    child = spawn(process.execPath, [...PVISOR_NODE_FLAGS, join(__dirname, 'main.js'), 'resume', id, '--foreground', '--vm-socket', socketPath, ...storeArgs], {
       // Its own session: it outlives this command and the terminal it ran in.
       detached: true,
       cwd: '/',

@@ -16,6 +16,7 @@ import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from '
 import { parseRunArgs, type RunArgs } from './run-args';
 import { isStoreUrl } from '../store/store-url';
 import type { FetchedSnapshot } from '../store/download';
+import type { StoreOptions } from '../store/store-options';
 import { RunControl } from './run-control';
 import { jailedEntry, makeForbiddenSyscall } from '../jail/jailed-entry';
 import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
@@ -111,6 +112,8 @@ export interface RunPlan {
   resumed?: { recordPath: string; onReady(vm: Vm): void };
   /** Called once the VM is restored (or its restore failed): a snapshot fetched from a store is removed. */
   afterRestore?: () => void;
+  /** The restore's store options, for an `s3://` source restored by Vm.restore itself (a resume from a store). */
+  restoreStore?: StoreOptions;
 }
 
 /**
@@ -137,7 +140,7 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
       // No --label: a hibernated VM keeps its own.
       const labels = Object.keys(args.labels).length ? { labels: args.labels } : {};
       try {
-        vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies, ...labels });
+        vm = await Vm.restore(source.dir, { name: control.id, strategies: args.strategies, ...labels, ...(plan.restoreStore && { store: plan.restoreStore }) });
       } finally {
         plan.afterRestore?.();
       }
@@ -188,10 +191,12 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
 async function hibernated(control: RunControl): Promise<number> {
   await control.hibernationSent();
   const h = control.hibernation!;
-  process.stderr.write(
-    `pvisor: ${control.id} hibernated into ${h.dir} (${formatMiB(h.bytesOnDisk)} on disk); this process ends (exit ${EXIT_HIBERNATED}). ` +
-      `pvisor resume ${control.id} continues it in a new process, whose output goes to ${h.log}\n`,
-  );
+  if (h.store) process.stderr.write(`pvisor: ${control.id} hibernated to ${h.dir} (${formatMiB(h.store.bytesTransferred)} sent); this process ends (exit ${EXIT_HIBERNATED}). pvisor resume ${control.id} --store ${h.dir} continues it, here or on another host\n`);
+  else
+    process.stderr.write(
+      `pvisor: ${control.id} hibernated into ${h.dir} (${formatMiB(h.bytesOnDisk)} on disk); this process ends (exit ${EXIT_HIBERNATED}). ` +
+        `pvisor resume ${control.id} continues it in a new process, whose output goes to ${h.log}\n`,
+    );
   return EXIT_HIBERNATED;
 }
 

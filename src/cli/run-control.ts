@@ -238,7 +238,7 @@ export class RunControl {
           case 'hibernate': {
             const before = this.memory();
             const t0 = performance.now();
-            const hibernation = await this.hibernate(vm);
+            const hibernation = await this.hibernate(vm, request.store);
             const tookMs = Math.round((performance.now() - t0) * 10) / 10;
             return { response: { ok: true, vm: { ...this.info(), state: 'hibernated' }, before, tookMs, hibernation }, afterSent: () => this.answered?.() };
           }
@@ -260,12 +260,13 @@ export class RunControl {
    * runs: a paused guest would not answer it, and then carries it out after the resume, its
    * answer lost). If anything fails, the VM and its steps go on as they were.
    */
-  private async hibernate(vm: Vm): Promise<ControlHibernation> {
+  private async hibernate(vm: Vm, store?: string): Promise<ControlHibernation> {
     const carry = this.description.carry;
     if (vm.state !== 'running' && vm.state !== 'paused') {
       const hint = vm.state === 'suspended' ? `; its RAM is offloaded: pvisor resume ${this.id} first` : '';
       throw new VmStateError(`${this.id} is ${vm.state}; hibernation needs it running or paused${hint}`);
     }
+    if (store !== undefined) return this.hibernateToStore(vm, store);
     const fs = memoryBackedFilesystem(carry.backingDir);
     if (fs) throw new InvalidOptionError('--vm-backing-dir', `${carry.backingDir} is on ${fs}: a hibernated VM there would stay in RAM; run the VM with --vm-backing-dir on a disk`);
     const script = carry.script;
@@ -295,6 +296,49 @@ export class RunControl {
           writeHibernationRecord(record, r);
           // Committed: the VM ends next, and whoever sees it end must know why.
           this.hibernated = { dir, record, log, ramDataPageCount: info.ramDataPageCount, bytesOnDisk: info.bytesOnDisk };
+        },
+      });
+      return this.hibernated!;
+    } catch (e) {
+      script?.go();
+      throw e;
+    }
+  }
+
+  /**
+   * {@link hibernate} to an object store: the VM goes to `store` (its work files in the chunk
+   * cache, not the backing directory), with its record beside it in the store instead of beside
+   * the socket, so that `pvisor resume ID --store` continues it on any host; nothing of it stays
+   * on this one.
+   */
+  private async hibernateToStore(vm: Vm, store: string): Promise<ControlHibernation> {
+    const carry = this.description.carry;
+    const script = carry.script;
+    script?.halt();
+    try {
+      if (vm.state === 'running') await script?.outOfGuest();
+      const left = script?.remaining();
+      const { putRunRecord, RUN_RECORD_NAME } = await import('../store/run-record');
+      const url = store.replace(/\/$/, '');
+      const log = logPathFor(this.socketPath);
+      await vm.hibernate(url, {
+        beforeStop: async (info) => {
+          const r: HibernationRecord = {
+            format: 'pvisor-hibernated',
+            version: 1,
+            id: this.id,
+            dir: url,
+            hibernatedAt: new Date().toISOString(),
+            guest: vm.guest,
+            memoryBytes: vm.memoryBytes,
+            vcpus: vm.vcpus,
+            bytesOnDisk: info.bytesOnDisk,
+            flags: carry.flags,
+            ...(vm.guest === 'probe' ? { steps: left?.length ? formatProbeScript(left) : 'wait' } : { command: carry.command }),
+          };
+          // Before the VM ends: a failure here withdraws the hibernation and the VM goes on.
+          await putRunRecord(r);
+          this.hibernated = { dir: url, record: `${url}/${RUN_RECORD_NAME}`, log, ramDataPageCount: info.ramDataPageCount, bytesOnDisk: info.bytesOnDisk, ...(info.store && { store: info.store }) };
         },
       });
       return this.hibernated!;

@@ -175,20 +175,20 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       ${EXIT_HIBERNATED} if the VM hibernated (pvisor suspend ID --hibernate): CMD goes on after pvisor resume ID.
 `;
 
-const SUSPEND = `  pvisor suspend ID [--vm-offload] [--hibernate] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
+const SUSPEND = `  pvisor suspend ID [--vm-offload] [--hibernate [--store s3://B/P]] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Pauses the VM started by pvisor run --name ID; with --vm-offload its RAM goes to disk too.
-      --hibernate (implies --vm-offload): the VM's whole state goes to disk, under the run's
-        --vm-backing-dir (default /var/tmp), and its process ends: a hibernated VM costs no
-        memory at all. A probe step under way finishes first; the steps left go on after the
-        resume. In the Linux guest, CMD and every process keep running after it, detached (their
-        output dropped, stdin closed). Refused for a suspended VM, a writable rootfs or a user's
-        TAP (--net tap:NAME); with --net nat the resumed VM gets a new TAP and address.
+      --hibernate (implies --vm-offload): the VM's whole state goes to --vm-backing-dir (default
+        /var/tmp), or --store to a new object store prefix (any host resumes it), and its process
+        ends. A probe step under way finishes first, the rest after the resume; a Linux guest's
+        processes run on, detached (output dropped, stdin closed). Refused for a suspended VM, a
+        writable rootfs or --net tap:NAME (--net nat gets a new TAP).
 `;
-const RESUME = `  pvisor resume ID [--vm-load] [--foreground] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
+const RESUME = `  pvisor resume ID [--vm-load] [--foreground] [--store s3://B/P [--take-over CLAIM]] [--vm-socket PATH] [--vm-job-id ID] [--vm-attempt-id A] [--json]
       Lets it run again; RAM that a suspend offloaded is loaded back and verified first.
       A hibernated VM goes on in a new, detached process with the same id and control socket,
         its guest RAM loaded lazily; its output (the probe steps left, pvisor's messages) goes to
         ID.log beside the socket. --foreground: in this process instead, its output here.
+      --store: one hibernated there goes on here, at most once (--take-over: docs/object-store.md).
       Refused (exit 1) if there is nothing to resume: the VM runs.
 `;
 const SNAPSHOT = `  pvisor snapshot ID DIR|s3://BUCKET/PREFIX [--leave-paused] [--vm-socket PATH] [--json]

@@ -18,6 +18,7 @@ import { basename, dirname, isAbsolute, join, normalize } from 'node:path';
 import { SnapshotError } from '../errors';
 import type { GuestKind } from '../vm-types';
 import { validateVmName } from '../vm-name';
+import { isStoreUrl, parseStoreUrl } from '../store/store-url';
 
 const RECORD_SUFFIX = '.hibernated';
 const FORMAT = 'pvisor-hibernated';
@@ -31,7 +32,10 @@ export interface HibernationRecord {
   format: typeof FORMAT;
   version: typeof VERSION;
   id: string;
-  /** The hibernated VM's directory (Vm.hibernate), absolute. */
+  /**
+   * The hibernated VM's directory (Vm.hibernate), absolute; or, for a VM hibernated to an object
+   * store, its `s3://bucket/prefix` (that record is kept in the store, beside the VM: ../store/run-record.ts).
+   */
   dir: string;
   /** When it hibernated (ISO 8601). */
   hibernatedAt: string;
@@ -110,13 +114,23 @@ export function readHibernationRecord(path: string, id: string): HibernationReco
   } finally {
     closeSync(fd);
   }
+  const record = parseHibernationRecord(text, path, id);
+  if (isStoreUrl(record.dir)) throw new SnapshotError(`${path}: dir: expected an absolute, normalised directory path`);
+  return record;
+}
+
+/**
+ * Checks the text of a hibernation record of VM `id` read from `where` (a file, or an object
+ * store); `dir` may be an `s3://` location, which the caller accepts or not.
+ */
+export function parseHibernationRecord(text: string, where: string, id: string): HibernationRecord {
   let value: unknown;
   try {
     value = JSON.parse(text);
   } catch (e) {
-    throw new SnapshotError(`${path}: not a hibernation record (not JSON: ${(e as Error).message})`);
+    throw new SnapshotError(`${where}: not a hibernation record (not JSON: ${(e as Error).message})`);
   }
-  return parseRecord(value, path, id);
+  return parseRecord(value, where, id);
 }
 
 /**
@@ -154,6 +168,15 @@ export function hibernatedIds(dir: string): string[] {
   return names.filter((n) => n.endsWith(RECORD_SUFFIX)).map((n) => n.slice(0, -RECORD_SUFFIX.length)).sort();
 }
 
+function storeUrlOk(url: string): boolean {
+  try {
+    parseStoreUrl(url);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
 function checkOwn(path: string, st: { uid: number; mode: number }, kind: string, isKind: boolean, maxMode: number): void {
   const uid = process.getuid?.() ?? 0;
   if (!isKind) throw new SnapshotError(`${path} is not ${kind}: refused as a hibernated VM's`);
@@ -174,7 +197,8 @@ function parseRecord(value: unknown, path: string, id: string): HibernationRecor
     throw bad('id', (e as Error).message);
   }
   const dir = o.dir;
-  if (typeof dir !== 'string' || !isAbsolute(dir) || dir.length > MAX_PATH_CHARS || dir.includes('\0') || normalize(dir) !== dir || dir === '/') throw bad('dir', 'expected an absolute, normalised directory path');
+  const storeDir = typeof dir === 'string' && isStoreUrl(dir) && storeUrlOk(dir);
+  if (!storeDir && (typeof dir !== 'string' || !isAbsolute(dir) || dir.length > MAX_PATH_CHARS || dir.includes('\0') || normalize(dir) !== dir || dir === '/')) throw bad('dir', 'expected an absolute, normalised directory path');
   const hibernatedAt = o.hibernatedAt;
   if (typeof hibernatedAt !== 'string' || hibernatedAt.length > 64 || Number.isNaN(Date.parse(hibernatedAt))) throw bad('hibernatedAt', 'expected a date');
   if (o.guest !== 'probe' && o.guest !== 'linux') throw bad('guest', 'expected "probe" or "linux"');

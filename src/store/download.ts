@@ -35,10 +35,19 @@ export interface FetchedSnapshot {
 
 /**
  * Fetches the snapshot at `url` into a new directory of `cache`. A hibernated VM's snapshot is
- * refused: bringing one back from a store (at most once) is a later step. `fetchedManifest`: the
+ * refused unless `onHibernated` claims it (./hibernate-store.ts). `fetchedManifest`: the
  * manifest's bytes if the caller has fetched them already (shared-ram.ts keys by them).
  */
-export async function fetchSnapshot(url: StoreUrl, store: ObjectStore, cache: ChunkCache, options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'>, fetchedManifest?: Buffer): Promise<FetchedSnapshot> {
+export async function fetchSnapshot(
+  url: StoreUrl,
+  store: ObjectStore,
+  cache: ChunkCache,
+  options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'> & {
+    /** A hibernated VM's state was read: resolves once it is claimed (./claim.ts), before any RAM is fetched. Without it, such a VM is refused. */
+    onHibernated?: () => Promise<void>;
+  },
+  fetchedManifest?: Buffer,
+): Promise<FetchedSnapshot> {
   const t0 = performance.now();
   const manifestBody = fetchedManifest ?? (await fetchManifestBody(url, store));
   const manifest = parseStoreManifest(manifestBody, `${url.url}/snapshot.json`);
@@ -87,7 +96,10 @@ export async function fetchSnapshot(url: StoreUrl, store: ObjectStore, cache: Ch
   let ramFd: number | undefined;
   try {
     const stateBytes = await chunk(manifest.files.state);
-    refuseHibernated(stateBytes, url);
+    if (isHibernatedState(stateBytes)) {
+      if (!options.onHibernated) throw new StoreError('malformed', `${url.url}: holds a hibernated VM, which this fetch does not continue (Vm.restore does, claiming it first so that it resumes at most once)`);
+      await options.onHibernated();
+    }
     writeNew(join(dir, 'state.json'), stateBytes);
     writeNew(join(dir, 'manifest.json'), await chunk(manifest.files.manifest));
     ramFd = openSync(join(dir, 'ram'), 'wx', 0o600);
@@ -150,16 +162,14 @@ function writeNew(path: string, bytes: Buffer): void {
   }
 }
 
-/** A hibernated VM's state: continuing it from a store, at most once, is not done yet. */
-function refuseHibernated(stateBytes: Buffer, url: StoreUrl): void {
+/** Whether a snapshot's state is a hibernated VM's (Vm.hibernate). */
+function isHibernatedState(stateBytes: Buffer): boolean {
   let state: unknown;
   try {
     state = JSON.parse(stateBytes.toString('utf8'));
   } catch {
     // Not JSON: the local restore says so, with its own words.
-    return;
+    return false;
   }
-  if (typeof state === 'object' && state !== null && 'hibernated' in state) {
-    throw new StoreError('malformed', `${url.url}: holds a hibernated VM, which a restore from an object store does not continue yet (it cannot make sure the VM resumes at most once)`);
-  }
+  return typeof state === 'object' && state !== null && 'hibernated' in state;
 }

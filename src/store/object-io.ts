@@ -93,9 +93,10 @@ export class ObjectStore {
   /**
    * Runs `call` with a signal that aborts it after {@link requestTimeoutMs}, and maps what it
    * throws: the abort to `timeout`, 404 to `not-found`, 412 to `exists`, anything else from the
-   * store or the network to `unreachable`. A {@link StoreError} passes through.
+   * store or the network to `unreachable`. A {@link StoreError} passes through. Not private:
+   * the claim of a hibernated VM (claim.ts) makes conditional calls of its own through it.
    */
-  private async bounded<T>(what: string, call: (signal: AbortSignal) => Promise<T>): Promise<T> {
+  async bounded<T>(what: string, call: (signal: AbortSignal) => Promise<T>): Promise<T> {
     const controller = new AbortController();
     let timer: NodeJS.Timeout | undefined;
     const timedOut = new Promise<never>((_, reject) => {

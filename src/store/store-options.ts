@@ -33,6 +33,13 @@ export interface StoreOptions {
   cacheMaxBytes?: number;
   /** Called after each chunk is sent or fetched (or found present), and once at the end. */
   onProgress?: (progress: StoreProgress) => void;
+  /**
+   * Restore of a hibernated VM: the id of a claim to take over ({@link StoreClaimedError}'s
+   * `claim.claimId`), when the process that claimed the VM is known to have ended before the
+   * VM ran (else the VM would run twice: the choice is the caller's). Only that claim is
+   * replaced, by a compare-and-swap that one of several racing takers wins. Default none.
+   */
+  takeOverClaim?: string;
 }
 
 /**
@@ -85,9 +92,10 @@ export interface ResolvedStoreOptions {
   cacheDir: string;
   cacheMaxBytes: number;
   onProgress?: (progress: StoreProgress) => void;
+  takeOverClaim?: string;
 }
 
-const KEYS = new Set(['client', 'requestTimeoutMs', 'concurrency', 'cacheDir', 'cacheMaxBytes', 'onProgress']);
+const KEYS = new Set(['client', 'requestTimeoutMs', 'concurrency', 'cacheDir', 'cacheMaxBytes', 'onProgress', 'takeOverClaim']);
 
 /** Checks `options` (the `store` option of a snapshot or restore); each failure an {@link InvalidOptionError}. */
 export function resolveStoreOptions(options: StoreOptions | undefined): ResolvedStoreOptions {
@@ -108,5 +116,11 @@ export function resolveStoreOptions(options: StoreOptions | undefined): Resolved
     cacheDir: o.cacheDir ?? defaultCacheDir(),
     cacheMaxBytes: int('cacheMaxBytes', o.cacheMaxBytes, 0, Number.MAX_SAFE_INTEGER, DEFAULT_CACHE_MAX_BYTES),
     ...(o.onProgress && { onProgress: o.onProgress }),
+    ...(o.takeOverClaim !== undefined && { takeOverClaim: claimIdOption(o.takeOverClaim) }),
   };
+}
+
+function claimIdOption(v: unknown): string {
+  if (typeof v !== 'string' || !/^[0-9a-f]{32}$/.test(v)) throw new InvalidOptionError('store.takeOverClaim', 'must be a claim id (32 hex digits, as a StoreClaimedError gives it)');
+  return v;
 }

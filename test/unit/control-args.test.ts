@@ -25,6 +25,30 @@ describe('pvisor suspend/resume/stop: argument parsing', () => {
     expect(parseControlArgs('resume', ['T1', '--vm-load'], dir)).toMatchObject({ foreground: false, hibernate: false });
   });
 
+  it('suspend --hibernate --store and resume --store [--take-over] name an object store location, checked', () => {
+    const claim = 'ab'.repeat(16);
+    expect(parseControlArgs('suspend', ['T1', '--hibernate', '--store', 's3://pvisor/vms/T1'], dir)).toMatchObject({ hibernate: true, offload: true, store: 's3://pvisor/vms/T1' });
+    expect(parseControlArgs('resume', ['T1', '--store', 's3://pvisor/vms/T1', '--take-over', claim], dir)).toMatchObject({ store: 's3://pvisor/vms/T1', takeOver: claim });
+    expect(parseControlArgs('resume', ['T1'], dir)).not.toHaveProperty('store');
+    const refused = (cmd: 'suspend' | 'resume', argv: string[], option: string) => {
+      const e = (() => {
+        try {
+          parseControlArgs(cmd, argv, dir);
+        } catch (x) {
+          return x;
+        }
+      })();
+      expect(e).toBeInstanceOf(InvalidOptionError);
+      expect((e as InvalidOptionError).option).toBe(option);
+    };
+    // --store without --hibernate would only pause: refused rather than ignored.
+    refused('suspend', ['T1', '--store', 's3://pvisor/vms/T1'], 'store');
+    refused('suspend', ['T1', '--hibernate', '--store', '/tmp/x'], 'store');
+    refused('resume', ['T1', '--store', 's3://pvisor'], 'store');
+    refused('resume', ['T1', '--take-over', claim], 'take-over');
+    refused('resume', ['T1', '--store', 's3://pvisor/vms/T1', '--take-over', 'nope'], 'take-over');
+  });
+
   it('the id may come from --vm-job-id or the socket name alone', () => {
     expect(parseControlArgs('resume', ['--vm-job-id', 'J2'], dir)).toMatchObject({ id: 'J2', socketPath: '/run/pvisor/J2.sock' });
     expect(parseControlArgs('stop', ['--vm-socket', '/x/J3.sock'], dir)).toMatchObject({ id: 'J3', socketPath: '/x/J3.sock' });

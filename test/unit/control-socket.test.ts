@@ -62,6 +62,8 @@ describe('control socket', () => {
     expect(parseRequest('{"op":"suspend"}')).toEqual({ op: 'suspend', offload: false });
     expect(parseRequest('{"op":"status"}')).toEqual({ op: 'status' });
     expect(parseRequest('{"v":1,"op":"hibernate"}')).toEqual({ op: 'hibernate' });
+    expect(parseRequest('{"v":1,"op":"hibernate","store":"s3://pvisor/vms/T1"}')).toEqual({ op: 'hibernate', store: 's3://pvisor/vms/T1' });
+    for (const bad of ['{"op":"hibernate","store":7}', '{"op":"hibernate","store":"/var/tmp/x"}', '{"op":"hibernate","store":"s3://pvisor/../x"}']) expect(() => parseRequest(bad)).toThrow(/^control request: hibernate: store: /);
     for (const bad of ['', 'suspend', '{"op":"explode"}', 'null', '{"op":"suspend","offload":"yes"}']) expect(() => parseRequest(bad)).toThrow(InvalidOptionError);
   });
 

@@ -1,0 +1,171 @@
+// A probe VM hibernated to a real object store (scripts/object-store.sh: Ceph radosgw on loopback)
+// on one "host" and resumed on another (another process with its own runtime directory and chunk
+// cache): same digest, same name and labels; a second resume is refused with the typed error that
+// names who claimed it. Then the CLI's round trip: pvisor suspend ID --hibernate --store on host
+// A, pvisor resume ID --store on host B (same id, a new socket there, digest equal), a resume on
+// host C refused (exit 1). It prints the times of local and store hibernation and resume, and the
+// bytes sent (docs/object-store.md, "Hibernated VMs in a store"). Real KVM, processes, store;
+// under the nested harness the store runs inside the L1, as in store-snapshot.test.ts.
+import { spawnSync } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { StoreClaimedError, Vm } from '../../src';
+import { controlRequest } from '../../src/control-socket';
+import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
+import { gone, pvisorOnce, startPvisor, type Run } from '../cli-runs';
+import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
+import { hexOf } from '../probe-digest';
+
+const ROOT = join(__dirname, '..', '..', '..');
+const STATE_DIR = join(ROOT, '.cache', `store-hibernate-test-${process.pid}`);
+let WORK: string;
+const index = join(__dirname, '..', '..', 'src', 'index.js');
+const MiB = 1024 * 1024;
+const ws = hexOf({ content: 'random', seed: 31, sizeBytes: 16 * MiB, rewrites: [] });
+
+const script = objectStoreScript(STATE_DIR, { timeoutMs: 600_000, env: { OBJECT_STORE_BACKEND: 'memstore', OBJECT_STORE_SIZE_MIB: '1024', OBJECT_STORE_TIMEOUT_S: '400' } });
+const why = objectStoreSkipReason('hibernation through the object store');
+
+interface Restored {
+  digest?: string;
+  name?: string;
+  labels?: Record<string, string>;
+  restoreInfo?: { hibernated: boolean; readyMs: number; ramLoad: string; store?: { bytesTransferred: number; chunksTransferred: number } };
+  error?: { name: string; reason?: string; claim?: StoreClaimedError['claim']; message: string };
+  pid: number;
+}
+
+/** Restores `location` in a new node process of `host` (runtime dir and chunk cache); what it saw. */
+function restoreElsewhere(location: string, host: string): Restored {
+  const child = `
+    const { Vm } = require(${JSON.stringify(index)});
+    (async () => {
+      let out;
+      try {
+        const vm = await Vm.restore(${JSON.stringify(location)}, { store: { cacheDir: ${JSON.stringify(join(host, 'cache'))}, requestTimeoutMs: 60000 } });
+        const digest = (await vm.probe.digest()).hex;
+        out = { digest, name: vm.name, labels: vm.labels, restoreInfo: vm.restoreInfo };
+        await vm.stop();
+      } catch (e) {
+        out = { error: { name: e.constructor.name, reason: e.reason, claim: e.claim, message: e.message } };
+      }
+      process.stdout.write(JSON.stringify({ ...out, pid: process.pid }));
+    })().catch((e) => { console.error(e); process.exit(1); });`;
+  const r = spawnSync(process.execPath, ['-e', child], { encoding: 'utf8', timeout: 300_000, env: { ...process.env, PVISOR_RUNTIME_DIR: join(host, 'run') } });
+  if (r.status !== 0) throw new Error(`the restoring process exited ${r.status}: ${r.stderr}`);
+  return JSON.parse(r.stdout) as Restored;
+}
+
+(why ? describe.skip : describe)(`a probe VM hibernated through the object store${why ? ` (skipped: ${why})` : ''}`, () => {
+  let restoreEnv = () => {};
+
+  beforeAll(() => {
+    WORK = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-store-hibernate-'));
+    ({ restoreEnv } = startObjectStore(script));
+  }, 620_000);
+
+  afterAll(() => {
+    restoreEnv();
+    const r = script('stop');
+    if (WORK) rmSync(WORK, { recursive: true, force: true });
+    expect(r.status).toBe(0);
+  }, 120_000);
+
+  const start = async (name: string): Promise<Vm> => {
+    const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1, name, labels: { team: 'blue' } });
+    await vm.probe.fill({ sizeMiB: 16, content: 'random', seed: 31 });
+    expect((await vm.probe.digest()).hex).toBe(ws);
+    return vm;
+  };
+
+  it('vm.hibernate(s3://) here, Vm.restore(s3://) in another process with its own runtime dir and cache: same VM, digest equal; a second resume is refused', async () => {
+    // The local hibernation first, for the figures to compare with.
+    const local = await start('local-h');
+    const localDir = join(WORK, 'local-h');
+    const localInfo = await local.hibernate(localDir);
+    const localResume = restoreElsewhere(localDir, join(WORK, 'host-l'));
+    expect(localResume.digest).toBe(ws);
+
+    const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/vm`;
+    const vm = await start('store-h');
+    const hostA = join(WORK, 'host-a');
+    const exit = new Promise<{ hibernatedTo?: string }>((resolve) => vm.once('exit', resolve));
+    const info = await vm.hibernate(url, { store: { cacheDir: join(hostA, 'cache') } });
+    expect(vm.state).toBe('stopped');
+    expect((await exit).hibernatedTo).toBe(url);
+    expect(info.dir).toBe(url);
+    expect(info.store).toMatchObject({ url, chunksTotal: 32 });
+    expect(info.store!.chunksTransferred).toBeGreaterThanOrEqual(8 + 2);
+    expect(readdirSync(join(hostA, 'cache', 'work'))).toEqual([]);
+    // The same prefix twice is refused before the VM is paused.
+    const again = await start('store-h2');
+    await expect(again.hibernate(url, { store: { cacheDir: join(hostA, 'cache') } })).rejects.toMatchObject({ reason: 'exists' });
+    expect(again.state).toBe('running');
+    await again.stop();
+
+    const b = restoreElsewhere(url, join(WORK, 'host-b'));
+    expect(b.error).toBeUndefined();
+    expect(b.digest).toBe(ws);
+    expect(b.name).toBe('store-h');
+    expect(b.labels).toEqual({ team: 'blue' });
+    expect(b.restoreInfo).toMatchObject({ hibernated: true, ramLoad: 'lazy' });
+    expect(readdirSync(join(WORK, 'host-b', 'cache', 'work'))).toEqual([]);
+
+    const c = restoreElsewhere(url, join(WORK, 'host-c'));
+    expect(c.digest).toBeUndefined();
+    expect(c.error).toMatchObject({ name: 'StoreClaimedError', reason: 'claimed', claim: { state: 'resumed', pid: b.pid } });
+    expect(c.error!.message).toMatch(/was resumed by .* pid \d+ at /);
+    // Refused before any of its RAM was fetched.
+    expect(readdirSync(join(WORK, 'host-c', 'cache', 'chunks'))).toHaveLength(1); // the state, to know it is hibernated
+
+    const mib = (n: number) => (n / MiB).toFixed(1);
+    process.stdout.write(
+      `hibernate: local ${localInfo.ms.toFixed(1)} ms (${mib(localInfo.bytesOnDisk)} MiB on disk), to the store ${info.ms.toFixed(1)} ms (${mib(info.store!.bytesTransferred)} MiB sent in ${info.store!.chunksTransferred} objects)\n` +
+        `resume to ready in another process: local ${localResume.restoreInfo!.readyMs.toFixed(1)} ms, from the store ${b.restoreInfo!.readyMs.toFixed(1)} ms (${mib(b.restoreInfo!.store!.bytesTransferred)} MiB fetched); refused second resume ok\n`,
+    );
+  }, 600_000);
+
+  it('pvisor suspend ID --hibernate --store on host A, pvisor resume ID --store on host B: same id and digest; a resume on host C is refused', async () => {
+    const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/cli`;
+    const host = (name: string): NodeJS.ProcessEnv => ({ ...process.env, PVISOR_RUNTIME_DIR: join(WORK, name, 'run'), PVISOR_CHUNK_CACHE: join(WORK, name, 'cache') });
+    const run: Run = startPvisor(host('cli-a'), ['run', '--vm-backing-dir', WORK, '--guest', 'probe', '--name', 'S1', '--memory', '64MiB', '--vcpus', '1', '--label', 'team=red', '--', 'fill 16MiB random 31, digest, wait']);
+    let pid: number | undefined;
+    try {
+      await run.waitFor(/^digest: /m);
+      const h = await pvisorOnce(host('cli-a'), ['suspend', 'S1', '--vm-offload', '--hibernate', '--store', url]);
+      expect(h.stderr).toBe('');
+      expect(h.status).toBe(0);
+      expect(h.stdout).toMatch(new RegExp(`^S1 hibernated to ${url.replace(/[/.]/g, '\\$&')} in [\\d.]+ ms: .* -> 0; [\\d.]+ MiB sent in \\d+ objects .*; its process \\(pid ${run.child.pid}\\) has ended \\(pvisor run exits 148\\)\\. pvisor resume S1 --store .* continues it, on this host or another$`, 'm'));
+      expect((await run.exited).code).toBe(148);
+      // Nothing of it stays on host A.
+      expect(readdirSync(join(WORK, 'cli-a', 'run')).filter((f) => f.startsWith('S1'))).toEqual([]);
+      expect(readdirSync(join(WORK, 'cli-a', 'cache', 'work'))).toEqual([]);
+
+      const r = await pvisorOnce(host('cli-b'), ['resume', 'S1', '--store', url, '--json']);
+      expect(r.stderr).toBe('');
+      expect(r.status).toBe(0);
+      const report = JSON.parse(r.stdout) as { id: string; pid: number; ramLoad: string; store: string };
+      pid = report.pid;
+      expect(report).toMatchObject({ id: 'S1', ramLoad: 'lazy', store: url });
+      const socket = join(WORK, 'cli-b', 'run', 'S1.sock');
+      expect(existsSync(socket)).toBe(true);
+      const d = await controlRequest(socket, 'S1', { op: 'exec', command: 'digest' }, 120_000);
+      if (!d.ok) throw new Error(d.error.message);
+      expect(/^digest: ([0-9a-f]{16})/m.exec(d.exec!.stdout)?.[1]).toBe(ws);
+      expect(d.vm.labels).toEqual({ team: 'red' });
+
+      const c = await pvisorOnce(host('cli-c'), ['resume', 'S1', '--store', url]);
+      expect(c.status).toBe(1);
+      expect(c.stderr).toMatch(/^pvisor: resume S1 refused: .*the hibernated VM was (resumed|claimed) by .* pid \d+ at .*A hibernated VM is resumed at most once/m);
+      expect(existsSync(join(WORK, 'cli-c', 'run', 'S1.sock'))).toBe(false);
+
+      const s = await pvisorOnce(host('cli-b'), ['stop', 'S1']);
+      expect(s.status).toBe(0);
+    } finally {
+      if (run.child.exitCode === null && run.child.signalCode === null) run.child.kill('SIGKILL');
+      if (pid !== undefined) for (let i = 0; i < 100 && !gone(pid); i++) await new Promise((res) => setTimeout(res, 100));
+      if (pid !== undefined && !gone(pid)) process.kill(pid, 'SIGKILL');
+    }
+  }, 600_000);
+});
