@@ -20,7 +20,7 @@ import { FetchFailure, FetchRecord } from '../memory/fetch-protocol';
 import { RecordChannel, type NativeRecord } from '../native/record-channel';
 import { ChunkCache } from './chunk-cache';
 import { fetchCheckedChunk, type ChunkCounts } from './chunk-fetch';
-import { ObjectStore } from './object-io';
+import type { ObjectStore } from './object-io';
 import { parseStoreUrl } from './store-url';
 
 /** What the worker is started with. */
@@ -64,7 +64,10 @@ if (parentPort && (workerData as Partial<FetcherData> | null)?.role === 'pvisor-
 
 function run(port: NonNullable<typeof parentPort>, data: FetcherData): void {
   const url = parseStoreUrl(data.location);
-  const store = ObjectStore.open(url, { requestTimeoutMs: data.requestTimeoutMs });
+  // The S3 client loads in the background (a few hundred ms on a busy host): a chunk the cache
+  // holds does not wait for it.
+  const storeReady: Promise<ObjectStore> = import('./object-io').then(({ ObjectStore }) => ObjectStore.open(url, { requestTimeoutMs: data.requestTimeoutMs }));
+  storeReady.catch(() => undefined);
   const cache = ChunkCache.open(data.cacheDir, data.cacheMaxBytes);
   const shared = new BigInt64Array(data.counters);
   const counts: ChunkCounts = {
@@ -102,7 +105,7 @@ function run(port: NonNullable<typeof parentPort>, data: FetcherData): void {
     if (stopped) return;
     stopped = true;
     channel?.destroy();
-    store.close();
+    void storeReady.then((store) => store.close(), () => undefined);
     port.close();
   };
 
@@ -113,7 +116,10 @@ function run(port: NonNullable<typeof parentPort>, data: FetcherData): void {
     if (!forFault) prefetchesRunning++;
     cache.pin(c.sha256);
     try {
-      const bytes = await fetchCheckedChunk({ sha256: c.sha256, sizeBytes: c.sizeBytes }, url, store, cache, counts);
+      const ref = { sha256: c.sha256, sizeBytes: c.sizeBytes };
+      const cached = cache.read(ref.sha256, ref.sizeBytes);
+      if (cached) counts.chunksPresent++;
+      const bytes = cached ?? (await fetchCheckedChunk(ref, url, await storeReady, cache, counts));
       for (let done = 0; done < bytes.length;) done += writeSync(j.scratchFd, bytes, done, bytes.length - done, c.fileOffset + done);
       states[i] = 2;
       if (forFault) Atomics.add(shared, FetcherCounter.chunksForFaults, 1n);
