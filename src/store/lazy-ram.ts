@@ -19,7 +19,7 @@ import { closeSync, ftruncateSync, openSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { Worker } from 'node:worker_threads';
 import type { GuestMemory } from '../backends/kvm/guest-memory';
-import { SnapshotError, StoreError, type PvisorError } from '../errors';
+import { SnapshotError, StoreError, type PvisorError, type StoreErrorReason } from '../errors';
 import type { DeferredRamFetcher } from '../memory/composition';
 import { FetchFailure } from '../memory/fetch-protocol';
 import type { FileRange } from '../memory/uffd-server';
@@ -28,15 +28,64 @@ import { hex32, RAM_CHUNK_BYTES, zeroChunkCrc32c } from '../snapshot/ram-file';
 import { readRamChecksums, SnapshotReader, type SnapshotState } from '../snapshot/snapshot-dir';
 import { ChunkCache } from './chunk-cache';
 import { fetchCheckedChunk, readStoreManifest, type ChunkCounts } from './chunk-fetch';
-import { FetcherCounter, type FetcherChunk, type FetcherCommand, type FetcherData, type FetcherFailure } from './chunk-fetch-worker';
+import { FetcherCounter, type FetcherChunk, type FetcherCommand, type FetcherData, type FetcherMessage } from './chunk-fetch-worker';
 import { chunkPlaces, refuseHibernated, writeNew } from './download';
 import { ObjectStore } from './object-io';
 import { resolveStoreOptions, type StoreOptions, type StoreTransfer } from './store-options';
 import { chunkSizeBytes, prefetchOrder, type StoreManifest } from './store-manifest';
 import { parseStoreUrl, type StoreUrl } from './store-url';
 
-/** How long a stopped fetcher may take to end by itself before it is terminated. */
-const FETCHER_STOP_MS = 2000;
+/**
+ * The process's chunk fetcher threads (chunk-fetch-worker.ts), one per AWS environment, which its
+ * S3 clients read: started by the first lazy restore and kept (unreferenced: it does not keep the
+ * process alive), so that later restores do not pay for starting a worker. Each restore is a job
+ * of it, by id.
+ */
+class FetcherThread {
+  private static readonly byEnv = new Map<string, FetcherThread>();
+  private static nextJobId = 1;
+  private readonly jobs = new Map<number, { onMessage(m: FetcherMessage): void; onGone(e: Error): void }>();
+
+  private constructor(private readonly worker: Worker, key: string) {
+    worker.unref();
+    worker.on('message', (m: FetcherMessage) => this.jobs.get(m.id)?.onMessage(m));
+    const gone = (e: Error): void => {
+      if (FetcherThread.byEnv.get(key) === this) FetcherThread.byEnv.delete(key);
+      const jobs = [...this.jobs.values()];
+      this.jobs.clear();
+      for (const j of jobs) j.onGone(e);
+    };
+    worker.on('error', gone);
+    worker.on('exit', (code) => gone(new Error(`the chunk fetcher thread exited with code ${code}`)));
+  }
+
+  /** The thread for the AWS environment as this thread sees it now (a test runner's process.env is not the process's). */
+  static forThisEnvironment(): FetcherThread {
+    const env = { ...process.env };
+    const key = JSON.stringify(Object.keys(env).filter((k) => k.startsWith('AWS_')).sort().map((k) => [k, env[k]]));
+    let thread = FetcherThread.byEnv.get(key);
+    if (!thread) {
+      thread = new FetcherThread(new Worker(join(__dirname, 'chunk-fetch-worker.js'), { env, workerData: { role: 'pvisor-chunk-fetcher' } satisfies FetcherData }), key);
+      FetcherThread.byEnv.set(key, thread);
+    }
+    return thread;
+  }
+
+  /** A new job's id; its messages go to `handlers` until {@link forget}. */
+  register(handlers: { onMessage(m: FetcherMessage): void; onGone(e: Error): void }): number {
+    const id = FetcherThread.nextJobId++;
+    this.jobs.set(id, handlers);
+    return id;
+  }
+
+  forget(id: number): void {
+    this.jobs.delete(id);
+  }
+
+  post(cmd: FetcherCommand): void {
+    this.worker.postMessage(cmd);
+  }
+}
 
 /**
  * Whether a restore from a store can be lazy: guest RAM loaded through userfaultfd (not `verify`,
@@ -50,16 +99,20 @@ export function canRestoreLazily(options: { verify: boolean; sharedSnapshot: boo
 /** A snapshot in a store, opened for a lazy restore: {@link LazyStoreSnapshot.open}. */
 export class LazyStoreSnapshot {
   private closed = false;
-  private workerExited = false;
+  /** The fetcher has let go of the scratch file (the job stopped, or its thread is gone). */
+  private released = false;
+  private scratchClosed = false;
   private failure: PvisorError | undefined;
   private readonly counters: BigInt64Array;
+  private readonly jobId: number;
 
   private constructor(
     private readonly url: StoreUrl,
     /** The snapshot's small files and an empty scratch RAM file, checked: what `Vm` restores from. */
     readonly reader: SnapshotReader,
-    private readonly worker: Worker,
-    counters: SharedArrayBuffer,
+    private readonly thread: FetcherThread,
+    private readonly options: { requestTimeoutMs: number; cacheDir: string; cacheMaxBytes: number },
+    private readonly countersBuffer: SharedArrayBuffer,
     private readonly scratchFd: number,
     private readonly ranges: FileRange[],
     private readonly chunks: FetcherChunk[],
@@ -68,14 +121,27 @@ export class LazyStoreSnapshot {
     private readonly base: StoreTransfer,
     private readonly t0: number,
   ) {
-    this.counters = new BigInt64Array(counters);
-    worker.on('message', (m: FetcherFailure) => {
-      if (m.kind === 'error') this.failure ??= this.errorOf(m.reason, m.message);
+    this.counters = new BigInt64Array(countersBuffer);
+    this.jobId = thread.register({
+      onMessage: (m) => {
+        if (m.kind === 'error') this.failure ??= this.errorOf(m.reason, m.message);
+        else this.release();
+      },
+      onGone: (e) => {
+        this.failure ??= new SnapshotError(`${url.url}: the chunk fetcher failed: ${e.message}`, { cause: e });
+        this.release();
+      },
     });
-    worker.once('exit', () => (this.workerExited = true));
-    worker.on('error', (e) => {
-      this.failure ??= new SnapshotError(`${url.url}: the chunk fetcher failed: ${e.message}`, { cause: e });
-    });
+  }
+
+  /** The fetcher will not write the scratch file again: it closes once this restore is done with it too. */
+  private release(): void {
+    this.released = true;
+    this.thread.forget(this.jobId);
+    if (this.closed && !this.scratchClosed) {
+      this.scratchClosed = true;
+      closeSync(this.scratchFd);
+    }
   }
 
   /**
@@ -91,13 +157,8 @@ export class LazyStoreSnapshot {
     const o = resolveStoreOptions(options);
     const cache = ChunkCache.open(o.cacheDir, o.cacheMaxBytes);
     const counters = new SharedArrayBuffer(8 * 4);
-    // Started first: it loads the S3 client while the small files come.
-    const worker = new Worker(join(__dirname, 'chunk-fetch-worker.js'), {
-      // The AWS environment as this thread sees it now (a test runner's process.env is not the process's).
-      env: { ...process.env },
-      workerData: { role: 'pvisor-chunk-fetcher', location, requestTimeoutMs: o.requestTimeoutMs, cacheDir: o.cacheDir, cacheMaxBytes: o.cacheMaxBytes, counters } satisfies FetcherData,
-    });
-    worker.unref();
+    // First: a thread that is new starts (and loads the S3 client) while the small files come.
+    const thread = FetcherThread.forThisEnvironment();
     const store = ObjectStore.open(url, o);
     let opened: SmallFiles | undefined;
     try {
@@ -123,10 +184,10 @@ export class LazyStoreSnapshot {
       });
       const order = prefetchOrder(manifest).map((i) => rangeOfChunk.get(i)!);
       const base: StoreTransfer = { url: url.url, chunksTotal: manifest.ramChunks.length, zeroChunks: manifest.ramChunks.length - ranges.length, chunksTransferred: counts.chunksTransferred, chunksPresent: counts.chunksPresent, bytesTransferred: counts.bytesTransferred, ms: 0 };
-      return new LazyStoreSnapshot(url, reader, worker, counters, scratchFd, ranges, chunks, order, o.concurrency, base, t0);
+      const jobOptions = { requestTimeoutMs: o.requestTimeoutMs, cacheDir: o.cacheDir, cacheMaxBytes: o.cacheMaxBytes };
+      return new LazyStoreSnapshot(url, reader, thread, jobOptions, counters, scratchFd, ranges, chunks, order, o.concurrency, base, t0);
     } catch (e) {
       opened?.discard();
-      void worker.terminate();
       throw e;
     } finally {
       store.close();
@@ -141,7 +202,13 @@ export class LazyStoreSnapshot {
     const fetcher: DeferredRamFetcher = {
       start: (fetchFd, sourceId) => {
         if (this.closed) return closeSync(fetchFd);
-        this.worker.postMessage({ kind: 'start', fetchFd, sourceId, scratchFd: this.scratchFd, chunks: this.chunks, prefetchOrder: this.order, concurrency: this.concurrency } satisfies FetcherCommand);
+        if (this.released) {
+          // The thread is gone: the server finds every chunk absent for good, and the VM ends with the failure.
+          closeSync(fetchFd);
+          return;
+        }
+        const { requestTimeoutMs, cacheDir, cacheMaxBytes } = this.options;
+        this.thread.post({ kind: 'start', id: this.jobId, location: this.url.url, requestTimeoutMs, cacheDir, cacheMaxBytes, counters: this.countersBuffer, fetchFd, sourceId, scratchFd: this.scratchFd, chunks: this.chunks, prefetchOrder: this.order, concurrency: this.concurrency } satisfies FetcherCommand);
       },
       close: () => this.close(),
     };
@@ -168,7 +235,7 @@ export class LazyStoreSnapshot {
 
   /** The VM is ready: fetch the chunks nobody asked for yet, in the prefetch order, in the background. */
   startPrefetch(): void {
-    if (!this.closed) this.worker.postMessage({ kind: 'prefetch' } satisfies FetcherCommand);
+    if (!this.closed && !this.released) this.thread.post({ kind: 'prefetch', id: this.jobId } satisfies FetcherCommand);
   }
 
   /** The restore has its descriptors: closes the reader and removes the work directory (the server and the fetcher hold the scratch file open). */
@@ -182,12 +249,9 @@ export class LazyStoreSnapshot {
     if (this.closed) return;
     this.closed = true;
     this.reader.close();
-    const scratchFd = this.scratchFd;
-    // The scratch file is the fetcher's until it has ended.
-    if (this.workerExited) closeSync(scratchFd);
-    else this.worker.once('exit', () => closeSync(scratchFd));
-    this.worker.postMessage({ kind: 'stop' } satisfies FetcherCommand);
-    setTimeout(() => void this.worker.terminate(), FETCHER_STOP_MS).unref();
+    // The scratch file is the fetcher's until it says it has stopped (release closes it then).
+    if (this.released) this.release();
+    else this.thread.post({ kind: 'stop', id: this.jobId } satisfies FetcherCommand);
   }
 
   /** The error a VM ends with when range `offset` failed: the fetcher's own, else one from the server's reason. */
@@ -198,7 +262,7 @@ export class LazyStoreSnapshot {
     return reason ? new StoreError(reason, message) : new SnapshotError(message);
   }
 
-  private errorOf(reason: FetcherFailure['reason'], message: string): PvisorError {
+  private errorOf(reason: StoreErrorReason | null, message: string): PvisorError {
     const m = `${message}; the VM ends (the guest never saw the chunk)`;
     return reason ? new StoreError(reason, m) : new SnapshotError(`${this.url.url}: a chunk could not be kept on this host: ${m}`);
   }
