@@ -47,7 +47,6 @@ class FetcherThread {
   private readonly jobs = new Map<number, { onMessage(m: FetcherMessage): void; onGone(e: Error): void }>();
 
   private constructor(private readonly worker: Worker, key: string) {
-    worker.unref();
     worker.on('message', (m: FetcherMessage) => this.jobs.get(m.id)?.onMessage(m));
     const gone = (e: Error): void => {
       if (FetcherThread.byEnv.get(key) === this) FetcherThread.byEnv.delete(key);
@@ -57,6 +56,8 @@ class FetcherThread {
     };
     worker.on('error', gone);
     worker.on('exit', (code) => gone(new Error(`the chunk fetcher thread exited with code ${code}`)));
+    // After the listeners: adding a 'message' listener refs the worker's port again.
+    worker.unref();
   }
 
   /** The thread for the AWS environment as this thread sees it now (a test runner's process.env is not the process's). */
