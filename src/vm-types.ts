@@ -282,8 +282,20 @@ export interface RestoreOptions {
 export interface RestoreInfo {
   /** The snapshot directory, or its `s3://` location. */
   dir: string;
-  /** For an `s3://` location: what was fetched from the object store (included in `readyMs`). */
+  /**
+   * For an `s3://` location: what was fetched from the object store before the VM was ready
+   * (included in `readyMs`). With `storeRamLoad: 'lazy'` the rest of guest RAM comes after.
+   */
   store?: StoreTransfer;
+  /**
+   * For an `s3://` location, how guest RAM came from the store: `lazy` (the VM ran once the
+   * manifest and the small files were here; each chunk was fetched when the guest first touched
+   * it, and the rest are prefetched once the VM is ready) or `fetched` (every chunk was fetched
+   * into the chunk cache first: {@link RestoreOptions.verify}, a {@link SharedSnapshot} clone, a
+   * composition that cannot load lazily, or a client given as {@link StoreOptions.client}, which
+   * the fetcher thread cannot use). See docs/object-store.md.
+   */
+  storeRamLoad?: 'lazy' | 'fetched';
   /** Milliseconds from the {@link Vm.restore} call to the VM being ready (Linux: the agent answered); fractional, to the microsecond, as every duration here. */
   readyMs: number;
   /**

@@ -8,6 +8,7 @@ import { checkOptionKeys, optionKeys } from './option-keys';
 import { checkKvmHost, requireKernelModeGuests } from './backends/kvm/host-check';
 import type { DiskConfig } from './backends/kvm/devices/virtio-blk';
 import type { KvmMachine, MachineBoot } from './backends/kvm/kvm-machine';
+import type { GuestMemory } from './backends/kvm/guest-memory';
 import { GuestCrashError, GuestRequestError, InvalidOptionError, PvisorError, SnapshotError, TimeoutError, VmStateError, type BackingFileError, type NetworkSetupError, type StoreClaimedError, type StoreError } from './errors';
 import type { GuestPtys } from './guest/pty';
 import type { GuestProcessInfo } from './guest/process-registry';
@@ -15,15 +16,15 @@ import { LinuxGuest, type GuestFiles } from './guest/linux-client';
 import type { GuestProcess } from './guest/guest-process';
 import type { Command, ExecBufferOptions, ExecBufferResult, ExecOptions, ExecResult, GuestMemInfo, RequestTimeout, SpawnOptions } from './guest/guest-types';
 import { ProbeGuest } from './guest/probe-client';
-import { planSnapshotRam, refuseRestoreOnlyStrategies } from './snapshot/ram-restore';
+import { planSnapshotRam, refuseRestoreOnlyStrategies, type SnapshotRamFile } from './snapshot/ram-restore';
 import { nativePrebuild, prebuildMismatch } from './native';
 import { AgentClient, CommonOp } from './protocol/agent-client';
 import type { Frame } from './protocol/frame';
 import type { SnapshotReader, SnapshotState } from './snapshot/snapshot-dir';
-import type { StoreOptions } from './store/store-options';
+import type { StoreOptions, StoreTransfer } from './store/store-options';
 import { isStoreUrl } from './store/store-url';
 import { processResident, rangeResident } from './memory-usage';
-import { MemoryComposition } from './memory/composition';
+import { canLoadLazilyWith, MemoryComposition } from './memory/composition';
 import { fileSharedBytes } from './guest-ram/ram-backing';
 import type { MemoryStrategy } from './memory/strategy';
 import { booleanOption, elapsedMs, parseTimeoutMs } from './units';
@@ -136,6 +137,8 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   private _restoreInfo: RestoreInfo | undefined;
   /** Set while {@link hibernate} to an `s3://` location writes its local part: where the VM goes. */
   private hibernatingToStore: string | undefined;
+  /** A lazy restore from an object store: what its fetcher has moved so far. */
+  private storeFetcher: { transfer(): StoreTransfer } | undefined;
   private readonly warnings: WarningLimiter;
   /** Where the VM's trace goes (`logger`); silent without one. */
   private readonly log: VmLog;
@@ -351,15 +354,20 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * in the clone (their address is); servers it ran listen on. See docs/networking.md,
    * "Snapshots and clones".
    *
-   * `dir` may be an object store location, `s3://bucket/prefix`, that {@link Vm.snapshot} wrote:
-   * its manifest is fetched and checked, each chunk comes from the host's chunk cache or the store
-   * (checked against its SHA-256 before it is cached or used), the snapshot is assembled in the
-   * cache's directory and restored from there as above (see {@link RestoreOptions.store} and
-   * docs/object-store.md). All of guest RAM that is not zero is fetched before the VM runs. A
-   * chunk that fails its check, a malformed manifest, or a store that does not answer within
-   * {@link StoreOptions.requestTimeoutMs} is a {@link StoreError}, and nothing has run. A VM
-   * hibernated there ({@link hibernate} of an `s3://` location) is continued at most once: the
-   * restore claims it in the store before any of its RAM is fetched, and a VM another restore
+   * `dir` may be an object store location, `s3://bucket/prefix`, that {@link Vm.snapshot} wrote
+   * (see {@link RestoreOptions.store} and docs/object-store.md): its manifest and small files are
+   * fetched and checked, and the VM runs at once; each chunk of guest RAM is fetched (from the
+   * host's chunk cache or the store, its SHA-256 checked before it is cached or used) when the
+   * guest first touches it, and the rest are prefetched in the background once this resolves
+   * ({@link RestoreInfo.storeRamLoad} `lazy`; {@link storeTransfer} says how far). A chunk that
+   * fails its check, or a store that does not answer within {@link StoreOptions.requestTimeoutMs},
+   * then ends the VM with a {@link StoreError} before the guest reads a byte of it. Where guest
+   * RAM cannot load lazily (`verify`, a composition that cannot, a `store.client`, a hibernated
+   * VM) every chunk is fetched first (`fetched`), and such a failure is thrown with nothing run.
+   * A malformed manifest is a {@link StoreError} either way.
+   *
+   * A VM hibernated there ({@link hibernate} of an `s3://` location) is continued at most once:
+   * the restore claims it in the store before any of its RAM is fetched, and a VM another restore
    * claimed is a {@link StoreClaimedError} naming who and when (see
    * {@link StoreOptions.takeOverClaim} for a claimant that died before its VM ran). With a
    * {@link SharedSnapshot} among the strategies the snapshot is assembled once per host, in the
@@ -376,7 +384,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     const verify = booleanOption('verify', options.verify, false);
     const keep = booleanOption('keep', options.keep, false);
     parseSandbox(options); // checked before the snapshot is opened; again below with its labels
-    if (isStoreUrl(dir)) return Vm.restoreFromStore(dir, options, t0);
+    if (isStoreUrl(dir)) return Vm.restoreFromStore(dir, options, t0, { givenName, readyTimeoutMs, warningLimit, verify });
     const { SnapshotReader } = await import('./snapshot/snapshot-dir');
     const snapshot = SnapshotReader.open(dir);
     try {
@@ -412,18 +420,52 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   }
 
   /**
-   * {@link restore} of an `s3://` location: fetched into the chunk cache, restored from there; a
-   * hibernated VM claimed in the store first (./store/hibernate-store.ts).
+   * {@link restore} of an `s3://` location: lazily where guest RAM can load through userfaultfd
+   * (store/lazy-ram.ts: the VM runs once the small files are here, chunks come on first touch,
+   * the rest is prefetched once it is ready); otherwise fetched whole into the chunk cache and
+   * restored from there (`verify`, a SharedSnapshot clone, a composition that cannot load lazily,
+   * a client given as `store.client`, a hibernated VM, which is claimed first:
+   * store/hibernate-store.ts). `restoreInfo.storeRamLoad` says which.
    */
-  private static async restoreFromStore(url: string, options: RestoreOptions, t0: number): Promise<Vm> {
-    const { restoreFromStore } = await import('./store/hibernate-store');
+  private static async restoreFromStore(
+    url: string,
+    options: RestoreOptions,
+    t0: number,
+    checked: { givenName?: string; readyTimeoutMs: number; warningLimit: Required<WarningLimit>; verify: boolean },
+  ): Promise<Vm> {
     const { store, ...local } = options;
+    const strategies = options.strategies ?? [];
+    const { canRestoreLazily, LazyStoreSnapshot } = await import('./store/lazy-ram');
     const { SharedSnapshot } = await import('./memory/strategies/shared-snapshot');
-    const shared = local.strategies?.some((s) => s instanceof SharedSnapshot) ?? false;
-    const r = await restoreFromStore(url, store, (dir) => Vm.restore(dir, local), shared);
-    const vm = r.restored;
-    vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: r.transfer };
-    if (r.claimWarning) vm.warnings.warn(r.claimWarning);
+    const lazyOk = canRestoreLazily({ verify: checked.verify, sharedSnapshot: strategies.some((s) => s instanceof SharedSnapshot), compositionLoadsLazily: canLoadLazilyWith(strategies), store });
+    const fetchWhole = async (): Promise<Vm> => {
+      const { restoreFromStore } = await import('./store/hibernate-store');
+      const shared = strategies.some((s) => s instanceof SharedSnapshot);
+      const r = await restoreFromStore(url, store, (dir) => Vm.restore(dir, local), shared);
+      const vm = r.restored;
+      vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: r.transfer, storeRamLoad: 'fetched' };
+      if (r.claimWarning) vm.warnings.warn(r.claimWarning);
+      return vm;
+    };
+    if (!lazyOk) return fetchWhole();
+    const lazy = await LazyStoreSnapshot.open(url, store);
+    if (lazy === 'hibernated') return fetchWhole();
+    let vm: Vm;
+    try {
+      const { state } = lazy.reader;
+      const name = checked.givenName ?? `vm-${++vmCounter}`;
+      const sandbox = parseSandbox(options, undefined, { kind: state.guest, whose: 'the snapshot is of' });
+      vm = await Vm.restoreFrom(lazy.reader, name, t0, { ...checked, strategies, sandbox, ramFile: lazy.ramFile });
+    } catch (e) {
+      lazy.close();
+      throw e;
+    } finally {
+      // The server and the fetcher hold the scratch RAM file open; nothing else of it is needed.
+      lazy.removeDir();
+    }
+    vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: lazy.transfer(), storeRamLoad: 'lazy' };
+    vm.storeFetcher = lazy;
+    lazy.startPrefetch();
     return vm;
   }
 
@@ -431,13 +473,13 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     snapshot: SnapshotReader,
     name: string,
     t0: number,
-    options: { readyTimeoutMs: number; warningLimit: Required<WarningLimit>; verify: boolean; strategies?: readonly MemoryStrategy[]; sandbox: Sandbox },
+    options: { readyTimeoutMs: number; warningLimit: Required<WarningLimit>; verify: boolean; strategies?: readonly MemoryStrategy[]; sandbox: Sandbox; ramFile?: SnapshotRamFile<GuestMemory> },
   ): Promise<Vm> {
     const { readyTimeoutMs, warningLimit, verify } = options;
     const { state, dir } = snapshot;
     const strategies = [...(options.strategies ?? [])];
     // Before the composition is planned: the RAM file may be guest RAM's backing.
-    const ramPlan = planSnapshotRam(strategies, snapshot, { verify });
+    const ramPlan = planSnapshotRam(strategies, options.ramFile ?? snapshot, { verify });
     const vm = new Vm(name, state.memoryBytes, state.vcpus, state.guest, strategies, warningLimit, options.sandbox);
     const host = checkKvmHost();
     if (state.guest === 'linux') requireKernelModeGuests(host, 'linux');
@@ -496,6 +538,16 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   }
 
   /**
+   * For a VM restored from an `s3://` location: what has been fetched from the object store so far.
+   * After a lazy restore ({@link RestoreInfo.storeRamLoad} `lazy`) it grows as the guest touches
+   * RAM and as the rest is prefetched in the background; {@link RestoreInfo.store} is the same
+   * figure when the restore resolved. Undefined for any other VM.
+   */
+  get storeTransfer(): StoreTransfer | undefined {
+    return this.storeFetcher?.transfer() ?? this._restoreInfo?.store;
+  }
+
+  /**
    * Writes a snapshot of this VM into `dir` (created, or empty): guest RAM as a sparse file, the
    * machine's state (vCPUs, VM, devices, agent channel, options, guest kind) and a manifest with
    * a CRC32C per RAM chunk and of the state; the files are made read-only. A running VM is paused
@@ -546,7 +598,8 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     const t0 = performance.now();
     const { snapshotToStore } = await import('./store/snapshot-store');
     const { store, ...local } = options;
-    const { written, transfer } = await snapshotToStore(url, store, (dir) => this.snapshot(dir, local));
+    // A VM restored lazily records the order its guest touched RAM in: a restore of this snapshot prefetches in it.
+    const { written, transfer } = await snapshotToStore(url, store, (dir) => this.snapshot(dir, local), () => this.memory.lazyTouchOrder());
     return { ...written, dir: url, ms: elapsedMs(t0), store: transfer };
   }
 

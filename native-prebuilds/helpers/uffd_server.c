@@ -29,6 +29,16 @@
  * read the report and end the VM.
  * Prefetch: between two pieces of work the thread first serves every fault already queued on the
  * userfaultfd, so a vCPU waits for at most one prefetched range.
+ * Deferred FILE sources (PV_SRC_DEFERRED: guest RAM restored lazily from an object store): each
+ * range's bytes are not in the file yet. A fault in one that is still absent sends a WANT record
+ * on the server's *fetch socket* (pv_uffd_fetch_fd) to a fetcher (a Node worker thread, which
+ * reads the store, checks each chunk's SHA-256 and writes it into the file) and stays pending;
+ * the fetcher answers READY (the thread then loads the range as any FILE range, CRC32C checked,
+ * which wakes whoever waits there) or FAILED (the range is bad, as above). The thread never
+ * waits for a fetch: faults elsewhere are served meanwhile. The fetcher is not Node's main
+ * thread, so a fault of that thread in an absent range waits like a vCPU's; should the range
+ * fail, that thread gets one zero page, as on any bad range. A fetcher that closes its end
+ * makes every absent range bad.
  * Guest RAM is registered (MISSING mode) only while some source is active (not done, not
  * removed): with nothing left to load, faults fill normally at no cost to this thread.
  *
@@ -96,6 +106,14 @@ enum pv_source_kind { PV_SRC_FILE = 1, PV_SRC_ZERO = 2, PV_SRC_MEMORY = 3 };
 enum pv_source_flag {
   PV_SRC_CHECKSUM = 1, /* FILE: check each range's CRC32C before mapping it */
   PV_SRC_PUNCH = 2,    /* FILE: punch each loaded range out of the file (best effort) */
+  PV_SRC_DEFERRED = 4, /* FILE: each range's bytes arrive later, from the fetcher (see the header) */
+};
+
+/* pv_record.kind on the fetch socket; tag = source id, value = range index. */
+enum pv_fetch_record_kind {
+  PV_FETCH_WANT = 1,   /* to the fetcher: a fault waits in this absent range */
+  PV_FETCH_READY = 2,  /* from the fetcher: the range's bytes are in the file */
+  PV_FETCH_FAILED = 3, /* from the fetcher: they never will be; err = a pv_load_error */
 };
 
 /* pv_record.kind on this helper's socket; tag = source id. */
@@ -110,6 +128,8 @@ enum pv_load_error {
   PV_ERR_CHECKSUM = -1, /* CRC32C mismatch */
   PV_ERR_SHORT = -2,    /* the file ended inside the range */
   PV_ERR_UFFD = -3,     /* a userfaultfd ioctl failed (the errno is lost; the VM cannot go on) */
+  PV_ERR_FETCH = -4,    /* deferred: the fetcher is gone or cannot take a request */
+  /* -5 and below: the fetcher's own reasons, passed through (src/memory/uffd-server.ts names them) */
 };
 
 /*
@@ -129,7 +149,10 @@ struct pv_range {
 _Static_assert(sizeof(struct pv_range) == 32, "Node writes 32-byte ranges");
 
 enum range_state { MISSING = 0, LOADED = 1, BAD = 2 };
+#define STATE_MASK 0x03
 #define QUEUED 0x80 /* state bit: waiting in the prefetch queue (dedupes repeated prefetches) */
+#define ABSENT 0x40 /* state bit, deferred source: the bytes are not in the file yet */
+#define WANTED 0x20 /* state bit, deferred source: a WANT was sent (a fault waits there) */
 
 struct source {
   uint16_t id;
@@ -168,6 +191,11 @@ struct pv_uffd_server {
   uint8_t *bounce;
   uint64_t bounce_used_ms;
   uint64_t faults, zero_pages;
+  int fetch_fd, fetch_node_fd; /* the fetch socket (deferred sources), -1 until asked for */
+  uint8_t fetch_carry[sizeof(struct pv_record)];
+  uint32_t fetch_carried;
+  int main_waiting; /* Node's main thread waits in an absent range, at main_wait_off */
+  uint64_t main_wait_off;
 };
 
 static uint64_t now_ms(void) {
@@ -308,6 +336,12 @@ static void fail_range(struct pv_uffd_server *s, struct source *src, uint32_t i,
   src->state[i] = (src->state[i] & QUEUED) | BAD;
   if (!src->reported) pv_record_send(s->notify_fd, PV_REC_SOURCE_ERROR, src->id, err, src->ranges[i].offset);
   src->reported = 1;
+  /* Node's main thread must read the report and end the VM: it gets a zero page, as on any bad range. */
+  const struct pv_range *r = &src->ranges[i];
+  if (s->main_waiting && s->main_wait_off >= r->offset && s->main_wait_off < r->offset + r->length) {
+    s->main_waiting = 0;
+    fill(s, s->main_wait_off, PAGE, NULL, &s->zero_pages);
+  }
 }
 
 /* The 4 MiB bounce buffer, mapped on first use; NULL with errno set if it cannot be. */
@@ -419,6 +453,7 @@ static int load_range(struct pv_uffd_server *s, struct source *src, uint32_t i, 
     return -1;
   }
   src->state[i] = (src->state[i] & QUEUED) | LOADED;
+  if (s->main_waiting && s->main_wait_off >= r->offset && s->main_wait_off < r->offset + r->length) s->main_waiting = 0;
   src->loaded++;
   src->bytes += r->length;
   if (by_fault) {
@@ -439,6 +474,28 @@ static int load_range(struct pv_uffd_server *s, struct source *src, uint32_t i, 
   return 0;
 }
 
+/*
+ * A fault in an absent range of a deferred source: asks the fetcher for it once (non-blocking:
+ * the thread holds the mutex, and a fetcher that does not read its socket must not stall it);
+ * the fault stays pending. A fetcher that cannot take the request makes the range bad.
+ */
+static void want_range(struct pv_uffd_server *s, struct source *src, uint32_t i, uint64_t off, pid_t tid) {
+  if (tid == s->main_tid) {
+    s->main_waiting = 1;
+    s->main_wait_off = off;
+  }
+  if (src->state[i] & WANTED) return;
+  struct pv_record rec = {PV_FETCH_WANT, src->id, 0, i};
+  ssize_t n;
+  do n = s->fetch_fd >= 0 ? send(s->fetch_fd, &rec, sizeof rec, MSG_NOSIGNAL | MSG_DONTWAIT) : -1;
+  while (n < 0 && errno == EINTR);
+  if (n != (ssize_t)sizeof rec) {
+    fail_range(s, src, i, PV_ERR_FETCH);
+    return;
+  }
+  src->state[i] |= WANTED;
+}
+
 static void serve(struct pv_uffd_server *s, uint64_t addr, uint64_t flags, pid_t tid) {
   if (addr < s->base || addr >= s->base + s->size) return;
   uint64_t off = (addr - s->base) & ~(PAGE - 1);
@@ -454,7 +511,11 @@ static void serve(struct pv_uffd_server *s, uint64_t addr, uint64_t flags, pid_t
     uint32_t i = range_at_or_after(src, off);
     if (i < src->count && src->ranges[i].offset <= off) {
       src->faults++;
-      int state = src->state[i] & ~QUEUED;
+      int state = src->state[i] & STATE_MASK;
+      if (state == MISSING && (src->state[i] & ABSENT)) {
+        want_range(s, src, i, off, tid);
+        return; /* pending until the fetcher answers */
+      }
       if (state == MISSING) {
         if (load_range(s, src, i, 1) == 0) return;
         state = BAD;
@@ -499,6 +560,7 @@ static int prefetch_one(struct pv_uffd_server *s) {
     struct source *src = find_source(s, p.source);
     if (!src) continue;
     src->state[p.index] &= ~QUEUED;
+    /* An absent range loads when the fetcher says it is there. */
     if (!src->active || src->state[p.index] != MISSING) continue;
     load_range(s, src, p.index, 0);
     return 1;
@@ -508,6 +570,47 @@ static int prefetch_one(struct pv_uffd_server *s) {
   s->queue = NULL;
   s->qhead = s->qlen = s->qcap = 0;
   return 0;
+}
+
+/* Every absent range of every deferred source is bad: the fetcher is gone. */
+static void fetcher_gone(struct pv_uffd_server *s) {
+  close(s->fetch_fd);
+  s->fetch_fd = -1;
+  for (uint32_t k = 0; k < s->nsources; k++) {
+    struct source *src = s->sources[k];
+    for (uint32_t i = 0; src->active && (src->flags & PV_SRC_DEFERRED) && i < src->count; i++)
+      if ((src->state[i] & STATE_MASK) == MISSING && (src->state[i] & ABSENT)) fail_range(s, src, i, PV_ERR_FETCH);
+  }
+}
+
+/* What the fetcher says of one range: READY loads it (checked as any FILE range), FAILED makes it bad. */
+static void take_fetch_record(struct pv_uffd_server *s, const struct pv_record *rec) {
+  struct source *src = find_source(s, rec->tag);
+  if (!src || !src->active || !(src->flags & PV_SRC_DEFERRED) || rec->value >= src->count) return;
+  uint32_t i = (uint32_t)rec->value;
+  if ((src->state[i] & STATE_MASK) != MISSING || !(src->state[i] & ABSENT)) return;
+  int by_fault = (src->state[i] & WANTED) != 0;
+  src->state[i] &= (uint8_t)~(ABSENT | WANTED);
+  if (rec->kind == PV_FETCH_READY) load_range(s, src, i, by_fault);
+  else fail_range(s, src, i, rec->err < PV_ERR_FETCH ? rec->err : PV_ERR_FETCH);
+}
+
+/* Takes one record from the fetch socket. Returns 1 if it read something. */
+static int take_fetched(struct pv_uffd_server *s) {
+  if (s->fetch_fd < 0) return 0;
+  ssize_t n = recv(s->fetch_fd, s->fetch_carry + s->fetch_carried, sizeof s->fetch_carry - s->fetch_carried, MSG_DONTWAIT);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+  if (n <= 0) {
+    fetcher_gone(s);
+    return 1;
+  }
+  s->fetch_carried += (uint32_t)n;
+  if (s->fetch_carried < sizeof s->fetch_carry) return 1;
+  s->fetch_carried = 0;
+  struct pv_record rec;
+  memcpy(&rec, s->fetch_carry, sizeof rec);
+  take_fetch_record(s, &rec);
+  return 1;
 }
 
 static void *server_main(void *arg) {
@@ -520,7 +623,7 @@ static void *server_main(void *arg) {
     let_node_in(s);
     if (s->stopping) break;
     /* Faults first: a vCPU waits for at most one prefetched range. */
-    if (serve_pending(s) || prefetch_one(s)) continue;
+    if (serve_pending(s) || take_fetched(s) || prefetch_one(s)) continue;
     int timeout_ms = -1;
     if (s->bounce) {
       uint64_t idle_ms = now_ms() - s->bounce_used_ms;
@@ -532,8 +635,8 @@ static void *server_main(void *arg) {
       }
     }
     pthread_mutex_unlock(&s->lock);
-    struct pollfd pfd[2] = {{s->uffd, POLLIN, 0}, {s->wake_fd, POLLIN, 0}};
-    poll(pfd, 2, timeout_ms);
+    struct pollfd pfd[3] = {{s->uffd, POLLIN, 0}, {s->wake_fd, POLLIN, 0}, {s->fetch_fd, POLLIN, 0}};
+    poll(pfd, s->fetch_fd >= 0 ? 3 : 2, timeout_ms);
     if (pfd[1].revents) {
       uint64_t n;
       if (read(s->wake_fd, &n, sizeof n) < 0) { /* EAGAIN: already drained */
@@ -557,6 +660,7 @@ static void free_server(struct pv_uffd_server *s) {
   if (s->uffd >= 0) close(s->uffd);
   if (s->wake_fd >= 0) close(s->wake_fd);
   if (s->notify_fd >= 0) close(s->notify_fd);
+  if (s->fetch_fd >= 0) close(s->fetch_fd);
   for (uint32_t k = 0; k < s->nsources; k++) free_source(s->sources[k]);
   free(s->sources);
   free(s->queue);
@@ -579,7 +683,7 @@ struct pv_uffd_server *pv_uffd_create(uint64_t base, uint64_t size, int32_t main
   }
   struct pv_uffd_server *s = calloc(1, sizeof *s);
   if (!s) return NULL;
-  s->uffd = s->wake_fd = s->notify_fd = s->node_fd = -1;
+  s->uffd = s->wake_fd = s->notify_fd = s->node_fd = s->fetch_fd = s->fetch_node_fd = -1;
   s->base = base;
   s->size = size;
   s->main_tid = main_tid;
@@ -630,6 +734,27 @@ fail:
 /* Node's end of the record socket; Node owns (closes) it from then on. */
 int32_t pv_uffd_node_fd(struct pv_uffd_server *s) { return s->node_fd; }
 
+/*
+ * The fetcher's end of the fetch socket (deferred sources), made on the first call; the caller
+ * owns (closes) it from then on. A second call returns -EBUSY. Returns the fd or -errno.
+ */
+int32_t pv_uffd_fetch_fd(struct pv_uffd_server *s) {
+  api_lock(s);
+  int32_t rc = -EBUSY;
+  if (s->fetch_fd < 0 && s->fetch_node_fd < 0) {
+    int ours = -1, theirs = -1;
+    rc = pv_record_socketpair(&ours, &theirs);
+    if (rc == 0) {
+      s->fetch_fd = ours;
+      s->fetch_node_fd = theirs;
+      rc = theirs;
+    }
+  }
+  api_unlock(s);
+  if (rc >= 0) post_wake(s); /* poll the new socket from now on */
+  return rc;
+}
+
 /* Whether `r` is a valid range of a `kind` source in guest RAM of `size` bytes at `base`. */
 static int range_ok(const struct pv_uffd_server *s, int32_t kind, const struct pv_range *r) {
   if (!r->length || r->length > MAX_RANGE || r->offset % PAGE || r->length % PAGE) return 0;
@@ -648,7 +773,7 @@ static int range_ok(const struct pv_uffd_server *s, int32_t kind, const struct p
  */
 int32_t pv_uffd_add_source(struct pv_uffd_server *s, int32_t kind, int32_t fd, const uint8_t *ranges, int32_t count, int32_t flags) {
   if (kind < PV_SRC_FILE || kind > PV_SRC_MEMORY || count < 0 || (uint64_t)count > s->size / PAGE) return -EINVAL;
-  if (flags & ~(PV_SRC_CHECKSUM | PV_SRC_PUNCH) || (kind != PV_SRC_FILE && flags)) return -EINVAL;
+  if (flags & ~(PV_SRC_CHECKSUM | PV_SRC_PUNCH | PV_SRC_DEFERRED) || (kind != PV_SRC_FILE && flags)) return -EINVAL;
   struct source *src = calloc(1, sizeof *src);
   if (!src) return -ENOMEM;
   src->fd = -1;
@@ -663,6 +788,7 @@ int32_t pv_uffd_add_source(struct pv_uffd_server *s, int32_t kind, int32_t fd, c
     return -ENOMEM;
   }
   if (count) memcpy(src->ranges, ranges, sizeof *src->ranges * count);
+  if (flags & PV_SRC_DEFERRED) memset(src->state, ABSENT, count ? count : 1);
   if (kind == PV_SRC_FILE) {
     src->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
     if (src->fd < 0) {
@@ -672,7 +798,8 @@ int32_t pv_uffd_add_source(struct pv_uffd_server *s, int32_t kind, int32_t fd, c
     }
   }
   api_lock(s);
-  int32_t rc = 0;
+  /* Deferred: its bytes come from a fetcher, which must exist first. */
+  int32_t rc = (flags & PV_SRC_DEFERRED) && s->fetch_fd < 0 ? -ENOTCONN : 0;
   for (int32_t i = 0; i < count && !rc; i++) {
     const struct pv_range *r = &src->ranges[i];
     if (!range_ok(s, kind, r) || (i > 0 && r->offset < src->ranges[i - 1].offset + src->ranges[i - 1].length)) rc = -EINVAL;
@@ -790,7 +917,7 @@ int32_t pv_uffd_range_states(struct pv_uffd_server *s, int32_t source, uint8_t *
   api_lock(s);
   struct source *src = find_source(s, source);
   int32_t rc = src ? (int32_t)src->count : -ENOENT;
-  for (int32_t i = 0; src && i < count && (uint32_t)i < src->count; i++) out[i] = src->state[i] & ~QUEUED;
+  for (int32_t i = 0; src && i < count && (uint32_t)i < src->count; i++) out[i] = src->state[i] & STATE_MASK;
   api_unlock(s);
   return rc;
 }

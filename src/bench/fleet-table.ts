@@ -105,9 +105,9 @@ export function fleetTableRows(f: FleetFigures): string[][] {
   const rows: string[][] = [
     ['figure', 'pvisor', 'goal (issue 27)', 'met'],
     ['local lazy restore to ready, ms', mmm(f.localMs), '-', '-'],
-    ['store restore to ready, cold cache, ms', `${mmm(f.storeColdMs)} (${goals[0].value.toFixed(2)}x local)`, '<= 2x local', g(0)],
-    ['store restore to ready, warm cache, ms', `${mmm(f.storeWarmMs)} (${goals[1].value.toFixed(2)}x local)`, '<= 2x local', g(1)],
-    ['read from the store before ready (cold)', `${(f.bytesBeforeReady / MiB).toFixed(1)} MiB = ${(goals[2].value * 100).toFixed(0)}% of the ${f.workingSetMiB} MiB working set`, '<= 10% of the working set', g(2)],
+    ['store lazy restore to ready, cold cache, ms', `${mmm(f.storeColdMs)} (${goals[0].value.toFixed(2)}x local)`, '<= 2x local', g(0)],
+    ['store lazy restore to ready, warm cache, ms', `${mmm(f.storeWarmMs)} (${goals[1].value.toFixed(2)}x local)`, '<= 2x local', g(1)],
+    ['read from the store before ready (cold cache)', `${(f.bytesBeforeReady / MiB).toFixed(1)} MiB = ${(goals[2].value * 100).toFixed(0)}% of the ${f.workingSetMiB} MiB working set`, '<= 10% of the working set', g(2)],
     [`child upload, ${CHILD_CHANGED_MIB} MiB changed`, `${(f.childSentBytes / MiB).toFixed(1)} MiB sent (${f.childChunksSent} objects sent, ${f.childChunksPresent} present; RAM chunks changed: ${f.childChangedChunks.join(', ')})`, '<= 10 MiB sent', g(3)],
   ];
   let next = 4;

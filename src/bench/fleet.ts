@@ -5,13 +5,14 @@
  * and to the store (the template); then it appends {@link CHILD_CHANGED_MIB} MiB to its working
  * set (the bytes before it rewritten as they were) and is snapshotted to the store again (the
  * child): what that upload sent. Each run then times, to the first answered request, a local lazy
- * restore (the RAM file's page cache dropped), a restore from the store into an empty chunk cache
- * (what it read from the store is the "before ready" figure: today the whole snapshot is fetched
- * first) and one from the same, now warm, cache. Last, N SharedSnapshot clones of the template
- * restored on one host (one cache), all running: the chunks each fetched, and their guest RAM PSS
- * per clone beside that of N SharedSnapshot clones of the local snapshot (the cache's shared
- * snapshot is one file that all map, as the local RAM file is). Every restored VM's digest must
- * be the template's.
+ * restore (the RAM file's page cache dropped), a lazy restore from the store into an empty chunk
+ * cache (what it had read from the store when the first request was answered is the "before
+ * ready" figure: the manifest, the small files, the chunks the guest touched, and whatever the
+ * background prefetch, started when Vm.restore resolved, had finished by then) and one from the
+ * same, now warm, cache. Last, N SharedSnapshot clones of the template restored on one host (one
+ * cache), all running: the chunks each fetched, and their guest RAM PSS per clone beside that of
+ * N SharedSnapshot clones of the local snapshot (the cache's shared snapshot is one file that all
+ * map, as the local RAM file is). Every restored VM's digest must be the template's.
  */
 import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
@@ -115,11 +116,12 @@ export async function benchFleet(o: FleetBenchOptions): Promise<object> {
       const cacheDir = join(base, `host-b-${i}`);
       const c = await toReady(() => Vm.restore(templateUrl, { store: { cacheDir } }));
       cold.push(c.ms);
-      bytesBeforeReady = c.vm.restoreInfo!.store!.bytesTransferred;
+      bytesBeforeReady = c.vm.storeTransfer!.bytesTransferred;
+      if (c.vm.restoreInfo!.storeRamLoad !== 'lazy') throw new Error(`the restore from the store was not lazy (${c.vm.restoreInfo!.storeRamLoad})`);
       await check(c.vm, 'store restore, cold cache');
       const w = await toReady(() => Vm.restore(templateUrl, { store: { cacheDir } }));
       warm.push(w.ms);
-      const warmFetched = w.vm.restoreInfo!.store!.chunksTransferred;
+      const warmFetched = w.vm.storeTransfer!.chunksTransferred;
       await check(w.vm, 'store restore, warm cache');
       if (warmFetched !== 0) throw new Error(`a restore from a warm cache fetched ${warmFetched} chunks from the store`);
       rmSync(cacheDir, { recursive: true, force: true });
@@ -155,7 +157,7 @@ export async function benchFleet(o: FleetBenchOptions): Promise<object> {
       cloneChunksFetched,
       ...(clonePssBytes && { clonePssBytes }),
     };
-    process.stdout.write(`Fleet: probe guest (the Linux row: --guest linux), ${MEMORY} / 1 vCPU, ${o.workingSetMiB} MiB random working set, ${o.runs} runs (ms min / median / max; ready = first request answered; local: RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store fetches the whole snapshot before the VM runs)\n`);
+    process.stdout.write(`Fleet: probe guest (the Linux row: --guest linux), ${MEMORY} / 1 vCPU, ${o.workingSetMiB} MiB random working set, ${o.runs} runs (ms min / median / max; ready = first request answered; local: RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store is lazy: chunks on first touch, the rest prefetched once Vm.restore resolves; SharedSnapshot clones fetch the snapshot whole, once per host)\n`);
     printTableBlock(fleetTableRows(figures));
     return { ...figures, storeOrigin: store.origin, storeStartMs: store.startMs, templateUpload: template, childUpload: child, goals: fleetGoals(figures) };
   } finally {

@@ -15,7 +15,6 @@ import { ConsoleCopy } from './console-copy';
 import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from './probe-script';
 import { parseRunArgs, type RunArgs } from './run-args';
 import { isStoreUrl } from '../store/store-url';
-import type { FetchedSnapshot } from '../store/download';
 import type { StoreOptions } from '../store/store-options';
 import { RunControl } from './run-control';
 import { jailedEntry, makeForbiddenSyscall } from '../jail/jailed-entry';
@@ -24,14 +23,9 @@ import { EXIT_HIBERNATED, parseUsage, RefusedError } from './usage';
 /** Runs `pvisor run ARGS`; resolves with the run's exit status. */
 export async function cmdRun(argv: string[]): Promise<number> {
   const parsed = parseUsage('run', () => parseRunArgs(argv));
-  // --from s3://...: fetched into the chunk cache first, then restored from there as a directory.
-  const fetched = parsed.source.kind === 'snapshot' && isStoreUrl(parsed.source.dir) ? await fetchSnapshotFrom(parsed.source.dir, parsed) : undefined;
-  try {
-    const args = fetched && parsed.source.kind === 'snapshot' ? { ...parsed, source: { ...parsed.source, dir: fetched.dir } } : parsed;
-    return await runFrom(args, argv, fetched && (() => fetched.remove()));
-  } finally {
-    fetched?.remove();
-  }
+  // --from s3://...: Vm.restore reads it from the store (lazily where it can; the chunk cache is
+  // $PVISOR_CHUNK_CACHE or its default).
+  return runFrom(parsed, argv, undefined);
 }
 
 async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void) | undefined): Promise<number> {
@@ -55,7 +49,7 @@ async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void)
   // In the jail (told by its environment) the same arguments run the VM here.
   const jailed = jailedEntry();
   if (args.isolation === 'process' && !jailed) {
-    if (afterRestore) throw new InvalidOptionError('--from', 'an s3:// snapshot does not go with --isolation process yet (the jail would fetch it again, without the store\'s credentials): use --isolation none');
+    if (source.kind === 'snapshot' && isStoreUrl(source.dir)) throw new InvalidOptionError('--from', 'an s3:// snapshot does not go with --isolation process yet (the jail would fetch it again, without the store\'s credentials): use --isolation none');
     const { runJailed } = await import('./run-jailed');
     return runJailed(args, argv, machine);
   }
@@ -76,27 +70,6 @@ async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void)
   return runVm(control, { args, steps, cursor, afterRestore });
 }
 
-/**
- * Fetches the snapshot at `url` into the chunk cache (docs/object-store.md), saying on stderr
- * how far it is, at most once a second, and what it moved.
- */
-async function fetchSnapshotFrom(url: string, args: RunArgs): Promise<FetchedSnapshot> {
-  const { fetchFromStore } = await import('../store/snapshot-store');
-  const say = (line: string) => args.quiet || process.stderr.write(`pvisor: ${line}\n`);
-  say(`fetching the snapshot ${url}...`);
-  let lastMs = performance.now();
-  const fetched = await fetchFromStore(url, {
-    onProgress: (p) => {
-      if (performance.now() - lastMs < 1000) return;
-      lastMs = performance.now();
-      say(`${url}: ${p.chunksDone}/${p.chunksTotal} RAM chunks, ${formatMiB(p.bytesTransferred)} fetched`);
-    },
-    // --shared: the host's one copy of the snapshot in the cache, which every --shared clone maps.
-  }, args.source.kind === 'snapshot' && args.source.shared);
-  const t = fetched.transfer;
-  say(`${url}: ${t.chunksTransferred} chunks fetched (${formatMiB(t.bytesTransferred)}), ${t.chunksPresent} from the cache, ${t.zeroChunks} zero, in ${Math.round(t.ms)} ms${t.sharedEntry === 'reused' ? ' (the snapshot shared in the cache, as other --shared clones map it)' : ''}`);
-  return fetched;
-}
 
 /** What {@link runVm} runs. */
 export interface RunPlan {
@@ -146,6 +119,11 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
       }
       // The VM is back in a process (the restore removed its directory): it is no longer hibernated.
       if (resumed) rmSync(resumed.recordPath, { force: true });
+      const t = vm.restoreInfo?.store;
+      if (t) {
+        const how = vm.restoreInfo!.storeRamLoad === 'lazy' ? 'before the VM was ready (guest RAM comes lazily, the rest in the background)' : 'guest RAM fetched whole first';
+        progress(`${source.dir}: ${t.chunksTransferred} chunks fetched (${formatMiB(t.bytesTransferred)}), ${t.chunksPresent} from the cache, ${t.zeroChunks} zero, in ${Math.round(t.ms)} ms, ${how}`);
+      }
     }
     control.attach(vm);
     if (jailedEntry()?.forbiddenSyscallHook) makeForbiddenSyscall();
@@ -206,6 +184,11 @@ async function hibernated(control: RunControl): Promise<number> {
  * damaged snapshot fails here, before the id is claimed; Vm.restore checks it again as it reads it.
  */
 async function readSnapshotMachine(dir: string): Promise<{ guest: GuestKind; memoryBytes: number; vcpus: number }> {
+  if (isStoreUrl(dir)) {
+    const { readStoreSnapshotState } = await import('../store/lazy-ram');
+    const { guest, memoryBytes, vcpus } = await readStoreSnapshotState(dir);
+    return { guest, memoryBytes, vcpus };
+  }
   const { SnapshotReader } = await import('../snapshot/snapshot-dir');
   const snapshot = SnapshotReader.open(dir);
   snapshot.close();

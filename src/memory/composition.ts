@@ -5,11 +5,27 @@
  * work within a CPU budget, figures, and close (once). `Vm` calls it; it knows nothing of the VM's
  * devices or guest.
  */
+import { closeSync } from 'node:fs';
 import { GuestCrashError, PvisorError, VmStateError, type SystemCallError } from '../errors';
 import { ownPageRuns, type PageRun } from '../guest-ram/pages';
 import { BACKING_CAPABILITIES, describeBacking, openBacking, type DiscardTo, type RamBacking, type RamBackingKind, type RamBackingRequest } from '../guest-ram/ram-backing';
 import { StrategyConflictError, type FileRunOver, type MemoryStrategy, type StrategyContext, type StrategyStats, type SuspendWork } from './strategy';
-import type { FileRange, UffdServer } from './uffd-server';
+import type { FileRange, UffdServer, UffdSource } from './uffd-server';
+
+/**
+ * Where a lazy load's bytes come from when they are not in the file yet ({@link
+ * MemoryComposition.loadLazily} with `deferred`): a fetcher that writes each range into the file
+ * when the server asks for it, or ahead of that, and says so on the server's fetch channel.
+ */
+export interface DeferredRamFetcher {
+  /**
+   * The source exists: `fetchFd` is the fetcher's end of the server's fetch channel (the callee
+   * owns it from now on), `sourceId` the source's tag in its records.
+   */
+  start(fetchFd: number, sourceId: number): void;
+  /** The VM ends: stop fetching and let go of everything. Idempotent. */
+  close(): void;
+}
 
 /** What the composition needs of guest RAM (the KVM backend's GuestMemory). */
 export interface GuestRam {
@@ -38,6 +54,14 @@ export interface CompositionHooks {
 }
 
 const DEFAULT_BACKING: RamBackingRequest = { kind: 'anonymous' };
+
+/**
+ * Whether guest RAM of a VM of `strategies` can be loaded lazily (see
+ * {@link MemoryComposition.canLoadLazily}), decided before anything is built.
+ */
+export function canLoadLazilyWith(strategies: readonly MemoryStrategy[]): boolean {
+  return BACKING_CAPABILITIES[planComposition(strategies).kind].includes('userfaultfd-missing') && !strategies.some((s) => s.exclusive.includes('resident-pages'));
+}
 
 /**
  * Checks a composition before anything is allocated and returns the backing it chose: no strategy
@@ -84,6 +108,10 @@ export class MemoryComposition {
   private serverReady: UffdServer | undefined;
   /** Guest RAM still loading from a snapshot's RAM file (see {@link loadLazily}); a suspend waits for it. */
   private loading: Promise<void> | undefined;
+
+  /** The last lazy load's source and ranges: its touch order outlives it (see {@link lazyTouchOrder}). */
+  private lazySource: { source: UffdSource; ranges: readonly FileRange[] } | undefined;
+  private fetcher: DeferredRamFetcher | undefined;
 
   /** Checks the composition (see {@link planComposition}); allocates nothing. */
   constructor(
@@ -169,7 +197,22 @@ export class MemoryComposition {
    * PoolClient), which a range still loading would race with.
    */
   get canLoadLazily(): boolean {
-    return BACKING_CAPABILITIES[this.backingRequest.kind].includes('userfaultfd-missing') && !this.strategies.some((s) => s.exclusive.includes('resident-pages'));
+    return canLoadLazilyWith(this.strategies);
+  }
+
+  /**
+   * Guest RAM offsets of the ranges that the guest's (or the VMM's) faults loaded in the last
+   * lazy load, in the order they did, while it runs and after: what a snapshot of this VM records
+   * as the order to prefetch in. Undefined if RAM was not loaded lazily.
+   */
+  lazyTouchOrder(): number[] | undefined {
+    const lazy = this.lazySource;
+    if (!lazy) return undefined;
+    try {
+      return lazy.source.touchOrder().map((i) => lazy.ranges[i].offset);
+    } catch {
+      return undefined; // the server is gone with the VM
+    }
   }
 
   /**
@@ -180,19 +223,42 @@ export class MemoryComposition {
    * the VM ends with. A suspend waits until every range is loaded (its strategies read and drop
    * guest RAM as a whole). Call after {@link attach}, before any vCPU runs.
    */
-  async loadLazily(fd: number, ranges: readonly FileRange[], failure: (why: string, offset: number) => PvisorError): Promise<void> {
-    if (ranges.length === 0) return;
-    const server = await this.context.uffd();
+  async loadLazily(fd: number, ranges: readonly FileRange[], failure: (why: string, offset: number, code: number) => PvisorError, deferred?: DeferredRamFetcher): Promise<void> {
+    if (ranges.length === 0) {
+      deferred?.close();
+      return;
+    }
+    let server: UffdServer;
+    try {
+      server = await this.context.uffd();
+      if (this.closed) throw new VmStateError(`${this.vmName} has ended`);
+    } catch (e) {
+      deferred?.close();
+      throw e;
+    }
+    // The fetcher is this composition's from now: close() ends it with the VM.
+    this.fetcher = deferred;
     let settle!: () => void;
     this.loading = new Promise<void>((resolve) => (settle = resolve));
-    const source = server.addSource({ kind: 'file', fd, ranges, checksum: true }, (event) => {
-      if (event.kind === 'error') this.hooks.fail(failure(event.why, event.offset));
-      else this.tryStep('userfaultfd source', () => source.remove());
-      // A VM that failed has ended: nothing waits for the rest.
-      this.loading = undefined;
-      settle();
-    });
-    source.loadAll();
+    const fetchFd = deferred ? server.openFetchChannel() : undefined;
+    let source: UffdSource;
+    try {
+      // Deferred: loaded ranges are punched out of the file, a scratch file of the fetcher's.
+      source = server.addSource({ kind: 'file', fd, ranges, checksum: true, ...(deferred && { deferred: true, punch: true }) }, (event) => {
+        if (event.kind === 'error') this.hooks.fail(failure(event.why, event.offset, event.code));
+        else this.tryStep('userfaultfd source', () => source.remove());
+        if (event.kind === 'done') this.tryStep('chunk fetcher', () => deferred?.close());
+        // A VM that failed has ended: nothing waits for the rest.
+        this.loading = undefined;
+        settle();
+      });
+    } catch (e) {
+      if (fetchFd !== undefined) closeSync(fetchFd);
+      throw e;
+    }
+    this.lazySource = { source, ranges };
+    if (deferred) deferred.start(fetchFd!, source.id);
+    else source.loadAll();
   }
 
   /**
@@ -303,6 +369,7 @@ export class MemoryComposition {
     // Each runs whatever the others throw: one strategy's failure must not leak the others'
     // files and threads, nor keep a vCPU in a fault.
     for (const s of this.strategies) this.tryStep(`${s.name}: close`, () => s.close?.());
+    if (this.fetcher) this.tryStep('chunk fetcher', () => this.fetcher!.close());
     // Now, not later: the caller joins the vCPU threads next. A server still being created has
     // no source yet, so no thread can wait on it; it sees `closed` and is never made.
     this.tryStep('userfaultfd server', () => this.serverReady?.destroy());

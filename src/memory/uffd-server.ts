@@ -13,6 +13,7 @@ import { DataType, define, open } from 'ffi-rs';
 import { InvalidOptionError, SystemCallError, VmStateError, errnoName } from '../errors';
 import { nativePrebuild } from '../native';
 import { RecordChannel, type NativeRecord } from '../native/record-channel';
+import { fetchFailureWhy } from './fetch-protocol';
 
 /**
  * A range of guest RAM in a backing file.
@@ -64,6 +65,12 @@ export type UffdSourceSpec =
       checksum?: boolean;
       /** Punch each loaded range out of the file (disk and page cache go back). Default false. */
       punch?: boolean;
+      /**
+       * The ranges' bytes are not in the file yet: a fault in one asks the server's fetcher
+       * ({@link UffdServer.openFetchChannel}, opened first) for it and waits; the fetcher writes
+       * the bytes into the file and says so (src/memory/fetch-protocol.ts). Default false.
+       */
+      deferred?: boolean;
     }
   | { kind: 'zero'; ranges: readonly ZeroRange[] }
   | { kind: 'memory'; ranges: readonly MemoryRange[] };
@@ -79,7 +86,7 @@ export type UffdSourceEvent =
    * A range cannot be loaded (reported once per source). Faults of vCPUs there stay pending until
    * the server is destroyed: the VM cannot go on.
    */
-  | { kind: 'error'; why: string; offset: number };
+  | { kind: 'error'; why: string; offset: number; code: number };
 
 /**
  * A range's state in {@link UffdSource.rangeStates}.
@@ -122,6 +129,7 @@ const LOAD_ERRORS: Record<number, string> = {
 const KINDS = { file: 1, zero: 2, memory: 3 } as const;
 const FLAG_CHECKSUM = 1;
 const FLAG_PUNCH = 2;
+const FLAG_DEFERRED = 4;
 const RECORD_DONE = 1;
 const RECORD_COLD_ERROR = 3;
 const RANGE_BYTES = 32; // struct pv_range
@@ -137,6 +145,7 @@ open({ library: LIB, path: nativePrebuild('libpvisor-memory.so') });
 const fns = define({
   pv_uffd_create: { library: LIB, retType: U64, paramsType: [U64, U64, I32], errno: true },
   pv_uffd_node_fd: { library: LIB, retType: I32, paramsType: [U64] },
+  pv_uffd_fetch_fd: { library: LIB, retType: I32, paramsType: [U64] },
   pv_uffd_add_source: { library: LIB, retType: I32, paramsType: [U64, I32, I32, BYTES, I32, I32] },
   pv_uffd_prefetch: { library: LIB, retType: I32, paramsType: [U64, I32, BYTES, I32] },
   pv_uffd_load_all: { library: LIB, retType: I32, paramsType: [U64, I32] },
@@ -224,7 +233,7 @@ export class UffdServer {
     const source = this.sources.get(r.tag);
     if (!source) return; // removed since
     if (r.kind === RECORD_DONE) source.onEvent({ kind: 'done', rangesLoaded: r.value });
-    else source.onEvent({ kind: 'error', why: LOAD_ERRORS[r.err] ?? `read failed: ${errnoName(r.err)}`, offset: r.value });
+    else source.onEvent({ kind: 'error', why: LOAD_ERRORS[r.err] ?? fetchFailureWhy(r.err) ?? `read failed: ${errnoName(r.err)}`, offset: r.value, code: r.err });
   }
 
   /**
@@ -234,13 +243,24 @@ export class UffdServer {
    */
   addSource(spec: UffdSourceSpec, onEvent: (e: UffdSourceEvent) => void): UffdSource {
     const handle = this.live();
-    const flags = spec.kind === 'file' ? (spec.checksum ? FLAG_CHECKSUM : 0) | (spec.punch ? FLAG_PUNCH : 0) : 0;
+    const flags = spec.kind === 'file' ? (spec.checksum ? FLAG_CHECKSUM : 0) | (spec.punch ? FLAG_PUNCH : 0) | (spec.deferred ? FLAG_DEFERRED : 0) : 0;
     const fd = spec.kind === 'file' ? spec.fd : -1;
     const rc = fns.pv_uffd_add_source([handle, KINDS[spec.kind], fd, rangeTable(spec), spec.ranges.length, flags]) as number;
-    check('pv_uffd_add_source', rc, rc === -22 ? 'a range is malformed, out of order, or overlaps another source' : undefined);
+    check('pv_uffd_add_source', rc, rc === -22 ? 'a range is malformed, out of order, or overlaps another source' : rc === -107 ? 'a deferred source needs the fetch channel opened first' : undefined);
     const source = new UffdSource(this, rc, spec.ranges.length, onEvent);
     this.sources.set(rc, source);
     return source;
+  }
+
+  /**
+   * Opens the server's fetch channel, for sources whose bytes arrive later (`deferred`): returns
+   * the fetcher's end of a Unix socket, which the caller owns (and closes) from now on, and on
+   * which the fetcher reads WANT records and writes READY or FAILED ones
+   * (src/memory/fetch-protocol.ts). Once per server. When the fetcher closes its end, every range
+   * still absent becomes bad (each source reports an error).
+   */
+  openFetchChannel(): number {
+    return check('pv_uffd_fetch_fd', fns.pv_uffd_fetch_fd([this.live()]) as number, 'the fetch channel was opened already');
   }
 
   /**

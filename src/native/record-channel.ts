@@ -28,9 +28,13 @@ export class RecordChannel {
   private carried = 0;
   private destroyed = false;
 
-  /** Takes ownership of `fd` (Node's end of the socketpair): {@link destroy} closes it. */
-  constructor(fd: number, private readonly onRecord: (rec: NativeRecord) => void) {
-    this.socket = new Socket({ fd, readable: true, writable: false });
+  /**
+   * Takes ownership of `fd` (Node's end of the socketpair): {@link destroy} closes it.
+   * `writable`: records may also be sent to the helper ({@link send}).
+   */
+  constructor(fd: number, private readonly onRecord: (rec: NativeRecord) => void, options: { writable?: boolean; onClose?: () => void } = {}) {
+    this.socket = new Socket({ fd, readable: true, writable: options.writable ?? false });
+    if (options.onClose) this.socket.on('close', options.onClose);
     this.socket.on('data', (chunk: Buffer) => this.onData(chunk));
     // A read error means the helper is being torn down; its records are no longer wanted.
     this.socket.on('error', () => {});
@@ -61,6 +65,18 @@ export class RecordChannel {
       // Two halves, not readBigUInt64LE: this runs once per vCPU exit.
       value: buf.readUInt32LE(off + 8) + buf.readUInt32LE(off + 12) * TWO_POW_32,
     });
+  }
+
+  /** Sends one record to the helper (a channel made `writable`); dropped once destroyed. */
+  send(rec: NativeRecord): void {
+    if (this.destroyed) return;
+    const buf = Buffer.alloc(RECORD_BYTES);
+    buf.writeUInt16LE(rec.kind, 0);
+    buf.writeUInt16LE(rec.tag, 2);
+    buf.writeInt32LE(rec.err, 4);
+    buf.writeUInt32LE(rec.value % TWO_POW_32, 8);
+    buf.writeUInt32LE(Math.floor(rec.value / TWO_POW_32), 12);
+    this.socket.write(buf);
   }
 
   /**

@@ -163,7 +163,7 @@ function forEachCheckedChunk(fd: number, path: string, size: number, chunkCrc32c
 const zeroCrcs = new Map<number, number>();
 
 /** CRC32C of `length` zero bytes, computed once per length. */
-function zeroChunkCrc32c(length: number): number {
+export function zeroChunkCrc32c(length: number): number {
   let crc = zeroCrcs.get(length);
   if (crc === undefined) zeroCrcs.set(length, (crc = crc32c(Buffer.alloc(length))));
   return crc;

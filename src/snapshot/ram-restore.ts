@@ -9,8 +9,8 @@
  * which imports the core.
  * @module
  */
-import { InvalidOptionError, SnapshotError } from '../errors';
-import type { GuestRam, MemoryComposition } from '../memory/composition';
+import { InvalidOptionError, SnapshotError, type PvisorError } from '../errors';
+import type { DeferredRamFetcher, GuestRam, MemoryComposition } from '../memory/composition';
 import type { PageRun } from '../guest-ram/pages';
 import type { RamBacking } from '../guest-ram/ram-backing';
 import type { MemoryStrategy } from '../memory/strategy';
@@ -28,8 +28,12 @@ export interface SnapshotRamFile<Ram> {
   readonly ramFd: number;
   /** Reads all of guest RAM into `ram` (fresh), checking every chunk first. */
   readRam(ram: Ram): void;
-  /** The file's size checked, its holes checked; the chunks with data as ranges to load lazily, each checked as it loads. */
-  openRamForLazyLoad(): { fd: number; ranges: FileRange[] };
+  /**
+   * The file's size checked, its holes checked; the chunks with data as ranges to load lazily,
+   * each checked as it loads. `deferred`: the ranges' bytes are not in the file yet, this fetcher
+   * brings them (a snapshot in an object store); `failure` then makes the error the VM ends with.
+   */
+  openRamForLazyLoad(): { fd: number; ranges: FileRange[]; deferred?: DeferredRamFetcher; failure?: (why: string, offset: number, code: number) => PvisorError };
   /** Checks the file that guest RAM maps as `fd` (unless this process did, and not `again`); its holes. */
   checkMappedRam(fd: number, again: boolean): { checkedBefore: boolean; chunksRead: number; ms: number; holes: PageRun[] };
 }
@@ -65,8 +69,11 @@ export function planSnapshotRam<Ram extends GuestRam & { readonly backing: RamBa
       // Strategies map before anything touches RAM: a lazy load needs it untouched.
       memory.attach(ram);
       if (lazy) {
-        await memory.loadLazily(lazy.fd, lazy.ranges, (why, offset) =>
-          new SnapshotError(`${file.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`),
+        await memory.loadLazily(
+          lazy.fd,
+          lazy.ranges,
+          lazy.failure ?? ((why, offset) => new SnapshotError(`${file.ramPath}: the RAM chunk at byte ${offset} cannot be loaded (${why}): the file was changed after the snapshot; the guest never saw it, and the VM ends`)),
+          lazy.deferred,
         );
       }
       return shared ? 'mapped' : lazy ? 'lazy' : 'read';

@@ -6,19 +6,19 @@
  * that fails its check, a store that does not answer, or a manifest of the wrong shape fails the
  * whole fetch with a {@link StoreError}, and nothing of the directory is left.
  *
- * The whole snapshot is fetched before the VM runs: fetching each chunk on the guest's first
- * touch (userfaultfd serving from the store) is a later step of issue 27.
+ * The whole snapshot is fetched before the VM runs: the restore takes this path where guest RAM
+ * cannot be loaded lazily (see lazy-ram.ts, which fetches each chunk on the guest's first touch).
  */
 import { closeSync, ftruncateSync, openSync, rmSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
 import { StoreError } from '../errors';
-import { hostMemTotalBytes } from '../memory-usage';
 import { RAM_CHUNK_BYTES } from '../snapshot/ram-file';
-import { sha256Hex, type ChunkCache } from './chunk-cache';
+import type { ChunkCache } from './chunk-cache';
+import { fetchCheckedChunk, fetchManifestBody } from './chunk-fetch';
 import { eachBounded, type ObjectStore } from './object-io';
 import type { ResolvedStoreOptions, StoreTransfer } from './store-options';
-import { chunkSizeBytes, parseStoreManifest, storeManifestBytesLimit, type ChunkRef } from './store-manifest';
-import { chunkKey, type StoreUrl } from './store-url';
+import { chunkSizeBytes, parseStoreManifest, type ChunkRef, type StoreManifest } from './store-manifest';
+import type { StoreUrl } from './store-url';
 
 /** A snapshot fetched into a local directory: {@link fetchSnapshot}. */
 export interface FetchedSnapshot {
@@ -55,40 +55,12 @@ export async function fetchSnapshot(
   let chunksDone = 0;
   const progress = (): void => options.onProgress?.({ direction: 'download', url: url.url, chunksDone, chunksTotal: out.chunksTotal, bytesTransferred: out.bytesTransferred });
 
-  // Where each distinct chunk goes; every chunk's size follows from its place.
-  const places = new Map<string, number[]>();
-  manifest.ramChunks.forEach((sha, i) => {
-    if (sha === null) {
-      out.zeroChunks++;
-      chunksDone++;
-      return;
-    }
-    const at = places.get(sha);
-    if (at) at.push(i);
-    else places.set(sha, [i]);
-  });
-  for (const [sha, at] of places) {
-    const sizes = new Set(at.map((i) => chunkSizeBytes(manifest.ramBytes, i)));
-    if (sizes.size > 1) throw new StoreError('malformed', `${url.url}/snapshot.json: chunk ${sha} is named at places of different sizes (${[...sizes].join(', ')} bytes)`);
-  }
+  const places = chunkPlaces(manifest, url);
+  out.zeroChunks = manifest.ramChunks.filter((sha) => sha === null).length;
+  chunksDone = out.zeroChunks;
 
   /** The chunk `ref`, from the cache or the store, checked. */
-  const chunk = async (ref: ChunkRef): Promise<Buffer> => {
-    const cached = cache.read(ref.sha256, ref.sizeBytes);
-    if (cached) {
-      out.chunksPresent++;
-      return cached;
-    }
-    const bytes = await store.get(chunkKey(ref.sha256), ref.sizeBytes, true);
-    out.bytesTransferred += bytes.length;
-    const sha = sha256Hex(bytes);
-    if (bytes.length !== ref.sizeBytes || sha !== ref.sha256) {
-      throw new StoreError('corrupt', `${url.url}: chunk ${chunkKey(ref.sha256)} is ${bytes.length} bytes with SHA-256 ${sha}, the manifest says ${ref.sizeBytes} bytes with ${ref.sha256}: the store returned other bytes than were stored; nothing was restored`);
-    }
-    cache.write(ref.sha256, bytes);
-    out.chunksTransferred++;
-    return bytes;
-  };
+  const chunk = (ref: ChunkRef): Promise<Buffer> => fetchCheckedChunk(ref, url, store, cache, out);
 
   const dir = cache.newWorkDir();
   const pinned = [...places.keys(), manifest.files.manifest.sha256, manifest.files.state.sha256];
@@ -127,15 +99,6 @@ export async function fetchSnapshot(
 }
 
 /** The bytes of the manifest at `url`, bounded (not parsed yet); a missing one is a {@link StoreError} `not-found`. */
-export async function fetchManifestBody(url: StoreUrl, store: ObjectStore): Promise<Buffer> {
-  try {
-    return await store.get(url.manifestKey, storeManifestBytesLimit(hostMemTotalBytes()));
-  } catch (e) {
-    if (e instanceof StoreError && e.reason === 'not-found') throw new StoreError('not-found', `${url.url}: no snapshot there (no ${url.manifestKey})`, { cause: e });
-    throw e;
-  }
-}
-
 const PAGE_BYTES = 4096;
 const ZERO_PAGE = Buffer.alloc(PAGE_BYTES);
 
@@ -153,7 +116,28 @@ function writeDataPages(fd: number, chunk: Buffer, offset: number): void {
   }
 }
 
-function writeNew(path: string, bytes: Buffer): void {
+/**
+ * Where each distinct non-zero chunk of `manifest` goes (RAM chunk indices). Every chunk's size
+ * follows from its place, so a hash named at places of different sizes is a {@link StoreError}
+ * `malformed`.
+ */
+export function chunkPlaces(manifest: StoreManifest, url: StoreUrl): Map<string, number[]> {
+  const places = new Map<string, number[]>();
+  manifest.ramChunks.forEach((sha, i) => {
+    if (sha === null) return;
+    const at = places.get(sha);
+    if (at) at.push(i);
+    else places.set(sha, [i]);
+  });
+  for (const [sha, at] of places) {
+    const sizes = new Set(at.map((i) => chunkSizeBytes(manifest.ramBytes, i)));
+    if (sizes.size > 1) throw new StoreError('malformed', `${url.url}/snapshot.json: chunk ${sha} is named at places of different sizes (${[...sizes].join(', ')} bytes)`);
+  }
+  return places;
+}
+
+/** Writes `bytes` to the new file `path` (0600). */
+export function writeNew(path: string, bytes: Buffer): void {
   const fd = openSync(path, 'wx', 0o600);
   try {
     for (let done = 0; done < bytes.length;) done += writeSync(fd, bytes, done);
@@ -163,7 +147,7 @@ function writeNew(path: string, bytes: Buffer): void {
 }
 
 /** Whether a snapshot's state is a hibernated VM's (Vm.hibernate). */
-function isHibernatedState(stateBytes: Buffer): boolean {
+export function isHibernatedState(stateBytes: Buffer): boolean {
   let state: unknown;
   try {
     state = JSON.parse(stateBytes.toString('utf8'));

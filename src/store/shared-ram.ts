@@ -6,7 +6,8 @@
  * snapshot do, and no chunk is fetched again.
  */
 import { sha256Hex, type ChunkCache } from './chunk-cache';
-import { fetchManifestBody, fetchSnapshot, type FetchedSnapshot } from './download';
+import { fetchManifestBody } from './chunk-fetch';
+import { fetchSnapshot, type FetchedSnapshot } from './download';
 import type { ObjectStore } from './object-io';
 import { checkSharedDirs, holdSharedEntry, publishSharedEntry } from './shared-entry';
 import type { ResolvedStoreOptions, StoreTransfer } from './store-options';

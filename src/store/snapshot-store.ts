@@ -17,8 +17,15 @@ import { uploadSnapshotDir } from './upload';
  * Writes a snapshot with `writeLocal` into a work directory of the chunk cache, sends it to
  * `location`, and removes the work directory. The URL and options are checked, and the location
  * is checked to hold no snapshot yet, before `writeLocal` runs (before the VM is paused).
+ * `touchedOffsets`: the guest RAM offsets the VM's faults loaded, in order (a lazily restored
+ * VM), recorded in the manifest as the order a restore prefetches in.
  */
-export async function snapshotToStore<T>(location: string, options: StoreOptions | undefined, writeLocal: (dir: string) => Promise<T>): Promise<{ written: T; transfer: StoreTransfer }> {
+export async function snapshotToStore<T>(
+  location: string,
+  options: StoreOptions | undefined,
+  writeLocal: (dir: string) => Promise<T>,
+  touchedOffsets?: () => readonly number[] | undefined,
+): Promise<{ written: T; transfer: StoreTransfer }> {
   const url = parseStoreUrl(location);
   const o = resolveStoreOptions(options);
   const store = ObjectStore.open(url, o);
@@ -27,7 +34,9 @@ export async function snapshotToStore<T>(location: string, options: StoreOptions
     const dir = ChunkCache.open(o.cacheDir, o.cacheMaxBytes).newWorkDir();
     try {
       const written = await writeLocal(dir);
-      const transfer = await uploadSnapshotDir(dir, url, store, o);
+      // Read when the snapshot was taken, not after the upload: the VM runs on meanwhile.
+      const touched = touchedOffsets?.();
+      const transfer = await uploadSnapshotDir(dir, url, store, o, touched);
       return { written, transfer };
     } finally {
       rmSync(dir, { recursive: true, force: true });

@@ -37,13 +37,22 @@ export interface StoreManifest {
   ramChunks: (string | null)[];
   /** The local snapshot's manifest.json and state.json, stored as chunks. */
   files: { manifest: ChunkRef; state: ChunkRef };
+  /**
+   * Indices of RAM chunks in the order the guest first touched them before this snapshot (when
+   * its VM was itself restored lazily: the userfaultfd server's touch order), each a non-zero
+   * chunk at most once: what a lazy restore prefetches first, before the rest in address order.
+   * Optional (manifests written before it have none, and readers before it ignore it), so the
+   * format stays version 1.
+   */
+  touchOrder?: number[];
 }
 
 const SHA256_HEX = /^[0-9a-f]{64}$/;
 
 /**
  * The largest manifest read back for guest RAM of up to `maxRamBytes`: fixed fields, and per
- * chunk a quoted hash and a comma (67 bytes), with room to spare.
+ * chunk a quoted hash and a comma (67 bytes) and its place in the touch order (at most 7 bytes
+ * with its comma below 10^6 chunks), with room to spare.
  */
 export function storeManifestBytesLimit(maxRamBytes: number): number {
   return 4096 + 80 * Math.ceil(maxRamBytes / RAM_CHUNK_BYTES);
@@ -97,12 +106,43 @@ export function parseStoreManifest(bytes: Buffer, where: string): StoreManifest 
     if (!Number.isSafeInteger(sizeBytes) || (sizeBytes as number) < 1 || (sizeBytes as number) > maxBytes) throw bad(`files.${name}.sizeBytes: not an integer from 1 to ${maxBytes}`);
     return { sha256, sizeBytes: sizeBytes as number };
   };
+  const ramChunks = o.ramChunks as (string | null)[];
+  const touchOrder = o.touchOrder === undefined ? undefined : parseTouchOrder(o.touchOrder, ramChunks, bad);
   return {
     format: 'pvisor-store-snapshot',
     version: STORE_MANIFEST_VERSION,
     ramBytes,
     chunkBytes: RAM_CHUNK_BYTES,
-    ramChunks: o.ramChunks as (string | null)[],
+    ramChunks,
     files: { manifest: ref('manifest', manifestBytesLimit(ramBytes)), state: ref('state', MAX_STATE_BYTES) },
+    ...(touchOrder && { touchOrder }),
   };
+}
+
+/**
+ * Checks a manifest's `touchOrder`: an array no longer than there are chunks, of chunk indices,
+ * each naming a non-zero chunk (a zero chunk is never fetched) and given once.
+ */
+function parseTouchOrder(value: unknown, ramChunks: readonly (string | null)[], bad: (why: string) => StoreError): number[] {
+  if (!Array.isArray(value) || value.length > ramChunks.length) throw bad(`touchOrder: must be an array of at most ${ramChunks.length} chunk indices`);
+  const seen = new Set<number>();
+  value.forEach((i, k) => {
+    if (!Number.isSafeInteger(i) || i < 0 || i >= ramChunks.length) throw bad(`touchOrder[${k}]: not a chunk index from 0 to ${ramChunks.length - 1}`);
+    if (ramChunks[i] === null) throw bad(`touchOrder[${k}]: chunk ${i} is all zero, never fetched`);
+    if (seen.has(i)) throw bad(`touchOrder[${k}]: chunk ${i} is named twice`);
+    seen.add(i);
+  });
+  return value as number[];
+}
+
+/**
+ * The order in which a lazy restore prefetches the non-zero chunks of `manifest`: its touch
+ * order first, then every other non-zero chunk in address order (guest RAM is laid out low to
+ * high: the kernel and early allocations first).
+ */
+export function prefetchOrder(manifest: Pick<StoreManifest, 'ramChunks' | 'touchOrder'>): number[] {
+  const first = manifest.touchOrder ?? [];
+  const named = new Set(first);
+  const rest = manifest.ramChunks.flatMap((sha, i) => (sha !== null && !named.has(i) ? [i] : []));
+  return [...first, ...rest];
 }

@@ -19,8 +19,12 @@ import type { ResolvedStoreOptions, StoreTransfer } from './store-options';
 import { chunkSizeBytes, STORE_MANIFEST_VERSION, type StoreManifest } from './store-manifest';
 import { chunkKey, type StoreUrl } from './store-url';
 
-/** Uploads the snapshot in `dir` to `url`. A snapshot already at `url` is a {@link StoreError} `exists`. */
-export async function uploadSnapshotDir(dir: string, url: StoreUrl, store: ObjectStore, options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'>): Promise<StoreTransfer> {
+/**
+ * Uploads the snapshot in `dir` to `url`. A snapshot already at `url` is a {@link StoreError}
+ * `exists`. `touchedOffsets`: guest RAM offsets in the order the VM's faults first loaded them (a
+ * lazily restored VM), recorded as the manifest's touch order.
+ */
+export async function uploadSnapshotDir(dir: string, url: StoreUrl, store: ObjectStore, options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'>, touchedOffsets?: readonly number[]): Promise<StoreTransfer> {
   const t0 = performance.now();
   // Refused before any chunk is sent; the create-only write at the end settles a race.
   if ((await store.sizeOf(url.manifestKey)) !== undefined) throw new StoreError('exists', `${url.url}: a snapshot is there already; a snapshot goes to a new prefix`);
@@ -80,7 +84,8 @@ export async function uploadSnapshotDir(dir: string, url: StoreUrl, store: Objec
     const files = { manifest: { sha256: sha256Hex(manifestBytes), sizeBytes: manifestBytes.length }, state: { sha256: sha256Hex(stateBytes), sizeBytes: stateBytes.length } };
     await ensure(files.manifest.sha256, manifestBytes);
     await ensure(files.state.sha256, stateBytes);
-    const manifest: StoreManifest = { format: 'pvisor-store-snapshot', version: STORE_MANIFEST_VERSION, ramBytes, chunkBytes: RAM_CHUNK_BYTES, ramChunks, files };
+    const touchOrder = touchOrderOf(touchedOffsets, ramChunks);
+    const manifest: StoreManifest = { format: 'pvisor-store-snapshot', version: STORE_MANIFEST_VERSION, ramBytes, chunkBytes: RAM_CHUNK_BYTES, ramChunks, files, ...(touchOrder.length && { touchOrder }) };
     const body = Buffer.from(JSON.stringify(manifest));
     await store.put(url.manifestKey, body, true);
     out.bytesTransferred += body.length;
@@ -124,4 +129,17 @@ const ZERO = Buffer.alloc(RAM_CHUNK_BYTES);
 
 function isZero(chunk: Buffer): boolean {
   return chunk.equals(ZERO.subarray(0, chunk.length));
+}
+
+/**
+ * Chunk indices of `touchedOffsets` (guest RAM offsets), in order, each once, leaving out chunks
+ * that are zero now: what {@link StoreManifest.touchOrder} holds.
+ */
+export function touchOrderOf(touchedOffsets: readonly number[] | undefined, ramChunks: readonly (string | null)[]): number[] {
+  const seen = new Set<number>();
+  for (const off of touchedOffsets ?? []) {
+    const i = Math.floor(off / RAM_CHUNK_BYTES);
+    if (i >= 0 && i < ramChunks.length && ramChunks[i] !== null) seen.add(i);
+  }
+  return [...seen];
 }

@@ -8,7 +8,8 @@ import { InvalidOptionError, StoreError } from '../../src';
 import { hostMemTotalBytes } from '../../src/memory-usage';
 import { ChunkCache, sha256Hex } from '../../src/store/chunk-cache';
 import { eachBounded } from '../../src/store/object-io';
-import { chunkSizeBytes, parseStoreManifest, storeManifestBytesLimit } from '../../src/store/store-manifest';
+import { chunkSizeBytes, parseStoreManifest, prefetchOrder, storeManifestBytesLimit } from '../../src/store/store-manifest';
+import { touchOrderOf } from '../../src/store/upload';
 import { resolveStoreOptions } from '../../src/store/store-options';
 import { isStoreUrl, parseStoreUrl } from '../../src/store/store-url';
 
@@ -89,17 +90,38 @@ describe('the store manifest read back', () => {
     ['no files', { ...good, files: null }, /files: not an object/],
     ['a state larger than a restore reads', { ...good, files: { ...good.files, state: { sha256: sha('s'), sizeBytes: 5 * MiB } } }, /files\.state\.sizeBytes/],
     ['an empty manifest file', { ...good, files: { ...good.files, manifest: { sha256: sha('m'), sizeBytes: 0 } } }, /files\.manifest\.sizeBytes/],
+    ['a touch order that is not an array', { ...good, touchOrder: { 0: 2 } }, /touchOrder: must be an array of at most 3/],
+    ['a touch order longer than there are chunks', { ...good, touchOrder: [0, 2, 0, 2] }, /touchOrder: must be an array of at most 3/],
+    ['a touch order past the last chunk', { ...good, touchOrder: [3] }, /touchOrder\[0\]: not a chunk index from 0 to 2/],
+    ['a touch order with a fraction', { ...good, touchOrder: [0.5] }, /touchOrder\[0\]/],
+    ['a touch order naming a zero chunk', { ...good, touchOrder: [2, 1] }, /touchOrder\[1\]: chunk 1 is all zero/],
+    ['a touch order naming a chunk twice', { ...good, touchOrder: [2, 0, 2] }, /touchOrder\[2\]: chunk 2 is named twice/],
   ])('refuses %s as malformed', (_, value, message) => {
     const e = storeError(() => parse(value));
     expect(e.reason).toBe('malformed');
     expect(e.message).toMatch(message);
   });
 
+  it('reads a touch order (optional, the format still version 1), and prefetches in it first, then in address order', () => {
+    expect(parse({ ...good, touchOrder: [2] })).toEqual({ ...good, touchOrder: [2] });
+    expect(prefetchOrder({ ramChunks: good.ramChunks })).toEqual([0, 2]);
+    expect(prefetchOrder({ ramChunks: good.ramChunks, touchOrder: [2] })).toEqual([2, 0]);
+    const many = [sha('a'), sha('b'), null, sha('d'), sha('e')];
+    expect(prefetchOrder({ ramChunks: many, touchOrder: [4, 1] })).toEqual([4, 1, 0, 3]);
+  });
+
+  it('records the order faults touched RAM as chunk indices, each once, leaving out chunks now zero or outside RAM', () => {
+    const chunks = [sha('a'), sha('b'), null, sha('d')];
+    expect(touchOrderOf([3 * 2 * MiB + 4096, 0, 2 * MiB, 3 * 2 * MiB, 2 * 2 * MiB, 9 * 2 * MiB], chunks)).toEqual([3, 0, 1]);
+    expect(touchOrderOf(undefined, chunks)).toEqual([]);
+  });
+
   it("bounds the manifest by this host's RAM: a 64 GiB guest's fits in about 2.5 MiB", () => {
     expect(storeManifestBytesLimit(64 * 1024 * MiB)).toBe(4096 + 80 * 32768);
     // A manifest of a guest of this host's RAM, as written (67 bytes a chunk), fits its bound.
     const chunks = Math.ceil(hostMemTotalBytes() / (2 * MiB));
-    const written = JSON.stringify({ ...good, ramBytes: chunks * 2 * MiB, ramChunks: new Array(chunks).fill(sha('a')) });
+    // With a touch order naming every chunk, largest indices first (the longest numbers).
+    const written = JSON.stringify({ ...good, ramBytes: chunks * 2 * MiB, ramChunks: new Array(chunks).fill(sha('a')), touchOrder: Array.from({ length: chunks }, (_, i) => chunks - 1 - i) });
     expect(written.length).toBeLessThan(storeManifestBytesLimit(hostMemTotalBytes()));
   });
 });

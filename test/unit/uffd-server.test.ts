@@ -2,13 +2,15 @@
 // a real userfaultfd, real files, and this test's own thread as the faulting one (it is Node's
 // main thread, whose faults are never left pending). No KVM needed.
 import { randomBytes } from 'node:crypto';
-import { closeSync, constants, fstatSync, mkdtempSync, openSync, readdirSync, readlinkSync, rmSync, write, writeSync } from 'node:fs';
+import { closeSync, constants, fstatSync, ftruncateSync, mkdtempSync, openSync, readdirSync, readlinkSync, readSync, rmSync, write, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { SystemCallError } from '../../src/errors';
 import { MAP_ANONYMOUS, MAP_NORESERVE, MAP_PRIVATE, PAGE_SIZE, PROT_READ, PROT_WRITE } from '../../src/sys/constants';
 import { mmap, munmap, viewAt } from '../../src/sys/libc';
-import { RangeState, UffdServer, type FileRange, type UffdSourceEvent } from '../../src/memory/uffd-server';
+import { RangeState, UffdServer, type FileRange, type UffdSource, type UffdSourceEvent } from '../../src/memory/uffd-server';
+import { FetchFailure, fetchFailureWhy, FetchRecord } from '../../src/memory/fetch-protocol';
+import { RecordChannel, type NativeRecord } from '../../src/native/record-channel';
 import { crc32c, crc32cPortable } from '../../src/native/crc32c';
 import { processThreads } from '../process-threads';
 
@@ -223,7 +225,7 @@ describe('userfaultfd server', () => {
     expect(page.equals(Buffer.alloc(PAGE_SIZE))).toBe(true);
     expect(page.equals(content.subarray(MiB, MiB + PAGE_SIZE))).toBe(false);
     await until(() => (events.length ? events : undefined));
-    expect(events).toEqual([{ kind: 'error', why: 'CRC32C mismatch', offset: 4 * MiB }]);
+    expect(events).toEqual([{ kind: 'error', why: 'CRC32C mismatch', offset: 4 * MiB, code: -1 }]);
     expect(source.rangeStates()).toEqual(new Uint8Array([RangeState.Missing, RangeState.Bad]));
     // The good range still loads.
     expect(ram.subarray(0, MiB).equals(content.subarray(0, MiB))).toBe(true);
@@ -242,11 +244,95 @@ describe('userfaultfd server', () => {
     let written: number | undefined;
     write(out, ram, 2 * MiB, PAGE_SIZE, 0, (err, n) => (written = err ? -1 : n));
     await until(() => (events.length ? events : undefined));
-    expect(events).toEqual([{ kind: 'error', why: 'CRC32C mismatch', offset: 2 * MiB }]);
+    expect(events).toEqual([{ kind: 'error', why: 'CRC32C mismatch', offset: 2 * MiB, code: -1 }]);
     await tick(100);
     expect(written).toBeUndefined();
     server!.destroy();
     expect(await until(() => written)).toBe(PAGE_SIZE);
+  });
+
+  /** A deferred source over an empty file of `content`'s size, and a fetcher on this thread that answers as `answer` says. */
+  function deferredSource(content: Buffer, layout: [number, number][], answer: (rec: NativeRecord, fetcher: RecordChannel) => void): { fd: number; source: UffdSource; fetcher: RecordChannel; events: UffdSourceEvent[] } {
+    const fd = openSync(join(dir, `d${fds.length}`), 'w+');
+    fds.push(fd);
+    ftruncateSync(fd, content.length);
+    const fetcher = new RecordChannel(server!.openFetchChannel(), (rec) => answer(rec, fetcher), { writable: true });
+    const events: UffdSourceEvent[] = [];
+    const source = server!.addSource({ kind: 'file', fd, ranges: fileRanges(content, layout), checksum: true, deferred: true, punch: true }, (e) => events.push(e));
+    return { fd, source, fetcher, events };
+  }
+
+  it('a deferred source asks its fetcher for a range a fault waits in, serves it once it is in the file, and loads one it is given unasked', async () => {
+    const content = randomBytes(4 * MiB);
+    const wanted: number[] = [];
+    const { fd, source, fetcher, events } = deferredSource(content, [[0, 2 * MiB], [2 * MiB, 2 * MiB]], (rec, f) => {
+      expect(rec.kind).toBe(FetchRecord.want);
+      wanted.push(rec.value);
+      // The fetcher writes the chunk into the file, then says so.
+      writeSync(fd, content, rec.value * 2 * MiB, 2 * MiB, rec.value * 2 * MiB);
+      f.send({ kind: FetchRecord.ready, tag: source.id, err: 0, value: rec.value });
+    });
+    // write(2) on a libuv pool thread faults in range 1, as a vCPU would (Node's main thread is the fetcher here).
+    const out = openSync(join(dir, 'out'), 'w+');
+    fds.push(out);
+    let written: number | undefined;
+    write(out, ram, 2 * MiB + 3 * PAGE_SIZE, PAGE_SIZE, 0, (err, n) => (written = err ? -1 : n));
+    expect(await until(() => written)).toBe(PAGE_SIZE);
+    expect(wanted).toEqual([1]);
+    const back = Buffer.alloc(PAGE_SIZE);
+    readSync(out, back, 0, PAGE_SIZE, 0);
+    expect(back.equals(content.subarray(2 * MiB + 3 * PAGE_SIZE, 2 * MiB + 4 * PAGE_SIZE))).toBe(true);
+    expect(source.rangeStates()).toEqual(new Uint8Array([RangeState.Missing, RangeState.Loaded]));
+    expect(source.touchOrder()).toEqual([1]);
+    // Loaded ranges are punched out of the scratch file.
+    expect(fstatSync(fd).blocks * 512).toBeLessThan(2 * MiB);
+    // A range given unasked (a prefetch) loads too; then the source is done.
+    writeSync(fd, content, 0, 2 * MiB, 0);
+    fetcher.send({ kind: FetchRecord.ready, tag: source.id, err: 0, value: 0 });
+    await until(() => (events.length ? events : undefined));
+    expect(events).toEqual([{ kind: 'done', rangesLoaded: 2 }]);
+    expect(ram.subarray(0, 4 * MiB).equals(content)).toBe(true);
+    expect(wanted).toEqual([1]);
+    expect(source.figures()).toMatchObject({ rangesLoadedByFault: 1, rangesPrefetched: 1, bytesLoaded: 4 * MiB });
+    fetcher.destroy();
+  });
+
+  it('a deferred range the fetcher fails is bad, reported with its reason, never mapped; the fault stays pending until destroy', async () => {
+    const content = randomBytes(2 * MiB);
+    const { source, fetcher, events } = deferredSource(content, [[4 * MiB, 2 * MiB]], (rec, f) => f.send({ kind: FetchRecord.failed, tag: source.id, err: FetchFailure.corrupt, value: rec.value }));
+    const out = openSync(join(dir, 'out'), 'w');
+    fds.push(out);
+    let written: number | undefined;
+    write(out, ram, 4 * MiB, PAGE_SIZE, 0, (err, n) => (written = err ? -1 : n));
+    await until(() => (events.length ? events : undefined));
+    expect(events).toEqual([{ kind: 'error', why: fetchFailureWhy(FetchFailure.corrupt), offset: 4 * MiB, code: FetchFailure.corrupt }]);
+    expect(source.rangeStates()).toEqual(new Uint8Array([RangeState.Bad]));
+    await tick(100);
+    expect(written).toBeUndefined();
+    server!.destroy();
+    expect(await until(() => written)).toBe(PAGE_SIZE);
+    fetcher.destroy();
+  });
+
+  it('a fetcher that goes away makes every absent range bad, and a fault there does not wait for it', async () => {
+    const content = randomBytes(4 * MiB);
+    const { source, fetcher, events } = deferredSource(content, [[0, 2 * MiB], [2 * MiB, 2 * MiB]], () => {});
+    fetcher.destroy();
+    await until(() => (events.length ? events : undefined));
+    expect(events).toEqual([{ kind: 'error', why: fetchFailureWhy(FetchFailure.gone), offset: 0, code: FetchFailure.gone }]);
+    expect(source.rangeStates()).toEqual(new Uint8Array([RangeState.Bad, RangeState.Bad]));
+    // Node's main thread reads a zero page on a bad range (it must read the report and end the VM).
+    expect(ram[2 * MiB + 5]).toBe(0);
+  });
+
+  it('a deferred source needs the fetch channel first; the channel opens once', () => {
+    const fd = openSync(join(dir, 'x'), 'w+');
+    fds.push(fd);
+    ftruncateSync(fd, 2 * MiB);
+    expect(() => server!.addSource({ kind: 'file', fd, ranges: [{ offset: 0, length: 2 * MiB, fileOffset: 0 }], deferred: true }, () => {})).toThrow(/fetch channel/);
+    const channel = server!.openFetchChannel();
+    expect(() => server!.openFetchChannel()).toThrow(/opened already/);
+    closeSync(channel);
   });
 
   it('remove returns how many ranges were loaded and unregisters RAM', () => {

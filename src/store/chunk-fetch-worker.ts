@@ -1,0 +1,180 @@
+/**
+ * The chunk fetcher of a lazy restore from an object store (lazy-ram.ts), in a worker thread: it
+ * answers the userfaultfd server's requests on its fetch socket (a fault waits in a chunk not yet
+ * here) and, once told to, prefetches the other chunks in the order given, with bounded
+ * concurrency. Each chunk comes from the host's chunk cache or the store, its SHA-256 checked
+ * before it is cached or written anywhere (chunk-fetch.ts); it is then written into the restore's
+ * scratch file, and the server told READY, which loads it from there (checked against its CRC32C
+ * once more) and wakes whoever waits. A chunk that fails, or a store that does not answer within
+ * the request timeout, is told FAILED: the server never maps the range, and the VM ends.
+ *
+ * One worker serves every lazy restore of the process (each a *job*, by id), so that only the
+ * first restore pays for starting it (a Node worker costs hundreds of ms on a busy host, seconds
+ * under emulation); one is started per distinct AWS environment, which its S3 clients read.
+ *
+ * Why a worker, not Node's main thread: the main thread itself faults on guest RAM (a device model
+ * reading a virtqueue), and would then wait for a fetch only it could make. The worker loads no
+ * native code (fetch-protocol.ts holds the records' numbers); the fds it uses (its end of the
+ * fetch socket, the scratch file) are the process's, given by number.
+ */
+import { writeSync } from 'node:fs';
+import { parentPort, workerData } from 'node:worker_threads';
+import { StoreError, type StoreErrorReason } from '../errors';
+import { FetchFailure, FetchRecord } from '../memory/fetch-protocol';
+import { RecordChannel, type NativeRecord } from '../native/record-channel';
+import { ChunkCache } from './chunk-cache';
+import { fetchCheckedChunk, type ChunkCounts } from './chunk-fetch';
+import type { ObjectStore } from './object-io';
+import { parseStoreUrl } from './store-url';
+
+/** What the worker is started with. */
+export interface FetcherData {
+  /** Marks pvisor's fetcher: a program that runs pvisor in a worker of its own never starts one by importing this module. */
+  role: 'pvisor-chunk-fetcher';
+}
+
+/** Indices into a job's counters (a BigInt64Array): bytes and chunks fetched, chunks found cached, chunks fetched for a fault. */
+export const FetcherCounter = { bytesTransferred: 0, chunksTransferred: 1, chunksPresent: 2, chunksForFaults: 3 } as const;
+
+/** One range of the deferred source: the chunk that fills it. */
+export interface FetcherChunk {
+  sha256: string;
+  sizeBytes: number;
+  fileOffset: number;
+}
+
+/** What a job is started with. */
+export interface FetcherJob {
+  id: number;
+  location: string;
+  requestTimeoutMs: number;
+  cacheDir: string;
+  cacheMaxBytes: number;
+  /** The job's counters ({@link FetcherCounter}), read by the main thread at any time. */
+  counters: SharedArrayBuffer;
+  fetchFd: number;
+  sourceId: number;
+  scratchFd: number;
+  chunks: FetcherChunk[];
+  prefetchOrder: number[];
+  concurrency: number;
+}
+
+/** Main thread to worker. */
+export type FetcherCommand = ({ kind: 'start' } & FetcherJob) | { kind: 'prefetch'; id: number } | { kind: 'stop'; id: number };
+
+/** Worker to main thread: a job's first failure, as a StoreError's reason (null: this host's) and message; or that a job has let go of its files. */
+export type FetcherMessage = { kind: 'error'; id: number; reason: StoreErrorReason | null; message: string } | { kind: 'stopped'; id: number };
+
+const FAILURE_CODE: Partial<Record<StoreErrorReason, number>> = { corrupt: FetchFailure.corrupt, timeout: FetchFailure.timeout };
+
+if (parentPort && (workerData as Partial<FetcherData> | null)?.role === 'pvisor-chunk-fetcher') serve(parentPort);
+
+function serve(port: NonNullable<typeof parentPort>): void {
+  // The S3 client's code loads in the background (a few hundred ms on a busy host): a chunk the
+  // cache holds does not wait for it.
+  const objectIo = import('./object-io');
+  objectIo.catch(() => undefined);
+  const jobs = new Map<number, { prefetch(): void; stop(): void }>();
+  port.on('message', (cmd: FetcherCommand) => {
+    if (cmd.kind === 'start' && !jobs.has(cmd.id)) {
+      const job = startJob(cmd, objectIo, (m) => port.postMessage(m), () => jobs.delete(cmd.id));
+      jobs.set(cmd.id, job);
+    } else if (cmd.kind === 'prefetch') {
+      jobs.get(cmd.id)?.prefetch();
+    } else if (cmd.kind === 'stop') {
+      const job = jobs.get(cmd.id);
+      if (job) job.stop();
+      else port.postMessage({ kind: 'stopped', id: cmd.id } satisfies FetcherMessage);
+    }
+  });
+}
+
+function startJob(job: FetcherJob, objectIo: Promise<typeof import('./object-io')>, post: (m: FetcherMessage) => void, forget: () => void): { prefetch(): void; stop(): void } {
+  const url = parseStoreUrl(job.location);
+  const storeReady: Promise<ObjectStore> = objectIo.then(({ ObjectStore }) => ObjectStore.open(url, { requestTimeoutMs: job.requestTimeoutMs }));
+  storeReady.catch(() => undefined);
+  const cache = ChunkCache.open(job.cacheDir, job.cacheMaxBytes);
+  const shared = new BigInt64Array(job.counters);
+  const counter = (k: number) => ({
+    get: () => Number(Atomics.load(shared, k)),
+    set: (v: number) => void Atomics.store(shared, k, BigInt(v)),
+  });
+  const counts = {} as ChunkCounts;
+  for (const [name, k] of [['bytesTransferred', FetcherCounter.bytesTransferred], ['chunksTransferred', FetcherCounter.chunksTransferred], ['chunksPresent', FetcherCounter.chunksPresent]] as const) {
+    Object.defineProperty(counts, name, { ...counter(k), enumerable: true });
+  }
+  /** Per range: 0 not asked, 1 being fetched, 2 written and told. */
+  const states = new Uint8Array(job.chunks.length);
+  let prefetching = false;
+  let nextPrefetch = 0;
+  let prefetchesRunning = 0;
+  let left = job.chunks.length;
+  let failed = false;
+  let stopped = false;
+
+  const stop = (): void => {
+    if (stopped) return;
+    stopped = true;
+    channel.destroy();
+    void storeReady.then((store) => store.close(), () => undefined);
+    forget();
+    // Nothing of this job touches the scratch file from now on (a fetch still under way drops its bytes).
+    post({ kind: 'stopped', id: job.id });
+  };
+
+  const fetchRange = async (i: number, forFault: boolean): Promise<void> => {
+    const c = job.chunks[i];
+    states[i] = 1;
+    if (!forFault) prefetchesRunning++;
+    cache.pin(c.sha256);
+    try {
+      const ref = { sha256: c.sha256, sizeBytes: c.sizeBytes };
+      const cached = cache.read(ref.sha256, ref.sizeBytes);
+      if (cached) counts.chunksPresent++;
+      const bytes = cached ?? (await fetchCheckedChunk(ref, url, await storeReady, cache, counts));
+      if (stopped) return;
+      for (let done = 0; done < bytes.length;) done += writeSync(job.scratchFd, bytes, done, bytes.length - done, c.fileOffset + done);
+      states[i] = 2;
+      if (forFault) Atomics.add(shared, FetcherCounter.chunksForFaults, 1n);
+      channel.send({ kind: FetchRecord.ready, tag: job.sourceId, err: 0, value: i });
+      if (--left === 0) cache.evict();
+    } catch (e) {
+      if (stopped) return;
+      const reason = e instanceof StoreError ? e.reason : null;
+      if (!failed) post({ kind: 'error', id: job.id, reason, message: (e as Error).message });
+      failed = true;
+      channel.send({ kind: FetchRecord.failed, tag: job.sourceId, err: reason === null ? FetchFailure.local : FAILURE_CODE[reason] ?? FetchFailure.unreachable, value: i });
+    } finally {
+      cache.unpin(c.sha256);
+      if (!forFault) prefetchesRunning--;
+      pump();
+    }
+  };
+
+  /** Starts prefetches while fewer than `concurrency` run; requests for faults do not wait for them. */
+  const pump = (): void => {
+    while (prefetching && !failed && !stopped && prefetchesRunning < job.concurrency && nextPrefetch < job.prefetchOrder.length) {
+      const i = job.prefetchOrder[nextPrefetch++];
+      if (states[i] === 0) void fetchRange(i, false);
+    }
+  };
+
+  const onRecord = (rec: NativeRecord): void => {
+    if (stopped || rec.kind !== FetchRecord.want || rec.tag !== job.sourceId || !Number.isInteger(rec.value) || rec.value >= job.chunks.length) return;
+    const i = rec.value;
+    // After a failure the VM is ending: a fault must not wait for a fetch that will not come.
+    if (failed && states[i] !== 2) channel.send({ kind: FetchRecord.failed, tag: job.sourceId, err: FetchFailure.gone, value: i });
+    else if (states[i] === 0) void fetchRange(i, true);
+  };
+
+  // The server closing its end (the VM ended) ends the job.
+  const channel = new RecordChannel(job.fetchFd, onRecord, { writable: true, onClose: stop });
+  return {
+    prefetch: () => {
+      prefetching = true;
+      pump();
+    },
+    stop,
+  };
+}
