@@ -86,6 +86,8 @@ export interface ControlVmInfo {
   labels: Labels;
   /** When its run began (ISO 8601); absent from a pvisor that did not say. */
   startedAt?: string;
+  /** A restored VM's guest RAM: read, or loading lazily (`Vm.restoreInfo.ramLoad`); absent for a booted one. */
+  ramLoad?: string;
 }
 
 /**

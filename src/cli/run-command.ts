@@ -72,7 +72,10 @@ async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void)
     // The name was checked as a name above: here it can only be taken by a running VM.
     throw e instanceof InvalidOptionError && e.option === 'name' ? new RefusedError(e.message) : e;
   });
-  return runVm(control, { args, steps, cursor, afterRestore });
+  // A hibernated VM its launcher resumes in this jail: its record is the launcher's, and a Linux
+  // guest's CMD runs on in the guest, detached (as in ./resume-hibernated.ts).
+  const resumed = jailed?.resumed ? { onReady: () => {} } : undefined;
+  return runVm(control, { args, steps, cursor, afterRestore, resumed });
 }
 
 /**
@@ -107,7 +110,7 @@ export interface RunPlan {
    * is back, and `onReady` is told; a Linux guest's CMD runs on in the guest, detached, so the
    * run waits until the VM is stopped instead of starting it again.
    */
-  resumed?: { recordPath: string; onReady(vm: Vm): void };
+  resumed?: { recordPath?: string; onReady(vm: Vm): void };
   /** Called once the VM is restored (or its restore failed): a snapshot fetched from a store is removed. */
   afterRestore?: () => void;
 }
@@ -141,7 +144,7 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
         plan.afterRestore?.();
       }
       // The VM is back in a process (the restore removed its directory): it is no longer hibernated.
-      if (resumed) rmSync(resumed.recordPath, { force: true });
+      if (resumed?.recordPath) rmSync(resumed.recordPath, { force: true });
     }
     control.attach(vm);
     if (jailedEntry()?.forbiddenSyscallHook) makeForbiddenSyscall();
@@ -186,6 +189,8 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
 /** The run's end once its VM has hibernated: after the answer has left, says where it went. */
 async function hibernated(control: RunControl): Promise<number> {
   await control.hibernationSent();
+  // Jailed: the launcher takes the VM out of the jail and says where it went.
+  if (jailedEntry()) return EXIT_HIBERNATED;
   const h = control.hibernation!;
   process.stderr.write(
     `pvisor: ${control.id} hibernated into ${h.dir} (${formatMiB(h.bytesOnDisk)} on disk); this process ends (exit ${EXIT_HIBERNATED}). ` +

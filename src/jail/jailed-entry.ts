@@ -18,6 +18,8 @@ export const JAIL_ENV = {
    * the jail, where only the launcher sets the environment.
    */
   testForbiddenSyscall: 'PVISOR_JAIL_TEST_FORBIDDEN_SYSCALL',
+  /** Set (to 1) when the `--from` directory is a hibernated VM that `pvisor resume` continues in this jail. */
+  resumed: 'PVISOR_JAIL_RESUMED',
 } as const;
 
 /** What the jailed VMM was handed, or `undefined` outside a jail. */
@@ -28,6 +30,8 @@ export interface JailedEntry {
   statusFd: number;
   /** The test hook ({@link JAIL_ENV}.testForbiddenSyscall) is on. */
   forbiddenSyscallHook: boolean;
+  /** The run continues a hibernated VM ({@link JAIL_ENV}.resumed). */
+  resumed: boolean;
 }
 
 function fdOf(text: string | undefined): number | undefined {
@@ -39,7 +43,7 @@ export function jailedEntry(env: NodeJS.ProcessEnv = process.env): JailedEntry |
   const controlFd = fdOf(env[JAIL_ENV.controlFd]);
   const statusFd = fdOf(env[JAIL_ENV.statusFd]);
   if (controlFd === undefined || statusFd === undefined) return undefined;
-  return { controlFd, statusFd, forbiddenSyscallHook: env[JAIL_ENV.testForbiddenSyscall] === '1' };
+  return { controlFd, statusFd, forbiddenSyscallHook: env[JAIL_ENV.testForbiddenSyscall] === '1', resumed: env[JAIL_ENV.resumed] === '1' };
 }
 
 /** Tells the launcher the exit status this process is about to exit with (jailed processes only). */
