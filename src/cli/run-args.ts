@@ -89,8 +89,11 @@ export interface RunArgs {
   limits: JailLimitsInput;
 }
 
-/** `--isolation`'s default. */
-export const DEFAULT_ISOLATION: 'process' | 'none' = 'none';
+/**
+ * `--isolation`'s default: each VM jailed. A host that cannot jail refuses the run, naming
+ * `--isolation none` (src/cli/run-jailed.ts): it never falls back to an unjailed VMM.
+ */
+export const DEFAULT_ISOLATION: 'process' | 'none' = 'process';
 
 /**
  * `pvisor run` flags that a hibernated VM keeps when `pvisor resume` continues it in a new

@@ -54,9 +54,11 @@ async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void)
   // In the jail (told by its environment) the same arguments run the VM here.
   const jailed = jailedEntry();
   if (args.isolation === 'process' && !jailed) {
-    if (afterRestore) throw new InvalidOptionError('--from', 'an s3:// snapshot does not go with --isolation process yet (the jail would fetch it again, without the store\'s credentials): use --isolation none');
     const { runJailed } = await import('./run-jailed');
-    return runJailed(args, argv, machine);
+    // A snapshot fetched from a store (this process has the store's credentials and network; the
+    // jail has neither): the jail reads the local copy, which this process removes after it.
+    const fetchedDir = afterRestore && args.source.kind === 'snapshot' ? args.source.dir : undefined;
+    return runJailed(args, argv, machine, undefined, fetchedDir);
   }
   // Claim the id before booting, so that a taken id fails without starting anything.
   const control = await RunControl.open({

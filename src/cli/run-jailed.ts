@@ -35,6 +35,7 @@ import { HANDED_FILES_ENV } from '../jail/handed-files';
 import { takeHibernation } from '../jail/hibernation-handoff';
 import { checkHibernatedDir, logPathFor, readHibernationRecord, recordPathFor, writeHibernationRecord, type HibernationRecord } from '../snapshot/hibernation-record';
 import { connectUnixSocket } from '../sys/unix-socket';
+import { isStoreUrl } from '../store/store-url';
 import { closeFd } from '../sys/libc';
 import { untilJailedReady } from '../jail/jailed-vm';
 import { handOffSnapshot } from '../jail/snapshot-handoff';
@@ -61,7 +62,7 @@ export interface JailedResume {
  * Runs `args` jailed (`argv`: the run's own arguments, passed on); resolves with the run's exit
  * status. With `resume`, continues that hibernated VM (`args.source` is its directory) in a new jail.
  */
-export async function runJailed(args: RunArgs, argv: readonly string[], machine: { memoryBytes: number; vcpus: number }, resume?: JailedResume): Promise<number> {
+export async function runJailed(args: RunArgs, argv: readonly string[], machine: { memoryBytes: number; vcpus: number }, resume?: JailedResume, fetchedDir?: string): Promise<number> {
   requireJailHost(args);
   const limits = resolveLimits(args.limits, machine);
   // --vm-socket: this process listens there (the jailed run's own socket is the one it was handed).
@@ -104,11 +105,19 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
         }
       } else if (request.op === 'snapshot') {
         // The jailed VMM writes where it can (its backing directory); this process copies it out.
-        const target = resolve(request.dir);
-        r = await handOffSnapshot(jailed, machine.memoryBytes, target, async (staging) => {
-          const answer = await ask({ ...request, dir: staging });
-          return { written: answer.ok, value: answer.ok && answer.snapshot ? { ...answer, snapshot: { ...answer.snapshot, dir: target } } : answer };
-        });
+        const into = (target: string) =>
+          handOffSnapshot(jailed, machine.memoryBytes, target, async (staging) => {
+            const answer = await ask({ ...request, dir: staging });
+            return { written: answer.ok, value: answer.ok && answer.snapshot ? { ...answer, snapshot: { ...answer.snapshot, dir: target } } : answer };
+          });
+        if (isStoreUrl(request.dir)) {
+          // To a store: this process has its credentials and network (the jail has neither), so
+          // it takes the copy into a work directory and sends it, as Vm.snapshot does in-process.
+          const { snapshotToStore } = await import('../store/snapshot-store');
+          const url = request.dir;
+          const { written, transfer } = await snapshotToStore(url, undefined, into);
+          r = written.ok && written.snapshot ? { ...written, snapshot: { ...written.snapshot, dir: url, store: transfer } } : written;
+        } else r = await into(resolve(request.dir));
       } else r = await ask(request);
     } catch (e) {
       return { response: { ok: false, error: errorPayload(e) } };
@@ -177,11 +186,15 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
     const { network, mac } = await networkOf(args);
     handed.push(...handedFiles(args));
     const plan: JailPlan = { id, limits, runArgv: withoutPublish(argv), socketPath: path, readOnly, readWrite, backingParent: args.backingDir, handedFds: handed, ...(network.kind !== 'none' && { network, networkMac: mac }) };
+    if (fetchedDir !== undefined) {
+      plan.giveToJail = [fetchedDir];
+      plan.runArgv = withoutPublish(withFrom(fetchedDir, argv));
+    }
     if (resume) {
       // The hibernated VM goes into the new jail's backing directory, which the jailed restore may consume.
       const name = basename(resume.record.dir);
       plan.moveIn = [{ from: resume.record.dir, name }];
-      plan.runArgv = withoutPublish(resumedArgv(join(jailBackingDir(args.backingDir, id), name), argv));
+      plan.runArgv = withoutPublish(withFrom(join(jailBackingDir(args.backingDir, id), name), argv));
       plan.env = { [JAIL_ENV.resumed]: '1' };
     }
     const t0 = performance.now();
@@ -307,8 +320,11 @@ export function jailedFlags(carried: readonly string[]): string[] {
   return [...carried.filter((f) => !f.startsWith('--isolation=')), '--isolation=process'];
 }
 
-/** The jailed run's arguments for a resume: `--from` the hibernated VM's place in the jail, then the record's flags and command. Pure. */
-export function resumedArgv(from: string, argv: readonly string[]): string[] {
+/**
+ * The jailed run's arguments with `--from` what the jail sees (a hibernated VM's place in its
+ * backing directory, a fetched snapshot's local copy), then the others as given. Pure.
+ */
+export function withFrom(from: string, argv: readonly string[]): string[] {
   const dash = argv.indexOf('--');
   const own = (dash >= 0 ? argv.slice(0, dash) : [...argv]).filter((f) => !f.startsWith('--from='));
   const i = own.indexOf('--from');

@@ -112,7 +112,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
              [--vm-ram-compression] [--vm-cold-ram-compression [--vm-cold-after 10s]]
              [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]] [--vm-socket PATH]
-             [--kernel BZIMAGE] [--initrd CPIO] [--isolation process [--limit-{memory,cpus,pids} V]...]
+             [--kernel BZIMAGE] [--initrd CPIO] [--isolation process|none] [--limit-{memory,cpus,pids} V]...
              [--rootfs IMAGE [--rootfs-readonly]] [--net none|nat|tap:NAME [--net-allow RULE]... [--net-deny RULE]...]
              [--publish HOSTPORT:GUESTPORT]... [--label KEY=VALUE]... [--quiet] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
@@ -137,7 +137,13 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
-        The SDK reaches it too: VmHandle.connect(ID). --isolation process jails it: docs/security.md.
+        The SDK reaches it too: VmHandle.connect(ID).
+      --isolation process (the default): the VM runs in a jailed process of its own, as uid
+        nobody, in its own namespaces and empty root, with a seccomp filter and a cgroup v2 with
+        --limit-memory SIZE (default guest RAM + 192MiB), --limit-cpus N (vCPUs + 1) and
+        --limit-pids N (128); this process launches it and relays its socket (docs/security.md).
+        Needs root, bubblewrap and cgroup v2; a host without them is refused (exit 125) with what
+        is missing, never run unjailed. --isolation none: the VM runs in this process, unjailed.
       --label KEY=VALUE (repeatable, at most 64): labels shown by pvisor ps and Vm.list().
       -q, --quiet: no progress lines on stderr, only CMD's output, warnings and errors.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).

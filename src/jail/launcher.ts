@@ -85,6 +85,12 @@ export interface JailPlan {
    * restore failed) is moved back and given back to this process's uid.
    */
   moveIn?: readonly { from: string; name: string }[];
+  /**
+   * Private directories of the caller's (a snapshot fetched from a store, 0700 with 0600 files)
+   * given to the jail's uid before it starts, so that the jail can read them where
+   * {@link readOnly} binds them; the caller removes them after the jail.
+   */
+  giveToJail?: readonly string[];
 }
 
 /** The VM's own backing directory in `backingParent` (made by {@link JailedVmm.start}, bound into its jail). */
@@ -242,6 +248,7 @@ export class JailedVmm {
       mkdirSync(backingDir, { mode: 0o700 });
       undo.push(() => rmSync(backingDir, { recursive: true, force: true }));
       chownSync(backingDir, uid, gid);
+      for (const d of plan.giveToJail ?? []) chownTree(d, uid, gid);
       for (const m of plan.moveIn ?? []) {
         const inside = join(backingDir, m.name);
         renameSync(m.from, inside);

@@ -8,7 +8,7 @@ import { existsSync, mkdtempSync, openSync, closeSync, realpathSync, rmSync, wri
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseRunArgs } from '../../src/cli/run-args';
-import { jailedFlags, resumedArgv, withoutPublish } from '../../src/cli/run-jailed';
+import { jailedFlags, withFrom, withoutPublish } from '../../src/cli/run-jailed';
 import { InvalidOptionError, NetworkSetupError } from '../../src/errors';
 import { formatHandedNetwork, handedNetwork, HANDED_NETWORK_ENV } from '../../src/network/handed-network';
 import { cgroup2MountOf, parseMemoryEvents } from '../../src/jail/cgroup';
@@ -182,7 +182,9 @@ describe('pvisor run --isolation', () => {
     const a = parseRunArgs(['--isolation', 'process', '--guest', 'probe', '--limit-memory', '128MiB', '--limit-cpus', '1.5', '--limit-pids', '64', '--', 'digest']);
     expect(a.isolation).toBe('process');
     expect(a.limits).toEqual({ memory: '128MiB', cpus: 1.5, pids: 64 });
-    expect(parseRunArgs(['--guest', 'probe', '--', 'digest'])).toMatchObject({ isolation: 'none', isolationGiven: false });
+    // The default: jailed, its limits taken without saying --isolation.
+    expect(parseRunArgs(['--guest', 'probe', '--', 'digest'])).toMatchObject({ isolation: 'process', isolationGiven: false });
+    expect(parseRunArgs(['--guest', 'probe', '--limit-pids', '64', '--', 'digest']).limits).toEqual({ pids: 64 });
     expect(parseRunArgs(['--isolation', 'none', '--guest', 'probe', '--', 'digest'])).toMatchObject({ isolation: 'none', isolationGiven: true });
     expect(() => parseRunArgs(['--isolation', 'vm', '--', 'x'])).toThrow(/^--isolation: expected process or none/);
     expect(() => parseRunArgs(['--isolation', 'none', '--limit-memory', '128MiB', '--', 'x'])).toThrow(/^--limit-memory: only goes with --isolation process/);
@@ -195,7 +197,8 @@ describe('pvisor run --isolation', () => {
     expect(parseRunArgs(['--isolation', 'process', '--vm-pool', '/s', '--', 'x']).carriedFlags).toEqual(['--vm-pool=/s', '--isolation=process']);
     expect(parseRunArgs(['--isolation', 'process', '--limit-pids', '64', '--', 'x']).carriedFlags).toEqual(['--isolation=process', '--limit-pids=64']);
     expect(jailedFlags(['--vm-offload', '--isolation=none'])).toEqual(['--vm-offload', '--isolation=process']);
-    expect(resumedArgv('/j/h', ['--from', '/h', '--isolation=process', '--', 'wait'])).toEqual(['--from', '/j/h', '--isolation=process', '--', 'wait']);
+    expect(withFrom('/j/h', ['--from', '/h', '--isolation=process', '--', 'wait'])).toEqual(['--from', '/j/h', '--isolation=process', '--', 'wait']);
+    expect(withFrom('/cache/work-1', ['--from=s3://b/p', '--shared', '--', 'digest'])).toEqual(['--from', '/cache/work-1', '--shared', '--', 'digest']);
     expect(parseRunArgs(['--isolation', 'process', '--vm-socket', '/tmp/a.sock', '--', 'x'])).toMatchObject({ isolation: 'process', socketPath: '/tmp/a.sock' });
   });
 });
