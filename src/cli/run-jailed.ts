@@ -22,7 +22,7 @@
  * directory, where the jailed restore consumes it.
  */
 import { randomBytes } from 'node:crypto';
-import { closeSync, constants as fsConstants, existsSync, openSync, rmSync } from 'node:fs';
+import { closeSync, constants as fsConstants, existsSync, openSync, rmSync, statSync } from 'node:fs';
 import { basename, join, resolve } from 'node:path';
 import { constants as osConstants } from 'node:os';
 import { connect } from 'node:net';
@@ -63,6 +63,8 @@ export interface JailedResume {
  * status. With `resume`, continues that hibernated VM (`args.source` is its directory) in a new jail.
  */
 export async function runJailed(args: RunArgs, argv: readonly string[], machine: { memoryBytes: number; vcpus: number }, resume?: JailedResume, fetchedDir?: string): Promise<number> {
+  // The options' own checks first, as an unjailed run makes them before it needs the host.
+  checkRootfs(args);
   requireJailHost(args);
   const limits = resolveLimits(args.limits, machine);
   // --vm-socket: this process listens there (the jailed run's own socket is the one it was handed).
@@ -386,4 +388,18 @@ function requireJailHost(args: RunArgs): void {
       { cause: e },
     );
   }
+}
+
+/** A `--rootfs` that is not a regular file is refused as Vm.start refuses it, before the host is checked. */
+function checkRootfs(args: RunArgs): void {
+  const { source } = args;
+  if (source.kind !== 'boot' || !source.rootfs) return;
+  const path = source.rootfs.path;
+  let isFile: boolean;
+  try {
+    isFile = statSync(path).isFile();
+  } catch (e) {
+    throw new InvalidOptionError('rootfs', `cannot use ${path}${source.rootfs.readOnly ? '' : ' read-write'}: ${(e as Error).message}`);
+  }
+  if (!isFile) throw new InvalidOptionError('rootfs', `${path} is not a regular file`);
 }
