@@ -187,10 +187,10 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
   try {
     const { network, mac } = await networkOf(args);
     handed.push(...handedFiles(args));
-    const plan: JailPlan = { id, limits, runArgv: withoutPublish(argv), socketPath: path, readOnly, readWrite, backingParent: args.backingDir, handedFds: handed, ...(network.kind !== 'none' && { network, networkMac: mac }) };
+    const plan: JailPlan = { id, limits, runArgv: withoutPublish(withAbsolutePaths(argv, process.cwd())), socketPath: path, readOnly, readWrite, backingParent: args.backingDir, handedFds: handed, ...(network.kind !== 'none' && { network, networkMac: mac }) };
     if (fetchedDir !== undefined) {
       plan.giveToJail = [fetchedDir];
-      plan.runArgv = withoutPublish(withFrom(fetchedDir, argv));
+      plan.runArgv = withoutPublish(withFrom(fetchedDir, withAbsolutePaths(argv, process.cwd())));
     }
     if (resume) {
       // The hibernated VM goes into the new jail's backing directory, which the jailed restore may consume.
@@ -402,4 +402,28 @@ function checkRootfs(args: RunArgs): void {
     throw new InvalidOptionError('rootfs', `cannot use ${path}${source.rootfs.readOnly ? '' : ' read-write'}: ${(e as Error).message}`);
   }
   if (!isFile) throw new InvalidOptionError('rootfs', `${path} is not a regular file`);
+}
+
+/** The run options that name a host path: bound into the jail at the same absolute path. */
+const PATH_FLAGS = ['kernel', 'initrd', 'rootfs', 'from', 'vm-pool', 'vm-backing-dir'];
+
+/**
+ * The run's arguments with every path option (before `--`) made absolute against `cwd`: the
+ * jailed VMM's working directory is not this one (nothing of the host's is in its root), and its
+ * files are bound at their absolute paths. A store URL stays as it is. Pure.
+ */
+export function withAbsolutePaths(argv: readonly string[], cwd: string): string[] {
+  const dash = argv.indexOf('--');
+  const own = dash >= 0 ? argv.slice(0, dash) : [...argv];
+  const abs = (v: string) => (isStoreUrl(v) ? v : resolve(cwd, v));
+  const out: string[] = [];
+  for (let i = 0; i < own.length; i++) {
+    const m = /^--([a-z-]+)(=(.*))?$/s.exec(own[i]);
+    if (m && PATH_FLAGS.includes(m[1])) {
+      if (m[2] !== undefined) out.push(`--${m[1]}=${abs(m[3])}`);
+      else if (i + 1 < own.length) out.push(own[i], abs(own[++i]));
+      else out.push(own[i]);
+    } else out.push(own[i]);
+  }
+  return [...out, ...(dash >= 0 ? argv.slice(dash) : [])];
 }

@@ -8,7 +8,7 @@ import { existsSync, mkdtempSync, openSync, closeSync, realpathSync, rmSync, wri
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseRunArgs } from '../../src/cli/run-args';
-import { jailedFlags, withFrom, withoutPublish } from '../../src/cli/run-jailed';
+import { jailedFlags, withAbsolutePaths, withFrom, withoutPublish } from '../../src/cli/run-jailed';
 import { InvalidOptionError, NetworkSetupError } from '../../src/errors';
 import { formatHandedNetwork, handedNetwork, HANDED_NETWORK_ENV } from '../../src/network/handed-network';
 import { cgroup2MountOf, parseMemoryEvents } from '../../src/jail/cgroup';
@@ -197,6 +197,8 @@ describe('pvisor run --isolation', () => {
     expect(parseRunArgs(['--isolation', 'process', '--vm-pool', '/s', '--', 'x']).carriedFlags).toEqual(['--vm-pool=/s', '--isolation=process']);
     expect(parseRunArgs(['--isolation', 'process', '--limit-pids', '64', '--', 'x']).carriedFlags).toEqual(['--isolation=process', '--limit-pids=64']);
     expect(jailedFlags(['--vm-offload', '--isolation=none'])).toEqual(['--vm-offload', '--isolation=process']);
+    // The jailed VMM's cwd is not the user's: path options are made absolute, CMD is left alone.
+    expect(withAbsolutePaths(['--kernel', 'bz', '--rootfs=img', '--from', 's3://b/p', '--vm-pool', '../p.sock', '--', 'cat', 'x'], '/home/u')).toEqual(['--kernel', '/home/u/bz', '--rootfs=/home/u/img', '--from', 's3://b/p', '--vm-pool', '/home/p.sock', '--', 'cat', 'x']);
     expect(withFrom('/j/h', ['--from', '/h', '--isolation=process', '--', 'wait'])).toEqual(['--from', '/j/h', '--isolation=process', '--', 'wait']);
     expect(withFrom('/cache/work-1', ['--from=s3://b/p', '--shared', '--', 'digest'])).toEqual(['--from', '/cache/work-1', '--shared', '--', 'digest']);
     expect(parseRunArgs(['--isolation', 'process', '--vm-socket', '/tmp/a.sock', '--', 'x'])).toMatchObject({ isolation: 'process', socketPath: '/tmp/a.sock' });
