@@ -210,8 +210,8 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
       await hibernated.sent;
       // As an unjailed run says it (./run-command.ts): the VM is out of its jail, and comes back in a new one.
       process.stderr.write(
-        `pvisor: ${id} hibernated into ${hibernated.dir} (${formatMiB(hibernated.bytesOnDisk)} on disk); this process ends (exit ${EXIT_HIBERNATED}). ` +
-          `pvisor resume ${id} continues it in a new process, jailed again, whose output goes to ${logPathFor(path)}\n`,
+        `pvisor: ${id} hibernated into ${hibernated.dir} (${formatMiB(hibernated.bytesOnDisk)} on disk), out of its jail, to come back in a new one; this process ends (exit ${EXIT_HIBERNATED}). ` +
+          `pvisor resume ${id} continues it in a new process, whose output goes to ${logPathFor(path)}\n`,
       );
     }
     if ('exitCode' in outcome) return outcome.exitCode;

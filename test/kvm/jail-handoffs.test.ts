@@ -70,7 +70,7 @@ describe('a jailed pvisor run hands in and takes out', () => {
     expect(h.status).toBe(0);
     const answer = JSON.parse(h.stdout) as { hibernation: { dir: string; record: string } };
     expect((await run.exited).code).toBe(148);
-    expect(run.err()).toMatch(/^pvisor: JH hibernated into .* pvisor resume JH continues it in a new process, jailed again, whose output goes to .*JH\.log$/m);
+    expect(run.err()).toMatch(/^pvisor: JH hibernated into .*, out of its jail, to come back in a new one; .* pvisor resume JH continues it in a new process, whose output goes to .*JH\.log$/m);
     // The VM left its jail: a directory of this user's, private, beside the run's other hibernations; the jail is gone.
     const state = answer.hibernation.dir;
     expect(state.startsWith(`${dir}/pvisor-hibernated-JH-`)).toBe(true);
