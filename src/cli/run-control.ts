@@ -244,7 +244,7 @@ export class RunControl {
             return { response: { ok: true, vm: { ...this.info(), state: 'hibernated' }, before, tookMs, hibernation }, afterSent: () => this.answered?.() };
           }
           case 'stop':
-            return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop('pvisor stop') };
+            return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop(request.signal ?? 'pvisor stop') };
           default:
             // Streams are served on their own connections (ControlServer), files calls above.
             throw new VmStateError(`${request.op} is not a queued request`);

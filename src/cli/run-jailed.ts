@@ -177,7 +177,7 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
     if (!vmm) return;
     // The jailed run stops its VM cleanly, as on a signal of its own; if it cannot be reached, it is killed.
     const jailed = vmm;
-    controlRequest(jailed.innerSocketPath, id, { op: 'stop' }, 30_000).catch(() => jailed.kill());
+    controlRequest(jailed.innerSocketPath, id, { op: 'stop', signal: signal === 'SIGINT' ? 'SIGINT' : 'SIGTERM' }, 30_000).catch(() => jailed.kill());
     process.stderr.write(`pvisor: ${id}: ${signal}, stopping the jailed VM\n`);
   };
   process.on('SIGINT', stopOnSignal);
