@@ -64,7 +64,9 @@ function cli(...args) {
 
 (async () => {
   const cmd = probe ? ['--guest', 'probe', '--', 'memory, wait'] : ['--', 'sh', '-c', 'echo ready; exec sleep 100000'];
-  const run = spawn(process.execPath, [...PVISOR_NODE_FLAGS, ...extraFlags, main, 'run', '--name', name, '--vm-offload', ...cmd], { env, stdio: ['ignore', 'pipe', 'inherit'] });
+  // --isolation none: what is measured is the VMM in the process started here, with these node
+  // flags (a jailed VMM is another process, under the launcher's flags: scripts/measure-jail-cost.js).
+  const run = spawn(process.execPath, [...PVISOR_NODE_FLAGS, ...extraFlags, main, 'run', '--isolation', 'none', '--name', name, '--vm-offload', ...cmd], { env, stdio: ['ignore', 'pipe', 'inherit'] });
   await new Promise((resolve, reject) => {
     let out = '';
     run.stdout.on('data', (d) => { out += d; if (/ready|resident|guest RAM/i.test(out)) resolve(); });

@@ -40,7 +40,11 @@ export type ControlRequest =
   | { op: 'resume' }
   | { op: 'snapshot'; dir: string; leavePaused: boolean }
   | { op: 'hibernate'; store?: string }
-  | { op: 'stop' }
+  /**
+   * `signal`: the stop of a signal the run's launcher got and relays (a jailed run,
+   * src/cli/run-jailed.ts): the run ends as it ends on that signal (its message, 128 + N).
+   */
+  | { op: 'stop'; signal?: 'SIGINT' | 'SIGTERM' }
   | ControlFilesRequest
   | ControlStreamRequest;
 
@@ -87,6 +91,8 @@ export interface ControlVmInfo {
   labels: Labels;
   /** When its run began (ISO 8601); absent from a pvisor that did not say. */
   startedAt?: string;
+  /** A restored VM's guest RAM: read, or loading lazily (`Vm.restoreInfo.ramLoad`); absent for a booted one. */
+  ramLoad?: string;
 }
 
 /**
@@ -225,7 +231,8 @@ export function parseRequest(line: string): ControlRequest {
       }
       return { op: 'hibernate', store: r!.store };
     case 'stop':
-      return { op: 'stop' };
+      if (r!.signal !== undefined && r!.signal !== 'SIGINT' && r!.signal !== 'SIGTERM') throw new InvalidOptionError('control request', 'stop: signal must be SIGINT or SIGTERM');
+      return r!.signal === undefined ? { op: 'stop' } : { op: 'stop', signal: r!.signal };
     case 'suspend':
       if (r!.offload !== undefined && typeof r!.offload !== 'boolean') throw new InvalidOptionError('control request', 'suspend: offload must be true or false');
       return { op: 'suspend', offload: r!.offload === true };

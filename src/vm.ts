@@ -1,7 +1,8 @@
 /**
  * The public `Vm`: lifecycle, options validation, events and memory figures, over the KVM backend.
  */
-import { accessSync, constants as fsConstants, existsSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { accessSync, constants as fsConstants, existsSync, fstatSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { handedRootfsFd } from './jail/handed-files';
 import { resolve } from 'node:path';
 import { EventEmitter } from 'eventemitter3';
 import { checkOptionKeys, optionKeys } from './option-keys';
@@ -1239,11 +1240,14 @@ function rootfsDisk(rootfs: VmOptions['rootfs'], guest: GuestKind): DiskConfig |
   const readOnly = booleanOption('rootfs.readOnly', readOnlyOption, false);
   if (guest !== 'linux') throw new InvalidOptionError('rootfs', `only the Linux guest has a root filesystem (this VM runs the ${guest} guest)`);
   let sizeBytes: number;
+  // A jailed VMM's writable rootfs is an fd its launcher opened (src/jail/handed-files.ts): the
+  // jail's uid could not open the image for writing, and its path is not in the jail.
+  const openFd = readOnly ? undefined : handedRootfsFd();
   try {
-    const st = statSync(path);
+    const st = openFd !== undefined ? fstatSync(openFd) : statSync(path);
     if (!st.isFile()) throw new InvalidOptionError('rootfs', `${path} is not a regular file`);
     sizeBytes = st.size;
-    accessSync(path, readOnly ? fsConstants.R_OK : fsConstants.R_OK | fsConstants.W_OK);
+    if (openFd === undefined) accessSync(path, readOnly ? fsConstants.R_OK : fsConstants.R_OK | fsConstants.W_OK);
   } catch (e) {
     if (e instanceof InvalidOptionError) throw e;
     throw new InvalidOptionError('rootfs', `cannot use ${path}${readOnly ? '' : ' read-write'}: ${(e as Error).message}`);
@@ -1252,7 +1256,7 @@ function rootfsDisk(rootfs: VmOptions['rootfs'], guest: GuestKind): DiskConfig |
     throw new InvalidOptionError('rootfs', `${path} is ${sizeBytes} bytes; a disk image must be a non-zero multiple of 512 bytes`);
   }
   // Absolute: a snapshot names the image, and may be restored from another working directory.
-  return { path: resolve(path), readOnly };
+  return { path: resolve(path), readOnly, ...(openFd !== undefined && { openFd }) };
 }
 
 /** The Linux guest's kernel and initramfs: the user's files or the shipped ones. */

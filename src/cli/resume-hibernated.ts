@@ -18,8 +18,13 @@ import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from '../node-flags';
 import { parseProbeScript, ScriptCursor } from './probe-script';
 import { checkCarriedFlags, parseRunArgs } from './run-args';
 import { runVm } from './run-command';
+import { jailedEntry } from '../jail/jailed-entry';
+import type { JailedResume } from './run-jailed';
 import { RunControl } from './run-control';
 import { EXIT_REFUSED, exitStatusOf, RefusedError } from './usage';
+
+/** What a jailed resume says once its VM answers (./run-jailed.ts). */
+type JailedReady = Parameters<JailedResume['ready']>[0];
 
 /** The environment variable that tells a `--foreground` resume which fd to report readiness on. */
 const READY_FD_ENV = 'PVISOR_READY_FD';
@@ -43,6 +48,13 @@ export async function runHibernated(id: string, socketPath: string, store?: Stor
     if (!first) throw new RefusedError(`${id} is not hibernated (no ${recordPath})`);
     // Everything the record says is checked before the id is claimed, as a command line is.
     const plan = planOf(first, recordPath, (vm) => report.ready(vm, logPathFor(socketPath)));
+    // A VM hibernated out of a jail comes back in a new one (./run-jailed.ts claims the id, checks
+    // the record again and moves the VM into the jail).
+    if (plan.args.isolation === 'process' && !jailedEntry()) {
+      const { runJailed } = await import('./run-jailed');
+      const args = { ...plan.args, name: id, socketPath };
+      return await runJailed(args, plan.argv, first, { record: first, recordPath, ready: (r) => report.readyJailed(r, logPathFor(socketPath)) });
+    }
     const carry = { flags: first.flags, backingDir: plan.args.backingDir, command: first.command ?? [], script: plan.cursor };
     let control: RunControl;
     try {
@@ -101,13 +113,14 @@ async function runFromStore(id: string, socketPath: string, store: StoreResume, 
 }
 
 /** The run of a hibernated VM, from its record (its flags and steps checked as a command line's). */
-function planOf(record: HibernationRecord, recordPath: string, onReady: (vm: Vm) => void): Parameters<typeof runVm>[1] {
+function planOf(record: HibernationRecord, recordPath: string, onReady: (vm: Vm) => void): Parameters<typeof runVm>[1] & { argv: string[] } {
   const flags = checkCarriedFlags(record.flags);
   // The Linux guest's CMD is not run again (it runs on, detached): it is there for the parser.
   const command = record.guest === 'probe' ? [record.steps!] : record.command!.length ? record.command! : ['true'];
+  const argv = ['--from', record.dir, ...flags, '--', ...command];
   let args;
   try {
-    args = parseRunArgs(['--from', record.dir, ...flags, '--', ...command], '/');
+    args = parseRunArgs(argv, '/');
   } catch (e) {
     throw new SnapshotError(`${recordPath}: ${(e as Error).message}`);
   }
@@ -117,11 +130,11 @@ function planOf(record: HibernationRecord, recordPath: string, onReady: (vm: Vm)
   } catch (e) {
     throw new SnapshotError(`${recordPath}: steps: ${(e as Error).message}`);
   }
-  return { args, steps, cursor: steps && new ScriptCursor(steps), resumed: { recordPath, onReady } };
+  return { args, argv, steps, cursor: steps && new ScriptCursor(steps), resumed: { recordPath, onReady } };
 }
 
 /** The `--foreground` side of the ready pipe: says once, ready or failed, then closes it. */
-function readyReporter(): { ready(vm: Vm, log: string): void; failed(e: unknown): void } {
+function readyReporter(): { ready(vm: Vm, log: string): void; readyJailed(r: JailedReady, log: string): void; failed(e: unknown): void } {
   const text = process.env[READY_FD_ENV];
   delete process.env[READY_FD_ENV];
   let fd = text !== undefined && /^\d+$/.test(text) ? Number(text) : undefined;
@@ -140,6 +153,10 @@ function readyReporter(): { ready(vm: Vm, log: string): void; failed(e: unknown)
       const u = vm.memoryUsage();
       const info = vm.restoreInfo!;
       say({ ok: true, pid: process.pid, readyMs: Math.round(info.readyMs * 10) / 10, ramLoad: info.ramLoad, processPssBytes: u.processPssBytes, guestRamResidentBytes: u.guestRamPssBytes, log });
+    },
+    readyJailed(r, log) {
+      // The VM's figures are its jailed process's; the pid to signal is this one, its launcher.
+      say({ ok: true, pid: process.pid, readyMs: r.readyMs, ramLoad: r.ramLoad, processPssBytes: r.processPssBytes, guestRamResidentBytes: r.guestRamResidentBytes, log });
     },
     failed(e) {
       say({ ok: false, error: errorPayload(e), exitStatus: exitStatusOf(e) });

@@ -83,12 +83,17 @@ export interface RunArgs {
    * namespaces and empty root, seccomp, a cgroup with `limits`); `none` in this process.
    */
   isolation: 'process' | 'none';
+  /** Whether `--isolation` was given (else {@link DEFAULT_ISOLATION} was taken), for messages. */
+  isolationGiven: boolean;
   /** `--limit-memory`, `--limit-cpus`, `--limit-pids` (with `--isolation process`); unset ones take the jail's defaults. */
   limits: JailLimitsInput;
 }
 
-/** `--isolation`'s default. */
-export const DEFAULT_ISOLATION: 'process' | 'none' = 'none';
+/**
+ * `--isolation`'s default: each VM jailed. A host that cannot jail refuses the run, naming
+ * `--isolation none` (src/cli/run-jailed.ts): it never falls back to an unjailed VMM.
+ */
+export const DEFAULT_ISOLATION: 'process' | 'none' = 'process';
 
 /**
  * `pvisor run` flags that a hibernated VM keeps when `pvisor resume` continues it in a new
@@ -110,6 +115,11 @@ export const CARRIED_FLAGS: Readonly<Record<string, boolean>> = {
   'vm-cold-after': true,
   'vm-pool': true,
   'vm-pool-scope': true,
+  // A jailed VM comes back jailed, with its limits.
+  isolation: true,
+  'limit-memory': true,
+  'limit-cpus': true,
+  'limit-pids': true,
 };
 
 /**
@@ -236,16 +246,16 @@ export function parseRunArgs(argv: string[], cwd: string = process.cwd()): RunAr
   const backingDir = absolute(dir ?? DEFAULT_BACKING_DIR);
   const labels = labelsFromText('--label', values.label ?? []);
   const { isolation, limits } = isolationOf(values, source);
-  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, quiet: values.quiet, labels, strategies, command, publish, carriedFlags, backingDir, isolation, limits };
+  return { source, name: values.name, socketPath: values['vm-socket'], console: values.console, quiet: values.quiet, labels, strategies, command, publish, carriedFlags, backingDir, isolation, isolationGiven: values.isolation !== undefined, limits };
 }
 
 /**
- * `--isolation` and the `--limit-*` options, checked. What a jail cannot give the VM yet is
- * refused here rather than failing inside it: a page pool (its daemon's socket). A network and
- * `--vm-socket` are the launcher's (src/jail/launcher.ts, ../cli/run-jailed.ts).
+ * `--isolation` and the `--limit-*` options, checked. A network, `--vm-socket`, `--publish`, a
+ * writable rootfs and `--vm-pool` are the launcher's, which hands them to the jail
+ * (src/jail/launcher.ts, ./run-jailed.ts).
  */
 function isolationOf(
-  values: { isolation?: string; 'limit-memory'?: string; 'limit-cpus'?: string; 'limit-pids'?: string; net?: string; 'vm-pool'?: string },
+  values: { isolation?: string; 'limit-memory'?: string; 'limit-cpus'?: string; 'limit-pids'?: string },
   source: BootSource | SnapshotSource,
 ): { isolation: 'process' | 'none'; limits: JailLimitsInput } {
   const isolation = values.isolation ?? DEFAULT_ISOLATION;
@@ -263,7 +273,6 @@ function isolationOf(
     if (given) throw new InvalidOptionError(`--limit-${given}`, 'only goes with --isolation process (a VM in this process has no limits of its own)');
     return { isolation, limits };
   }
-  if (values['vm-pool'] !== undefined) throw new InvalidOptionError('--vm-pool', 'does not go with --isolation process yet: the jail has no way to the pool daemon (use --isolation none)');
   // The limits are checked against the VM they bound.
   if (source.kind === 'boot') resolveLimits(limits, source);
   return { isolation, limits };

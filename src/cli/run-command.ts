@@ -15,6 +15,7 @@ import { ConsoleCopy } from './console-copy';
 import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from './probe-script';
 import { parseRunArgs, type RunArgs } from './run-args';
 import { isStoreUrl } from '../store/store-url';
+import type { FetchedSnapshot } from '../store/download';
 import type { StoreOptions } from '../store/store-options';
 import { RunControl } from './run-control';
 import { jailedEntry, makeForbiddenSyscall } from '../jail/jailed-entry';
@@ -49,9 +50,17 @@ async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void)
   // In the jail (told by its environment) the same arguments run the VM here.
   const jailed = jailedEntry();
   if (args.isolation === 'process' && !jailed) {
-    if (source.kind === 'snapshot' && isStoreUrl(source.dir)) throw new InvalidOptionError('--from', 'an s3:// snapshot does not go with --isolation process yet (the jail would fetch it again, without the store\'s credentials): use --isolation none');
     const { runJailed } = await import('./run-jailed');
-    return runJailed(args, argv, machine);
+    // A snapshot in a store: this process has the store's credentials and network, the jail has
+    // neither. It fetches the snapshot whole (no lazy restore across the jail's wall), the jail
+    // reads the local copy, and this process removes it after.
+    if (source.kind !== 'snapshot' || !isStoreUrl(source.dir)) return runJailed(args, argv, machine);
+    const fetched = await fetchSnapshotFrom(source.dir, args);
+    try {
+      return await runJailed({ ...args, source: { ...source, dir: fetched.dir } }, argv, machine, undefined, fetched.dir);
+    } finally {
+      fetched.remove();
+    }
   }
   // Claim the id before booting, so that a taken id fails without starting anything.
   const control = await RunControl.open({
@@ -67,9 +76,32 @@ async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void)
     // The name was checked as a name above: here it can only be taken by a running VM.
     throw e instanceof InvalidOptionError && e.option === 'name' ? new RefusedError(e.message) : e;
   });
-  return runVm(control, { args, steps, cursor, afterRestore });
+  // A hibernated VM its launcher resumes in this jail: its record is the launcher's, and a Linux
+  // guest's CMD runs on in the guest, detached (as in ./resume-hibernated.ts).
+  const resumed = jailed?.resumed ? { onReady: () => {} } : undefined;
+  return runVm(control, { args, steps, cursor, afterRestore, resumed });
 }
 
+/**
+ * Fetches the snapshot at `url` whole into the chunk cache (docs/object-store.md) for a jailed
+ * run, saying on stderr how far it is, at most once a second, and what it moved. `--shared`: the
+ * host's one copy in the cache, which every --shared clone maps.
+ */
+async function fetchSnapshotFrom(url: string, args: RunArgs): Promise<FetchedSnapshot> {
+  const { fetchFromStore } = await import('../store/snapshot-store');
+  const say = (line: string) => args.quiet || process.stderr.write(`pvisor: ${line}\n`);
+  say(`fetching the snapshot ${url}...`);
+  let lastMs = performance.now();
+  const onProgress: StoreOptions['onProgress'] = (p) => {
+    if (performance.now() - lastMs < 1000) return;
+    lastMs = performance.now();
+    say(`${url}: ${p.chunksDone}/${p.chunksTotal} RAM chunks, ${formatMiB(p.bytesTransferred)} fetched`);
+  };
+  const fetched = await fetchFromStore(url, { onProgress }, args.source.kind === 'snapshot' && args.source.shared);
+  const t = fetched.transfer;
+  say(`${url}: ${t.chunksTransferred} chunks fetched (${formatMiB(t.bytesTransferred)}), ${t.chunksPresent} from the cache, ${t.zeroChunks} zero, in ${Math.round(t.ms)} ms${t.sharedEntry === 'reused' ? ' (the snapshot shared in the cache, as other --shared clones map it)' : ''}`);
+  return fetched;
+}
 
 /** What {@link runVm} runs. */
 export interface RunPlan {
@@ -82,7 +114,7 @@ export interface RunPlan {
    * is back, and `onReady` is told; a Linux guest's CMD runs on in the guest, detached, so the
    * run waits until the VM is stopped instead of starting it again.
    */
-  resumed?: { recordPath: string; onReady(vm: Vm): void };
+  resumed?: { recordPath?: string; onReady(vm: Vm): void };
   /** Called once the VM is restored (or its restore failed): a snapshot fetched from a store is removed. */
   afterRestore?: () => void;
   /** The restore's store options, for an `s3://` source restored by Vm.restore itself (a resume from a store). */
@@ -118,7 +150,7 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
         plan.afterRestore?.();
       }
       // The VM is back in a process (the restore removed its directory): it is no longer hibernated.
-      if (resumed) rmSync(resumed.recordPath, { force: true });
+      if (resumed?.recordPath) rmSync(resumed.recordPath, { force: true });
       const t = vm.restoreInfo?.store;
       if (t) {
         const how = vm.restoreInfo!.storeRamLoad === 'lazy' ? 'before the VM was ready (guest RAM comes lazily, the rest in the background)' : 'guest RAM fetched whole first';
@@ -168,6 +200,8 @@ export async function runVm(control: RunControl, plan: RunPlan): Promise<number>
 /** The run's end once its VM has hibernated: after the answer has left, says where it went. */
 async function hibernated(control: RunControl): Promise<number> {
   await control.hibernationSent();
+  // Jailed: the launcher takes the VM out of the jail and says where it went.
+  if (jailedEntry()) return EXIT_HIBERNATED;
   const h = control.hibernation!;
   if (h.store) process.stderr.write(`pvisor: ${control.id} hibernated to ${h.dir} (${formatMiB(h.store.bytesTransferred)} sent); this process ends (exit ${EXIT_HIBERNATED}). pvisor resume ${control.id} --store ${h.dir} continues it, here or on another host\n`);
   else

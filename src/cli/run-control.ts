@@ -5,6 +5,7 @@
  */
 import { randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
+import { jailedRecordPathFor } from '../jail/hibernation-handoff';
 import { InvalidOptionError, VmStateError } from '../errors';
 import type { ExecResult } from '../guest/guest-types';
 import type { Labels } from '../labels';
@@ -243,7 +244,7 @@ export class RunControl {
             return { response: { ok: true, vm: { ...this.info(), state: 'hibernated' }, before, tookMs, hibernation }, afterSent: () => this.answered?.() };
           }
           case 'stop':
-            return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop('pvisor stop') };
+            return { response: { ok: true, vm: this.info(), memory: this.memory() }, afterSent: () => this.requestStop(request.signal ?? 'pvisor stop') };
           default:
             // Streams are served on their own connections (ControlServer), files calls above.
             throw new VmStateError(`${request.op} is not a queued request`);
@@ -275,7 +276,9 @@ export class RunControl {
       if (vm.state === 'running') await script?.outOfGuest();
       const left = script?.remaining();
       const dir = hibernationDirFor(carry.backingDir, this.id);
-      const record = recordPathFor(this.socketPath);
+      // A jailed VMM writes its record where it can, in its backing directory: its launcher takes
+      // it from there with the VM (src/cli/run-jailed.ts) and writes its own beside its socket.
+      const record = this.description.listenFd !== undefined ? jailedRecordPathFor(carry.backingDir, this.id) : recordPathFor(this.socketPath);
       const log = logPathFor(this.socketPath);
       await vm.hibernate(dir, {
         beforeStop: (info) => {
@@ -384,7 +387,8 @@ export class RunControl {
   info(): ControlVmInfo {
     const d = this.description;
     const labels = this.vm?.labels ?? d.labels ?? {};
-    return { id: this.id, pid: process.pid, state: this.vm?.state ?? 'starting', guest: d.guest, memoryBytes: d.memoryBytes, vcpus: d.vcpus, labels, startedAt: this.startedAt };
+    const ramLoad = this.vm?.restoreInfo?.ramLoad;
+    return { id: this.id, pid: process.pid, state: this.vm?.state ?? 'starting', guest: d.guest, memoryBytes: d.memoryBytes, vcpus: d.vcpus, labels, startedAt: this.startedAt, ...(ramLoad && { ramLoad }) };
   }
 
   private memory(): ControlMemory | undefined {

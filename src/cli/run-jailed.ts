@@ -11,14 +11,32 @@
  * by the launcher and handed to the jail as a TAP fd) and its published ports (`--publish`: this
  * process listens on 127.0.0.1 and forwards each connection through the jailed VM's control
  * socket, as `VmHandle.forward` does; a listener in the jail would be in its own, empty namespace).
+ * So are what the jail's uid could not open (../jail/handed-files.ts): a writable rootfs, opened
+ * here and handed in as an fd, and the pool daemon (`--vm-pool`), connected here, so that the
+ * daemon knows the VM by this process's credentials (the user's) and not by the jail's shared uid.
+ *
+ * A hibernation (`pvisor suspend --hibernate`) is written by the jailed VMM into its backing
+ * directory and taken out by this process once the VMM has ended (../jail/hibernation-handoff.ts),
+ * with a record beside this process's socket that carries `--isolation=process`: `pvisor resume`
+ * continues it in a new jail ({@link runJailed} with `resume`), moving it into that jail's backing
+ * directory, where the jailed restore consumes it.
  */
 import { randomBytes } from 'node:crypto';
-import { resolve } from 'node:path';
+import { closeSync, constants as fsConstants, existsSync, openSync, rmSync, statSync } from 'node:fs';
+import { basename, join, resolve } from 'node:path';
 import { constants as osConstants } from 'node:os';
 import { connect } from 'node:net';
 import { CONTROL_PROTOCOL_VERSION, controlRequest, ControlServer, ensureRuntimeDir, errorPayload, idOfSocket, runtimeDir, socketPathFor, type ControlHandler, type ControlResponse, type ControlStreamHandler } from '../control-socket';
-import { InvalidOptionError, VmStateError, type JailViolationError, type VmLimitError } from '../errors';
-import { JailedVmm, MAX_RELAYED_ANSWER_BYTES } from '../jail/launcher';
+import { InvalidOptionError, JailUnavailableError, SnapshotError, VmStateError, type JailViolationError, type VmLimitError } from '../errors';
+import { checkKvmHost } from '../backends/kvm/host-check';
+import { checkJailHost, jailBackingDir, JailedVmm, MAX_RELAYED_ANSWER_BYTES, type JailPlan } from '../jail/launcher';
+import { JAIL_ENV } from '../jail/jailed-entry';
+import { HANDED_FILES_ENV } from '../jail/handed-files';
+import { takeHibernation } from '../jail/hibernation-handoff';
+import { checkHibernatedDir, logPathFor, readHibernationRecord, recordPathFor, writeHibernationRecord, type HibernationRecord } from '../snapshot/hibernation-record';
+import { connectUnixSocket } from '../sys/unix-socket';
+import { isStoreUrl } from '../store/store-url';
+import { closeFd } from '../sys/libc';
 import { untilJailedReady } from '../jail/jailed-vm';
 import { handOffSnapshot } from '../jail/snapshot-handoff';
 import { resolveLimits } from '../jail/limits';
@@ -28,34 +46,85 @@ import type { PortForward } from '../network/port-forward';
 import { formatMiB, MAX_TIMEOUT_MS } from '../units';
 import { validateVmName } from '../vm-name';
 import type { RunArgs } from './run-args';
-import { RefusedError } from './usage';
+import { EXIT_HIBERNATED, RefusedError } from './usage';
 
-/** Runs `args` jailed (`argv`: the run's own arguments, passed on); resolves with the run's exit status. */
-export async function runJailed(args: RunArgs, argv: readonly string[], machine: { memoryBytes: number; vcpus: number }): Promise<number> {
+/**
+ * A hibernated VM that `pvisor resume` continues jailed: its record (read and checked by
+ * ./resume-hibernated.ts), where it is, and whom to tell when it is ready or why not.
+ */
+export interface JailedResume {
+  record: HibernationRecord;
+  recordPath: string;
+  ready(report: { readyMs: number; ramLoad: string; processPssBytes: number; guestRamResidentBytes: number }): void;
+}
+
+/**
+ * Runs `args` jailed (`argv`: the run's own arguments, passed on); resolves with the run's exit
+ * status. With `resume`, continues that hibernated VM (`args.source` is its directory) in a new jail.
+ */
+export async function runJailed(args: RunArgs, argv: readonly string[], machine: { memoryBytes: number; vcpus: number }, resume?: JailedResume, fetchedDir?: string): Promise<number> {
+  // The options' own checks first, as an unjailed run makes them before it needs the host.
+  checkRootfs(args);
+  requireJailHost(args);
   const limits = resolveLimits(args.limits, machine);
   // --vm-socket: this process listens there (the jailed run's own socket is the one it was handed).
   const explicit = args.socketPath;
   const id = args.name !== undefined ? validateVmName(args.name) : explicit !== undefined ? validateVmName(idOfSocket(explicit), 'vm-socket') : randomBytes(3).toString('hex');
-  const { readOnly, readWrite } = pathsOf(args);
+  const { readOnly, readWrite } = resume ? { readOnly: [], readWrite: [] } : pathsOf(args);
   const path = explicit ?? socketPathFor(id);
   if (explicit === undefined) ensureRuntimeDir(runtimeDir());
   let vmm: JailedVmm | undefined;
+  /** Once the VM has hibernated: where it went, and a promise that resolves when the answer has left. */
+  let hibernated: { sent: Promise<void>; dir: string; bytesOnDisk: number } | undefined;
   const relay: ControlHandler = async (request) => {
-    if (request.op === 'hibernate') {
-      return { response: { ok: false, error: errorPayload(new InvalidOptionError(request.op, `not available for a jailed VM yet (its process would have to be started again in a jail by pvisor resume); run it with --isolation none`)) } };
-    }
     if (!vmm) return { response: { ok: false, error: errorPayload(new VmStateError(`${id} is starting`)) } };
     const jailed = vmm;
     const ask = (r: typeof request) => controlRequest(jailed.innerSocketPath, id, r, MAX_TIMEOUT_MS, MAX_RELAYED_ANSWER_BYTES);
     let r: ControlResponse;
     try {
-      if (request.op === 'snapshot') {
+      if (request.op === 'hibernate' && request.store !== undefined) {
+        // The jail has neither the store's network nor its credentials; sending the hibernation
+        // from this process once it is out of the jail is not done yet.
+        throw new InvalidOptionError('--store', `hibernating a jailed VM to an object store is not done yet (the jail cannot reach the store): hibernate it locally, or run it with --isolation none`);
+      }
+      if (request.op === 'hibernate') {
+        const asked = ask(request);
+        // The VMM ends once it has answered; what it left in its backing directory is taken before the jail comes down.
+        const taken = new Promise<{ dir: string; record: HibernationRecord } | { error: unknown }>((done) =>
+          jailed.beforeTeardown(async () => {
+            const a = await asked.catch(() => undefined);
+            if (!a?.ok || !a.hibernation) return;
+            done(await takeHibernation(jailed, id, machine.memoryBytes, a.hibernation.dir, args.backingDir).catch((error: unknown) => ({ error })));
+          }),
+        );
+        const answer = await asked;
+        if (!answer.ok || !answer.hibernation) r = answer;
+        else {
+          const got = await taken;
+          if ('error' in got) throw got.error;
+          const recordPath = recordPathFor(path);
+          writeHibernationRecord(recordPath, { ...got.record, dir: got.dir, flags: jailedFlags(args.carriedFlags) });
+          let sent!: () => void;
+          hibernated = { sent: new Promise<void>((s) => (sent = s)), dir: got.dir, bytesOnDisk: answer.hibernation.bytesOnDisk };
+          const { v: _v, ...rest } = answer as ControlResponse & { v?: unknown };
+          const hibernation = { ...answer.hibernation, dir: got.dir, record: recordPath, log: logPathFor(path) };
+          return { response: { ...rest, ...(rest.vm && { vm: { ...rest.vm, pid: process.pid } }), hibernation } as ControlResponse, afterSent: () => sent() };
+        }
+      } else if (request.op === 'snapshot') {
         // The jailed VMM writes where it can (its backing directory); this process copies it out.
-        const target = resolve(request.dir);
-        r = await handOffSnapshot(jailed, machine.memoryBytes, target, async (staging) => {
-          const answer = await ask({ ...request, dir: staging });
-          return { written: answer.ok, value: answer.ok && answer.snapshot ? { ...answer, snapshot: { ...answer.snapshot, dir: target } } : answer };
-        });
+        const into = (target: string) =>
+          handOffSnapshot(jailed, machine.memoryBytes, target, async (staging) => {
+            const answer = await ask({ ...request, dir: staging });
+            return { written: answer.ok, value: answer.ok && answer.snapshot ? { ...answer, snapshot: { ...answer.snapshot, dir: target } } : answer };
+          });
+        if (isStoreUrl(request.dir)) {
+          // To a store: this process has its credentials and network (the jail has neither), so
+          // it takes the copy into a work directory and sends it, as Vm.snapshot does in-process.
+          const { snapshotToStore } = await import('../store/snapshot-store');
+          const url = request.dir;
+          const { written, transfer } = await snapshotToStore(url, undefined, into);
+          r = written.ok && written.snapshot ? { ...written, snapshot: { ...written.snapshot, dir: url, store: transfer } } : written;
+        } else r = await into(resolve(request.dir));
       } else r = await ask(request);
     } catch (e) {
       return { response: { ok: false, error: errorPayload(e) } };
@@ -92,30 +161,71 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
     });
   };
   const server = await ControlServer.listen(path, id, relay, relayStream).catch((e: unknown) => {
-    throw e instanceof InvalidOptionError && e.option === 'name' ? new RefusedError(e.message) : e;
+    if (e instanceof InvalidOptionError && e.option === 'name') throw resume ? new RefusedError(`${id} is not hibernated: it is running (another pvisor resume continued it)`) : new RefusedError(e.message);
+    throw e;
   });
+  // Holding the socket, the id is this process's to check, as an unjailed run checks it (./run-control.ts).
+  try {
+    if (!resume && existsSync(recordPathFor(path))) {
+      throw new RefusedError(new InvalidOptionError('name', `${id} is hibernated (${recordPathFor(path)}): pvisor resume ${id} continues it, pvisor stop ${id} discards it; or choose another --name`).message);
+    }
+    if (resume) {
+      const record = readHibernationRecord(resume.recordPath, id);
+      if (!record || record.dir !== resume.record.dir) throw new RefusedError(`${id} is not hibernated any more (resumed or discarded meanwhile)`);
+      if (checkHibernatedDir(record.dir) === 'missing') throw new SnapshotError(`${id}'s hibernated state ${record.dir} is gone; pvisor stop ${id} removes its record`);
+    }
+  } catch (e) {
+    server.close();
+    throw e;
+  }
   const stopOnSignal = (signal: NodeJS.Signals) => {
     if (!vmm) return;
     // The jailed run stops its VM cleanly, as on a signal of its own; if it cannot be reached, it is killed.
     const jailed = vmm;
-    controlRequest(jailed.innerSocketPath, id, { op: 'stop' }, 30_000).catch(() => jailed.kill());
+    controlRequest(jailed.innerSocketPath, id, { op: 'stop', signal: signal === 'SIGINT' ? 'SIGINT' : 'SIGTERM' }, 30_000).catch(() => jailed.kill());
     process.stderr.write(`pvisor: ${id}: ${signal}, stopping the jailed VM\n`);
   };
   process.on('SIGINT', stopOnSignal);
   process.on('SIGTERM', stopOnSignal);
   const forwards: PortForward[] = [];
+  const handed: NonNullable<JailPlan['handedFds']>[number][] = [];
   try {
     const { network, mac } = await networkOf(args);
-    vmm = await JailedVmm.start({ id, limits, runArgv: withoutPublish(argv), readOnly, readWrite, backingParent: args.backingDir, ...(network.kind !== 'none' && { network, networkMac: mac }) });
+    handed.push(...handedFiles(args));
+    const plan: JailPlan = { id, limits, runArgv: withoutPublish(withAbsolutePaths(argv, process.cwd())), socketPath: path, readOnly, readWrite, backingParent: args.backingDir, handedFds: handed, ...(network.kind !== 'none' && { network, networkMac: mac }) };
+    if (fetchedDir !== undefined) {
+      plan.giveToJail = [fetchedDir];
+      plan.runArgv = withoutPublish(withFrom(fetchedDir, withAbsolutePaths(argv, process.cwd())));
+    }
+    if (resume) {
+      // The hibernated VM goes into the new jail's backing directory, which the jailed restore may consume.
+      const name = basename(resume.record.dir);
+      plan.moveIn = [{ from: resume.record.dir, name }];
+      plan.runArgv = withoutPublish(withFrom(join(jailBackingDir(args.backingDir, id), name), argv));
+      plan.env = { [JAIL_ENV.resumed]: '1' };
+    }
+    const t0 = performance.now();
+    vmm = await JailedVmm.start(plan);
     if (!args.quiet) process.stderr.write(`pvisor: ${id} jailed (pid ${vmm.pid}): memory at most ${formatMiB(limits.memoryBytes)}, ${limits.cpus} CPU(s), ${limits.pids} tasks\n`);
     const ended = vmm.exited();
     if (args.publish.length) void publish(vmm, id, args, forwards, ended);
+    if (resume) void resumeReady(vmm, id, resume, t0, ended);
     const outcome = await ended;
+    if ('exitCode' in outcome && outcome.exitCode === EXIT_HIBERNATED && hibernated) {
+      await hibernated.sent;
+      // As an unjailed run says it (./run-command.ts): the VM is out of its jail, and comes back in a new one.
+      process.stderr.write(
+        `pvisor: ${id} hibernated into ${hibernated.dir} (${formatMiB(hibernated.bytesOnDisk)} on disk), out of its jail, to come back in a new one; this process ends (exit ${EXIT_HIBERNATED}). ` +
+          `pvisor resume ${id} continues it in a new process, whose output goes to ${logPathFor(path)}\n`,
+      );
+    }
     if ('exitCode' in outcome) return outcome.exitCode;
     if ('error' in outcome) throw outcome.error as VmLimitError | JailViolationError;
     process.stderr.write(`pvisor: ${id}: the jailed VM process was killed by ${outcome.signal}\n`);
     return 128 + (osConstants.signals[outcome.signal] ?? 0);
   } finally {
+    // The jail has its copies.
+    for (const h of handed) closeFd(h.fd);
     for (const f of forwards) f.close();
     process.off('SIGINT', stopOnSignal);
     process.off('SIGTERM', stopOnSignal);
@@ -187,7 +297,138 @@ function pathsOf(args: RunArgs): { readOnly: string[]; readWrite: string[] } {
   else {
     if (source.kernel) readOnly.push(resolve(source.kernel));
     if (source.initrd) readOnly.push(resolve(source.initrd));
-    if (source.rootfs) (source.rootfs.readOnly ? readOnly : readWrite).push(resolve(source.rootfs.path));
+    // A writable one is handed in as an open file (handedFiles): the jail's uid could not open it.
+    if (source.rootfs?.readOnly) readOnly.push(resolve(source.rootfs.path));
   }
   return { readOnly, readWrite };
+}
+
+/**
+ * `pvisor resume` of a jailed VM: once the jailed VM answers, its record goes (the VM is back in a
+ * process) and the resume that started this process is told.
+ */
+async function resumeReady(vmm: JailedVmm, id: string, resume: JailedResume, t0: number, ended: Promise<unknown>): Promise<void> {
+  try {
+    const handle = await Promise.race([untilJailedReady(id, vmm.innerSocketPath, MAX_TIMEOUT_MS), ended.then(() => undefined)]);
+    if (!handle) return;
+    const readyMs = Math.round((performance.now() - t0) * 10) / 10;
+    const status = await controlRequest(vmm.innerSocketPath, id, { op: 'status' }, MAX_TIMEOUT_MS);
+    if (!status.ok || !status.memory) throw new VmStateError(`${id} is ${status.vm?.state ?? 'not answering'}`);
+    rmSync(resume.recordPath, { force: true });
+    resume.ready({ readyMs, ramLoad: status.vm?.ramLoad ?? 'read', processPssBytes: status.memory.processPssBytes, guestRamResidentBytes: status.memory.guestRamResidentBytes });
+  } catch (e) {
+    process.stderr.write(`pvisor: ${id}: the resumed jailed VM did not answer: ${(e as Error).message}; stopping it\n`);
+    vmm.kill();
+  }
+}
+
+/** A hibernated jailed VM's flags: the run's, with `--isolation=process` said, so that it comes back jailed whatever the default. Pure. */
+export function jailedFlags(carried: readonly string[]): string[] {
+  return [...carried.filter((f) => !f.startsWith('--isolation=')), '--isolation=process'];
+}
+
+/**
+ * The jailed run's arguments with `--from` what the jail sees (a hibernated VM's place in its
+ * backing directory, a fetched snapshot's local copy), then the others as given. Pure.
+ */
+export function withFrom(from: string, argv: readonly string[]): string[] {
+  const dash = argv.indexOf('--');
+  const own = (dash >= 0 ? argv.slice(0, dash) : [...argv]).filter((f) => !f.startsWith('--from='));
+  const i = own.indexOf('--from');
+  if (i >= 0) own.splice(i, 2);
+  return ['--from', from, ...own, ...(dash >= 0 ? argv.slice(dash) : [])];
+}
+
+/**
+ * What the jail's uid could not open itself, opened here and handed in as fds
+ * (../jail/handed-files.ts): a writable rootfs, and a connection to the pool daemon. The caller
+ * closes them once the jail has its copies. A pool that cannot be reached is not handed: the
+ * jailed client says so and runs on, as an unjailed one does.
+ */
+function handedFiles(args: RunArgs): NonNullable<JailPlan['handedFds']>[number][] {
+  const out: NonNullable<JailPlan['handedFds']>[number][] = [];
+  const { source } = args;
+  try {
+    if (source.kind === 'boot' && source.rootfs && !source.rootfs.readOnly) {
+      const image = resolve(source.rootfs.path);
+      let fd: number;
+      try {
+        fd = openSync(image, fsConstants.O_RDWR);
+      } catch (e) {
+        throw new InvalidOptionError('rootfs', `cannot open ${image} for reading and writing: ${(e as Error).message}`);
+      }
+      out.push({ fd, env: HANDED_FILES_ENV.rootfs, value: String });
+    }
+    const pool = args.carriedFlags.find((f) => f.startsWith('--vm-pool='))?.slice('--vm-pool='.length);
+    if (pool !== undefined) {
+      try {
+        out.push({ fd: connectUnixSocket(pool), env: HANDED_FILES_ENV.pool, value: String });
+      } catch {
+        // Unreachable now: the jailed client reports it.
+      }
+    }
+  } catch (e) {
+    for (const h of out) closeSync(h.fd);
+    throw e;
+  }
+  return out;
+}
+
+/**
+ * Refuses, before anything is claimed or started, a run this host cannot jail, saying why and the
+ * way out. Never a silent (or loud) fallback to an unjailed VMM: whoever relies on the jail, by
+ * default or by asking, gets it or an error, and running unjailed is said on the command line.
+ * A host without KVM is refused as an unjailed run would refuse it.
+ */
+function requireJailHost(args: RunArgs): void {
+  checkKvmHost();
+  try {
+    checkJailHost();
+  } catch (e) {
+    if (!(e instanceof JailUnavailableError)) throw e;
+    const how = args.isolationGiven ? 'pvisor run --isolation process runs' : 'pvisor run runs';
+    throw new JailUnavailableError(
+      `${how} each VM in a jail of its own (docs/security.md), and this host cannot make one: ${e.message}. ` +
+        'Fix that, or run the VM unjailed with --isolation none (its VMM then runs in this process, as this user, without the jail\'s namespaces, seccomp filter and limits)',
+      { cause: e },
+    );
+  }
+}
+
+/** A `--rootfs` that is not a regular file is refused as Vm.start refuses it, before the host is checked. */
+function checkRootfs(args: RunArgs): void {
+  const { source } = args;
+  if (source.kind !== 'boot' || !source.rootfs) return;
+  const path = source.rootfs.path;
+  let isFile: boolean;
+  try {
+    isFile = statSync(path).isFile();
+  } catch (e) {
+    throw new InvalidOptionError('rootfs', `cannot use ${path}${source.rootfs.readOnly ? '' : ' read-write'}: ${(e as Error).message}`);
+  }
+  if (!isFile) throw new InvalidOptionError('rootfs', `${path} is not a regular file`);
+}
+
+/** The run options that name a host path: bound into the jail at the same absolute path. */
+const PATH_FLAGS = ['kernel', 'initrd', 'rootfs', 'from', 'vm-pool', 'vm-backing-dir'];
+
+/**
+ * The run's arguments with every path option (before `--`) made absolute against `cwd`: the
+ * jailed VMM's working directory is not this one (nothing of the host's is in its root), and its
+ * files are bound at their absolute paths. A store URL stays as it is. Pure.
+ */
+export function withAbsolutePaths(argv: readonly string[], cwd: string): string[] {
+  const dash = argv.indexOf('--');
+  const own = dash >= 0 ? argv.slice(0, dash) : [...argv];
+  const abs = (v: string) => (isStoreUrl(v) ? v : resolve(cwd, v));
+  const out: string[] = [];
+  for (let i = 0; i < own.length; i++) {
+    const m = /^--([a-z-]+)(=(.*))?$/s.exec(own[i]);
+    if (m && PATH_FLAGS.includes(m[1])) {
+      if (m[2] !== undefined) out.push(`--${m[1]}=${abs(m[3])}`);
+      else if (i + 1 < own.length) out.push(own[i], abs(own[++i]));
+      else out.push(own[i]);
+    } else out.push(own[i]);
+  }
+  return [...out, ...(dash >= 0 ? argv.slice(dash) : [])];
 }

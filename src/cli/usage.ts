@@ -112,14 +112,13 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
              [--vm-ram-dedup] [--vm-idle-release] [--vm-offload [--vm-offload-reload eager|lazy]]
              [--vm-ram-compression] [--vm-cold-ram-compression [--vm-cold-after 10s]]
              [--vm-backing-dir DIR] [--vm-pool SOCKET [--vm-pool-scope S]] [--vm-socket PATH]
-             [--kernel BZIMAGE] [--initrd CPIO] [--isolation process [--limit-{memory,cpus,pids} V]...]
+             [--kernel BZIMAGE] [--initrd CPIO] [--isolation process|none] [--limit-{memory,cpus,pids} V]...
              [--rootfs IMAGE [--rootfs-readonly]] [--net none|nat|tap:NAME [--net-allow RULE]... [--net-deny RULE]...]
              [--publish HOSTPORT:GUESTPORT]... [--label KEY=VALUE]... [--quiet] -- CMD [ARGS...]
       Boots a fresh VM, runs CMD in it, prints its output, exits with its status, tears the VM down.
       The Linux guest (the default) needs hardware virtualisation; CMD is an argv, run without a
       shell. --kernel/--initrd boot your own instead of the shipped ones.
-      --executor vm: where CMD runs; a VM is the only executor (another is a usage error).
-      --memory: guest RAM, a multiple of 4 KiB (512MiB, 1GiB); --vcpus: 1 to 8.
+      --executor vm: the only executor; --memory: guest RAM, a multiple of 4 KiB (512MiB, 1GiB); --vcpus: 1 to 8.
       --console: the guest's serial console on stderr as [console] lines; past 1 MiB that stderr
         has not taken yet, lines are dropped, and a line says how many once it catches up.
       --rootfs IMAGE: CMD runs in this root filesystem (an ext4 image with the tools CMD needs,
@@ -137,7 +136,8 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
-        The SDK reaches it too: VmHandle.connect(ID). --isolation process jails it: docs/security.md.
+        The SDK reaches it too: VmHandle.connect(ID). It runs jailed (needs root, bwrap, cgroup v2;
+        else exit 125) unless --isolation none; --limit-{memory,cpus,pids} bound it: docs/security.md.
       --label KEY=VALUE (repeatable, at most 64): labels shown by pvisor ps and Vm.list().
       -q, --quiet: no progress lines on stderr, only CMD's output, warnings and errors.
       --vm-ram-dedup: KSM merges identical guest pages (needs KSM running on the host).

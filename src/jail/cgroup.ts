@@ -5,7 +5,7 @@
  * over hierarchies, so a jail there could not say what killed its process.
  * @module
  */
-import { existsSync, mkdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
+import { accessSync, constants as fsConstants, existsSync, mkdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { JailUnavailableError } from '../errors';
 import { cgroupFiles, JAIL_CONTROLLERS, type JailLimits } from './limits';
@@ -36,6 +36,25 @@ export function parseMemoryEvents(text: string): Record<string, number> {
   return out;
 }
 
+/**
+ * Checks that this host has what a jail's cgroup needs (cgroup v2 mounted, offering the memory,
+ * pids and cpu controllers, and writable by this process) without making anything; returns the
+ * mount point. Throws a {@link JailUnavailableError} naming what is missing.
+ */
+export function checkCgroupHost(mountinfo: string = readFileSync('/proc/self/mountinfo', 'utf8')): string {
+  const mount = cgroup2MountOf(mountinfo);
+  if (!mount) throw new JailUnavailableError('no cgroup v2 is mounted (a jail limits its VM with cgroup v2; on a cgroup v1 or hybrid host mount one: mount -t cgroup2 none /sys/fs/cgroup)');
+  const offered = readFileSync(join(mount, 'cgroup.controllers'), 'utf8').trim().split(/\s+/);
+  const missing = JAIL_CONTROLLERS.filter((c) => !offered.includes(c));
+  if (missing.length) throw new JailUnavailableError(`cgroup v2 at ${mount} does not offer the ${missing.join(', ')} controller(s) (bound to a cgroup v1 hierarchy?); a jail needs ${JAIL_CONTROLLERS.join(', ')}`);
+  try {
+    accessSync(mount, fsConstants.W_OK);
+  } catch (e) {
+    throw new JailUnavailableError(`cannot create cgroups under ${mount} (${(e as NodeJS.ErrnoException).code}): a jail needs root, or a cgroup delegated to this user`, { cause: e });
+  }
+  return mount;
+}
+
 /** The parent directory of every jail's cgroup, under the cgroup v2 mount. */
 export const JAIL_CGROUP_PARENT = 'pvisor';
 
@@ -53,11 +72,7 @@ export class JailCgroup {
    * delegation), or a cgroup of that name already there (another run of the same id).
    */
   static create(name: string, limits: JailLimits, mountinfo: string = readFileSync('/proc/self/mountinfo', 'utf8')): JailCgroup {
-    const mount = cgroup2MountOf(mountinfo);
-    if (!mount) throw new JailUnavailableError('no cgroup v2 is mounted (a jail limits its VM with cgroup v2; on a cgroup v1 or hybrid host mount one: mount -t cgroup2 none /sys/fs/cgroup)');
-    const offered = readFileSync(join(mount, 'cgroup.controllers'), 'utf8').trim().split(/\s+/);
-    const missing = JAIL_CONTROLLERS.filter((c) => !offered.includes(c));
-    if (missing.length) throw new JailUnavailableError(`cgroup v2 at ${mount} does not offer the ${missing.join(', ')} controller(s) (bound to a cgroup v1 hierarchy?); a jail needs ${JAIL_CONTROLLERS.join(', ')}`);
+    const mount = checkCgroupHost(mountinfo);
     const parent = join(mount, JAIL_CGROUP_PARENT);
     const path = join(parent, name);
     try {

@@ -19,6 +19,8 @@ export const JAIL_ENV = {
    * Read only in the jail, where only the launcher sets the environment.
    */
   testForbiddenSyscall: 'PVISOR_JAIL_TEST_FORBIDDEN_SYSCALL',
+  /** Set (to 1) when the `--from` directory is a hibernated VM that `pvisor resume` continues in this jail. */
+  resumed: 'PVISOR_JAIL_RESUMED',
 } as const;
 
 /** What the jailed VMM was handed, or `undefined` outside a jail. */
@@ -29,6 +31,8 @@ export interface JailedEntry {
   statusFd: number;
   /** The test hook ({@link JAIL_ENV}.testForbiddenSyscall): which forbidden call it makes, or `false` when off. */
   forbiddenSyscallHook: false | 'syscall' | 'ioctl';
+  /** The run continues a hibernated VM ({@link JAIL_ENV}.resumed). */
+  resumed: boolean;
 }
 
 function fdOf(text: string | undefined): number | undefined {
@@ -41,7 +45,7 @@ export function jailedEntry(env: NodeJS.ProcessEnv = process.env): JailedEntry |
   const statusFd = fdOf(env[JAIL_ENV.statusFd]);
   if (controlFd === undefined || statusFd === undefined) return undefined;
   const hook = env[JAIL_ENV.testForbiddenSyscall];
-  return { controlFd, statusFd, forbiddenSyscallHook: hook === '1' ? 'syscall' : hook === 'ioctl' ? 'ioctl' : false };
+  return { controlFd, statusFd, forbiddenSyscallHook: hook === '1' ? 'syscall' : hook === 'ioctl' ? 'ioctl' : false, resumed: env[JAIL_ENV.resumed] === '1' };
 }
 
 /** Tells the launcher the exit status this process is about to exit with (jailed processes only). */

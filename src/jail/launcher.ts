@@ -19,13 +19,13 @@
  * @module
  */
 import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
-import { chownSync, closeSync, existsSync, mkdirSync, openSync, realpathSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { chownSync, closeSync, existsSync, lchownSync, lstatSync, mkdirSync, openSync, readdirSync, realpathSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { constants as osConstants } from 'node:os';
 import { JailUnavailableError, JailViolationError, VmLimitError, type PvisorError } from '../errors';
 import { nativePrebuild, PACKAGE_ROOT } from '../native';
 import { closeFd } from '../sys/libc';
-import { JailCgroup } from './cgroup';
+import { checkCgroupHost, JailCgroup } from './cgroup';
 import { JAIL_ENV, parseJailedReport } from './jailed-entry';
 import type { JailLimits } from './limits';
 import { listenUnixSocket } from './listen-socket';
@@ -56,6 +56,8 @@ export interface JailPlan {
   limits: JailLimits;
   /** The `pvisor run` arguments the jailed VMM gets (after `run`). */
   runArgv: readonly string[];
+  /** The control socket's path its clients use (the launcher's, relayed): the name the jailed VMM says. */
+  socketPath?: string;
   /** Host paths the VM reads (its kernel, initrd, a read-only rootfs, a snapshot directory). */
   readOnly: readonly string[];
   /** Host paths the VM writes (a writable rootfs). */
@@ -69,10 +71,39 @@ export interface JailPlan {
   network?: Exclude<NetworkPlan, { kind: 'none' }>;
   /** The guest's MAC on that network: a restored guest's is its snapshot's (default a new one). */
   networkMac?: Buffer;
+  /**
+   * Open files the jailed VMM gets instead of paths it could not open as the jail's uid (a
+   * writable rootfs, a connection to the pool daemon): each inherited as fd 7, 8, ... in order,
+   * its number in the jail set in the environment variable `env` (./handed-files.ts reads them).
+   * The caller keeps and closes its own copies.
+   */
+  handedFds?: readonly { fd: number; env: string; value: (fdInJail: number) => string }[];
+  /** More environment for the jailed VMM (trusted: the launcher's own words, such as {@link JAIL_ENV}.resumed). */
+  env?: Readonly<Record<string, string>>;
+  /**
+   * Directories moved (renamed, on the same filesystem) into the VM's backing directory under
+   * `name`, and given to the jail's uid: a hibernated VM that the jailed VMM restores and
+   * consumes. What is still there when the jail is taken down (it could not be started, or the
+   * restore failed) is moved back and given back to this process's uid.
+   */
+  moveIn?: readonly { from: string; name: string }[];
+  /**
+   * Private directories of the caller's (a snapshot fetched from a store, 0700 with 0600 files)
+   * given to the jail's uid before it starts, so that the jail can read them where
+   * {@link readOnly} binds them; the caller removes them after the jail.
+   */
+  giveToJail?: readonly string[];
+}
+
+/** The VM's own backing directory in `backingParent` (made by {@link JailedVmm.start}, bound into its jail). */
+export function jailBackingDir(backingParent: string, id: string): string {
+  return join(backingParent, `pvisor-jail-${id}`);
 }
 
 /** The fd the jailed VMM has the TAP on (after stdio, the control socket, the status pipe and the seccomp program). */
 const TAP_FD_IN_JAIL = 6;
+/** The first fd of {@link JailPlan.handedFds} in the jail. */
+const FIRST_HANDED_FD_IN_JAIL = 7;
 
 /**
  * How a jailed VMM ended.
@@ -80,20 +111,28 @@ const TAP_FD_IN_JAIL = 6;
  */
 export type JailOutcome = { exitCode: number } | { error: PvisorError } | { signal: NodeJS.Signals };
 
-/** Checks that this host can jail a VM; throws a {@link JailUnavailableError} naming what is missing. */
+/**
+ * Checks that this host can jail a VM, making nothing: root, bubblewrap, cgroup v2 with the
+ * jail's controllers, /dev/kvm. Throws a {@link JailUnavailableError} naming what is missing.
+ */
 export function checkJailHost(): { bwrap: string } {
   if (process.getuid?.() !== 0) throw new JailUnavailableError(`isolation 'process' needs root (uid ${process.getuid?.()}): the launcher makes a cgroup and a /dev/kvm node for the jail and changes to its uid; use isolation 'none' here`);
   const find = (name: string, pkg: string) => {
     for (const dir of ['/usr/bin', '/bin', '/usr/sbin', '/sbin']) if (existsSync(join(dir, name))) return join(dir, name);
     throw new JailUnavailableError(`isolation 'process' needs ${name} (Debian package ${pkg}): apt-get install ${pkg}`);
   };
-  return { bwrap: find('bwrap', 'bubblewrap') };
+  const bwrap = find('bwrap', 'bubblewrap');
+  checkCgroupHost();
+  // The jail gets a node of its own for it (makeDeviceNode): without the host's, there is nothing to give.
+  if (!existsSync('/dev/kvm')) throw new JailUnavailableError('/dev/kvm does not exist: the kvm module is not loaded, or this host has no usable KVM');
+  return { bwrap };
 }
 
 /** A jailed VMM, started. */
 export class JailedVmm {
   private report = '';
   private readonly ended: Promise<JailOutcome>;
+  private readonly teardownHooks: ((o: JailOutcome) => Promise<void>)[] = [];
 
   private constructor(
     readonly id: string,
@@ -119,6 +158,13 @@ export class JailedVmm {
       child.once('error', (e) => resolve({ error: new JailUnavailableError(`${id}: cannot start the jail: ${e.message}`, { cause: e }) }));
     }).then(async (o) => {
       await this.cgroup.removeWhenEmpty();
+      for (const hook of this.teardownHooks) {
+        try {
+          await hook(o as JailOutcome);
+        } catch {
+          // A hook reports its own failure to whoever registered it; the jail comes down all the same.
+        }
+      }
       this.cleanup();
       return o as JailOutcome;
     });
@@ -132,6 +178,14 @@ export class JailedVmm {
   /** Resolves when the VMM has ended and the jail is taken down (cgroup, kvm node, backing directory, network). */
   exited(): Promise<JailOutcome> {
     return this.ended;
+  }
+
+  /**
+   * Runs `hook` once the VMM has ended, before its backing directory is removed: what the VMM
+   * left there for this process (a hibernated VM) is taken out then. Hooks run in order.
+   */
+  beforeTeardown(hook: (outcome: JailOutcome) => Promise<void>): void {
+    this.teardownHooks.push(hook);
   }
 
   /** Ends the VMM at once (SIGKILL to bwrap; --die-with-parent and the pid namespace take the rest). */
@@ -192,10 +246,23 @@ export class JailedVmm {
         devices.push({ node: makeDeviceNode('/dev/vhost-net', join(dir, 'vhost-net'), uid, gid), path: '/dev/vhost-net' });
       }
       // The VM's own backing directory (Offload writes guest RAM there on suspend).
-      const backingDir = join(plan.backingParent, `pvisor-jail-${plan.id}`);
+      const backingDir = jailBackingDir(plan.backingParent, plan.id);
       mkdirSync(backingDir, { mode: 0o700 });
       undo.push(() => rmSync(backingDir, { recursive: true, force: true }));
       chownSync(backingDir, uid, gid);
+      for (const d of plan.giveToJail ?? []) chownTree(d, uid, gid);
+      for (const m of plan.moveIn ?? []) {
+        const inside = join(backingDir, m.name);
+        renameSync(m.from, inside);
+        // Undone before the backing directory is removed (undo runs in reverse), also once the VMM
+        // has ended: what it did not consume (a restore that failed) goes back where it was.
+        undo.push(() => {
+          if (!existsSync(inside)) return;
+          chownTree(inside, process.getuid?.() ?? 0, process.getgid?.() ?? 0);
+          renameSync(inside, m.from);
+        });
+        chownTree(inside, uid, gid);
+      }
       // The seccomp program: a root-only file, opened here and read by pvisor-jail-exec through the fd.
       const filterPath = join(dir, 'seccomp.bpf');
       writeFileSync(filterPath, program, { mode: 0o600 });
@@ -234,6 +301,9 @@ export class JailedVmm {
         const v = process.env[k];
         if (v !== undefined) env[k] = v;
       }
+      Object.assign(env, plan.env);
+      const handed = plan.handedFds ?? [];
+      handed.forEach((h, i) => (env[h.env] = h.value(FIRST_HANDED_FD_IN_JAIL + i)));
       const args = bwrapArgs({
         readOnly,
         readWrite: [backingDir, ...plan.readWrite],
@@ -244,10 +314,10 @@ export class JailedVmm {
         jailExec: nativePrebuild('pvisor-jail-exec'),
         seccompFd: 5,
         env,
-        command: [realpathSync(process.execPath), '--expose-gc', '--max-semi-space-size=1', join(PACKAGE_ROOT, 'dist', 'src', 'cli', 'main.js'), 'run', ...withJailedRunArgs(plan.runArgv, plan.id, backingDir)],
+        command: [realpathSync(process.execPath), '--expose-gc', '--max-semi-space-size=1', join(PACKAGE_ROOT, 'dist', 'src', 'cli', 'main.js'), 'run', ...withJailedRunArgs(plan.runArgv, plan.id, backingDir, plan.socketPath)],
       });
       const argv = cgroup.enterArgv(withJailRlimits([bwrap, ...args]));
-      const child = spawn(argv[0], argv.slice(1), { stdio: ['ignore', stdio.stdout, stdio.stderr, controlFd, 'pipe', filterFd, ...(network ? [network.tap.fd] : [])], env: {} });
+      const child = spawn(argv[0], argv.slice(1), { stdio: ['ignore', stdio.stdout, stdio.stderr, controlFd, 'pipe', filterFd, network ? network.tap.fd : 'ignore', ...handed.map((h) => h.fd)], env: {} });
       return new JailedVmm(plan.id, innerSocketPath, child, cgroup, plan.limits, cleanup, network, backingDir, uid);
     } catch (e) {
       cleanup();
@@ -270,6 +340,13 @@ export class JailedVmm {
     if (sig) return { signal: sig };
     return { error: new JailUnavailableError(`${this.id}: the jail ended (exit ${code}) before its VMM said anything; bwrap's or node's message, if any, is above`) };
   }
+}
+
+/** Gives `path` and, if it is a directory, the entries directly in it, to uid:gid (never through a link). */
+function chownTree(path: string, uid: number, gid: number): void {
+  lchownSync(path, uid, gid);
+  if (!lstatSync(path).isDirectory()) return;
+  for (const name of readdirSync(path)) lchownSync(join(path, name), uid, gid);
 }
 
 /** A character device node at `path` for the same device as `host`, owned by uid:gid, mode 0600. */
@@ -296,12 +373,13 @@ function signalName(n: number): NodeJS.Signals | undefined {
 }
 
 /**
- * The run arguments the jailed VMM gets: the user's, with the VM's id and its own backing
- * directory put in before `--` (a later value of an option wins). Pure.
+ * The run arguments the jailed VMM gets: the user's, with the VM's id, its own backing
+ * directory and the launcher's socket path put in before `--` (a later value of an option wins). Pure.
  */
-export function withJailedRunArgs(argv: readonly string[], id: string, backingDir: string): string[] {
+export function withJailedRunArgs(argv: readonly string[], id: string, backingDir: string, socketPath?: string): string[] {
   const dash = argv.indexOf('--');
   const own = dash >= 0 ? argv.slice(0, dash) : [...argv];
   const rest = dash >= 0 ? argv.slice(dash) : [];
-  return [...own, `--name=${id}`, `--vm-backing-dir=${backingDir}`, ...rest];
+  // Its socket is the fd it is handed: the path is only the name it says (the launcher's).
+  return [...own, `--name=${id}`, `--vm-backing-dir=${backingDir}`, ...(socketPath !== undefined ? [`--vm-socket=${socketPath}`] : []), ...rest];
 }

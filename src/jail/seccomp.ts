@@ -33,6 +33,8 @@ export const ALLOWED_SYSCALLS: Readonly<Record<string, readonly string[]>> = {
     'getdents64', 'getcwd', 'mkdir', 'mkdirat', 'rmdir', 'unlink', 'unlinkat', 'rename', 'renameat', 'renameat2',
     'chmod', 'fchmod', 'ftruncate', 'fallocate', 'fsync', 'fdatasync', 'statfs', 'fstatfs', 'fadvise64', 'flock',
     'copy_file_range', 'sendfile',
+    // A hibernated VM's restore claims its directory by linking a claim file into place (src/snapshot/hibernation-dir.ts).
+    'link', 'linkat',
   ],
   'file descriptors and the event loop': [
     'fcntl', 'dup', 'dup2', 'dup3', 'pipe2', 'eventfd2', 'epoll_create1', 'epoll_ctl', 'epoll_wait', 'epoll_pwait', 'poll', 'ppoll',

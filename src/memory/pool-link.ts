@@ -9,6 +9,7 @@ import { connect, Socket } from 'node:net';
 import { PoolUnavailableError } from '../errors';
 import { encodeFrame, FRAME_HEADER_BYTES, FrameDecoder, FrameType, writeFrameHeader, type Frame } from '../protocol/frame';
 import { closeFd } from '../sys/libc';
+import { takeHandedPoolFd } from '../jail/handed-files';
 import { connectUnixSocket, receiveWithFd } from '../sys/unix-socket';
 import { decodeJson, decodeWelcome, POOL_PROTOCOL_VERSION, PoolOp, type PoolStatus } from '../daemon/pool-protocol';
 
@@ -39,7 +40,9 @@ export class PoolLink {
   static async connect(socketPath: string, hello: { scope: string; name: string }, timeoutMs: number): Promise<PoolLink> {
     let fd: number;
     try {
-      fd = connectUnixSocket(socketPath);
+      // A jailed VMM was handed its launcher's connection (src/jail/handed-files.ts): the daemon
+      // knows the user by it, not the jail's shared uid.
+      fd = takeHandedPoolFd() ?? connectUnixSocket(socketPath);
     } catch (e) {
       throw new PoolUnavailableError(`cannot connect to the pool at ${socketPath}: ${(e as Error).message}`, { cause: e });
     }

@@ -89,9 +89,10 @@ export function writeHibernationRecord(path: string, record: HibernationRecord):
 
 /**
  * Reads and checks the record at `path` for VM `id`; undefined if there is none. A record that is
- * not this user's alone, or not well formed, is a {@link SnapshotError}.
+ * not `ownerUid`'s alone (default this user's; a jailed VMM's launcher reads the jail uid's), or
+ * not well formed, is a {@link SnapshotError}.
  */
-export function readHibernationRecord(path: string, id: string): HibernationRecord | undefined {
+export function readHibernationRecord(path: string, id: string, ownerUid: number = process.getuid?.() ?? 0): HibernationRecord | undefined {
   let fd: number;
   try {
     // O_NOFOLLOW: a symlink planted in place of the record is refused, not followed.
@@ -104,7 +105,7 @@ export function readHibernationRecord(path: string, id: string): HibernationReco
   let text: string;
   try {
     const st = fstatSync(fd);
-    checkOwn(path, st, 'a regular file', st.isFile(), 0o600);
+    checkOwn(path, st, 'a regular file', st.isFile(), 0o600, ownerUid);
     if (st.size > MAX_RECORD_BYTES) throw new SnapshotError(`${path}: ${st.size} bytes, more than a hibernation record's ${MAX_RECORD_BYTES}`);
     const buf = Buffer.alloc(MAX_RECORD_BYTES + 1);
     let n = 0;
@@ -177,8 +178,7 @@ function storeUrlOk(url: string): boolean {
   }
 }
 
-function checkOwn(path: string, st: { uid: number; mode: number }, kind: string, isKind: boolean, maxMode: number): void {
-  const uid = process.getuid?.() ?? 0;
+function checkOwn(path: string, st: { uid: number; mode: number }, kind: string, isKind: boolean, maxMode: number, uid: number = process.getuid?.() ?? 0): void {
   if (!isKind) throw new SnapshotError(`${path} is not ${kind}: refused as a hibernated VM's`);
   if (st.uid !== uid) throw new SnapshotError(`${path} belongs to uid ${st.uid}, not to this user (${uid}): refused as a hibernated VM's`);
   if (st.mode & 0o777 & ~maxMode) throw new SnapshotError(`${path} has mode ${(st.mode & 0o777).toString(8)}, more open than ${maxMode.toString(8)}: refused as a hibernated VM's`);

@@ -34,7 +34,8 @@ describe('pvisor suspend/resume/snapshot/stop/ps on a VM started by pvisor run',
   const pvisorIn = (cwd: string, ...args: string[]) => pvisorOnce(env, args, cwd);
 
   const socketOf = (id: string) => join(dir, 'run', `${id}.sock`);
-  const ramFiles = () => readdirSync(dir).filter((f) => f.endsWith('.ram'));
+  // A jailed run's VMM (the default) writes them in its own backing directory, pvisor-jail-ID under dir.
+  const ramFiles = () => [dir, ...readdirSync(dir).filter((f) => f.startsWith('pvisor-jail-')).map((f) => join(dir, f))].flatMap((d) => readdirSync(d).filter((f) => f.endsWith('.ram')));
   const mib = (text: string) => {
     const m = /^([\d.]+) (KiB|MiB)$/.exec(text);
     if (!m) throw new Error(`not a size: ${text}`);

@@ -5,7 +5,7 @@
 // because it boots the Linux guest (which kvm_pvm cannot run): it goes to the nested harness.
 // Needs /dev/kvm, root, bwrap and cgroup v2 (the harness's L1 has them).
 import { execFileSync, spawn, spawnSync, type ChildProcess } from 'node:child_process';
-import { existsSync, lstatSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync } from 'node:fs';
+import { chmodSync, copyFileSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync, symlinkSync } from 'node:fs';
 import { get } from 'node:http';
 import { join } from 'node:path';
 import { JAIL_RUN_DIR } from '../../src/jail/launcher';
@@ -14,7 +14,7 @@ import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { SnapshotReader } from '../../src/snapshot/snapshot-dir';
 import { Vm } from '../../src/vm';
 import { VmHandle } from '../../src/vm-handle';
-import { pvisorOnce, startPvisor, type Run } from '../cli-runs';
+import { PVISOR_MAIN, pvisorOnce, startPvisor, type Run } from '../cli-runs';
 
 const CGROUP = '/sys/fs/cgroup/pvisor';
 const sh = (cmd: string) => execFileSync('sh', ['-c', cmd], { encoding: 'utf8' });
@@ -114,6 +114,28 @@ describe('a Linux VM in a jailed process', () => {
       await restored.stop();
     }
   }, 480_000);
+
+  it('a writable --rootfs: the launcher opens the image (root\'s, 0644, which nobody may write) and hands the fd in; what CMD wrote is in a clean image', () => {
+    // An image only root may write, in a directory the jail's uid cannot even enter.
+    const root = join(dir, 'root');
+    for (const d of ['bin', 'dev', 'proc']) mkdirSync(join(root, d), { recursive: true });
+    copyFileSync('/bin/busybox', join(root, 'bin', 'busybox'));
+    chmodSync(join(root, 'bin', 'busybox'), 0o755);
+    for (const applet of ['sh', 'echo', 'cat']) symlinkSync('busybox', join(root, 'bin', applet));
+    const image = join(dir, 'private', 'rootfs.img');
+    mkdirSync(join(dir, 'private'), { mode: 0o700 });
+    execFileSync('mke2fs', ['-q', '-t', 'ext4', '-d', root, image, '32M']);
+    chmodSync(image, 0o644);
+    const text = `written in the jail ${process.pid}`;
+    const r = spawnSync(process.execPath, [PVISOR_MAIN, 'run', '--isolation', 'process', '--name', 'LW', '--vm-backing-dir', dir, '--memory', '256MiB', '--vcpus', '1', '--rootfs', image, '--', 'sh', '-c', `echo ${text} > /from-jail; cat /from-jail`], { encoding: 'utf8', timeout: 250_000, env });
+    expect({ status: r.status, stdout: r.stdout }).toEqual({ status: 0, stdout: `${text}\n` });
+    expect(r.stderr).toMatch(/LW jailed/);
+    // The guest shut down cleanly through the handed fd: the write is in the image, which is consistent.
+    expect(execFileSync('dumpe2fs', ['-h', image], { encoding: 'utf8', stdio: 'pipe' })).not.toMatch(/needs_recovery/);
+    expect(spawnSync('e2fsck', ['-fn', image], { encoding: 'utf8' }).status).toBe(0);
+    expect(execFileSync('debugfs', ['-R', 'cat /from-jail', image], { encoding: 'utf8', stdio: 'pipe' })).toBe(`${text}\n`);
+    expect(existsSync(join(CGROUP, 'LW'))).toBe(false);
+  }, 300_000);
 
   describe('with a network', () => {
     let outside: ChildProcess;

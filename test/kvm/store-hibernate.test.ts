@@ -129,7 +129,7 @@ function restoreElsewhere(location: string, host: string): Restored {
   it('pvisor suspend ID --hibernate --store on host A, pvisor resume ID --store on host B: same id and digest; a resume on host C is refused', async () => {
     const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/cli`;
     const host = (name: string): NodeJS.ProcessEnv => ({ ...process.env, PVISOR_RUNTIME_DIR: join(WORK, name, 'run'), PVISOR_CHUNK_CACHE: join(WORK, name, 'cache') });
-    const run: Run = startPvisor(host('cli-a'), ['run', '--vm-backing-dir', WORK, '--guest', 'probe', '--name', 'S1', '--memory', '64MiB', '--vcpus', '1', '--label', 'team=red', '--', 'fill 16MiB random 31, digest, wait']);
+    const run: Run = startPvisor(host('cli-a'), ['run', '--isolation', 'none', '--vm-backing-dir', WORK, '--guest', 'probe', '--name', 'S1', '--memory', '64MiB', '--vcpus', '1', '--label', 'team=red', '--', 'fill 16MiB random 31, digest, wait']);
     let pid: number | undefined;
     try {
       await run.waitFor(/^digest: /m);

@@ -70,6 +70,10 @@ describe('control protocol version', () => {
   it('exec requests: an argv or a shell string, nothing else', () => {
     expect(parseRequest('{"v":1,"op":"exec","command":["uname","-a"],"timeoutMs":5000}')).toEqual({ op: 'exec', command: ['uname', '-a'], timeoutMs: 5000 });
     expect(parseRequest('{"v":1,"op":"exec","command":"echo hi | wc -c"}')).toEqual({ op: 'exec', command: 'echo hi | wc -c', timeoutMs: undefined });
+    // A jailed run's launcher relays the signal it got, so the run ends as on that signal.
+    expect(parseRequest('{"v":1,"op":"stop","signal":"SIGINT"}')).toEqual({ op: 'stop', signal: 'SIGINT' });
+    expect(parseRequest('{"v":1,"op":"stop"}')).toEqual({ op: 'stop' });
+    expect(() => parseRequest('{"v":1,"op":"stop","signal":"SIGKILL"}')).toThrow(/stop: signal must be SIGINT or SIGTERM/);
     for (const bad of ['[]', '""', '[1]', 'null']) expect(() => parseRequest(`{"v":1,"op":"exec","command":${bad}}`)).toThrow(/exec: command must be/);
     expect(() => parseRequest('{"v":1,"op":"exec","command":"true","timeoutMs":-1}')).toThrow(/timeoutMs must be a positive number/);
   });

@@ -8,7 +8,7 @@ import { existsSync, mkdtempSync, openSync, closeSync, readdirSync, readFileSync
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseRunArgs } from '../../src/cli/run-args';
-import { withoutPublish } from '../../src/cli/run-jailed';
+import { jailedFlags, withAbsolutePaths, withFrom, withoutPublish } from '../../src/cli/run-jailed';
 import { InvalidOptionError, NetworkSetupError } from '../../src/errors';
 import { formatHandedNetwork, handedNetwork, HANDED_NETWORK_ENV } from '../../src/network/handed-network';
 import { cgroup2MountOf, parseMemoryEvents } from '../../src/jail/cgroup';
@@ -264,11 +264,14 @@ describe('jail sandbox arguments', () => {
 
   it("passes the jailed run its id and own backing directory before CMD, and reads its report", () => {
     expect(withJailedRunArgs(['--guest', 'probe', '--', 'fill', '8MiB'], 'J1', '/var/tmp/pvisor-jail-J1')).toEqual(['--guest', 'probe', '--name=J1', '--vm-backing-dir=/var/tmp/pvisor-jail-J1', '--', 'fill', '8MiB']);
+    // The launcher's socket path is the name the jailed run says (its socket is the fd it is handed).
+    expect(withJailedRunArgs(['--', 'x'], 'J1', '/b', '/run/J1.sock')).toEqual(['--name=J1', '--vm-backing-dir=/b', '--vm-socket=/run/J1.sock', '--', 'x']);
     expect(parseJailedReport('exit 3\n')).toBe(3);
     expect(parseJailedReport('')).toBeUndefined();
     expect(parseJailedReport('exit x\n')).toBeUndefined();
     expect(jailedEntry({})).toBeUndefined();
-    expect(jailedEntry({ PVISOR_JAIL_CONTROL_FD: '3', PVISOR_JAIL_STATUS_FD: '4' })).toEqual({ controlFd: 3, statusFd: 4, forbiddenSyscallHook: false });
+    expect(jailedEntry({ PVISOR_JAIL_CONTROL_FD: '3', PVISOR_JAIL_STATUS_FD: '4' })).toEqual({ controlFd: 3, statusFd: 4, forbiddenSyscallHook: false, resumed: false });
+    expect(jailedEntry({ PVISOR_JAIL_CONTROL_FD: '3', PVISOR_JAIL_STATUS_FD: '4', PVISOR_JAIL_RESUMED: '1' })?.resumed).toBe(true);
     expect(jailedEntry({ PVISOR_JAIL_CONTROL_FD: '3; rm', PVISOR_JAIL_STATUS_FD: '4' })).toBeUndefined();
     // The test hook: a system call, or a KVM ioctl outside the list; nothing else turns it on.
     const hook = (v: string) => jailedEntry({ PVISOR_JAIL_CONTROL_FD: '3', PVISOR_JAIL_STATUS_FD: '4', PVISOR_JAIL_TEST_FORBIDDEN_SYSCALL: v })?.forbiddenSyscallHook;
@@ -281,16 +284,25 @@ describe('pvisor run --isolation', () => {
     const a = parseRunArgs(['--isolation', 'process', '--guest', 'probe', '--limit-memory', '128MiB', '--limit-cpus', '1.5', '--limit-pids', '64', '--', 'digest']);
     expect(a.isolation).toBe('process');
     expect(a.limits).toEqual({ memory: '128MiB', cpus: 1.5, pids: 64 });
-    expect(parseRunArgs(['--guest', 'probe', '--', 'digest']).isolation).toBe('none');
+    // The default: jailed, its limits taken without saying --isolation.
+    expect(parseRunArgs(['--guest', 'probe', '--', 'digest'])).toMatchObject({ isolation: 'process', isolationGiven: false });
+    expect(parseRunArgs(['--guest', 'probe', '--limit-pids', '64', '--', 'digest']).limits).toEqual({ pids: 64 });
+    expect(parseRunArgs(['--isolation', 'none', '--guest', 'probe', '--', 'digest'])).toMatchObject({ isolation: 'none', isolationGiven: true });
     expect(() => parseRunArgs(['--isolation', 'vm', '--', 'x'])).toThrow(/^--isolation: expected process or none/);
-    expect(() => parseRunArgs(['--limit-memory', '128MiB', '--', 'x'])).toThrow(/^--limit-memory: only goes with --isolation process/);
+    expect(() => parseRunArgs(['--isolation', 'none', '--limit-memory', '128MiB', '--', 'x'])).toThrow(/^--limit-memory: only goes with --isolation process/);
     expect(() => parseRunArgs(['--isolation', 'process', '--limit-pids', 'many', '--', 'x'])).toThrow(/^--limit-pids: expected a number/);
     expect(() => parseRunArgs(['--isolation', 'process', '--limit-memory', '1MiB', '--', 'x'])).toThrow(/^limits\.memory: at least 64 MiB/);
   });
 
-  it('takes a network and a socket path; refuses what a jail cannot give yet: a page pool', () => {
+  it('takes a network, a page pool and a socket path; a hibernated jailed VM carries its isolation and limits', () => {
     expect(parseRunArgs(['--isolation', 'process', '--net', 'nat', '--net-allow', '10.0.0.0/8', '--', 'x'])).toMatchObject({ isolation: 'process', source: { network: { mode: 'nat', allow: ['10.0.0.0/8'] } } });
-    expect(() => parseRunArgs(['--isolation', 'process', '--vm-pool', '/s', '--', 'x'])).toThrow(/^--vm-pool: does not go with --isolation process yet/);
+    expect(parseRunArgs(['--isolation', 'process', '--vm-pool', '/s', '--', 'x']).carriedFlags).toEqual(['--vm-pool=/s', '--isolation=process']);
+    expect(parseRunArgs(['--isolation', 'process', '--limit-pids', '64', '--', 'x']).carriedFlags).toEqual(['--isolation=process', '--limit-pids=64']);
+    expect(jailedFlags(['--vm-offload', '--isolation=none'])).toEqual(['--vm-offload', '--isolation=process']);
+    // The jailed VMM's cwd is not the user's: path options are made absolute, CMD is left alone.
+    expect(withAbsolutePaths(['--kernel', 'bz', '--rootfs=img', '--from', 's3://b/p', '--vm-pool', '../p.sock', '--', 'cat', 'x'], '/home/u')).toEqual(['--kernel', '/home/u/bz', '--rootfs=/home/u/img', '--from', 's3://b/p', '--vm-pool', '/home/p.sock', '--', 'cat', 'x']);
+    expect(withFrom('/j/h', ['--from', '/h', '--isolation=process', '--', 'wait'])).toEqual(['--from', '/j/h', '--isolation=process', '--', 'wait']);
+    expect(withFrom('/cache/work-1', ['--from=s3://b/p', '--shared', '--', 'digest'])).toEqual(['--from', '/cache/work-1', '--shared', '--', 'digest']);
     expect(parseRunArgs(['--isolation', 'process', '--vm-socket', '/tmp/a.sock', '--', 'x'])).toMatchObject({ isolation: 'process', socketPath: '/tmp/a.sock' });
   });
 });

@@ -31,7 +31,7 @@
  */
 import { createHash } from 'node:crypto';
 import { closeSync, fdatasyncSync, fstatSync, openSync, readSync, writeSync, constants as fsConstants } from 'node:fs';
-import { tryLockFile } from '../../../sys/libc';
+import { dupFd, tryLockFile } from '../../../sys/libc';
 import { InvalidOptionError, SnapshotError } from '../../../errors';
 import type { GuestMemory } from '../guest-memory';
 import { booleanAt, checkVersion, integerAt, objectAt, stringAt } from '../../../persist/state-fields';
@@ -138,6 +138,12 @@ export interface DiskConfig {
   readOnly: boolean;
   /** GET_ID's answer (at most 20 bytes are sent). Default `pvisor-rootfs`. */
   serial?: string;
+  /**
+   * The image already open (by a jailed VMM's launcher, which may open what the VMM's uid may
+   * not): the device uses duplicates of this fd instead of opening `path`, which is then only
+   * its name in messages. The owner keeps it open as long as the device lives.
+   */
+  openFd?: number;
 }
 
 /** A request that fails: its status, and why (for the device-error hook), or no why for UNSUPP. */
@@ -198,7 +204,7 @@ export class VirtioBlk implements VirtioDevice {
   private open(): number {
     let fd: number;
     try {
-      fd = openSync(this.disk.path, (this.disk.readOnly ? fsConstants.O_RDONLY : fsConstants.O_RDWR));
+      fd = this.disk.openFd !== undefined ? dupFd(this.disk.openFd) : openSync(this.disk.path, (this.disk.readOnly ? fsConstants.O_RDONLY : fsConstants.O_RDWR));
     } catch (e) {
       throw new InvalidOptionError('rootfs', `cannot open ${this.disk.path}${this.disk.readOnly ? '' : ' for reading and writing'}: ${(e as Error).message}`);
     }
