@@ -3,7 +3,9 @@
 // is left alone), why this machine cannot have it, and the AWS environment it prints put into
 // this process's and taken out again.
 import { spawnSync } from 'node:child_process';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
+import { DEFAULT_BACKING_DIR } from '../src/memory/backing-file';
 import { parseExportLines } from '../src/bench/fleet-store';
 
 const SCRIPT = join(__dirname, '..', '..', 'scripts', 'object-store.sh');
@@ -62,4 +64,31 @@ export function startObjectStore(script: (...args: string[]) => ScriptResult): {
       }
     },
   };
+}
+
+/**
+ * In a `describe` of a harness test: the store started before its tests (its AWS environment in
+ * process.env) and a new work directory under the backing directory, `workPrefix`-named, given
+ * to `onWork`; after them, `beforeStop` (clones to end), the environment put back, the store
+ * stopped (which must succeed) and the work directory removed.
+ */
+export function objectStoreSuite(
+  script: (...args: string[]) => ScriptResult,
+  workPrefix: string,
+  options: { onWork(dir: string): void; beforeStop?: () => Promise<void>; stopTimeoutMs?: number },
+): void {
+  let restoreEnv = () => {};
+  let work: string | undefined;
+  beforeAll(() => {
+    work = mkdtempSync(join(DEFAULT_BACKING_DIR, workPrefix));
+    options.onWork(work);
+    ({ restoreEnv } = startObjectStore(script));
+  }, 620_000);
+  afterAll(async () => {
+    await options.beforeStop?.();
+    restoreEnv();
+    const r = script('stop');
+    if (work) rmSync(work, { recursive: true, force: true });
+    expect(r.status).toBe(0);
+  }, options.stopTimeoutMs ?? 120_000);
 }

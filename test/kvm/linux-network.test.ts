@@ -2,7 +2,7 @@
 // test's to configure). "Outside" is a network namespace behind a veth pair on this machine
 // (198.18.0.0/30, a range kept for tests and never routed): no packet leaves the machine.
 import { execFileSync, spawn, spawnSync, type ChildProcess } from 'node:child_process';
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { createServer, get, type Server } from 'node:http';
 import { randomBytes } from 'node:crypto';
 import { tmpdir } from 'node:os';

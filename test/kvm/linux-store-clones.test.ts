@@ -6,11 +6,9 @@
 // (scripts/object-store.sh, radosgw on the L1's loopback). Skipped, saying why, only when this
 // machine cannot have the store.
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { Vm } from '../../src';
-import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
-import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
+import { objectStoreScript, objectStoreSkipReason, objectStoreSuite } from '../object-store-env';
 import { startCloneProcess, type CloneProcess } from '../store-clone-process';
 
 /** Deadlines stretch under the nested harness, where every exit costs about 15 times more. */
@@ -25,21 +23,14 @@ const script = objectStoreScript(STATE_DIR, { timeoutMs: 600_000, env: { OBJECT_
 const why = objectStoreSkipReason('Linux clones through the object store');
 
 (why ? describe.skip : describe)(`Linux clones of a store snapshot in other processes${why ? ` (skipped: ${why})` : ''}`, () => {
-  let restoreEnv = () => {};
   const clones: CloneProcess[] = [];
-
-  beforeAll(() => {
-    WORK = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-linux-store-clones-'));
-    ({ restoreEnv } = startObjectStore(script));
-  }, 620_000);
-
-  afterAll(async () => {
-    for (const c of clones) await c.end();
-    restoreEnv();
-    const r = script('stop');
-    if (WORK) rmSync(WORK, { recursive: true, force: true });
-    expect(r.status).toBe(0);
-  }, 300_000);
+  objectStoreSuite(script, 'pvisor-linux-store-clones-', {
+    onWork: (dir) => (WORK = dir),
+    beforeStop: async () => {
+      for (const c of clones) await c.end();
+    },
+    stopTimeoutMs: 300_000,
+  });
 
   it('each clone reads the file written before the snapshot, and writes its own, unseen by the other', async () => {
     const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/linux`;

@@ -6,13 +6,12 @@
 // real processes, a real store (scripts/object-store.sh, radosgw on loopback; inside the L1 under
 // the nested harness). Skipped, saying why, only when this machine cannot have the store.
 import { randomBytes } from 'node:crypto';
-import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { Vm } from '../../src';
-import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { ChunkCache } from '../../src/store/chunk-cache';
 import { SHARED_SNAPSHOTS_DIR } from '../../src/store/shared-entry';
-import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
+import { objectStoreScript, objectStoreSkipReason, objectStoreSuite } from '../object-store-env';
 import { hexOf } from '../probe-digest';
 import { mappedFiles, startCloneProcess, type CloneProcess } from '../store-clone-process';
 
@@ -27,21 +26,13 @@ const script = objectStoreScript(STATE_DIR, { timeoutMs: 600_000, env: { OBJECT_
 const why = objectStoreSkipReason('SharedSnapshot clones through the object store');
 
 (why ? describe.skip : describe)(`SharedSnapshot clones of a store snapshot on one host${why ? ` (skipped: ${why})` : ''}`, () => {
-  let restoreEnv = () => {};
   const clones: CloneProcess[] = [];
-
-  beforeAll(() => {
-    WORK = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-store-clones-'));
-    ({ restoreEnv } = startObjectStore(script));
-  }, 620_000);
-
-  afterAll(async () => {
-    for (const c of clones) await c.end();
-    restoreEnv();
-    const r = script('stop');
-    if (WORK) rmSync(WORK, { recursive: true, force: true });
-    expect(r.status).toBe(0);
-  }, 120_000);
+  objectStoreSuite(script, 'pvisor-store-clones-', {
+    onWork: (dir) => (WORK = dir),
+    beforeStop: async () => {
+      for (const c of clones) await c.end();
+    },
+  });
 
   it('two clones in two processes map the same cache file; eviction keeps it while mapped, removes it after', async () => {
     const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/template`;

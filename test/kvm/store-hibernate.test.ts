@@ -8,13 +8,12 @@
 // under the nested harness the store runs inside the L1, as in store-snapshot.test.ts.
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { existsSync, readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { StoreClaimedError, Vm } from '../../src';
 import { controlRequest } from '../../src/control-socket';
-import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { gone, pvisorOnce, startPvisor, type Run } from '../cli-runs';
-import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
+import { objectStoreScript, objectStoreSkipReason, objectStoreSuite } from '../object-store-env';
 import { hexOf } from '../probe-digest';
 
 const ROOT = join(__dirname, '..', '..', '..');
@@ -58,19 +57,7 @@ function restoreElsewhere(location: string, host: string): Restored {
 }
 
 (why ? describe.skip : describe)(`a probe VM hibernated through the object store${why ? ` (skipped: ${why})` : ''}`, () => {
-  let restoreEnv = () => {};
-
-  beforeAll(() => {
-    WORK = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-store-hibernate-'));
-    ({ restoreEnv } = startObjectStore(script));
-  }, 620_000);
-
-  afterAll(() => {
-    restoreEnv();
-    const r = script('stop');
-    if (WORK) rmSync(WORK, { recursive: true, force: true });
-    expect(r.status).toBe(0);
-  }, 120_000);
+  objectStoreSuite(script, 'pvisor-store-hibernate-', { onWork: (dir) => (WORK = dir) });
 
   const start = async (name: string): Promise<Vm> => {
     const vm = await Vm.start({ guest: 'probe', memory: '64MiB', vcpus: 1, name, labels: { team: 'blue' } });

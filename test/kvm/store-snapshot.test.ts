@@ -10,15 +10,14 @@
 // have the store's Debian packages.
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { connect, createServer, type Server, type Socket } from 'node:net';
 import { GetObjectCommand, PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
 import { StoreError, Vm } from '../../src';
 import { chunkKey } from '../../src/store/store-url';
-import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { pvisorOnce, startPvisor } from '../cli-runs';
-import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
+import { objectStoreScript, objectStoreSkipReason, objectStoreSuite } from '../object-store-env';
 import { hexOf } from '../probe-digest';
 
 const ROOT = join(__dirname, '..', '..', '..');
@@ -51,19 +50,7 @@ function restoreElsewhere(url: string, host: string): { digest: string; restoreI
 }
 
 (why ? describe.skip : describe)(`a probe VM through the object store${why ? ` (skipped: ${why})` : ''}`, () => {
-  let restoreEnv = () => {};
-
-  beforeAll(() => {
-    WORK = mkdtempSync(join(DEFAULT_BACKING_DIR, 'pvisor-store-snapshot-'));
-    ({ restoreEnv } = startObjectStore(script));
-  }, 620_000);
-
-  afterAll(() => {
-    restoreEnv();
-    const r = script('stop');
-    if (WORK) rmSync(WORK, { recursive: true, force: true });
-    expect(r.status).toBe(0);
-  }, 120_000);
+  objectStoreSuite(script, 'pvisor-store-snapshot-', { onWork: (dir) => (WORK = dir) });
 
   it('snapshotted to s3:// in this process, restored in another with its own runtime dir and cache: digest equal', async () => {
     const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/probe`;

@@ -12,7 +12,7 @@
 //   transport and saves back the same.
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { VirtioBalloon, VIRTIO_BALLOON_F_FREE_PAGE_REPORTING } from '../../src/backends/kvm/devices/virtio-balloon';
+import { VirtioBalloon } from '../../src/backends/kvm/devices/virtio-balloon';
 import { VirtioBlk } from '../../src/backends/kvm/devices/virtio-blk';
 import { VirtioConsole } from '../../src/backends/kvm/devices/virtio-console';
 import { MmioTransport, VIRTIO_F_VERSION_1, type DeviceSavedState, type TransportState, type VirtioDevice } from '../../src/backends/kvm/virtio/mmio-transport';
