@@ -165,12 +165,18 @@ describe('forwardPort', () => {
     try {
       await new Promise<void>((resolve, reject) => s.once('connect', () => resolve()).once('error', reject));
       const chunk = Buffer.alloc(64 * KiB);
-      // Write until the peer's own socket buffer holds what the relay would not take.
-      for (let i = 0; i < 512 && s.writableLength < 4 * MiB; i++) {
-        s.write(chunk);
-        await new Promise((r) => setImmediate(r));
+      // Write until the peer's own socket holds what the relay would not take, and still holds
+      // some 300 ms later: the kernel's receive buffer grows (tcp_rmem's max is 32 MiB on some
+      // hosts) and takes a first 4 MiB whole. Up to 256 MiB, which a relay that buffered without
+      // bound would take all of.
+      for (let written = 0; written < 256 * MiB; ) {
+        for (; written < 256 * MiB && s.writableLength < 4 * MiB; written += chunk.length) {
+          s.write(chunk);
+          await new Promise((r) => setImmediate(r));
+        }
+        await new Promise((r) => setTimeout(r, 300));
+        if (s.writableLength > 0) break;
       }
-      await new Promise((r) => setTimeout(r, 300));
       const nc = spawned[0];
       expect(nc.writes).toHaveLength(1);
       expect(nc.maxInFlight).toBe(1);
