@@ -38,6 +38,8 @@ const unitStatus = run('npx', jest(['dist/test/unit'], 'unit.json'), 'unit tests
 // a stamp says it is up to date), which test/kvm/linux-agent-workload.test.ts boots: built here
 // so that `npm test` sets up what it needs on a fresh machine. It needs root (debootstrap, a loop
 // of mke2fs); elsewhere, or if the build fails, that file's tests are skipped, saying why.
+// What a jailed VM needs (pvisor run jails by default): installed when missing, as for npm start.
+run('bash', [join(root, 'scripts', 'jail-packages.sh')], 'what a jailed VM needs (bubblewrap, libseccomp2, prlimit)');
 if (process.getuid?.() === 0 && run('bash', [join(root, 'scripts', 'agent-rootfs.sh')], "the agent workload's image") !== 0) {
   console.log("the agent workload's image could not be built: its tests will be skipped");
 }
