@@ -13,7 +13,7 @@ import { memoryBackedFilesystem } from '../memory/backing-file';
 import type { Vm } from '../vm';
 import type { GuestKind } from '../vm-types';
 import { hibernationDirFor, logPathFor, recordPathFor, writeHibernationRecord, type HibernationRecord } from '../snapshot/hibernation-record';
-import { formatProbeScript, parseProbeScript, runProbeScript, type ScriptCursor } from './probe-script';
+import { formatProbeScript, parseProbeScript, runProbeScript, type ProbeStep, type ScriptCursor } from './probe-script';
 import {
   ControlServer,
   ensureRuntimeDir,
@@ -282,21 +282,7 @@ export class RunControl {
       const log = logPathFor(this.socketPath);
       await vm.hibernate(dir, {
         beforeStop: (info) => {
-          const r: HibernationRecord = {
-            format: 'pvisor-hibernated',
-            version: 1,
-            id: this.id,
-            dir,
-            hibernatedAt: new Date().toISOString(),
-            guest: vm.guest,
-            memoryBytes: vm.memoryBytes,
-            vcpus: vm.vcpus,
-            bytesOnDisk: info.bytesOnDisk,
-            flags: carry.flags,
-            // Nothing left: the resumed run keeps the VM until it is stopped, as this one would not have.
-            ...(vm.guest === 'probe' ? { steps: left?.length ? formatProbeScript(left) : 'wait' } : { command: carry.command }),
-          };
-          writeHibernationRecord(record, r);
+          writeHibernationRecord(record, this.hibernationRecord(vm, dir, info.bytesOnDisk, left));
           // Committed: the VM ends next, and whoever sees it end must know why.
           this.hibernated = { dir, record, log, ramDataPageCount: info.ramDataPageCount, bytesOnDisk: info.bytesOnDisk };
         },
@@ -306,6 +292,28 @@ export class RunControl {
       script?.go();
       throw e;
     }
+  }
+
+  /**
+   * The record of this run's VM hibernated at `dir` (a directory, or an `s3://` location): the
+   * run's flags, and what is left of its steps or its command.
+   */
+  private hibernationRecord(vm: Vm, dir: string, bytesOnDisk: number, left: ProbeStep[] | undefined): HibernationRecord {
+    const carry = this.description.carry;
+    return {
+      format: 'pvisor-hibernated',
+      version: 1,
+      id: this.id,
+      dir,
+      hibernatedAt: new Date().toISOString(),
+      guest: vm.guest,
+      memoryBytes: vm.memoryBytes,
+      vcpus: vm.vcpus,
+      bytesOnDisk,
+      flags: carry.flags,
+      // Nothing left: the resumed run keeps the VM until it is stopped, as this one would not have.
+      ...(vm.guest === 'probe' ? { steps: left?.length ? formatProbeScript(left) : 'wait' } : { command: carry.command }),
+    };
   }
 
   /**
@@ -326,21 +334,8 @@ export class RunControl {
       const log = logPathFor(this.socketPath);
       await vm.hibernate(url, {
         beforeStop: async (info) => {
-          const r: HibernationRecord = {
-            format: 'pvisor-hibernated',
-            version: 1,
-            id: this.id,
-            dir: url,
-            hibernatedAt: new Date().toISOString(),
-            guest: vm.guest,
-            memoryBytes: vm.memoryBytes,
-            vcpus: vm.vcpus,
-            bytesOnDisk: info.bytesOnDisk,
-            flags: carry.flags,
-            ...(vm.guest === 'probe' ? { steps: left?.length ? formatProbeScript(left) : 'wait' } : { command: carry.command }),
-          };
           // Before the VM ends: a failure here withdraws the hibernation and the VM goes on.
-          await putRunRecord(r);
+          await putRunRecord(this.hibernationRecord(vm, url, info.bytesOnDisk, left));
           this.hibernated = { dir: url, record: `${url}/${RUN_RECORD_NAME}`, log, ramDataPageCount: info.ramDataPageCount, bytesOnDisk: info.bytesOnDisk, ...(info.store && { store: info.store }) };
         },
       });
