@@ -12,6 +12,9 @@ import { existsSync, readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { StoreClaimedError, Vm } from '../../src';
 import { controlRequest } from '../../src/control-socket';
+import { readStoreManifest } from '../../src/store/chunk-fetch';
+import { ObjectStore } from '../../src/store/object-io';
+import { parseStoreUrl } from '../../src/store/store-url';
 import { gone, pvisorOnce, startPvisor, type Run } from '../cli-runs';
 import { objectStoreScript, objectStoreSkipReason, objectStoreSuite } from '../object-store-env';
 import { hexOf } from '../probe-digest';
@@ -103,8 +106,13 @@ function restoreElsewhere(location: string, host: string): Restored {
     expect(c.digest).toBeUndefined();
     expect(c.error).toMatchObject({ name: 'StoreClaimedError', reason: 'claimed', claim: { state: 'resumed', pid: b.pid } });
     expect(c.error!.message).toMatch(/was resumed by .* pid \d+ at /);
-    // Refused before any of its RAM was fetched.
-    expect(readdirSync(join(WORK, 'host-c', 'cache', 'chunks'))).toHaveLength(1); // the state, to know it is hibernated
+    // Refused before any of its RAM was fetched: the cache holds the state (which says the VM is
+    // hibernated) and manifest.json, fetched with it, and no chunk of guest RAM.
+    const url0 = parseStoreUrl(url);
+    const store = ObjectStore.open(url0, { requestTimeoutMs: 60_000 });
+    const { manifest } = await readStoreManifest(url0, store).finally(() => store.close());
+    expect(readdirSync(join(WORK, 'host-c', 'cache', 'chunks')).sort()).toEqual([manifest.files.state.sha256, manifest.files.manifest.sha256].sort());
+    expect(manifest.ramChunks.filter((sha) => sha !== null).length).toBeGreaterThan(0);
 
     const mib = (n: number) => (n / MiB).toFixed(1);
     process.stdout.write(
