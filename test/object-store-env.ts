@@ -5,6 +5,7 @@
 import { spawnSync } from 'node:child_process';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
+import { GetObjectCommand, PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
 import { DEFAULT_BACKING_DIR } from '../src/memory/backing-file';
 import { parseExportLines } from '../src/bench/fleet-store';
 
@@ -91,4 +92,25 @@ export function objectStoreSuite(
     if (work) rmSync(work, { recursive: true, force: true });
     expect(r.status).toBe(0);
   }, options.stopTimeoutMs ?? 120_000);
+}
+
+/** The object `key` of the test store's bucket `pvisor`, read past pvisor (to corrupt it, or to look). */
+export async function getObject(key: string): Promise<Buffer> {
+  const client = new S3Client({});
+  try {
+    const r = await client.send(new GetObjectCommand({ Bucket: 'pvisor', Key: key }));
+    return Buffer.from(await r.Body!.transformToByteArray());
+  } finally {
+    client.destroy();
+  }
+}
+
+/** Writes `body` as the object `key` of the test store's bucket `pvisor`, past pvisor. */
+export async function putObject(key: string, body: Buffer): Promise<void> {
+  const client = new S3Client({});
+  try {
+    await client.send(new PutObjectCommand({ Bucket: 'pvisor', Key: key, Body: body, ContentLength: body.length }));
+  } finally {
+    client.destroy();
+  }
 }

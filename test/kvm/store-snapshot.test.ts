@@ -13,11 +13,10 @@ import { randomBytes } from 'node:crypto';
 import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { connect, createServer, type Server, type Socket } from 'node:net';
-import { GetObjectCommand, PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
 import { StoreError, Vm } from '../../src';
 import { chunkKey } from '../../src/store/store-url';
 import { pvisorOnce, startPvisor } from '../cli-runs';
-import { objectStoreScript, objectStoreSkipReason, objectStoreSuite } from '../object-store-env';
+import { getObject, objectStoreScript, objectStoreSkipReason, objectStoreSuite, putObject } from '../object-store-env';
 import { hexOf } from '../probe-digest';
 
 const ROOT = join(__dirname, '..', '..', '..');
@@ -217,22 +216,3 @@ function restoreElsewhere(url: string, host: string): { digest: string; restoreI
     }
   }, 300_000);
 });
-
-async function getObject(key: string): Promise<Buffer> {
-  const client = new S3Client({});
-  try {
-    const r = await client.send(new GetObjectCommand({ Bucket: 'pvisor', Key: key }));
-    return Buffer.from(await r.Body!.transformToByteArray());
-  } finally {
-    client.destroy();
-  }
-}
-
-async function putObject(key: string, body: Buffer): Promise<void> {
-  const client = new S3Client({});
-  try {
-    await client.send(new PutObjectCommand({ Bucket: 'pvisor', Key: key, Body: body, ContentLength: body.length }));
-  } finally {
-    client.destroy();
-  }
-}

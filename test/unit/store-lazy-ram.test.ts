@@ -9,7 +9,6 @@ import { randomBytes } from 'node:crypto';
 import { closeSync, mkdtempSync, openSync, readdirSync, readSync, rmSync, write } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { GetObjectCommand, PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
 import { StoreError } from '../../src';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { FetchFailure } from '../../src/memory/fetch-protocol';
@@ -20,7 +19,7 @@ import { snapshotToStore } from '../../src/store/snapshot-store';
 import { chunkKey } from '../../src/store/store-url';
 import { MAP_ANONYMOUS, MAP_NORESERVE, MAP_PRIVATE, PAGE_SIZE, PROT_READ, PROT_WRITE } from '../../src/sys/constants';
 import { mmap, munmap, viewAt } from '../../src/sys/libc';
-import { objectStoreScript, objectStoreSkipReason, startObjectStore } from '../object-store-env';
+import { getObject, objectStoreScript, objectStoreSkipReason, putObject, startObjectStore } from '../object-store-env';
 
 const ROOT = join(__dirname, '..', '..', '..');
 const STATE_DIR = join(ROOT, '.cache', `object-store-lazy-test-${process.pid}`);
@@ -165,22 +164,3 @@ async function until<T>(what: () => T | undefined, timeoutMs = 30_000): Promise<
     }
   });
 });
-
-async function getObject(key: string): Promise<Buffer> {
-  const client = new S3Client({});
-  try {
-    const r = await client.send(new GetObjectCommand({ Bucket: 'pvisor', Key: key }));
-    return Buffer.from(await r.Body!.transformToByteArray());
-  } finally {
-    client.destroy();
-  }
-}
-
-async function putObject(key: string, body: Buffer): Promise<void> {
-  const client = new S3Client({});
-  try {
-    await client.send(new PutObjectCommand({ Bucket: 'pvisor', Key: key, Body: body, ContentLength: body.length }));
-  } finally {
-    client.destroy();
-  }
-}
