@@ -4,7 +4,7 @@
 // tell a slow test (the heartbeat goes on) from a wedged L1 (everything stops).
 //
 // With PVISOR_TEST_PROGRESS_FILE set, each finished test file appends one JSON line
-// {file, passed, failed} there, so scripts/run-tests.js knows which files a killed run finished.
+// {file, passed, failed, ms} there, so scripts/run-tests.js knows which files a killed run finished.
 'use strict';
 const { appendFileSync } = require('node:fs');
 
@@ -36,7 +36,8 @@ class ProgressReporter {
     const log = process.env.PVISOR_TEST_PROGRESS_FILE;
     if (!log) return;
     const failed = result.numFailingTests + (result.testExecError ? 1 : 0);
-    appendFileSync(log, `${JSON.stringify({ file: test.path, passed: result.numPassingTests, failed })}\n`);
+    const ms = result.perfStats ? result.perfStats.end - result.perfStats.start : undefined;
+    appendFileSync(log, `${JSON.stringify({ file: test.path, passed: result.numPassingTests, failed, ms })}\n`);
   }
 
   onRunComplete() {

@@ -11,6 +11,9 @@
 #   scripts/object-store.sh env   [--dir DIR]   print those lines again (fails if not running)
 #   scripts/object-store.sh status [--dir DIR]  exit 0 when it is running and answers
 #   scripts/object-store.sh stop  [--dir DIR]   end every process it started, remove its state
+#   scripts/object-store.sh install             install the packages now if missing (as root; exit 3
+#                                               when they are missing and cannot be), so that
+#                                               nested L1s, which see this host's /usr, find them
 #   scripts/object-store.sh check               exit 0 when start can have its packages (they are
 #                                               installed, or can be: root and apt-get), else 3
 #
@@ -354,5 +357,6 @@ case $command in
   env) running || fail "not running (state: $dir)"; env_lines ;;
   status) running ;;
   check) check_installable ;;
-  *) echo "usage: $0 start|stop|env|status|check [--dir DIR]" >&2; exit 2 ;;
+  install) mkdir -p "$dir"; install_packages ;;
+  *) echo "usage: $0 start|stop|env|status|check|install [--dir DIR]" >&2; exit 2 ;;
 esac
