@@ -55,9 +55,14 @@ if (process.getuid?.() === 0 && run('bash', [join(root, 'scripts', 'agent-rootfs
 // keeps a slow test from looking silent, so the watchdog can be short; when it fires (exit 124),
 // the bucket's files that had not finished run once more in a fresh L1. A test that fails is never
 // rerun.
-// Minutes per file in the harness, measured in one `npm test` with two lanes (2026-12-03); a file
-// not listed counts DEFAULT_MINUTES. They only order and pack the work: nothing is timed by them.
-const MINUTES = {};
+// Minutes per file in the harness, first guesses from earlier runs (2026-12-03); a file not listed
+// counts DEFAULT_MINUTES. They only order and pack the work: nothing is timed by them.
+const MINUTES = {
+  'linux-agent-workload': 15, 'linux-memory': 16, 'linux-flood': 4, 'linux-store-clones': 6,
+  'store-snapshot': 5, 'store-hibernate': 5, 'store-clones': 4, 'linux-network': 4, 'linux-jail': 4,
+  'linux-snapshot': 3, 'linux-vm-api': 3, 'linux-files': 3, 'linux-streams': 3, 'linux-rootfs': 3,
+  'linux-guest': 3, 'linux-commands': 3, 'linux-hibernate': 3, soak: 3,
+};
 const DEFAULT_MINUTES = 2;
 const BUCKET_MINUTES = 12;
 const OWN_L1 = /^linux-(agent-|memory|flood)/;
