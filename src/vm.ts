@@ -140,6 +140,11 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
   private hibernatingToStore: string | undefined;
   /** A lazy restore from an object store: what its fetcher has moved so far. */
   private storeFetcher: { transfer(): StoreTransfer } | undefined;
+  /**
+   * Per RAM chunk, what this VM's RAM was last stored as in an object store or restored from: the
+   * base of each page delta its next upload sends (store/upload.ts). Undefined: never stored.
+   */
+  private storeBases: (string | null)[] | undefined;
   private readonly warnings: WarningLimiter;
   /** Where the VM's trace goes (`logger`); silent without one. */
   private readonly log: VmLog;
@@ -445,6 +450,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
       const r = await restoreFromStore(url, store, (dir) => Vm.restore(dir, local), shared);
       const vm = r.restored;
       vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: r.transfer, storeRamLoad: 'fetched' };
+      vm.storeBases = r.bases;
       if (r.claimWarning) vm.warnings.warn(r.claimWarning);
       return vm;
     };
@@ -466,6 +472,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     }
     vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: lazy.transfer(), storeRamLoad: 'lazy' };
     vm.storeFetcher = lazy;
+    vm.storeBases = lazy.bases;
     lazy.startPrefetch();
     return vm;
   }
@@ -600,7 +607,9 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
     const { snapshotToStore } = await import('./store/snapshot-store');
     const { store, ...local } = options;
     // A VM restored lazily records the order its guest touched RAM in: a restore of this snapshot prefetches in it.
-    const { written, transfer } = await snapshotToStore(url, store, (dir) => this.snapshot(dir, local), () => this.memory.lazyTouchOrder());
+    // Its RAM as last stored or restored: the child sends page deltas against it.
+    const { written, transfer, bases } = await snapshotToStore(url, store, (dir) => this.snapshot(dir, local), () => this.memory.lazyTouchOrder(), this.storeBases);
+    this.storeBases = bases;
     return { ...written, dir: url, ms: elapsedMs(t0), store: transfer };
   }
 
@@ -674,7 +683,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
       } finally {
         this.hibernatingToStore = undefined;
       }
-    });
+    }, this.storeBases);
     return { ...info, ms: elapsedMs(t0) };
   }
 

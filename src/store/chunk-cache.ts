@@ -13,6 +13,7 @@ import { homedir } from 'node:os';
 import { join } from 'node:path';
 import { SnapshotError } from '../errors';
 import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile } from '../snapshot/snapshot-file';
+import { pageHashesOf, pagesIn, PAGE_HASH_BYTES } from './chunk-delta';
 import { listSharedEntries, removeSharedEntry } from './shared-entry';
 
 /** The default bound of a chunk cache: 4 GiB. */
@@ -37,9 +38,10 @@ export interface Eviction {
 }
 
 /**
- * A chunk cache directory: `chunks/<sha256>`, `tmp/` for entries being written, `work/` for
- * snapshots being sent or assembled, `snapshots/<key>/` for snapshots that SharedSnapshot clones
- * map (shared-entry.ts).
+ * A chunk cache directory: `chunks/<sha256>`, `pages/<sha256>` for a chunk's page hashes (what a
+ * child snapshot's page deltas are found by: chunk-delta.ts), `tmp/` for entries being written,
+ * `work/` for snapshots being sent or assembled, `snapshots/<key>/` for snapshots that
+ * SharedSnapshot clones map (shared-entry.ts).
  */
 export class ChunkCache {
   private readonly pins = new Map<string, number>();
@@ -48,7 +50,7 @@ export class ChunkCache {
 
   /** Opens (creating, 0700) the cache in `dir`, bounded to `maxBytes`. */
   static open(dir: string, maxBytes: number = DEFAULT_CACHE_MAX_BYTES): ChunkCache {
-    for (const sub of ['', 'chunks', 'tmp', 'work']) mkdirSync(join(dir, sub), { recursive: true, mode: 0o700 });
+    for (const sub of ['', 'chunks', 'pages', 'tmp', 'work']) mkdirSync(join(dir, sub), { recursive: true, mode: 0o700 });
     return new ChunkCache(dir, maxBytes);
   }
 
@@ -102,6 +104,59 @@ export class ChunkCache {
     renameSync(tmp, this.pathOf(sha256));
   }
 
+  /**
+   * The page hashes (chunk-delta.ts) of chunk `sha256` of `sizeBytes`: kept in `pages/`, else
+   * computed from the chunk if the cache holds it (and kept); undefined if neither. A kept file
+   * carries a SHA-256 of the name and hashes, so a damaged one is removed, not used: a wrong
+   * hash would leave a changed page out of a delta, which the restore would then refuse.
+   */
+  pageHashes(sha256: string, sizeBytes: number): Buffer | undefined {
+    const path = this.pagesPathOf(sha256);
+    const want = pagesIn(sizeBytes) * PAGE_HASH_BYTES;
+    let file;
+    try {
+      file = openSnapshotFile(path);
+    } catch {
+      file = undefined;
+    }
+    if (file) {
+      try {
+        if (file.sizeBytes === want + 32) {
+          const bytes = readSnapshotFile(file, want + 32, 'page hashes have');
+          const hashes = bytes.subarray(0, want);
+          if (pageHashesSeal(sha256, hashes).equals(bytes.subarray(want))) return hashes;
+        }
+      } catch (e) {
+        if (!(e instanceof SnapshotError)) throw e;
+      } finally {
+        closeSnapshotFiles(file);
+      }
+      rmSync(path, { force: true });
+    }
+    const chunk = this.read(sha256, sizeBytes);
+    if (!chunk) return undefined;
+    const hashes = pageHashesOf(chunk);
+    this.writePageHashes(sha256, hashes);
+    return hashes;
+  }
+
+  /** Whether `pages/` holds page hashes of `sha256` (not checked). */
+  hasPageHashes(sha256: string): boolean {
+    try {
+      statSync(this.pagesPathOf(sha256));
+      return true;
+    } catch {
+      return false;
+    }
+  }
+
+  /** Keeps `hashes`, the page hashes of chunk `sha256` computed from bytes the caller has checked. */
+  writePageHashes(sha256: string, hashes: Buffer): void {
+    const tmp = join(this.dir, 'tmp', `${sha256}.pages.${process.pid}.${randomBytes(4).toString('hex')}`);
+    writeFileSync(tmp, Buffer.concat([hashes, pageHashesSeal(sha256, hashes)]), { mode: 0o400, flag: 'wx' });
+    renameSync(tmp, this.pagesPathOf(sha256));
+  }
+
   /** Keeps `sha256` from eviction by this process until as many {@link unpin}s. */
   pin(sha256: string): void {
     this.pins.set(sha256, (this.pins.get(sha256) ?? 0) + 1);
@@ -119,23 +174,26 @@ export class ChunkCache {
    */
   evict(): Eviction {
     this.removeStaleTemporaries();
-    // Chunks, and shared snapshots (shared-entry.ts) by the bytes they take on disk: one bound for both.
-    const entries: { sizeBytes: number; usedMs: number; shared: boolean; remove(): boolean }[] = [];
+    // Chunks, their page hashes, and shared snapshots (shared-entry.ts) by the bytes they take on disk: one bound for all.
+    const entries: { sizeBytes: number; usedMs: number; kind: 'chunks' | 'pages' | 'shared'; remove(): boolean }[] = [];
     let total = 0;
-    for (const name of readdirSync(join(this.dir, 'chunks'))) {
-      if (!SHA256_HEX.test(name)) continue;
-      try {
-        const st = statSync(this.pathOf(name));
-        const remove = () => !this.pins.has(name) && (rmSync(this.pathOf(name), { force: true }), true);
-        entries.push({ sizeBytes: st.size, usedMs: st.mtimeMs, shared: false, remove });
-        total += st.size;
-      } catch {
-        // Removed meanwhile by another process sharing the cache.
+    for (const sub of ['chunks', 'pages'] as const) {
+      for (const name of readdirSync(join(this.dir, sub))) {
+        if (!SHA256_HEX.test(name)) continue;
+        const path = join(this.dir, sub, name);
+        try {
+          const st = statSync(path);
+          const remove = () => !this.pins.has(name) && (rmSync(path, { force: true }), true);
+          entries.push({ sizeBytes: st.size, usedMs: st.mtimeMs, kind: sub, remove });
+          total += st.size;
+        } catch {
+          // Removed meanwhile by another process sharing the cache.
+        }
       }
     }
     for (const e of listSharedEntries(this.dir)) {
       // Kept while a clone in any process maps it (its flock).
-      entries.push({ sizeBytes: e.sizeBytes, usedMs: e.usedMs, shared: true, remove: () => removeSharedEntry(this.dir, e.key, this.newWorkPath()) });
+      entries.push({ sizeBytes: e.sizeBytes, usedMs: e.usedMs, kind: 'shared', remove: () => removeSharedEntry(this.dir, e.key, this.newWorkPath()) });
       total += e.sizeBytes;
     }
     const out: Eviction = { chunksRemoved: 0, sharedSnapshotsRemoved: 0, bytesRemoved: 0, bytesKept: total };
@@ -144,17 +202,21 @@ export class ChunkCache {
     for (const e of entries) {
       if (out.bytesKept <= this.maxBytes) break;
       if (!e.remove()) continue;
-      if (e.shared) out.sharedSnapshotsRemoved++;
-      else out.chunksRemoved++;
+      if (e.kind === 'shared') out.sharedSnapshotsRemoved++;
+      else if (e.kind === 'chunks') out.chunksRemoved++;
       out.bytesRemoved += e.sizeBytes;
       out.bytesKept -= e.sizeBytes;
     }
     return out;
   }
 
-  private pathOf(sha256: string): string {
+  private pathOf(sha256: string, sub: 'chunks' | 'pages' = 'chunks'): string {
     if (!SHA256_HEX.test(sha256)) throw new SnapshotError(`not a SHA-256: ${sha256.slice(0, 80)}`);
-    return join(this.dir, 'chunks', sha256);
+    return join(this.dir, sub, sha256);
+  }
+
+  private pagesPathOf(sha256: string): string {
+    return this.pathOf(sha256, 'pages');
   }
 
   private removeStaleTemporaries(): void {
@@ -167,6 +229,11 @@ export class ChunkCache {
       if (pid && pid !== process.pid && !processAlive(pid)) rmSync(join(this.dir, 'work', name), { recursive: true, force: true });
     }
   }
+}
+
+/** What a kept page-hash file ends with: the SHA-256 of the chunk's name and its page hashes. */
+function pageHashesSeal(sha256: string, hashes: Buffer): Buffer {
+  return createHash('sha256').update(sha256).update(hashes).digest();
 }
 
 /** SHA-256 of `bytes`, lower-case hex. */

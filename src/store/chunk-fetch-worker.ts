@@ -25,6 +25,7 @@ import { RecordChannel, type NativeRecord } from '../native/record-channel';
 import { ChunkCache } from './chunk-cache';
 import { fetchCheckedChunk, type ChunkCounts } from './chunk-fetch';
 import type { ObjectStore } from './object-io';
+import type { ChunkRef } from './store-manifest';
 import { parseStoreUrl } from './store-url';
 
 /** What the worker is started with. */
@@ -36,10 +37,8 @@ export interface FetcherData {
 /** Indices into a job's counters (a BigInt64Array): bytes and chunks fetched, chunks found cached, chunks fetched for a fault. */
 export const FetcherCounter = { bytesTransferred: 0, chunksTransferred: 1, chunksPresent: 2, chunksForFaults: 3 } as const;
 
-/** One range of the deferred source: the chunk that fills it. */
-export interface FetcherChunk {
-  sha256: string;
-  sizeBytes: number;
+/** One range of the deferred source: the chunk that fills it (stored whole or as a page delta), and where in the scratch file it goes. */
+export interface FetcherChunk extends ChunkRef {
   fileOffset: number;
 }
 
@@ -129,10 +128,10 @@ function startJob(job: FetcherJob, objectIo: Promise<typeof import('./object-io'
     if (!forFault) prefetchesRunning++;
     cache.pin(c.sha256);
     try {
-      const ref = { sha256: c.sha256, sizeBytes: c.sizeBytes };
-      const cached = cache.read(ref.sha256, ref.sizeBytes);
+      // From the cache without waiting for the S3 client's code to load.
+      const cached = cache.read(c.sha256, c.sizeBytes);
       if (cached) counts.chunksPresent++;
-      const bytes = cached ?? (await fetchCheckedChunk(ref, url, await storeReady, cache, counts));
+      const bytes = cached ?? (await fetchCheckedChunk(c, url, await storeReady, cache, counts));
       if (stopped) return;
       for (let done = 0; done < bytes.length;) done += writeSync(job.scratchFd, bytes, done, bytes.length - done, c.fileOffset + done);
       states[i] = 2;

@@ -17,7 +17,7 @@ import type { ChunkCache } from './chunk-cache';
 import { fetchCheckedChunk, fetchManifestBody } from './chunk-fetch';
 import { eachBounded, type ObjectStore } from './object-io';
 import type { ResolvedStoreOptions, StoreTransfer } from './store-options';
-import { chunkSizeBytes, parseStoreManifest, type ChunkRef, type StoreManifest } from './store-manifest';
+import { basesOf, chunkSizeBytes, parseStoreManifest, ramChunkRef, type ChunkBases, type ChunkRef, type StoreManifest } from './store-manifest';
 import type { StoreUrl } from './store-url';
 
 /** A snapshot fetched into a local directory: {@link fetchSnapshot}. */
@@ -25,6 +25,8 @@ export interface FetchedSnapshot {
   /** The local snapshot directory, for {@link Vm.restore}. */
   dir: string;
   transfer: StoreTransfer;
+  /** What each RAM chunk was restored from, for the page deltas of this VM's next upload (upload.ts). */
+  bases: ChunkBases;
   /**
    * Lets go of {@link dir}: removes it, or, for a snapshot shared in the chunk cache
    * (shared-ram.ts), releases this restore's hold on it. A restore that is done with its files
@@ -78,7 +80,7 @@ export async function fetchSnapshot(
     ftruncateSync(ramFd, manifest.ramBytes);
     const fd = ramFd;
     await eachBounded([...places.entries()], options.concurrency, async ([sha, at]) => {
-      const bytes = await chunk({ sha256: sha, sizeBytes: chunkSizeBytes(manifest.ramBytes, at[0]) });
+      const bytes = await chunk(ramChunkRef(manifest, at[0]));
       for (const i of at) writeDataPages(fd, bytes, i * RAM_CHUNK_BYTES);
       chunksDone += at.length;
       progress();
@@ -95,7 +97,7 @@ export async function fetchSnapshot(
   cache.evict();
   out.ms = performance.now() - t0;
   progress();
-  return { dir, transfer: out, remove: () => rmSync(dir, { recursive: true, force: true }) };
+  return { dir, transfer: out, bases: basesOf(manifest), remove: () => rmSync(dir, { recursive: true, force: true }) };
 }
 
 /** The bytes of the manifest at `url`, bounded (not parsed yet); a missing one is a {@link StoreError} `not-found`. */

@@ -15,6 +15,7 @@ import { fetchSharedSnapshot } from './shared-ram';
 import { ObjectStore } from './object-io';
 import { resolveStoreOptions, type StoreOptions, type StoreTransfer } from './store-options';
 import { parseStoreUrl, type StoreUrl } from './store-url';
+import type { ChunkBases } from './store-manifest';
 import { uploadSnapshotDir } from './upload';
 
 /** Refuses a prefix that holds a snapshot or held a hibernated VM: a hibernation goes to a new prefix. */
@@ -31,26 +32,29 @@ async function refuseUsedPrefix(url: StoreUrl, store: ObjectStore): Promise<void
  * If the upload fails, or `userBeforeStop` throws, the VM goes on where it was; a hibernation
  * whose manifest may already be in the store is withdrawn first (./claim.ts), so that it is never
  * resumed elsewhere too. If a restore elsewhere claimed it in that moment, the VM has moved: it
- * ends here and the hibernation stands.
+ * ends here and the hibernation stands. `bases`: what the VM's RAM was last stored or restored as
+ * (upload.ts), for page deltas.
  */
 export async function hibernateToStore(
   location: string,
   options: StoreOptions | undefined,
   userBeforeStop: ((info: HibernateInfo) => void | Promise<void>) | undefined,
   hibernateLocal: (dir: string, beforeStop: (info: HibernateInfo) => Promise<void>) => Promise<HibernateInfo>,
+  bases?: ChunkBases,
 ): Promise<HibernateInfo> {
   const url = parseStoreUrl(location);
   const o = resolveStoreOptions(options);
   const store = ObjectStore.open(url, o);
   try {
     await refuseUsedPrefix(url, store);
-    const dir = ChunkCache.open(o.cacheDir, o.cacheMaxBytes).newWorkDir();
+    const cache = ChunkCache.open(o.cacheDir, o.cacheMaxBytes);
+    const dir = cache.newWorkDir();
     let transfer: StoreTransfer | undefined;
     let info: HibernateInfo | undefined;
     try {
       await hibernateLocal(dir, async (local) => {
         try {
-          transfer = await uploadSnapshotDir(dir, url, store, o);
+          ({ transfer } = await uploadSnapshotDir(dir, url, store, cache, o, { bases }));
           info = { ...local, dir: url.url, store: transfer };
           await userBeforeStop?.(info);
         } catch (e) {
@@ -73,6 +77,8 @@ export async function hibernateToStore(
 export interface StoreRestore<T> {
   restored: T;
   transfer: StoreTransfer;
+  /** What each RAM chunk was restored from, for the page deltas of the VM's next upload (upload.ts). */
+  bases: ChunkBases;
   /** The snapshot was a hibernated VM, claimed by this restore. */
   hibernated: boolean;
   /** Said when the VM runs but its claim could not be marked resumed (taken over meanwhile, or the store failed). */
@@ -117,7 +123,7 @@ export async function restoreFromStore<T>(location: string, options: StoreOption
       // Read, loaded from a descriptor of its own, or mapped by now.
       fetched.remove();
     }
-    const out: StoreRestore<T> = { restored, transfer: fetched.transfer, hibernated: claim !== undefined };
+    const out: StoreRestore<T> = { restored, transfer: fetched.transfer, bases: fetched.bases, hibernated: claim !== undefined };
     if (claim) {
       let marked = false;
       let why = 'it was taken over meanwhile';

@@ -32,7 +32,7 @@ import { FetcherCounter, type FetcherChunk, type FetcherCommand, type FetcherDat
 import { chunkPlaces, isHibernatedState, writeNew } from './download';
 import { ObjectStore } from './object-io';
 import { resolveStoreOptions, type StoreOptions, type StoreTransfer } from './store-options';
-import { chunkSizeBytes, prefetchOrder, type StoreManifest } from './store-manifest';
+import { basesOf, chunkSizeBytes, prefetchOrder, ramChunkRef, type ChunkBases, type StoreManifest } from './store-manifest';
 import { parseStoreUrl, type StoreUrl } from './store-url';
 
 /**
@@ -121,6 +121,8 @@ export class LazyStoreSnapshot {
     private readonly concurrency: number,
     private readonly base: StoreTransfer,
     private readonly t0: number,
+    /** What each RAM chunk is restored from, for the page deltas of this VM's next upload (upload.ts). */
+    readonly bases: ChunkBases,
   ) {
     this.counters = new BigInt64Array(countersBuffer);
     this.jobId = thread.register({
@@ -187,12 +189,12 @@ export class LazyStoreSnapshot {
         }
         rangeOfChunk.set(i, ranges.length);
         ranges.push({ offset, length, fileOffset: offset, checksum: chunkCrc32c[i] });
-        chunks.push({ sha256: sha, sizeBytes: length, fileOffset: offset });
+        chunks.push({ ...ramChunkRef(manifest, i), fileOffset: offset });
       });
       const order = prefetchOrder(manifest).map((i) => rangeOfChunk.get(i)!);
       const base: StoreTransfer = { url: url.url, chunksTotal: manifest.ramChunks.length, zeroChunks: manifest.ramChunks.length - ranges.length, chunksTransferred: counts.chunksTransferred, chunksPresent: counts.chunksPresent, bytesTransferred: counts.bytesTransferred, ms: 0 };
       const jobOptions = { requestTimeoutMs: o.requestTimeoutMs, cacheDir: o.cacheDir, cacheMaxBytes: o.cacheMaxBytes };
-      return new LazyStoreSnapshot(url, reader, thread, jobOptions, counters, scratchFd, ranges, chunks, order, o.concurrency, base, t0);
+      return new LazyStoreSnapshot(url, reader, thread, jobOptions, counters, scratchFd, ranges, chunks, order, o.concurrency, base, t0, basesOf(manifest));
     } catch (e) {
       opened?.discard();
       throw e;

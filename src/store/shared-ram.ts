@@ -11,7 +11,7 @@ import { fetchSnapshot, type FetchedSnapshot } from './download';
 import type { ObjectStore } from './object-io';
 import { checkSharedDirs, holdSharedEntry, publishSharedEntry } from './shared-entry';
 import type { ResolvedStoreOptions, StoreTransfer } from './store-options';
-import { parseStoreManifest } from './store-manifest';
+import { basesOf, parseStoreManifest } from './store-manifest';
 import type { StoreUrl } from './store-url';
 
 /**
@@ -41,7 +41,7 @@ export async function fetchSharedSnapshot(url: StoreUrl, store: ObjectStore, cac
       sharedEntry: 'reused',
     };
     options.onProgress?.({ direction: 'download', url: url.url, chunksDone: transfer.chunksTotal, chunksTotal: transfer.chunksTotal, bytesTransferred: body.length });
-    return { dir: found.dir, transfer, remove: found.release };
+    return { dir: found.dir, transfer, bases: basesOf(manifest), remove: found.release };
   }
   const fetched = await fetchSnapshot(url, store, cache, options, body);
   let held;
@@ -53,5 +53,5 @@ export async function fetchSharedSnapshot(url: StoreUrl, store: ObjectStore, cac
   }
   // Published, it counts in the cache's bound from now on.
   cache.evict();
-  return { dir: held.dir, transfer: { ...fetched.transfer, ms: performance.now() - t0, sharedEntry: 'assembled' }, remove: held.release };
+  return { dir: held.dir, transfer: { ...fetched.transfer, ms: performance.now() - t0, sharedEntry: 'assembled' }, bases: fetched.bases, remove: held.release };
 }

@@ -11,6 +11,7 @@ import { ObjectStore } from './object-io';
 import { fetchSharedSnapshot } from './shared-ram';
 import { resolveStoreOptions, type StoreOptions, type StoreTransfer } from './store-options';
 import { parseStoreUrl } from './store-url';
+import type { ChunkBases } from './store-manifest';
 import { uploadSnapshotDir } from './upload';
 
 /**
@@ -18,26 +19,29 @@ import { uploadSnapshotDir } from './upload';
  * `location`, and removes the work directory. The URL and options are checked, and the location
  * is checked to hold no snapshot yet, before `writeLocal` runs (before the VM is paused).
  * `touchedOffsets`: the guest RAM offsets the VM's faults loaded, in order (a lazily restored
- * VM), recorded in the manifest as the order a restore prefetches in.
+ * VM), recorded in the manifest as the order a restore prefetches in. `bases`: what the VM's RAM
+ * was last stored or restored as, for page deltas (upload.ts); resolves with the new ones.
  */
 export async function snapshotToStore<T>(
   location: string,
   options: StoreOptions | undefined,
   writeLocal: (dir: string) => Promise<T>,
   touchedOffsets?: () => readonly number[] | undefined,
-): Promise<{ written: T; transfer: StoreTransfer }> {
+  bases?: ChunkBases,
+): Promise<{ written: T; transfer: StoreTransfer; bases: ChunkBases }> {
   const url = parseStoreUrl(location);
   const o = resolveStoreOptions(options);
   const store = ObjectStore.open(url, o);
   try {
     if ((await store.sizeOf(url.manifestKey)) !== undefined) throw new StoreError('exists', `${url.url}: a snapshot is there already; a snapshot goes to a new prefix`);
-    const dir = ChunkCache.open(o.cacheDir, o.cacheMaxBytes).newWorkDir();
+    const cache = ChunkCache.open(o.cacheDir, o.cacheMaxBytes);
+    const dir = cache.newWorkDir();
     try {
       const written = await writeLocal(dir);
       // Read when the snapshot was taken, not after the upload: the VM runs on meanwhile.
       const touched = touchedOffsets?.();
-      const transfer = await uploadSnapshotDir(dir, url, store, o, touched);
-      return { written, transfer };
+      const sent = await uploadSnapshotDir(dir, url, store, cache, o, { touchedOffsets: touched, bases });
+      return { written, ...sent };
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

@@ -64,3 +64,15 @@ export function parseStoreUrl(url: string): StoreUrl {
 export function chunkKey(sha256: string): string {
   return CHUNKS_PREFIX + sha256;
 }
+
+/**
+ * The key of the page delta (chunk-delta.ts) that makes chunk `sha256` from `base` (`null`:
+ * zeros). Its bytes follow from the two chunks, so it is content-addressed as a chunk is: a child
+ * that changed a chunk the way another did finds the delta there.
+ */
+export function deltaKey(sha256: string, base: string | null): string {
+  return `${DELTAS_PREFIX}${sha256}.${base ?? 'zero'}`;
+}
+
+/** Where page deltas live, beside the chunks. */
+export const DELTAS_PREFIX = 'pvisor-chunks/delta/';

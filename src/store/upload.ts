@@ -4,6 +4,11 @@
  * so a child of a template sends only what changed), the two small files likewise, and the
  * manifest last, create-only. Each chunk is checked against the directory's CRC32C as it is
  * read, so what is sent is what the snapshot sealed.
+ *
+ * A chunk the bucket lacks is sent as a page delta (chunk-delta.ts) when that is smaller: against
+ * the chunk this VM's RAM there was last stored or restored as (its {@link ChunkBases}), if the
+ * bucket holds that whole and this host's chunk cache knows its page hashes, else against zeros.
+ * So a child that changed 8 MiB sends about 8 MiB, not every 2 MiB chunk its pages fall in.
  */
 import { readSync } from 'node:fs';
 import { join } from 'node:path';
@@ -13,18 +18,35 @@ import { crc32c } from '../native/crc32c';
 import { hex32, RAM_CHUNK_BYTES } from '../snapshot/ram-file';
 import { manifestBytesLimit, MAX_STATE_BYTES, readRamChecksums } from '../snapshot/snapshot-dir';
 import { closeSnapshotFiles, openSnapshotFile, readSnapshotFile } from '../snapshot/snapshot-file';
-import { sha256Hex } from './chunk-cache';
+import { sha256Hex, type ChunkCache } from './chunk-cache';
+import { changedPages, deltaSizeBytes, encodeDelta, pageHashesOf } from './chunk-delta';
 import { eachBounded, type ObjectStore } from './object-io';
 import type { ResolvedStoreOptions, StoreTransfer } from './store-options';
-import { chunkSizeBytes, STORE_MANIFEST_VERSION, type StoreManifest } from './store-manifest';
-import { chunkKey, type StoreUrl } from './store-url';
+import { chunkSizeBytes, type ChunkBases, type RamDelta, type StoreManifest } from './store-manifest';
+import { chunkKey, deltaKey, type StoreUrl } from './store-url';
+
+/**
+ * A delta against a chunk stored whole is sent only if it is at most this part of the chunk: a
+ * restore that lacks the base reads it too. One against zeros costs a restore nothing more, so
+ * it is sent whenever it is smaller than the chunk.
+ */
+const DELTA_AGAINST_BASE_MAX = 0.5;
 
 /**
  * Uploads the snapshot in `dir` to `url`. A snapshot already at `url` is a {@link StoreError}
  * `exists`. `touchedOffsets`: guest RAM offsets in the order the VM's faults first loaded them (a
- * lazily restored VM), recorded as the manifest's touch order.
+ * lazily restored VM), recorded as the manifest's touch order. `bases`: what the VM's RAM was
+ * last stored or restored as, for deltas; `cache`: this host's chunk cache, which keeps the page
+ * hashes of what is stored whole. Resolves with what was sent and the bases for the next upload.
  */
-export async function uploadSnapshotDir(dir: string, url: StoreUrl, store: ObjectStore, options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'>, touchedOffsets?: readonly number[]): Promise<StoreTransfer> {
+export async function uploadSnapshotDir(
+  dir: string,
+  url: StoreUrl,
+  store: ObjectStore,
+  cache: ChunkCache,
+  options: Pick<ResolvedStoreOptions, 'concurrency' | 'onProgress'>,
+  previous: { touchedOffsets?: readonly number[]; bases?: ChunkBases } = {},
+): Promise<{ transfer: StoreTransfer; bases: ChunkBases }> {
   const t0 = performance.now();
   // Refused before any chunk is sent; the create-only write at the end settles a race.
   if ((await store.sizeOf(url.manifestKey)) !== undefined) throw new StoreError('exists', `${url.url}: a snapshot is there already; a snapshot goes to a new prefix`);
@@ -43,23 +65,61 @@ export async function uploadSnapshotDir(dir: string, url: StoreUrl, store: Objec
   const out: StoreTransfer = { url: url.url, chunksTotal: chunkCrc32c.length, zeroChunks: 0, chunksTransferred: 0, chunksPresent: 0, bytesTransferred: 0, ms: 0 };
   let chunksDone = 0;
   const progress = (): void => options.onProgress?.({ direction: 'upload', url: url.url, chunksDone, chunksTotal: out.chunksTotal, bytesTransferred: out.bytesTransferred });
-  // One send per distinct chunk, however many places of RAM hold it.
-  const sent = new Map<string, Promise<void>>();
-  const ensure = (sha: string, bytes: Buffer): Promise<void> => {
-    let p = sent.get(sha);
+  const put = async (key: string, bytes: Buffer): Promise<void> => {
+    await store.put(key, bytes);
+    out.chunksTransferred++;
+    out.bytesTransferred += bytes.length;
+  };
+  /** Sends `bytes` as `key` unless the bucket has an object of that size there. */
+  const putMissing = async (key: string, bytes: Buffer): Promise<void> => {
+    // An object of another size under its name was damaged: sent again, over it.
+    if ((await store.sizeOf(key)) === bytes.length) out.chunksPresent++;
+    else await put(key, bytes);
+  };
+  const ramDeltas: Record<string, RamDelta> = {};
+  const oldBases = previous.bases?.length === chunkCrc32c.length ? previous.bases : undefined;
+  const bases: ChunkBases = new Array<string | null>(chunkCrc32c.length).fill(null);
+  /** Whether the bucket holds `sha` whole, at `sizeBytes`: asked once per upload. */
+  const wholeInBucket = new Map<string, Promise<boolean>>();
+  const isWhole = (sha: string, sizeBytes: number): Promise<boolean> => {
+    let p = wholeInBucket.get(sha);
+    if (!p) wholeInBucket.set(sha, (p = store.sizeOf(chunkKey(sha)).then((n) => n === sizeBytes)));
+    return p;
+  };
+  /** Keeps the page hashes of `sha`, stored whole, for the deltas of the next snapshot. */
+  const keepPageHashes = (sha: string, chunk: Buffer): void => {
+    if (!cache.hasPageHashes(sha)) cache.writePageHashes(sha, pageHashesOf(chunk));
+  };
+  /**
+   * Stores RAM chunk `sha` (at index `i`) whole, or as a delta when smaller; resolves with its
+   * base for next time. One store per distinct chunk: the first place that holds it decides.
+   */
+  const storing = new Map<string, Promise<string | null>>();
+  const storeRamChunk = (i: number, sha: string, chunk: Buffer): Promise<string | null> => {
+    let p = storing.get(sha);
     if (!p) {
       p = (async () => {
-        const key = chunkKey(sha);
-        // A chunk of another size under its name was damaged: sent again, over it.
-        if ((await store.sizeOf(key)) === bytes.length) {
+        if (await isWhole(sha, chunk.length)) {
           out.chunksPresent++;
-          return;
+          keepPageHashes(sha, chunk);
+          return sha;
         }
-        await store.put(key, bytes);
-        out.chunksTransferred++;
-        out.bytesTransferred += bytes.length;
+        // Against what this place was last stored as, if the bucket has it whole and its page hashes are here; else zeros.
+        const old = oldBases?.[i] ?? null;
+        const oldHashes = old !== null && (await isWhole(old, chunk.length)) ? cache.pageHashes(old, chunk.length) : undefined;
+        const base = oldHashes ? old : null;
+        const pages = changedPages(chunk, oldHashes ?? null);
+        const sizeBytes = deltaSizeBytes(chunk.length, pages);
+        if (base === null ? sizeBytes < chunk.length : sizeBytes <= chunk.length * DELTA_AGAINST_BASE_MAX) {
+          await putMissing(deltaKey(sha, base), encodeDelta(chunk, pages));
+          ramDeltas[sha] = { base, sizeBytes };
+          return base;
+        }
+        await put(chunkKey(sha), chunk);
+        keepPageHashes(sha, chunk);
+        return sha;
       })();
-      sent.set(sha, p);
+      storing.set(sha, p);
     }
     return p;
   };
@@ -76,22 +136,33 @@ export async function uploadSnapshotDir(dir: string, url: StoreUrl, store: Objec
       else {
         const sha = sha256Hex(chunk);
         ramChunks[i] = sha;
-        await ensure(sha, chunk);
+        bases[i] = await storeRamChunk(i, sha, chunk);
       }
       chunksDone++;
       progress();
     });
     const files = { manifest: { sha256: sha256Hex(manifestBytes), sizeBytes: manifestBytes.length }, state: { sha256: sha256Hex(stateBytes), sizeBytes: stateBytes.length } };
-    await ensure(files.manifest.sha256, manifestBytes);
-    await ensure(files.state.sha256, stateBytes);
-    const touchOrder = touchOrderOf(touchedOffsets, ramChunks);
-    const manifest: StoreManifest = { format: 'pvisor-store-snapshot', version: STORE_MANIFEST_VERSION, ramBytes, chunkBytes: RAM_CHUNK_BYTES, ramChunks, files, ...(touchOrder.length && { touchOrder }) };
+    await putMissing(chunkKey(files.manifest.sha256), manifestBytes);
+    if (files.state.sha256 !== files.manifest.sha256) await putMissing(chunkKey(files.state.sha256), stateBytes);
+    const touchOrder = touchOrderOf(previous.touchedOffsets, ramChunks);
+    const withDeltas = Object.keys(ramDeltas).length > 0;
+    const manifest: StoreManifest = {
+      format: 'pvisor-store-snapshot',
+      // Version 2 only when it has deltas: a version 1 reader can restore the rest.
+      version: withDeltas ? 2 : 1,
+      ramBytes,
+      chunkBytes: RAM_CHUNK_BYTES,
+      ramChunks,
+      files,
+      ...(touchOrder.length && { touchOrder }),
+      ...(withDeltas && { ramDeltas }),
+    };
     const body = Buffer.from(JSON.stringify(manifest));
     await store.put(url.manifestKey, body, true);
     out.bytesTransferred += body.length;
     out.ms = performance.now() - t0;
     progress();
-    return out;
+    return { transfer: out, bases };
   } finally {
     closeSnapshotFiles(ram);
   }

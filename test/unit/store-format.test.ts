@@ -8,7 +8,7 @@ import { InvalidOptionError, StoreError } from '../../src';
 import { hostMemTotalBytes } from '../../src/memory-usage';
 import { ChunkCache, sha256Hex } from '../../src/store/chunk-cache';
 import { eachBounded } from '../../src/store/object-io';
-import { chunkSizeBytes, parseStoreManifest, prefetchOrder, storeManifestBytesLimit } from '../../src/store/store-manifest';
+import { basesOf, chunkSizeBytes, parseStoreManifest, prefetchOrder, ramChunkRef, storeManifestBytesLimit } from '../../src/store/store-manifest';
 import { touchOrderOf } from '../../src/store/upload';
 import { resolveStoreOptions } from '../../src/store/store-options';
 import { isStoreUrl, parseStoreUrl } from '../../src/store/store-url';
@@ -79,7 +79,17 @@ describe('the store manifest read back', () => {
     ['not JSON', '{"format":', /not JSON/],
     ['an array', '[]', /not a JSON object/],
     ['another format', { ...good, format: 'x' }, /format/],
-    ['a newer version', { ...good, version: 2 }, /newer pvisor/],
+    ['a newer version', { ...good, version: 3 }, /newer pvisor/],
+    ['version 2 without deltas', { ...good, version: 2 }, /version 2 without ramDeltas/],
+    ['deltas in version 1', { ...good, ramDeltas: {} }, /ramDeltas: only in version 2/],
+    ['deltas that are an array', { ...good, version: 2, ramDeltas: [] }, /ramDeltas: not an object/],
+    ['a delta of a chunk the manifest does not name', { ...good, version: 2, ramDeltas: { [sha('x')]: { base: null, sizeBytes: 4108 } } }, /not a chunk of ramChunks/],
+    ['a delta keyed by a path', { ...good, version: 2, ramDeltas: { '../../etc/passwd': { base: null, sizeBytes: 4108 } } }, /not a chunk of ramChunks/],
+    ['a delta against itself', { ...good, version: 2, ramDeltas: { [sha('a')]: { base: sha('a'), sizeBytes: 4108 } } }, /\.base: not null nor the SHA-256 of another chunk/],
+    ['a delta against a path', { ...good, version: 2, ramDeltas: { [sha('a')]: { base: '../x', sizeBytes: 4108 } } }, /\.base/],
+    ['a delta larger than every page of its chunk', { ...good, version: 2, ramDeltas: { [sha('c')]: { base: null, sizeBytes: MiB + 8 + 4 * 256 + 1 } } }, /sizeBytes: not an integer from 8 to 1049608/],
+    ['a delta of no size', { ...good, version: 2, ramDeltas: { [sha('a')]: { base: null, sizeBytes: 0 } } }, /sizeBytes/],
+    ['a delta against a delta', { ...good, version: 2, ramDeltas: { [sha('a')]: { base: sha('c'), sizeBytes: 4108 }, [sha('c')]: { base: null, sizeBytes: 4108 } } }, /is itself stored as a delta/],
     ['another chunk size', { ...good, chunkBytes: 4096 }, /chunkBytes/],
     ['RAM not a multiple of 4 KiB', { ...good, ramBytes: 5 * MiB + 1 }, /ramBytes/],
     ['RAM larger than this host', { ...good, ramBytes: hostMemTotalBytes() * 4 }, /ramBytes/],
@@ -102,6 +112,17 @@ describe('the store manifest read back', () => {
     expect(e.message).toMatch(message);
   });
 
+  it('reads page deltas (version 2): a chunk to fetch carries its delta, and its base is what the next upload diffs against', () => {
+    const v2 = { ...good, version: 2, ramDeltas: { [sha('c')]: { base: sha('b'), sizeBytes: 8 + 4 + 4096 } } };
+    const m = parseStoreManifest(Buffer.from(JSON.stringify(v2)), 'x');
+    expect(m).toEqual(v2);
+    expect(Object.getPrototypeOf(m.ramDeltas)).toBeNull();
+    expect(ramChunkRef(m, 2)).toEqual({ sha256: sha('c'), sizeBytes: MiB, delta: { base: sha('b'), sizeBytes: 4108 } });
+    expect(ramChunkRef(m, 0)).toEqual({ sha256: sha('a'), sizeBytes: 2 * MiB });
+    expect(() => ramChunkRef(m, 1)).toThrow(RangeError);
+    expect(basesOf(m)).toEqual([sha('a'), null, sha('b')]);
+  });
+
   it('reads a touch order (optional, the format still version 1), and prefetches in it first, then in address order', () => {
     expect(parse({ ...good, touchOrder: [2] })).toEqual({ ...good, touchOrder: [2] });
     expect(prefetchOrder({ ramChunks: good.ramChunks })).toEqual([0, 2]);
@@ -116,12 +137,15 @@ describe('the store manifest read back', () => {
     expect(touchOrderOf(undefined, chunks)).toEqual([]);
   });
 
-  it("bounds the manifest by this host's RAM: a 64 GiB guest's fits in about 2.5 MiB", () => {
-    expect(storeManifestBytesLimit(64 * 1024 * MiB)).toBe(4096 + 80 * 32768);
+  it("bounds the manifest by this host's RAM: a 64 GiB guest's fits in about 8 MiB", () => {
+    expect(storeManifestBytesLimit(64 * 1024 * MiB)).toBe(4096 + 256 * 32768);
     // A manifest of a guest of this host's RAM, as written (67 bytes a chunk), fits its bound.
     const chunks = Math.ceil(hostMemTotalBytes() / (2 * MiB));
     // With a touch order naming every chunk, largest indices first (the longest numbers).
-    const written = JSON.stringify({ ...good, ramBytes: chunks * 2 * MiB, ramChunks: new Array(chunks).fill(sha('a')), touchOrder: Array.from({ length: chunks }, (_, i) => chunks - 1 - i) });
+    // And every chunk distinct and stored as a delta of the largest size, against another chunk.
+    const ramChunks = Array.from({ length: chunks }, (_, i) => sha(`chunk ${i}`));
+    const ramDeltas = Object.fromEntries(ramChunks.map((c, i) => [c, { base: sha(`base ${i}`), sizeBytes: 2 * MiB + 8 + 4 * 512 }]));
+    const written = JSON.stringify({ ...good, version: 2, ramBytes: chunks * 2 * MiB, ramChunks, ramDeltas, touchOrder: Array.from({ length: chunks }, (_, i) => chunks - 1 - i) });
     expect(written.length).toBeLessThan(storeManifestBytesLimit(hostMemTotalBytes()));
   });
 });

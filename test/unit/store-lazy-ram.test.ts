@@ -107,10 +107,11 @@ async function until<T>(what: () => T | undefined, timeoutMs = 30_000): Promise<
     expect(r.status).toBe(0);
   }, 60_000);
 
-  it('records the touch order in the manifest, chunks with data only', async () => {
+  it('records the touch order in the manifest, chunks with data only; chunk 6, one page, is a page delta against zeros that the fetcher puts together', async () => {
     const manifest = JSON.parse((await getObject(url.replace('s3://pvisor/', '') + '/snapshot.json')).toString('utf8'));
-    expect(manifest.version).toBe(1);
     expect(manifest.touchOrder).toEqual([6, 0]);
+    expect(manifest.version).toBe(2);
+    expect(manifest.ramDeltas).toEqual({ [manifest.ramChunks[6]]: { base: null, sizeBytes: 8 + 4 + 4096 } });
   });
 
   it('opens with the small files only; a fault brings its chunk, checked; the prefetch the rest; RAM identical', async () => {

@@ -67,11 +67,13 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
     const { transfer } = await snapshotToStore(url, { cacheDir: newCache(), onProgress: (p) => progress.push(p) }, async (dir) => writeSnapshot(dir, mem, state));
     first = transfer;
     expect(transfer).toMatchObject({ url, chunksTotal: 16, zeroChunks: 9 });
-    // 6 distinct RAM chunks (the twins once) and the two small files.
+    // 6 distinct RAM chunks (the twins once) and the two small files; chunk 6, one page of data,
+    // as a page delta against zeros (8 + 4 + 4096 bytes).
     expect(transfer.chunksTransferred + transfer.chunksPresent).toBe(8);
     expect(transfer.chunksTransferred).toBe(8);
-    expect(transfer.bytesTransferred).toBeGreaterThan(6 * 2 * MiB);
-    expect(transfer.bytesTransferred).toBeLessThan(6 * 2 * MiB + 64 * 1024);
+    expect(transfer.bytesTransferred).toBeGreaterThan(5 * 2 * MiB + 4108);
+    expect(transfer.bytesTransferred).toBeLessThan(5 * 2 * MiB + 64 * 1024);
+    expect(JSON.parse((await fetchObject(`test-${run}/template/snapshot.json`)).toString())).toMatchObject({ version: 2, ramDeltas: { [sha256Hex(mem.hostView(12 * MiB, 2 * MiB))]: { base: null, sizeBytes: 4108 } } });
     expect(progress.at(-1)).toMatchObject({ direction: 'upload', chunksDone: 16, chunksTotal: 16 });
 
     const cacheDir = newCache();
@@ -160,6 +162,69 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
     } finally {
       client.destroy();
       before.copy(view, MiB);
+    }
+  });
+
+  it('a child that changed one page in each of four chunks sends four page deltas against its template; a new host restores it; a delta corrupted in the store is corrupt', async () => {
+    const hostA = newCache();
+    const template = await snapshotToStore(`s3://pvisor/test-${run}/delta-template`, { cacheDir: hostA }, async (dir) => writeSnapshot(dir, mem, state));
+    const view = mem.hostView(0, RAM_BYTES);
+    const saved = Buffer.from(view.subarray(0, 8 * MiB));
+    for (let k = 0; k < 4; k++) randomBytes(4096).copy(view, k * 2 * MiB + 3 * 4096);
+    const client = new S3Client({});
+    const puts: { key: string; bytes: number }[] = [];
+    client.middlewareStack.add((next) => async (args) => {
+      const input = args.input as { Key?: string; Body?: Buffer };
+      if (input.Body !== undefined) puts.push({ key: input.Key!, bytes: input.Body.length });
+      return next(args);
+    }, { step: 'initialize', name: 'countPuts' });
+    const url = `s3://pvisor/test-${run}/delta-child`;
+    try {
+      // The bases are the template's chunks, whose page hashes host A's cache kept as it sent them.
+      const child = await snapshotToStore(url, { client, cacheDir: hostA }, async (dir) => writeSnapshot(dir, mem, state), undefined, template.bases);
+      const deltaPuts = puts.filter((p) => p.key.startsWith('pvisor-chunks/delta/'));
+      expect(deltaPuts).toHaveLength(4);
+      for (const p of deltaPuts) expect(p.bytes).toBe(8 + 4 + 4096);
+      expect(puts.filter((p) => p.bytes >= 2 * MiB)).toEqual([]);
+      expect(child.transfer.bytesTransferred).toBeLessThan(4 * 4108 + 64 * 1024);
+      const manifest = JSON.parse((await fetchObject(`test-${run}/delta-child/snapshot.json`)).toString()) as { version: number; ramChunks: (string | null)[]; ramDeltas: Record<string, { base: string | null }> };
+      expect(manifest.version).toBe(2);
+      for (let k = 0; k < 4; k++) expect(manifest.ramDeltas[manifest.ramChunks[k]!].base).toBe(template.bases[k]);
+      // The next child's bases stay the template's chunks: a delta is never against a delta.
+      expect(child.bases.slice(0, 4)).toEqual(template.bases.slice(0, 4));
+      process.stdout.write(`store upload: a child that changed 4 pages in 4 chunks sent ${child.transfer.bytesTransferred} bytes in ${child.transfer.chunksTransferred} objects\n`);
+
+      // Host B, a fresh cache: fetches each template chunk and its delta, RAM identical.
+      const hostB = newCache();
+      const fetched = await fetchFromStore(url, { cacheDir: hostB });
+      try {
+        const reader = SnapshotReader.open(fetched.dir);
+        const back = GuestMemory.map(RAM_BYTES);
+        try {
+          reader.readRam(back);
+          expect(back.hostView(0, RAM_BYTES).equals(view)).toBe(true);
+        } finally {
+          reader.close();
+          back.unmap();
+        }
+      } finally {
+        fetched.remove();
+      }
+
+      // One page of one delta changed in the store: refused before anything is restored.
+      const key = deltaPuts[0].key;
+      const damaged = await fetchObject(key);
+      damaged[damaged.length - 100] ^= 1;
+      await client.send(new PutObjectCommand({ Bucket: 'pvisor', Key: key, Body: damaged }));
+      const hostC = newCache();
+      const e = await fetchFromStore(url, { cacheDir: hostC }).catch((x: unknown) => x);
+      expect(e).toBeInstanceOf(StoreError);
+      expect((e as StoreError).reason).toBe('corrupt');
+      expect((e as StoreError).message).toContain(key);
+      expect(workLeft(hostC)).toEqual([]);
+    } finally {
+      client.destroy();
+      saved.copy(view, 0);
     }
   });
 
