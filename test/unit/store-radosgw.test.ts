@@ -138,14 +138,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
     const view = mem.hostView(0, RAM_BYTES);
     const before = Buffer.from(view.subarray(MiB, 4 * MiB));
     randomBytes(3 * MiB).copy(view, MiB);
-    // Every PutObject's body, as the client sends it.
-    const client = new S3Client({});
-    const puts: { key: string; bytes: number }[] = [];
-    client.middlewareStack.add((next) => async (args) => {
-      const input = args.input as { Key?: string; Body?: Buffer };
-      if (input.Body !== undefined) puts.push({ key: input.Key!, bytes: input.Body.length });
-      return next(args);
-    }, { step: 'initialize', name: 'countPuts' });
+    const { client, puts } = countingPuts();
     try {
       const { transfer } = await snapshotToStore(url, { client, cacheDir: newCache() }, async (dir) => writeSnapshot(dir, mem, state));
       const chunkPuts = puts.filter((p) => p.key.startsWith('pvisor-chunks/'));
@@ -171,13 +164,7 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
     const view = mem.hostView(0, RAM_BYTES);
     const saved = Buffer.from(view.subarray(0, 8 * MiB));
     for (let k = 0; k < 4; k++) randomBytes(4096).copy(view, k * 2 * MiB + 3 * 4096);
-    const client = new S3Client({});
-    const puts: { key: string; bytes: number }[] = [];
-    client.middlewareStack.add((next) => async (args) => {
-      const input = args.input as { Key?: string; Body?: Buffer };
-      if (input.Body !== undefined) puts.push({ key: input.Key!, bytes: input.Body.length });
-      return next(args);
-    }, { step: 'initialize', name: 'countPuts' });
+    const { client, puts } = countingPuts();
     const url = `s3://pvisor/test-${run}/delta-child`;
     try {
       // The bases are the template's chunks, whose page hashes host A's cache kept as it sent them.
@@ -366,6 +353,18 @@ const state: SnapshotState = { version: 1, guest: 'probe', memoryBytes: RAM_BYTE
     }
   });
 });
+
+/** An S3 client that records every PutObject's key and body size, as the client sends them. */
+function countingPuts(): { client: S3Client; puts: { key: string; bytes: number }[] } {
+  const client = new S3Client({});
+  const puts: { key: string; bytes: number }[] = [];
+  client.middlewareStack.add((next) => async (args) => {
+    const input = args.input as { Key?: string; Body?: Buffer };
+    if (input.Body !== undefined) puts.push({ key: input.Key!, bytes: input.Body.length });
+    return next(args);
+  }, { step: 'initialize', name: 'countPuts' });
+  return { client, puts };
+}
 
 async function fetchObject(key: string): Promise<Buffer> {
   const { GetObjectCommand } = await import('@aws-sdk/client-s3');
