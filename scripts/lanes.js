@@ -8,22 +8,29 @@ const { spawn } = require('node:child_process');
 const { createWriteStream } = require('node:fs');
 
 /**
- * Runs `jobs` ({name, cmd, args, env?, minutes?, log?}) at most `lanes` at a time, the largest
- * `minutes` first. Each output line goes to stdout as `[name] line` (and whole to `log` if given).
- * A job's `then(status)` may return more jobs (a retry), queued at once.
- * Resolves with Map name -> exit status once every job has ended.
+ * Runs `jobs` ({name, cmd, args, env?, minutes?, log?, exclusive?}) at most `lanes` at a time, the
+ * largest `minutes` first; an `exclusive` job runs with no other beside it. Each output line goes
+ * to stdout as `[name] line` (and whole to `log` if given). A job's `then(status)` may return
+ * more jobs (a retry), queued at once. Resolves with Map name -> exit status once every job has
+ * ended.
  */
 function runInLanes(jobs, { lanes = 2, cwd } = {}) {
   const queue = [...jobs].sort((a, b) => (b.minutes ?? 1) - (a.minutes ?? 1));
   const results = new Map();
   let running = 0;
+  let alone = false;
   return new Promise((resolve) => {
     const next = () => {
-      while (running < lanes && queue.length) start(queue.shift());
+      while (running < lanes && queue.length && !alone) {
+        // An exclusive job waits for the lanes to empty, and the jobs after it wait for it.
+        if (queue[0].exclusive && running > 0) break;
+        start(queue.shift());
+      }
       if (!running && !queue.length) resolve(results);
     };
     const start = (job) => {
       running++;
+      alone = Boolean(job.exclusive);
       const began = Date.now();
       console.log(`\n== [${job.name}] start: ${[job.cmd, ...job.args].join(' ')}`);
       const child = spawn(job.cmd, job.args, { cwd, env: { ...process.env, ...job.env }, stdio: ['ignore', 'pipe', 'pipe'] });
@@ -49,6 +56,7 @@ function runInLanes(jobs, { lanes = 2, cwd } = {}) {
         console.log(`== [${job.name}] exit ${status} after ${secs} s`);
         results.set(job.name, status);
         running--;
+        if (job.exclusive) alone = false;
         for (const more of job.then?.(status) ?? []) queue.unshift(more);
         next();
       };

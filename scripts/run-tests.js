@@ -50,6 +50,9 @@ if (process.getuid?.() === 0 && run('bash', [join(root, 'scripts', 'agent-rootfs
 // workload's and the memory study's; so do the floods, which otherwise shared a jest process with
 // the files before them: after them, the console flood's command once never reported its start
 // (2026-12-02, 1200 s; alone it passed in 31 s, and so did the same steps in a script).
+// The memory study's L1 runs with nothing beside it: its first case runs three 2-vCPU Linux
+// guests at once in the L1's one emulated CPU, and with another L1 on the host's other core its
+// L1 went silent for 240 s, twice in a row (2026-12-03), where alone it had passed in CI.
 // Under the harness, the emulated L1 now and then wedges for good (it stops dead, every process in
 // it with it: a fault of QEMU's emulated SVM, seen with any test file). The reporter's heartbeat
 // keeps a slow test from looking silent, so the watchdog can be short; when it fires (exit 124),
@@ -66,6 +69,7 @@ const MINUTES = {
 const DEFAULT_MINUTES = 2;
 const BUCKET_MINUTES = 12;
 const OWN_L1 = /^linux-(agent-|memory|flood)/;
+const ALONE = /^linux-memory/;
 const minutesOf = (file) => MINUTES[basename(file, '.test.js')] ?? DEFAULT_MINUTES;
 
 const kvmFiles = readdirSync(join(root, 'dist', 'test', 'kvm')).filter((f) => f.endsWith('.test.js')).sort().map((f) => join(root, 'dist', 'test', 'kvm', f));
@@ -78,7 +82,7 @@ for (const file of nested) {
   if (fit) {
     fit.files.push(file);
     fit.minutes += minutesOf(file);
-  } else buckets.push({ own, files: [file], minutes: minutesOf(file) });
+  } else buckets.push({ own, alone: ALONE.test(basename(file)), files: [file], minutes: minutesOf(file) });
 }
 
 const jobs = [{ name: 'unit', cmd: 'npx', args: jest(['dist/test/unit'], 'unit.json'), minutes: 9 }];
@@ -87,10 +91,10 @@ if (here.length) {
   jobs.push({ name: `kvm-here (${kvmFlavour()})`, cmd, args, minutes: here.reduce((m, f) => m + minutesOf(f), 0) / 10, env: { PVISOR_TEST_PROGRESS_FILE: join(resultsDir, 'kvm-progress-here.jsonl') } });
 }
 const why = kvmFlavour() === 'pvm' ? "this host's kvm_pvm cannot run the Linux guest" : 'no usable /dev/kvm here';
-for (const [n, bucket] of buckets.entries()) jobs.push(nestedJob(`L1-${n + 1}`, bucket.files, bucket.minutes, 1));
+for (const [n, bucket] of buckets.entries()) jobs.push(nestedJob(`L1-${n + 1}`, bucket.files, bucket.minutes, 1, bucket.alone));
 
 /** One bucket's jest run in a fresh L1; on the watchdog's exit 124, its unfinished files once more. */
-function nestedJob(name, files, minutes, attempt) {
+function nestedJob(name, files, minutes, attempt, alone = false) {
   const progress = join(resultsDir, `kvm-progress-${name}-${attempt}.jsonl`);
   const [cmd, args] = onKvm(['npx', ...jest(files, `kvm-${name}-${attempt}.json`)], { linux: true });
   console.log(`${name}${attempt > 1 ? ` (attempt ${attempt})` : ''}: ${files.length} file(s) in nested KVM under QEMU (${why}), about ${Math.round(minutes)} min: ${files.map((f) => basename(f, '.test.js')).join(', ')}`);
@@ -99,6 +103,7 @@ function nestedJob(name, files, minutes, attempt) {
     cmd,
     args,
     minutes,
+    exclusive: alone,
     // 3000 s: CI once saw an L1 take 917 s to boot; the silence watchdog still catches a wedged one early.
     env: { PVISOR_NESTED_SILENCE_S: process.env.PVISOR_NESTED_SILENCE_S || '240', PVISOR_NESTED_TIMEOUT_S: process.env.PVISOR_NESTED_TIMEOUT_S || '3000', PVISOR_TEST_PROGRESS_FILE: progress },
     then(status) {
@@ -107,7 +112,7 @@ function nestedJob(name, files, minutes, attempt) {
       const remaining = files.filter((f) => !finished.has(f));
       if (!remaining.length) return [];
       console.log(`\n${name}: the nested harness went silent (a wedged L1); ${remaining.length} file(s) had not finished`);
-      return [nestedJob(name, remaining, remaining.reduce((m, f) => m + minutesOf(f), 0), attempt + 1)];
+      return [nestedJob(name, remaining, remaining.reduce((m, f) => m + minutesOf(f), 0), attempt + 1, alone)];
     },
   };
 }
