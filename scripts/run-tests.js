@@ -58,13 +58,14 @@ if (process.getuid?.() === 0 && run('bash', [join(root, 'scripts', 'agent-rootfs
 // keeps a slow test from looking silent, so the watchdog can be short; when it fires (exit 124),
 // the bucket's files that had not finished run once more in a fresh L1. A test that fails is never
 // rerun.
-// Minutes per file in the harness, first guesses from earlier runs (2026-12-03); a file not listed
+// Minutes per file in the harness, from one `npm test` with two lanes on a host that ran two more
+// L1s meanwhile (2026-12-03; the memory study's from CI, where it ran alone); a file not listed
 // counts DEFAULT_MINUTES. They only order and pack the work: nothing is timed by them.
 const MINUTES = {
-  'linux-agent-workload': 15, 'linux-memory': 16, 'linux-flood': 4, 'linux-store-clones': 6,
-  'store-snapshot': 5, 'store-hibernate': 5, 'store-clones': 4, 'linux-network': 4, 'linux-jail': 4,
-  'linux-snapshot': 3, 'linux-vm-api': 3, 'linux-files': 3, 'linux-streams': 3, 'linux-rootfs': 3,
-  'linux-guest': 3, 'linux-commands': 3, 'linux-hibernate': 3, soak: 3,
+  'linux-memory': 16, 'linux-agent-workload': 10, 'linux-jail': 9, 'cli-control': 7, 'store-snapshot': 7,
+  'linux-store-clones': 6, 'store-hibernate': 5, 'store-clones': 4, 'linux-snapshot': 4, 'jail-handoffs': 4,
+  'linux-flood': 4, 'linux-network': 4, 'linux-vm-api': 3, 'linux-files': 3, 'linux-streams': 3, soak: 3,
+  'linux-guest': 1, 'linux-hibernate': 1, hibernate: 1, isolation: 0.5, 'host-access': 0.2, 'linux-commands': 0.2,
 };
 const DEFAULT_MINUTES = 2;
 const BUCKET_MINUTES = 12;
