@@ -368,8 +368,8 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * ({@link RestoreInfo.storeRamLoad} `lazy`; {@link storeTransfer} says how far). A chunk that
    * fails its check, or a store that does not answer within {@link StoreOptions.requestTimeoutMs},
    * then ends the VM with a {@link StoreError} before the guest reads a byte of it. Where guest
-   * RAM cannot load lazily (`verify`, a composition that cannot, a `store.client`, a hibernated
-   * VM) every chunk is fetched first (`fetched`), and such a failure is thrown with nothing run.
+   * RAM cannot load lazily (`verify`, a composition that cannot, a `store.client`) every chunk is
+   * fetched first (`fetched`), and such a failure is thrown with nothing run.
    * A malformed manifest is a {@link StoreError} either way.
    *
    * A VM hibernated there ({@link hibernate} of an `s3://` location) is continued at most once:
@@ -430,8 +430,8 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * (store/lazy-ram.ts: the VM runs once the small files are here, chunks come on first touch,
    * the rest is prefetched once it is ready); otherwise fetched whole into the chunk cache and
    * restored from there (`verify`, a SharedSnapshot clone, a composition that cannot load lazily,
-   * a client given as `store.client`, a hibernated VM, which is claimed first:
-   * store/hibernate-store.ts). `restoreInfo.storeRamLoad` says which.
+   * a client given as `store.client`: store/hibernate-store.ts). A hibernated VM is claimed
+   * first either way. `restoreInfo.storeRamLoad` says which.
    */
   private static async restoreFromStore(
     url: string,
@@ -455,25 +455,32 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
       return vm;
     };
     if (!lazyOk) return fetchWhole();
-    const lazy = await LazyStoreSnapshot.open(url, store);
+    // A hibernated VM is claimed before any of its RAM is fetched, then loads lazily as any snapshot.
+    const lazy = await LazyStoreSnapshot.open(url, store, { claimHibernated: true });
     if (lazy === 'hibernated') return fetchWhole();
     let vm: Vm;
     try {
       const { state } = lazy.reader;
-      const name = checked.givenName ?? `vm-${++vmCounter}`;
-      const sandbox = parseSandbox(options, undefined, { kind: state.guest, whose: 'the snapshot is of' });
+      // A hibernated VM keeps its own name and labels, as from a directory.
+      const name = checked.givenName ?? state.hibernated?.name ?? `vm-${++vmCounter}`;
+      const sandbox = parseSandbox(options, state.hibernated?.labels, { kind: state.guest, whose: 'the snapshot is of' });
       vm = await Vm.restoreFrom(lazy.reader, name, t0, { ...checked, strategies, sandbox, ramFile: lazy.ramFile });
     } catch (e) {
+      await lazy.claim?.release().catch(() => false);
       lazy.close();
       throw e;
     } finally {
       // The server and the fetcher hold the scratch RAM file open; nothing else of it is needed.
       lazy.removeDir();
     }
-    vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: lazy.transfer(), storeRamLoad: 'lazy' };
+    vm._restoreInfo = { ...vm._restoreInfo!, dir: url, readyMs: elapsedMs(t0), store: lazy.transfer(), storeRamLoad: 'lazy', hibernated: lazy.claim !== undefined };
     vm.storeFetcher = lazy;
     vm.storeBases = lazy.bases;
     lazy.startPrefetch();
+    if (lazy.claim) {
+      const warning = await lazy.claim.markResumed();
+      if (warning) vm.warnings.warn(warning);
+    }
     return vm;
   }
 

@@ -3,8 +3,8 @@
  * a noisy host (the nested harness included). A 256 MiB / 1 vCPU Linux VM writes a file and is
  * snapshotted to a local directory and to the store; each run then times, to the agent's answer
  * (`Vm.restore` resolves once the agent is ready), a local lazy restore (the RAM file's page cache
- * dropped), a restore from the store into an empty chunk cache, and one from the same, now warm,
- * cache. Every restored VM must read the file back.
+ * dropped), a lazy restore from the store into an empty chunk cache, and one from the same, now
+ * warm, cache. Every restored VM must read the file back.
  */
 import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
@@ -64,6 +64,7 @@ export async function benchFleetLinux(o: FleetBenchOptions): Promise<object> {
       const c = await toAgentReady(() => Vm.restore(url, { readyTimeoutMs: READY_TIMEOUT_MS, store: { cacheDir } }));
       cold.push(c.ms);
       bytesBeforeReady = c.vm.restoreInfo!.store!.bytesTransferred;
+      if (c.vm.restoreInfo!.storeRamLoad !== 'lazy') throw new Error(`the restore from the store was not lazy (${c.vm.restoreInfo!.storeRamLoad})`);
       await check(c.vm, 'store restore, cold cache');
       const w = await toAgentReady(() => Vm.restore(url, { readyTimeoutMs: READY_TIMEOUT_MS, store: { cacheDir } }));
       warm.push(w.ms);
@@ -72,7 +73,7 @@ export async function benchFleetLinux(o: FleetBenchOptions): Promise<object> {
       progress(`Linux run ${i + 1}/${o.runs}: local ${l.ms.toFixed(0)} ms, store cold ${c.ms.toFixed(0)} ms (${(bytesBeforeReady / 2 ** 20).toFixed(1)} MiB read), store warm ${w.ms.toFixed(0)} ms`);
     }
     const figures: FleetLinuxFigures = { runs: o.runs, memory: MEMORY, localMs: stats(local), storeColdMs: stats(cold), storeWarmMs: stats(warm), bytesBeforeReady };
-    process.stdout.write(`Fleet: Linux guest, ${MEMORY} / 1 vCPU, ${o.runs} runs (ms min / median / max; ready = Vm.restore resolved, the agent answered; local: lazy, the RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store fetches the whole snapshot before the VM runs)\n`);
+    process.stdout.write(`Fleet: Linux guest, ${MEMORY} / 1 vCPU, ${o.runs} runs (ms min / median / max; ready = Vm.restore resolved, the agent answered; local: lazy, the RAM file's page cache dropped; store: ${store.origin === 'started' ? 'radosgw memstore on loopback, started by the bench' : store.endpoint}; a restore from the store is lazy: chunks on the guest's first touch, the rest prefetched once Vm.restore resolves; read before ready: what the guest touched until its agent answered)\n`);
     printTableBlock(fleetLinuxRows(figures));
     return { guest: 'linux', ...figures, storeOrigin: store.origin, storeStartMs: store.startMs, templateUpload: template, goals: fleetLinuxGoals(figures) };
   } finally {

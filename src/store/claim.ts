@@ -61,6 +61,20 @@ export interface HeldClaim {
 }
 
 /**
+ * Marks `claim` resumed (the VM at `url` runs): undefined once it is, else the warning to give,
+ * since another restore may then take the VM over and run it too.
+ */
+export async function markClaimResumed(claim: HeldClaim, url: StoreUrl): Promise<string | undefined> {
+  let why = 'it was taken over meanwhile';
+  try {
+    if (await claim.markResumed()) return undefined;
+  } catch (e) {
+    why = (e as Error).message;
+  }
+  return `${url.url}: the VM runs, but its claim ${claim.claimId} could not be marked resumed (${why}): another restore may take it over`;
+}
+
+/**
  * Claims the hibernated VM at `url` for this process. Another claim there is a
  * {@link StoreClaimedError}, unless it is `released` or its id is `takeOver` (the user's choice:
  * that claimant is known to be dead before the VM ran), in which case it is replaced by a

@@ -9,7 +9,7 @@ import { rmSync } from 'node:fs';
 import { StoreError } from '../errors';
 import type { HibernateInfo } from '../vm-types';
 import { ChunkCache } from './chunk-cache';
-import { takeClaim, readClaim, withdrawHibernation, type HeldClaim } from './claim';
+import { markClaimResumed, takeClaim, readClaim, withdrawHibernation, type HeldClaim } from './claim';
 import { fetchSnapshot } from './download';
 import { fetchSharedSnapshot } from './shared-ram';
 import { ObjectStore } from './object-io';
@@ -124,16 +124,7 @@ export async function restoreFromStore<T>(location: string, options: StoreOption
       fetched.remove();
     }
     const out: StoreRestore<T> = { restored, transfer: fetched.transfer, bases: fetched.bases, hibernated: claim !== undefined };
-    if (claim) {
-      let marked = false;
-      let why = 'it was taken over meanwhile';
-      try {
-        marked = await claim.markResumed();
-      } catch (e) {
-        why = (e as Error).message;
-      }
-      if (!marked) out.claimWarning = `${url.url}: the VM runs, but its claim ${claim.claimId} could not be marked resumed (${why}): another restore may take it over`;
-    }
+    if (claim) out.claimWarning = await markClaimResumed(claim, url);
     return out;
   } finally {
     store.close();

@@ -27,6 +27,7 @@ import type { SnapshotRamFile } from '../snapshot/ram-restore';
 import { hex32, RAM_CHUNK_BYTES, zeroChunkCrc32c } from '../snapshot/ram-file';
 import { readRamChecksums, SnapshotReader, type SnapshotState } from '../snapshot/snapshot-dir';
 import { ChunkCache } from './chunk-cache';
+import { markClaimResumed, takeClaim } from './claim';
 import { fetchCheckedChunk, readStoreManifest, type ChunkCounts } from './chunk-fetch';
 import { FetcherCounter, type FetcherChunk, type FetcherCommand, type FetcherData, type FetcherMessage } from './chunk-fetch-worker';
 import { chunkPlaces, isHibernatedState, writeNew } from './download';
@@ -123,6 +124,8 @@ export class LazyStoreSnapshot {
     private readonly t0: number,
     /** What each RAM chunk is restored from, for the page deltas of this VM's next upload (upload.ts). */
     readonly bases: ChunkBases,
+    /** A hibernated VM's claim in the store, held by this restore (see {@link open}). */
+    readonly claim?: StoreClaim,
   ) {
     this.counters = new BigInt64Array(countersBuffer);
     this.jobId = thread.register({
@@ -153,10 +156,12 @@ export class LazyStoreSnapshot {
    * empty (sparse) scratch RAM file, and opens it as a snapshot directory; starts the fetcher
    * thread meanwhile. Nothing of guest RAM is fetched yet. Each failure is a {@link StoreError}
    * or {@link SnapshotError}, with nothing left (no directory, no thread). A hibernated VM is
-   * `'hibernated'`, nothing fetched but its state: it resumes once, claimed first
-   * (./hibernate-store.ts), and is fetched whole.
+   * `'hibernated'`, nothing fetched but its state, unless `claimHibernated`: then it is claimed
+   * (./claim.ts) before any of its RAM is fetched, so that it resumes at most once (another
+   * claim is a {@link StoreClaimedError}), and {@link claim} is that claim, which the restore
+   * marks resumed once the VM runs, or releases if it fails before.
    */
-  static async open(location: string, options: StoreOptions | undefined): Promise<LazyStoreSnapshot | 'hibernated'> {
+  static async open(location: string, options: StoreOptions | undefined, { claimHibernated = false } = {}): Promise<LazyStoreSnapshot | 'hibernated'> {
     const t0 = performance.now();
     const url = parseStoreUrl(location);
     const o = resolveStoreOptions(options);
@@ -166,12 +171,22 @@ export class LazyStoreSnapshot {
     const thread = FetcherThread.forThisEnvironment();
     const store = ObjectStore.open(url, o);
     let opened: SmallFiles | undefined;
+    // A claim keeps the store open until it is marked resumed or released.
+    let claim: StoreClaim | undefined;
     try {
       const counts: ChunkCounts = { chunksTransferred: 0, chunksPresent: 0, bytesTransferred: 0 };
       opened = await openSmallFiles(url, store, cache, counts);
       if (opened.hibernated) {
-        opened.discard();
-        return 'hibernated';
+        if (!claimHibernated) {
+          opened.discard();
+          return 'hibernated';
+        }
+        const held = await takeClaim(store, url, { takeOver: o.takeOverClaim });
+        claim = {
+          claimId: held.claimId,
+          markResumed: () => markClaimResumed(held, url).finally(() => store.close()),
+          release: () => held.release().finally(() => store.close()),
+        };
       }
       const { manifest, reader, scratchFd } = opened;
       const { ramBytes, chunkCrc32c } = readRamChecksums(reader.dir);
@@ -194,12 +209,13 @@ export class LazyStoreSnapshot {
       const order = prefetchOrder(manifest).map((i) => rangeOfChunk.get(i)!);
       const base: StoreTransfer = { url: url.url, chunksTotal: manifest.ramChunks.length, zeroChunks: manifest.ramChunks.length - ranges.length, chunksTransferred: counts.chunksTransferred, chunksPresent: counts.chunksPresent, bytesTransferred: counts.bytesTransferred, ms: 0 };
       const jobOptions = { requestTimeoutMs: o.requestTimeoutMs, cacheDir: o.cacheDir, cacheMaxBytes: o.cacheMaxBytes };
-      return new LazyStoreSnapshot(url, reader, thread, jobOptions, counters, scratchFd, ranges, chunks, order, o.concurrency, base, t0, basesOf(manifest));
+      return new LazyStoreSnapshot(url, reader, thread, jobOptions, counters, scratchFd, ranges, chunks, order, o.concurrency, base, t0, basesOf(manifest), claim);
     } catch (e) {
       opened?.discard();
+      await claim?.release().catch(() => false);
       throw e;
     } finally {
-      store.close();
+      if (!claim) store.close();
     }
   }
 
@@ -275,6 +291,15 @@ export class LazyStoreSnapshot {
     const m = `${message}; the VM ends (the guest never saw the chunk)`;
     return reason ? new StoreError(reason, m) : new SnapshotError(`${this.url.url}: a chunk could not be kept on this host: ${m}`);
   }
+}
+
+/** A hibernated VM's claim, held by a lazy restore of it; each call ends the claim's use of the store. */
+export interface StoreClaim {
+  readonly claimId: string;
+  /** Undefined once marked, else the warning to give (./claim.ts, markClaimResumed). */
+  markResumed(): Promise<string | undefined>;
+  /** Gives the VM back: the restore failed before it ran. */
+  release(): Promise<boolean>;
 }
 
 /** What {@link openSmallFiles} made: a snapshot directory whose RAM file is empty. */
