@@ -8,12 +8,12 @@
  * guest, until the VM is stopped. `pvisor stop ID` of a hibernated VM discards it.
  */
 import { spawn } from 'node:child_process';
-import { closeSync, constants, fstatSync, openSync, writeSync } from 'node:fs';
+import { chmodSync, closeSync, constants, cpSync, fstatSync, openSync, readdirSync, renameSync, rmSync, writeSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { ControlServer, ensureRuntimeDir, errorPayload } from '../control-socket';
-import { InvalidOptionError, PvisorError, SnapshotError, StoreClaimedError, TimeoutError } from '../errors';
+import { InvalidOptionError, PvisorError, SnapshotError, StoreClaimedError, TimeoutError, VmStateError } from '../errors';
 import type { Vm } from '../vm';
-import { checkHibernatedDir, discardHibernated, logPathFor, readHibernationRecord, recordPathFor, type HibernationRecord } from '../snapshot/hibernation-record';
+import { checkHibernatedDir, discardHibernated, hibernationDirFor, logPathFor, readHibernationRecord, recordPathFor, type HibernationRecord } from '../snapshot/hibernation-record';
 import { PVISOR_NODE_FLAGS, pvisorNodeEnv } from '../node-flags';
 import { parseProbeScript, ScriptCursor } from './probe-script';
 import { checkCarriedFlags, parseRunArgs } from './run-args';
@@ -95,6 +95,7 @@ async function runFromStore(id: string, socketPath: string, store: StoreResume, 
   const { getRunRecord } = await import('../store/run-record');
   const record = await getRunRecord(store.url, id);
   const plan = planOf(record, `${store.url}/pvisor-run.json`, (vm) => report.ready(vm, logPathFor(socketPath)));
+  if (plan.args.isolation === 'process' && !jailedEntry()) return runJailedFromStore(id, socketPath, store, record, plan, report);
   const carry = { flags: record.flags, backingDir: plan.args.backingDir, command: record.command ?? [], script: plan.cursor };
   let control: RunControl;
   try {
@@ -109,6 +110,66 @@ async function runFromStore(id: string, socketPath: string, store: StoreResume, 
   } catch (e) {
     if (e instanceof StoreClaimedError) throw new RefusedError(e.message);
     throw e;
+  }
+}
+
+/**
+ * {@link runFromStore} of a VM hibernated out of a jail: it comes back in a new one. This process
+ * has the store's credentials and network (the jail has neither), so it claims the VM and fetches
+ * it whole, as a jailed `pvisor run --from s3://...` does, into the run's backing directory, where
+ * the new jail takes it in and its restore consumes it, as a local jailed resume does. The claim is
+ * marked resumed once the jailed VM answers, and given back if it never does.
+ */
+async function runJailedFromStore(id: string, socketPath: string, store: StoreResume, record: HibernationRecord, plan: ReturnType<typeof planOf>, report: ReturnType<typeof readyReporter>): Promise<number> {
+  const { restoreFromStore } = await import('../store/hibernate-store');
+  const { runJailed } = await import('./run-jailed');
+  let run: Promise<number> | undefined;
+  try {
+    await restoreFromStore(store.url, store.takeOver ? { takeOverClaim: store.takeOver } : undefined, async (fetched) => {
+      const dir = hibernationDirFor(plan.args.backingDir, id);
+      // The run continues from the local copy, as a local jailed resume does from its directory.
+      const args = { ...plan.args, name: id, socketPath, source: { ...plan.args.source, dir } };
+      moveDir(fetched, dir);
+      // As Vm.hibernate leaves a hibernation: the VM's only copy, private.
+      for (const name of readdirSync(dir)) chmodSync(join(dir, name), 0o400);
+      chmodSync(dir, 0o700);
+      try {
+        await new Promise<void>((ready, failed) => {
+          run = runJailed(args, plan.argv, record, {
+            record: { ...record, dir },
+            ready: (r) => {
+              report.readyJailed(r, logPathFor(socketPath));
+              ready();
+            },
+          });
+          run.then(() => failed(new VmStateError(`${id} ended before its jailed restore was ready; its output is in ${logPathFor(socketPath)}`)), failed);
+        });
+      } catch (e) {
+        // Not restored: the store's copy stands (its claim is given back), and this one goes.
+        rmSync(dir, { recursive: true, force: true });
+        throw e;
+      }
+    });
+  } catch (e) {
+    if (e instanceof StoreClaimedError) throw new RefusedError(e.message);
+    throw e;
+  }
+  return run!;
+}
+
+/** Moves directory `from` to `to`, across filesystems too (the chunk cache and the backing directory may be on two). */
+function moveDir(from: string, to: string): void {
+  try {
+    renameSync(from, to);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== 'EXDEV') throw e;
+    try {
+      cpSync(from, to, { recursive: true, errorOnExist: true, force: false });
+    } catch (copy) {
+      rmSync(to, { recursive: true, force: true });
+      throw copy;
+    }
+    rmSync(from, { recursive: true, force: true });
   }
 }
 

@@ -19,7 +19,10 @@
  * directory and taken out by this process once the VMM has ended (../jail/hibernation-handoff.ts),
  * with a record beside this process's socket that carries `--isolation=process`: `pvisor resume`
  * continues it in a new jail ({@link runJailed} with `resume`), moving it into that jail's backing
- * directory, where the jailed restore consumes it.
+ * directory, where the jailed restore consumes it. A hibernation to an object store (`--store`)
+ * goes the same way out of the jail, then this process sends it (the jail has neither the store's
+ * network nor its credentials) and removes its copy; if the sending fails the VM stays hibernated
+ * here, and the answer says so.
  */
 import { randomBytes } from 'node:crypto';
 import { closeSync, constants as fsConstants, existsSync, openSync, rmSync, statSync } from 'node:fs';
@@ -27,7 +30,7 @@ import { basename, join, resolve } from 'node:path';
 import { constants as osConstants } from 'node:os';
 import { connect } from 'node:net';
 import { CONTROL_PROTOCOL_VERSION, controlRequest, ControlServer, ensureRuntimeDir, errorPayload, idOfSocket, runtimeDir, socketPathFor, type ControlHandler, type ControlResponse, type ControlStreamHandler } from '../control-socket';
-import { InvalidOptionError, JailUnavailableError, SnapshotError, VmStateError, type JailViolationError, type VmLimitError } from '../errors';
+import { InvalidOptionError, JailUnavailableError, SnapshotError, StoreError, VmStateError, type JailViolationError, type VmLimitError } from '../errors';
 import { checkKvmHost } from '../backends/kvm/host-check';
 import { checkJailHost, jailBackingDir, JailedVmm, MAX_RELAYED_ANSWER_BYTES, type JailPlan } from '../jail/launcher';
 import { JAIL_ENV } from '../jail/jailed-entry';
@@ -36,6 +39,7 @@ import { takeHibernation } from '../jail/hibernation-handoff';
 import { checkHibernatedDir, logPathFor, readHibernationRecord, recordPathFor, writeHibernationRecord, type HibernationRecord } from '../snapshot/hibernation-record';
 import { connectUnixSocket } from '../sys/unix-socket';
 import { isStoreUrl } from '../store/store-url';
+import type { StoreTransfer } from '../store/store-options';
 import { closeFd } from '../sys/libc';
 import { untilJailedReady } from '../jail/jailed-vm';
 import { handOffSnapshot } from '../jail/snapshot-handoff';
@@ -54,7 +58,8 @@ import { EXIT_HIBERNATED, RefusedError } from './usage';
  */
 export interface JailedResume {
   record: HibernationRecord;
-  recordPath: string;
+  /** The record beside the socket; none for a VM fetched from a store (its claim there is its lock). */
+  recordPath?: string;
   ready(report: { readyMs: number; ramLoad: string; processPssBytes: number; guestRamResidentBytes: number }): void;
 }
 
@@ -75,20 +80,27 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
   if (explicit === undefined) ensureRuntimeDir(runtimeDir());
   let vmm: JailedVmm | undefined;
   /** Once the VM has hibernated: where it went, and a promise that resolves when the answer has left. */
-  let hibernated: { sent: Promise<void>; dir: string; bytesOnDisk: number } | undefined;
+  let hibernated: { sent: Promise<void>; dir: string; bytesOnDisk: number; stored?: StoreTransfer | true } | undefined;
+  /** While a hibernation is asked of the jailed VMM: settles once {@link hibernated} is said, or will not be. */
+  let hibernating: Promise<void> | undefined;
   const relay: ControlHandler = async (request) => {
     if (!vmm) return { response: { ok: false, error: errorPayload(new VmStateError(`${id} is starting`)) } };
     const jailed = vmm;
     const ask = (r: typeof request) => controlRequest(jailed.innerSocketPath, id, r, MAX_TIMEOUT_MS, MAX_RELAYED_ANSWER_BYTES);
     let r: ControlResponse;
     try {
-      if (request.op === 'hibernate' && request.store !== undefined) {
-        // The jail has neither the store's network nor its credentials; sending the hibernation
-        // from this process once it is out of the jail is not done yet.
-        throw new InvalidOptionError('--store', `hibernating a jailed VM to an object store is not done yet (the jail cannot reach the store): hibernate it locally, or run it with --isolation none`);
-      }
       if (request.op === 'hibernate') {
-        const asked = ask(request);
+        // To a store: the jail has neither the store's network nor its credentials, so the jailed
+        // VMM hibernates into its backing directory as always and this process sends what it
+        // takes out. The prefix is checked first, before the VM is paused, as in-process.
+        const toStore = request.store?.replace(/\/$/, '');
+        const storeLib = toStore !== undefined ? await import('../store/hibernate-store') : undefined;
+        if (toStore !== undefined) await storeLib!.checkHibernationPrefix(toStore, undefined);
+        let settled!: () => void;
+        hibernating = new Promise<void>((s) => (settled = s));
+        const asked = ask({ ...request, store: undefined });
+        // Settled once `hibernated` is said or will not be: the run's end waits for it (the VMM may end first).
+        void asked.then((a) => (a.ok && a.hibernation ? taken : undefined), () => undefined).finally(() => setImmediate(settled));
         // The VMM ends once it has answered; what it left in its backing directory is taken before the jail comes down.
         const taken = new Promise<{ dir: string; record: HibernationRecord } | { error: unknown }>((done) =>
           jailed.beforeTeardown(async () => {
@@ -102,13 +114,41 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
         else {
           const got = await taken;
           if ('error' in got) throw got.error;
-          const recordPath = recordPathFor(path);
-          writeHibernationRecord(recordPath, { ...got.record, dir: got.dir, flags: jailedFlags(args.carriedFlags) });
+          const record: HibernationRecord = { ...got.record, dir: got.dir, flags: jailedFlags(args.carriedFlags) };
           let sent!: () => void;
-          hibernated = { sent: new Promise<void>((s) => (sent = s)), dir: got.dir, bytesOnDisk: answer.hibernation.bytesOnDisk };
+          // Said at once: the VMM has ended, and this process must not exit before the answer has left (below).
+          const h: NonNullable<typeof hibernated> = { sent: new Promise<void>((s) => (sent = s)), dir: got.dir, bytesOnDisk: answer.hibernation.bytesOnDisk };
+          hibernated = h;
           const { v: _v, ...rest } = answer as ControlResponse & { v?: unknown };
-          const hibernation = { ...answer.hibernation, dir: got.dir, record: recordPath, log: logPathFor(path) };
-          return { response: { ...rest, ...(rest.vm && { vm: { ...rest.vm, pid: process.pid } }), hibernation } as ControlResponse, afterSent: () => sent() };
+          const vm = rest.vm && { ...rest.vm, pid: process.pid };
+          const log = logPathFor(path);
+          try {
+            if (toStore !== undefined) {
+              const { putRunRecord, RUN_RECORD_NAME } = await import('../store/run-record');
+              let failure: StoreError | undefined;
+              try {
+                const { transfer } = await storeLib!.sendHibernation(got.dir, toStore, undefined, () => putRunRecord({ ...record, dir: toStore }));
+                // Sent: nothing of the VM stays on this host.
+                rmSync(got.dir, { recursive: true, force: true });
+                h.dir = toStore;
+                h.stored = transfer ?? true;
+                const hibernation = { ...answer.hibernation, dir: toStore, record: `${toStore}/${RUN_RECORD_NAME}`, log, ...(transfer && { store: transfer }) };
+                return { response: { ...rest, ...(vm && { vm }), hibernation } as ControlResponse, afterSent: sent };
+              } catch (e) {
+                failure = new StoreError(e instanceof StoreError ? e.reason : 'unreachable', `${(e as Error).message}; ${id} is hibernated on this host instead, in ${got.dir}: pvisor resume ${id} continues it here`, { cause: e });
+              }
+              // The VM has ended, and its one copy is here: it stays hibernated on this host, and the answer says where.
+              writeHibernationRecord(recordPathFor(path), record);
+              return { response: { ok: false, error: errorPayload(failure), ...(vm && { vm }) }, afterSent: sent };
+            }
+            const recordPath = recordPathFor(path);
+            writeHibernationRecord(recordPath, record);
+            const hibernation = { ...answer.hibernation, dir: got.dir, record: recordPath, log };
+            return { response: { ...rest, ...(vm && { vm }), hibernation } as ControlResponse, afterSent: sent };
+          } catch (e) {
+            sent();
+            throw e;
+          }
         }
       } else if (request.op === 'snapshot') {
         // The jailed VMM writes where it can (its backing directory); this process copies it out.
@@ -166,10 +206,10 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
   });
   // Holding the socket, the id is this process's to check, as an unjailed run checks it (./run-control.ts).
   try {
-    if (!resume && existsSync(recordPathFor(path))) {
+    if (!resume?.recordPath && existsSync(recordPathFor(path))) {
       throw new RefusedError(new InvalidOptionError('name', `${id} is hibernated (${recordPathFor(path)}): pvisor resume ${id} continues it, pvisor stop ${id} discards it; or choose another --name`).message);
     }
-    if (resume) {
+    if (resume?.recordPath) {
       const record = readHibernationRecord(resume.recordPath, id);
       if (!record || record.dir !== resume.record.dir) throw new RefusedError(`${id} is not hibernated any more (resumed or discarded meanwhile)`);
       if (checkHibernatedDir(record.dir) === 'missing') throw new SnapshotError(`${id}'s hibernated state ${record.dir} is gone; pvisor stop ${id} removes its record`);
@@ -211,10 +251,18 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
     if (args.publish.length) void publish(vmm, id, args, forwards, ended);
     if (resume) void resumeReady(vmm, id, resume, t0, ended);
     const outcome = await ended;
+    if ('exitCode' in outcome && outcome.exitCode === EXIT_HIBERNATED) await hibernating;
     if ('exitCode' in outcome && outcome.exitCode === EXIT_HIBERNATED && hibernated) {
       await hibernated.sent;
       // As an unjailed run says it (./run-command.ts): the VM is out of its jail, and comes back in a new one.
-      process.stderr.write(
+      const stored = hibernated.stored;
+      if (stored)
+        process.stderr.write(
+          `pvisor: ${id} hibernated to ${hibernated.dir}${stored === true ? '' : ` (${formatMiB(stored.bytesTransferred)} sent)`}, out of its jail; this process ends (exit ${EXIT_HIBERNATED}). ` +
+            `pvisor resume ${id} --store ${hibernated.dir} continues it in a new jail, here or on another host\n`,
+        );
+      else
+        process.stderr.write(
         `pvisor: ${id} hibernated into ${hibernated.dir} (${formatMiB(hibernated.bytesOnDisk)} on disk), out of its jail, to come back in a new one; this process ends (exit ${EXIT_HIBERNATED}). ` +
           `pvisor resume ${id} continues it in a new process, whose output goes to ${logPathFor(path)}\n`,
       );
@@ -314,7 +362,7 @@ async function resumeReady(vmm: JailedVmm, id: string, resume: JailedResume, t0:
     const readyMs = Math.round((performance.now() - t0) * 10) / 10;
     const status = await controlRequest(vmm.innerSocketPath, id, { op: 'status' }, MAX_TIMEOUT_MS);
     if (!status.ok || !status.memory) throw new VmStateError(`${id} is ${status.vm?.state ?? 'not answering'}`);
-    rmSync(resume.recordPath, { force: true });
+    if (resume.recordPath) rmSync(resume.recordPath, { force: true });
     resume.ready({ readyMs, ramLoad: status.vm?.ramLoad ?? 'read', processPssBytes: status.memory.processPssBytes, guestRamResidentBytes: status.memory.guestRamResidentBytes });
   } catch (e) {
     process.stderr.write(`pvisor: ${id}: the resumed jailed VM did not answer: ${(e as Error).message}; stopping it\n`);

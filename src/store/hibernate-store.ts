@@ -25,6 +25,51 @@ async function refuseUsedPrefix(url: StoreUrl, store: ObjectStore): Promise<void
 }
 
 /**
+ * Checks `location` before a VM is paused for a hibernation there: a store URL, reachable, and a
+ * prefix that never held a snapshot or a hibernated VM.
+ */
+export async function checkHibernationPrefix(location: string, options: StoreOptions | undefined): Promise<void> {
+  const url = parseStoreUrl(location);
+  const store = ObjectStore.open(url, resolveStoreOptions(options));
+  try {
+    await refuseUsedPrefix(url, store);
+  } finally {
+    store.close();
+  }
+}
+
+/**
+ * Sends a hibernation already written whole in `dir` (a jailed VM's, taken out of its ended jail
+ * by its launcher, which has the store's credentials and network) to `location` as
+ * {@link hibernateToStore} does, then `afterSent` (the CLI's run record). If either fails, the
+ * hibernation is withdrawn from the store (so that nobody resumes it there) and the error thrown:
+ * `dir` stays the VM's one copy. Resolves with what was sent; also if a restore elsewhere claimed
+ * the VM in the moment of a failure, when it has moved (`transfer` then missing if the upload's
+ * own answer was what was lost).
+ */
+export async function sendHibernation(dir: string, location: string, options: StoreOptions | undefined, afterSent: (transfer: StoreTransfer) => Promise<void>): Promise<{ transfer?: StoreTransfer }> {
+  const url = parseStoreUrl(location);
+  const o = resolveStoreOptions(options);
+  const store = ObjectStore.open(url, o);
+  try {
+    await refuseUsedPrefix(url, store);
+    let transfer: StoreTransfer | undefined;
+    try {
+      ({ transfer } = await uploadSnapshotDir(dir, url, store, ChunkCache.open(o.cacheDir, o.cacheMaxBytes), o));
+      await afterSent(transfer);
+      return { transfer };
+    } catch (e) {
+      // As in hibernateToStore: an answer lost after the store took the manifest would leave the VM in two places.
+      // Taken: a restore elsewhere claimed it, so the store's copy is whole and the VM has moved.
+      if ((await withdrawHibernation(store, url)) === 'taken') return { transfer };
+      throw e;
+    }
+  } finally {
+    store.close();
+  }
+}
+
+/**
  * Hibernates with `hibernateLocal` into a work directory of the chunk cache and, while the VM is
  * still paused (in its `beforeStop`), sends it to `location`; then the VM ends. The URL and the
  * prefix are checked before `hibernateLocal` runs (before the VM is paused).

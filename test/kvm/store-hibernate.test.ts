@@ -8,7 +8,7 @@
 // under the nested harness the store runs inside the L1, as in store-snapshot.test.ts.
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { existsSync, readdirSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { StoreClaimedError, Vm } from '../../src';
 import { controlRequest } from '../../src/control-socket';
@@ -161,6 +161,62 @@ function restoreElsewhere(location: string, host: string): Restored {
       expect(s.status).toBe(0);
     } finally {
       if (run.child.exitCode === null && run.child.signalCode === null) run.child.kill('SIGKILL');
+      if (pid !== undefined) for (let i = 0; i < 100 && !gone(pid); i++) await new Promise((res) => setTimeout(res, 100));
+      if (pid !== undefined && !gone(pid)) process.kill(pid, 'SIGKILL');
+    }
+  }, 600_000);
+  it('jailed: pvisor suspend ID --hibernate --store sends what the launcher takes out of the jail (a used prefix refused first, the VM going on); pvisor resume ID --store on host B continues it in a new jail: digest equal; a resume on host C is refused', async () => {
+    const url = `s3://pvisor/kvm-test-${randomBytes(4).toString('hex')}/jailed`;
+    const host = (name: string): NodeJS.ProcessEnv => ({ ...process.env, PVISOR_RUNTIME_DIR: join(WORK, name, 'run'), PVISOR_CHUNK_CACHE: join(WORK, name, 'cache') });
+    const hostA = host('jail-a');
+    const start = (name: string) => startPvisor(hostA, ['run', '--isolation', 'process', '--vm-backing-dir', WORK, '--guest', 'probe', '--name', name, '--memory', '64MiB', '--vcpus', '1', '--', 'fill 16MiB random 31, digest, wait']);
+    const run = start('J1');
+    const other = start('J2');
+    let pid: number | undefined;
+    try {
+      await Promise.all([run.waitFor(/^digest: /m), other.waitFor(/^digest: /m)]);
+      expect(run.err()).toMatch(/^pvisor: J1 jailed /m);
+      const h = await pvisorOnce(hostA, ['suspend', 'J1', '--vm-offload', '--hibernate', '--store', url]);
+      expect(h.stderr).toBe('');
+      expect(h.status).toBe(0);
+      expect(h.stdout).toMatch(new RegExp(`^J1 hibernated to ${url.replace(/[/.]/g, '\\$&')} in [\\d.]+ ms: .*; [\\d.]+ [KM]iB sent in \\d+ objects .*pvisor resume J1 --store .* continues it, on this host or another$`, 'm'));
+      expect((await run.exited).code).toBe(148);
+      expect(run.err()).toMatch(new RegExp(`^pvisor: J1 hibernated to ${url.replace(/[/.]/g, '\\$&')} \\([\\d.]+ [KM]iB sent\\), out of its jail`, 'm'));
+      // Nothing of it stays on host A: no record, no hibernation, no work files.
+      expect(readdirSync(join(WORK, 'jail-a', 'run')).filter((f) => f.startsWith('J1'))).toEqual([]);
+      expect(readdirSync(WORK).filter((f) => f.startsWith('pvisor-hibernated-J1'))).toEqual([]);
+      expect(readdirSync(join(WORK, 'jail-a', 'cache', 'work'))).toEqual([]);
+      // The same prefix again is refused before the VM is paused: J2 runs on.
+      const again = await pvisorOnce(hostA, ['suspend', 'J2', '--vm-offload', '--hibernate', '--store', url]);
+      expect(again.status).not.toBe(0);
+      expect(again.stderr).toMatch(/a snapshot or hibernated VM is there already/);
+      const d2 = await controlRequest(join(WORK, 'jail-a', 'run', 'J2.sock'), 'J2', { op: 'exec', command: 'digest' }, 120_000);
+      expect(d2.ok && d2.vm.state).toBe('running');
+
+      const r = await pvisorOnce(host('jail-b'), ['resume', 'J1', '--store', url, '--json']);
+      expect(r.stderr).toBe('');
+      expect(r.status).toBe(0);
+      const report = JSON.parse(r.stdout) as { id: string; pid: number; store: string; log: string };
+      pid = report.pid;
+      expect(report).toMatchObject({ id: 'J1', store: url });
+      const socket = join(WORK, 'jail-b', 'run', 'J1.sock');
+      const d = await controlRequest(socket, 'J1', { op: 'exec', command: 'digest' }, 120_000);
+      if (!d.ok) throw new Error(d.error.message);
+      expect(/^digest: ([0-9a-f]{16})/m.exec(d.exec!.stdout)?.[1]).toBe(ws);
+      // In a new jail, its launcher the process that resumed it; the fetched copy consumed.
+      expect(d.vm.pid).toBe(pid);
+      expect(readFileSync(join(WORK, 'jail-b', 'run', 'J1.log'), 'utf8')).toMatch(/^pvisor: J1 jailed /m);
+      expect(readdirSync(WORK).filter((f) => f.startsWith('pvisor-hibernated-J1'))).toEqual([]);
+      expect(readdirSync(join(WORK, 'jail-b', 'cache', 'work'))).toEqual([]);
+
+      const c = await pvisorOnce(host('jail-c'), ['resume', 'J1', '--store', url]);
+      expect(c.status).toBe(1);
+      expect(c.stderr).toMatch(/^pvisor: resume J1 refused: .*the hibernated VM was (resumed|claimed) by .* pid \d+ at /m);
+
+      expect((await pvisorOnce(host('jail-b'), ['stop', 'J1'])).status).toBe(0);
+    } finally {
+      await pvisorOnce(hostA, ['stop', 'J2']);
+      for (const x of [run, other]) if (x.child.exitCode === null && x.child.signalCode === null) x.child.kill('SIGKILL');
       if (pid !== undefined) for (let i = 0; i < 100 && !gone(pid); i++) await new Promise((res) => setTimeout(res, 100));
       if (pid !== undefined && !gone(pid)) process.kill(pid, 'SIGKILL');
     }
