@@ -17,7 +17,7 @@ import { StoreClaimedError, StoreError } from '../../src';
 import { GuestMemory } from '../../src/backends/kvm/guest-memory';
 import { SnapshotReader, writeSnapshot, type SnapshotState } from '../../src/snapshot/snapshot-dir';
 import { claimKey, readClaim, takeClaim, withdrawHibernation, type HeldClaim } from '../../src/store/claim';
-import { hibernateToStore, restoreFromStore } from '../../src/store/hibernate-store';
+import { hibernateToStore, restoreFromStore, sendHibernation } from '../../src/store/hibernate-store';
 import type { HibernateInfo } from '../../src/vm-types';
 import { ObjectStore } from '../../src/store/object-io';
 import { parseStoreUrl } from '../../src/store/store-url';
@@ -223,6 +223,36 @@ const RACERS = 12;
       const e = await restoreFromStore(url.url, { cacheDir: cache() }, readRam).catch((x: unknown) => x);
       expect(e).toBeInstanceOf(StoreClaimedError);
       expect((e as Error).message).toMatch(/was withdrawn by .*: its hibernation failed after the upload and the VM went on there/);
+    }, 60_000);
+
+    it("a jailed VM's hibernation, sent from its launcher's copy: restored once; a failed record withdraws it and leaves the copy; a used prefix is refused untouched", async () => {
+      const written = (): string => {
+        const dir = join(mkdtempSync(join(base, 'jailed-')), 'h');
+        writeSnapshot(dir, mem, state, { fileMode: 0o400 });
+        return dir;
+      };
+      const url = location();
+      const dir = written();
+      let recordFor: number | undefined;
+      const { transfer } = await sendHibernation(dir, url.url, { cacheDir: cache() }, async (t) => void (recordFor = t.chunksTotal));
+      expect(transfer).toMatchObject({ url: url.url, chunksTotal: 4, zeroChunks: 2 });
+      expect(recordFor).toBe(4);
+      const r = await restoreFromStore(url.url, { cacheDir: cache() }, readRam);
+      expect(r.hibernated).toBe(true);
+      expect(r.restored.equals(mem.hostView(0, RAM_BYTES))).toBe(true);
+      // The prefix is used: refused before anything is sent, its claim left as it was.
+      const again = written();
+      await expect(sendHibernation(again, url.url, { cacheDir: cache() }, async () => {})).rejects.toMatchObject({ reason: 'exists' });
+      expect((await readClaim(host(url), url))?.body.state).toBe('resumed');
+
+      const failed = location();
+      await expect(sendHibernation(again, failed.url, { cacheDir: cache() }, async () => {
+        throw new Error('the run record could not be written');
+      })).rejects.toThrow('the run record could not be written');
+      expect((await readClaim(host(failed), failed))?.body.state).toBe('withdrawn');
+      // The launcher's copy stays the VM's one copy, whole.
+      expect((await readRam(again)).equals(mem.hostView(0, RAM_BYTES))).toBe(true);
+      await expect(restoreFromStore(failed.url, { cacheDir: cache() }, readRam)).rejects.toBeInstanceOf(StoreClaimedError);
     }, 60_000);
   });
 });
