@@ -3,8 +3,8 @@
  * a command line becomes a bench's checked options before anything starts, or an error that
  * ./usage.ts's parseUsage turns into a usage error (exit 2).
  */
-import { existsSync } from 'node:fs';
-import { join, resolve } from 'node:path';
+import { accessSync, constants as fsConstants, existsSync, statSync } from 'node:fs';
+import { dirname, join, resolve } from 'node:path';
 import { parseArgs } from 'node:util';
 import { AGENT_ROOTFS_SCRIPT, agentRootfsImage } from '../bench/agent-workload';
 import type { FleetBenchOptions } from '../bench/fleet';
@@ -26,6 +26,23 @@ const MiB = 2 ** 20;
 /** A bench's checked options, and the file its JSON goes to (stdout without one). */
 export type WithJson<T> = T & { json?: string };
 
+/**
+ * `--json FILE`, checked before the bench spends its minutes: its directory must exist and be
+ * writable, and FILE must not be a directory. Absolute, as the bench may change directory.
+ */
+export function checkedJsonPath(file: string | undefined): string | undefined {
+  if (file === undefined) return undefined;
+  const path = resolve(file);
+  try {
+    if (statSync(path, { throwIfNoEntry: false })?.isDirectory()) throw new Error('it is a directory');
+    accessSync(dirname(path), fsConstants.W_OK);
+  } catch (e) {
+    const why = (e as NodeJS.ErrnoException).code === 'ENOENT' ? `${dirname(path)} does not exist` : (e as Error).message;
+    throw new InvalidOptionError('--json', `cannot write ${path}: ${why}`);
+  }
+  return path;
+}
+
 /** `pvisor bench vmm`'s options. */
 export const BENCH_VMM_OPTIONS = { runs: { type: 'string', default: '5' }, exits: { type: 'string', default: '100000' }, json: { type: 'string' } } as const;
 
@@ -36,7 +53,7 @@ export function parseVmmArgs(argv: string[]): WithJson<VmmBenchOptions> {
   if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
   const exits = Number(values.exits);
   if (!Number.isInteger(exits) || exits < 1) throw new InvalidOptionError('--exits', 'expected a whole number >= 1');
-  return { runs, exits, json: values.json };
+  return { runs, exits, json: checkedJsonPath(values.json) };
 }
 
 /** `pvisor bench linux`'s options. */
@@ -62,7 +79,7 @@ export function parseLinuxArgs(argv: string[]): WithJson<LinuxBenchOptions> {
   if (!Number.isInteger(restores) || restores < 0) throw new InvalidOptionError('--restores', `wants a whole number >= 0, got ${restores}`);
   const modes = values.signalling.split(',');
   for (const m of modes) if (!SIGNALLING_MODES.includes(m)) throw new InvalidOptionError('--signalling', `"${m}" is not one of ${SIGNALLING_MODES.join(', ')}`);
-  return { runs, execs, fileMib, restores, modes, json: values.json };
+  return { runs, execs, fileMib, restores, modes, json: checkedJsonPath(values.json) };
 }
 
 /** Options of Tables 1 and 2 (`--table` and `--json` are `pvisor bench memory`'s own). */
@@ -183,7 +200,7 @@ export function parseMemoryArgs(argv: string[]): MemoryBenchArgs {
     if (t.kind !== 'option') continue;
     if (!(want12 && t.name in TABLE12_OPTIONS) && !(want3 && t.name in TABLE3_OPTIONS)) throw new InvalidOptionError(`--${t.name}`, `is not an option of --table ${values.table}`);
   }
-  return { table3: want3 ? parseTable3Args(argsOf(TABLE3_OPTIONS)) : undefined, tables12: want12 ? parseTables12Args(argsOf(TABLE12_OPTIONS)) : undefined, json: values.json };
+  return { table3: want3 ? parseTable3Args(argsOf(TABLE3_OPTIONS)) : undefined, tables12: want12 ? parseTables12Args(argsOf(TABLE12_OPTIONS)) : undefined, json: checkedJsonPath(values.json) };
 }
 
 /** `pvisor bench snapshot`'s options. */
@@ -194,7 +211,7 @@ export function parseSnapshotArgs(argv: string[]): WithJson<SnapshotBenchOptions
   const { values } = parseArgs({ args: argv, options: BENCH_SNAPSHOT_OPTIONS, strict: true });
   const runs = Number(values.runs);
   if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
-  return { runs, dir: values.dir, json: values.json };
+  return { runs, dir: values.dir, json: checkedJsonPath(values.json) };
 }
 
 /** `pvisor bench floors`' options. */
@@ -214,7 +231,7 @@ export function parseFloorsArgs(argv: string[]): WithJson<FloorsBenchOptions> {
   if (!Number.isInteger(sizeMiB) || sizeMiB < 1) throw new InvalidOptionError('--size', 'expected whole MiB, at least 1MiB');
   const runs = Number(values.runs);
   if (!Number.isInteger(runs) || runs < 1 || runs > 100) throw new InvalidOptionError('--runs', 'expected 1 to 100');
-  return { dir: values.dir, sizeMiB, runs, json: values.json };
+  return { dir: values.dir, sizeMiB, runs, json: checkedJsonPath(values.json) };
 }
 
 /** `pvisor bench soak`'s options. */
@@ -238,7 +255,7 @@ export function parseSoakArgs(argv: string[]): WithJson<SoakBenchOptions> {
   for (const s of strategies) if (!(s in SOAK_STRATEGIES)) throw new InvalidOptionError('--strategy', `unknown strategy ${s}; strategies: ${Object.keys(SOAK_STRATEGIES).join(', ')}`);
   const workingSetMiB = parseSize('--working-set', values['working-set']) / MiB;
   if (!Number.isInteger(workingSetMiB) || workingSetMiB < 1 || workingSetMiB > MAX_WORKING_SET_MIB) throw new InvalidOptionError('--working-set', `expected whole MiB from 1MiB to ${MAX_WORKING_SET_MIB}MiB`);
-  return { cycles, vms, strategies, workingSetMiB, dir: resolve(values['backing-dir']), json: values.json };
+  return { cycles, vms, strategies, workingSetMiB, dir: resolve(values['backing-dir']), json: checkedJsonPath(values.json) };
 }
 
 /** `pvisor bench fleet`'s options. */
@@ -265,5 +282,5 @@ export function parseFleetArgs(argv: string[]): WithJson<FleetBenchOptions> {
   // An S3 bucket name: 3 to 63 lower-case letters, digits, dots and hyphens.
   if (!/^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$/.test(values.bucket)) throw new InvalidOptionError('--bucket', `not a bucket name: ${JSON.stringify(values.bucket)}`);
   if (values.guest !== 'probe' && values.guest !== 'linux') throw new InvalidOptionError('--guest', 'expected probe or linux');
-  return { guest: values.guest, runs, clones, workingSetMiB, dir: resolve(values.dir), bucket: values.bucket, json: values.json };
+  return { guest: values.guest, runs, clones, workingSetMiB, dir: resolve(values.dir), bucket: values.bucket, json: checkedJsonPath(values.json) };
 }

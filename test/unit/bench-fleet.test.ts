@@ -11,7 +11,7 @@ describe('pvisor bench fleet arguments', () => {
   it('has defaults, and takes each option', () => {
     expect(parseFleetArgs([])).toMatchObject({ runs: 3, clones: 16, workingSetMiB: 32, bucket: 'pvisor', json: undefined });
     const o = parseFleetArgs(['--runs', '5', '--clones', '0', '--working-set', '16MiB', '--dir', 'rel', '--bucket', 'my-bucket.1', '--json', 'x.json']);
-    expect(o).toMatchObject({ runs: 5, clones: 0, workingSetMiB: 16, bucket: 'my-bucket.1', json: 'x.json' });
+    expect(o).toMatchObject({ runs: 5, clones: 0, workingSetMiB: 16, bucket: 'my-bucket.1', json: `${process.cwd()}/x.json` });
     expect(o.dir).toBe(`${process.cwd()}/rel`);
   });
 
@@ -23,6 +23,9 @@ describe('pvisor bench fleet arguments', () => {
     [['--working-set', '1536KiB'], /--working-set: expected whole MiB/],
     [['--bucket', 'Bad_Bucket'], /--bucket: not a bucket name/],
     [['--bucket', 'a'], /--bucket/],
+    // Checked before the bench runs, not when its minutes are spent.
+    [['--json', '/nonexistent-dir/x.json'], /--json: cannot write \/nonexistent-dir\/x\.json: \/nonexistent-dir does not exist/],
+    [['--json', '/tmp'], /--json: cannot write \/tmp: it is a directory/],
   ])('refuses %j', (argv, message) => {
     expect(() => parseFleetArgs(argv)).toThrow(InvalidOptionError);
     expect(() => parseFleetArgs(argv)).toThrow(message);
