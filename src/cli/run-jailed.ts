@@ -94,7 +94,7 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
         // VMM hibernates into its backing directory as always and this process sends what it
         // takes out. The prefix is checked first, before the VM is paused, as in-process.
         const toStore = request.store?.replace(/\/$/, '');
-        const storeLib = toStore !== undefined ? await import('../store/hibernate-store') : undefined;
+        const storeLib = toStore === undefined ? undefined : await import('../store/hibernate-store');
         if (toStore !== undefined) await storeLib!.checkHibernationPrefix(toStore, undefined);
         let settled!: () => void;
         hibernating = new Promise<void>((s) => (settled = s));
@@ -125,7 +125,7 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
           try {
             if (toStore !== undefined) {
               const { putRunRecord, RUN_RECORD_NAME } = await import('../store/run-record');
-              let failure: StoreError | undefined;
+              let failure: StoreError;
               try {
                 const { transfer } = await storeLib!.sendHibernation(got.dir, toStore, undefined, () => putRunRecord({ ...record, dir: toStore }));
                 // Sent: nothing of the VM stays on this host.
@@ -138,7 +138,11 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
                 failure = new StoreError(e instanceof StoreError ? e.reason : 'unreachable', `${(e as Error).message}; ${id} is hibernated on this host instead, in ${got.dir}: pvisor resume ${id} continues it here`, { cause: e });
               }
               // The VM has ended, and its one copy is here: it stays hibernated on this host, and the answer says where.
-              writeHibernationRecord(recordPathFor(path), record);
+              try {
+                writeHibernationRecord(recordPathFor(path), record);
+              } catch (e) {
+                failure = new StoreError(failure.reason, `${failure.message} (but its record could not be written: ${(e as Error).message}; ${got.dir} holds the VM)`, { cause: failure });
+              }
               return { response: { ok: false, error: errorPayload(failure), ...(vm && { vm }) }, afterSent: sent };
             }
             const recordPath = recordPathFor(path);
@@ -263,9 +267,9 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
         );
       else
         process.stderr.write(
-        `pvisor: ${id} hibernated into ${hibernated.dir} (${formatMiB(hibernated.bytesOnDisk)} on disk), out of its jail, to come back in a new one; this process ends (exit ${EXIT_HIBERNATED}). ` +
-          `pvisor resume ${id} continues it in a new process, whose output goes to ${logPathFor(path)}\n`,
-      );
+          `pvisor: ${id} hibernated into ${hibernated.dir} (${formatMiB(hibernated.bytesOnDisk)} on disk), out of its jail, to come back in a new one; this process ends (exit ${EXIT_HIBERNATED}). ` +
+            `pvisor resume ${id} continues it in a new process, whose output goes to ${logPathFor(path)}\n`,
+        );
     }
     if ('exitCode' in outcome) return outcome.exitCode;
     if ('error' in outcome) throw outcome.error as VmLimitError | JailViolationError;
