@@ -13,7 +13,7 @@ import { Vm } from '../vm';
 import type { GuestKind } from '../vm-types';
 import { ConsoleCopy } from './console-copy';
 import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from './probe-script';
-import { parseRunArgs, type RunArgs } from './run-args';
+import { checkRootfsFile, parseRunArgs, type RunArgs } from './run-args';
 import { isStoreUrl } from '../store/store-url';
 import type { FetchedSnapshot } from '../store/download';
 import type { StoreOptions } from '../store/store-options';
@@ -35,6 +35,8 @@ async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void)
   // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
   const steps = machine.guest === 'probe' ? parseUsage('run', () => parseProbeScript(args.command)) : undefined;
   const cursor = steps && new ScriptCursor(steps);
+  // The options' own checks before the host's, so that a run says what is wrong with it on any host.
+  checkRootfsFile(args);
   // A KVM that cannot run the Linux guest refuses it before anything is claimed or printed, in
   // the CLI's words. A host without a usable KVM is left to Vm.start, after the options' checks.
   if (machine.guest === 'linux') {

@@ -25,7 +25,7 @@
  * here, and the answer says so.
  */
 import { randomBytes } from 'node:crypto';
-import { closeSync, constants as fsConstants, existsSync, openSync, rmSync, statSync } from 'node:fs';
+import { closeSync, constants as fsConstants, existsSync, openSync, rmSync } from 'node:fs';
 import { basename, join, resolve } from 'node:path';
 import { constants as osConstants } from 'node:os';
 import { connect } from 'node:net';
@@ -68,8 +68,7 @@ export interface JailedResume {
  * status. With `resume`, continues that hibernated VM (`args.source` is its directory) in a new jail.
  */
 export async function runJailed(args: RunArgs, argv: readonly string[], machine: { memoryBytes: number; vcpus: number }, resume?: JailedResume, fetchedDir?: string): Promise<number> {
-  // The options' own checks first, as an unjailed run makes them before it needs the host.
-  checkRootfs(args);
+  // The options' own checks were made first (checkRootfsFile, in ./run-command.ts), before the host is needed.
   requireJailHost(args);
   const limits = resolveLimits(args.limits, machine);
   // --vm-socket: this process listens there (the jailed run's own socket is the one it was handed).
@@ -445,20 +444,6 @@ function requireJailHost(args: RunArgs): void {
       { cause: e },
     );
   }
-}
-
-/** A `--rootfs` that is not a regular file is refused as Vm.start refuses it, before the host is checked. */
-function checkRootfs(args: RunArgs): void {
-  const { source } = args;
-  if (source.kind !== 'boot' || !source.rootfs) return;
-  const path = source.rootfs.path;
-  let isFile: boolean;
-  try {
-    isFile = statSync(path).isFile();
-  } catch (e) {
-    throw new InvalidOptionError('rootfs', `cannot use ${path}${source.rootfs.readOnly ? '' : ' read-write'}: ${(e as Error).message}`);
-  }
-  if (!isFile) throw new InvalidOptionError('rootfs', `${path} is not a regular file`);
 }
 
 /** The run options that name a host path: bound into the jail at the same absolute path. */
