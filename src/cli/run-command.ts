@@ -35,8 +35,9 @@ async function runFrom(args: RunArgs, argv: string[], afterRestore: (() => void)
   // Probe steps are checked before anything starts; for --from, the snapshot says the guest.
   const steps = machine.guest === 'probe' ? parseUsage('run', () => parseProbeScript(args.command)) : undefined;
   const cursor = steps && new ScriptCursor(steps);
-  // The options' own checks before the host's, so that a run says what is wrong with it on any host.
-  checkRootfsFile(args);
+  // The options' own checks before the host's, so that a run says what is wrong with it on any
+  // host. Not in a jail: there a writable image is an fd its launcher opened, its path not bound.
+  if (!jailedEntry()) checkRootfsFile(args);
   // A KVM that cannot run the Linux guest refuses it before anything is claimed or printed, in
   // the CLI's words. A host without a usable KVM is left to Vm.start, after the options' checks.
   if (machine.guest === 'linux') {
