@@ -3,7 +3,6 @@
  * its memory strategies and the command, all checked before anything is allocated. Pure: it reads
  * no file and starts nothing, so every refusal here happens before a VM exists.
  */
-import { statSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { parseArgs } from 'node:util';
 import { InvalidOptionError, StoreError } from '../errors';
@@ -306,18 +305,4 @@ function snapshotLocation(from: string, cwd: string): string {
     if (e instanceof StoreError) throw new InvalidOptionError('--from', e.message);
     throw e;
   }
-}
-
-/** A `--rootfs` that is not a regular file is refused as Vm.start refuses it, before the host is checked. */
-export function checkRootfsFile(args: RunArgs): void {
-  const { source } = args;
-  if (source.kind !== 'boot' || !source.rootfs) return;
-  const path = source.rootfs.path;
-  let isFile: boolean;
-  try {
-    isFile = statSync(path).isFile();
-  } catch (e) {
-    throw new InvalidOptionError('rootfs', `cannot use ${path}${source.rootfs.readOnly ? '' : ' read-write'}: ${(e as Error).message}`);
-  }
-  if (!isFile) throw new InvalidOptionError('rootfs', `${path} is not a regular file`);
 }

@@ -4,7 +4,7 @@
  * The same run goes on in a new process when `pvisor resume` continues a hibernated VM
  * (./resume-hibernated.ts).
  */
-import { rmSync } from 'node:fs';
+import { rmSync, statSync } from 'node:fs';
 import { constants as osConstants } from 'node:os';
 import { InvalidOptionError, type PvisorError } from '../errors';
 import { checkKvmHost, requireKernelModeGuests, type KvmHostInfo } from '../backends/kvm/host-check';
@@ -13,7 +13,7 @@ import { Vm } from '../vm';
 import type { GuestKind } from '../vm-types';
 import { ConsoleCopy } from './console-copy';
 import { parseProbeScript, runProbeScript, ScriptCursor, type ProbeStep } from './probe-script';
-import { checkRootfsFile, parseRunArgs, type RunArgs } from './run-args';
+import { parseRunArgs, type RunArgs } from './run-args';
 import { isStoreUrl } from '../store/store-url';
 import type { FetchedSnapshot } from '../store/download';
 import type { StoreOptions } from '../store/store-options';
@@ -266,4 +266,18 @@ async function untilStopped(vm: Vm, control: RunControl): Promise<number> {
   if (end.error) throw end.error;
   process.stderr.write(`pvisor: ${vm.name} was stopped (${control.stopCause ?? 'its VM ended'})\n`);
   return control.stopExitCode;
+}
+
+/** A `--rootfs` that is not a regular file is refused as Vm.start refuses it, before the host is checked. */
+function checkRootfsFile(args: RunArgs): void {
+  const { source } = args;
+  if (source.kind !== 'boot' || !source.rootfs) return;
+  const path = source.rootfs.path;
+  let isFile: boolean;
+  try {
+    isFile = statSync(path).isFile();
+  } catch (e) {
+    throw new InvalidOptionError('rootfs', `cannot use ${path}${source.rootfs.readOnly ? '' : ' read-write'}: ${(e as Error).message}`);
+  }
+  if (!isFile) throw new InvalidOptionError('rootfs', `${path} is not a regular file`);
 }
