@@ -395,8 +395,8 @@ export class OptionalDependencyError extends PvisorError {
 }
 
 /**
- * A VM cannot be jailed on this host (`isolation: 'process'`): no bubblewrap, no cgroup v2 with
- * the memory, pids and cpu controllers, no right to create a cgroup or to change user, or no
+ * A VM cannot be jailed on this host (`isolation: 'process'`): no bubblewrap, no cgroup (v2 or
+ * v1) with the memory, pids and cpu controllers, no right to create a cgroup or to change user, or no
  * seccomp. The message says what is missing; nothing was started.
  * @category Errors
  */

@@ -192,7 +192,7 @@ export class Vm extends EventEmitter<VmEvents> implements VmApi {
    * With `isolation: 'process'` ({@link JailedVmOptions}): the VM runs in a jailed child process
    * (its own uid, namespaces, seccomp filter and cgroup limits; docs/security.md), and the promise
    * resolves with a {@link VmHandle} connected to it ({@link JailedVmHandle}); its `stop()` ends
-   * the child. Needs root, bubblewrap and cgroup v2 (a {@link JailUnavailableError} otherwise).
+   * the child. Needs root, bubblewrap and the cgroup memory, pids and cpu controllers, v2 or v1 (a {@link JailUnavailableError} otherwise).
    */
   static async start(options: VmOptions | JailedVmOptions = {}): Promise<Vm | JailedVmHandle> {
     if ((options as { isolation?: unknown }).isolation === 'process') {

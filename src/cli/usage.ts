@@ -136,7 +136,7 @@ const RUN = `  pvisor run [--executor vm] [--name ID] [--memory 512MiB] [--vcpus
       --name ID: the VM's id for suspend/resume/stop/ps (default: 6 random hex digits); the run
         listens on ID.sock in $PVISOR_RUNTIME_DIR, $XDG_RUNTIME_DIR/pvisor, /run/pvisor (root) or
         /tmp/pvisor-$UID (--vm-socket PATH: there instead). SIGINT/SIGTERM stop the VM cleanly.
-        The SDK reaches it too: VmHandle.connect(ID). It runs jailed (needs root, bwrap, cgroup v2;
+        The SDK reaches it too: VmHandle.connect(ID). It runs jailed (needs root, bwrap, cgroups;
         else exit 125) unless --isolation none; --limit-{memory,cpus,pids} bound it: docs/security.md.
       --label KEY=VALUE (repeatable, at most 64): labels shown by pvisor ps and Vm.list().
       -q, --quiet: no progress lines on stderr, only CMD's output, warnings and errors.

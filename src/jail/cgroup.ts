@@ -1,32 +1,17 @@
 /**
- * The cgroup v2 of one jailed VM: made under `<cgroup2 mount>/pvisor/` with its limits written
- * before any process enters it, read after the process ends (did the kernel kill for the memory
- * limit?), and removed. Only cgroup v2: v1 has no `memory.oom.group` and splits the controllers
- * over hierarchies, so a jail there could not say what killed its process.
+ * The cgroup of one jailed VM: made where ./cgroup-host.ts says (`<cgroup2 mount>/pvisor/name`,
+ * or on a v1 host one directory per controller under this process's own cgroup) with its limits
+ * written before any process enters it, read after the process ends (did the kernel kill for the
+ * memory limit?), and removed.
  * @module
  */
-import { accessSync, constants as fsConstants, existsSync, mkdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { existsSync, mkdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
+import { dirname, join } from 'node:path';
 import { JailUnavailableError } from '../errors';
-import { cgroupFiles, JAIL_CONTROLLERS, type JailLimits } from './limits';
+import { checkCgroupHost, JAIL_CGROUP_PARENT, type CgroupHost } from './cgroup-host';
+import { cgroupFiles, cgroupV1Files, JAIL_CONTROLLERS, type JailController, type JailLimits } from './limits';
 
-/**
- * Where cgroup v2 is mounted, from `/proc/self/mountinfo`'s text: the mount point of the first
- * `cgroup2` filesystem, or `undefined`. Mount points with spaces are octal-escaped there (`\040`).
- */
-export function cgroup2MountOf(mountinfo: string): string | undefined {
-  for (const line of mountinfo.split('\n')) {
-    const sep = line.indexOf(' - ');
-    if (sep < 0) continue;
-    const fstype = line.slice(sep + 3).split(' ')[0];
-    if (fstype !== 'cgroup2') continue;
-    const mountPoint = line.slice(0, sep).split(' ')[4];
-    if (mountPoint) return mountPoint.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8)));
-  }
-  return undefined;
-}
-
-/** The kernel's counts of `memory.events` (`oom_kill`, `max`, ...), from its text. */
+/** The kernel's counts of `memory.events` (v2) or `memory.oom_control` (v1): `oom_kill`, `max`, ... */
 export function parseMemoryEvents(text: string): Record<string, number> {
   const out: Record<string, number> = {};
   for (const line of text.split('\n')) {
@@ -36,89 +21,142 @@ export function parseMemoryEvents(text: string): Record<string, number> {
   return out;
 }
 
-/**
- * Checks that this host has what a jail's cgroup needs (cgroup v2 mounted, offering the memory,
- * pids and cpu controllers, and writable by this process) without making anything; returns the
- * mount point. Throws a {@link JailUnavailableError} naming what is missing.
- */
-export function checkCgroupHost(mountinfo: string = readFileSync('/proc/self/mountinfo', 'utf8')): string {
-  const mount = cgroup2MountOf(mountinfo);
-  if (!mount) throw new JailUnavailableError('no cgroup v2 is mounted (a jail limits its VM with cgroup v2; on a cgroup v1 or hybrid host mount one: mount -t cgroup2 none /sys/fs/cgroup)');
-  const offered = readFileSync(join(mount, 'cgroup.controllers'), 'utf8').trim().split(/\s+/);
-  const missing = JAIL_CONTROLLERS.filter((c) => !offered.includes(c));
-  if (missing.length) throw new JailUnavailableError(`cgroup v2 at ${mount} does not offer the ${missing.join(', ')} controller(s) (bound to a cgroup v1 hierarchy?); a jail needs ${JAIL_CONTROLLERS.join(', ')}`);
-  try {
-    accessSync(mount, fsConstants.W_OK);
-  } catch (e) {
-    throw new JailUnavailableError(`cannot create cgroups under ${mount} (${(e as NodeJS.ErrnoException).code}): a jail needs root, or a cgroup delegated to this user`, { cause: e });
-  }
-  return mount;
+/** The limits a jail's cgroup holds, as the kernel reports them back. */
+export interface CgroupLimitsRead {
+  memoryBytes: number;
+  /** Swap the cgroup may use beyond memory (v2 `memory.swap.max`; v1 memsw minus memory); undefined where the kernel does not account swap. */
+  swapBytes: number | undefined;
+  pids: number;
+  cpuQuotaUs: number;
+  cpuPeriodUs: number;
 }
-
-/** The parent directory of every jail's cgroup, under the cgroup v2 mount. */
-export const JAIL_CGROUP_PARENT = 'pvisor';
 
 /** One jailed VM's cgroup. */
 export class JailCgroup {
   private constructor(
-    /** The cgroup's directory. */
-    readonly path: string,
+    private readonly host: CgroupHost,
+    /** The cgroup's name (the VM's id). */
+    readonly name: string,
   ) {}
 
+  /** The cgroup's directory holding `controller`'s files (the one directory, in v2). */
+  dirOf(controller: JailController): string {
+    return this.host.version === 2 ? join(this.host.mount, JAIL_CGROUP_PARENT, this.name) : join(this.host.parents[controller], this.name);
+  }
+
+  /** Its directories: one in v2, one per controller in v1. */
+  get dirs(): string[] {
+    return [...new Set(JAIL_CONTROLLERS.map((c) => this.dirOf(c)))];
+  }
+
   /**
-   * Makes the cgroup `name` under `<mount>/pvisor/` with `limits` written, controllers enabled on
-   * the way down. Throws a {@link JailUnavailableError} saying what is missing: no cgroup v2
-   * mounted, a controller the kernel does not offer, no right to create it (not root, no
-   * delegation), or a cgroup of that name already there (another run of the same id).
+   * Makes the cgroup `name` with `limits` written, controllers enabled on the way down (v2).
+   * Throws a {@link JailUnavailableError} saying what is missing: no cgroup with the controllers,
+   * no right to create it (not root, no delegation), or a cgroup of that name already there
+   * (another run of the same id); what it made by then is removed.
    */
-  static create(name: string, limits: JailLimits, mountinfo: string = readFileSync('/proc/self/mountinfo', 'utf8')): JailCgroup {
-    const mount = checkCgroupHost(mountinfo);
-    const parent = join(mount, JAIL_CGROUP_PARENT);
-    const path = join(parent, name);
+  static create(name: string, limits: JailLimits, host: CgroupHost = checkCgroupHost()): JailCgroup {
+    const cg = new JailCgroup(host, name);
+    const made: string[] = [];
     try {
-      enableControllers(mount);
-      mkdirSync(parent, { recursive: true });
-      enableControllers(parent);
-      mkdirSync(path);
+      if (host.version === 2) {
+        enableControllers(host.mount);
+        mkdirSync(dirname(cg.dirs[0]), { recursive: true });
+        enableControllers(dirname(cg.dirs[0]));
+      }
+      for (const dir of cg.dirs) {
+        mkdirSync(dirname(dir), { recursive: true });
+        mkdirSync(dir);
+        made.push(dir);
+      }
     } catch (e) {
+      for (const dir of made) tryRmdir(dir);
       const code = (e as NodeJS.ErrnoException).code;
+      const path = (e as NodeJS.ErrnoException).path ?? cg.dirs[0];
       if (code === 'EEXIST') throw new JailUnavailableError(`the cgroup ${path} already exists: another jailed run of ${name} is running, or one was killed before it could remove it (rmdir ${path} once it holds no process)`, { cause: e });
       throw new JailUnavailableError(`cannot create the cgroup ${path}: ${(e as Error).message} (a jail needs root, or a delegated cgroup)`, { cause: e });
     }
-    const cg = new JailCgroup(path);
     try {
-      for (const [file, value] of cgroupFiles(limits)) writeFileSync(join(path, file), value);
+      if (host.version === 2) for (const [file, value] of cgroupFiles(limits)) writeFileSync(join(cg.dirs[0], file), value);
+      else {
+        for (const [controller, file, value, optional] of cgroupV1Files(limits)) {
+          const path = join(cg.dirOf(controller), file);
+          if (optional && !existsSync(path)) continue;
+          writeFileSync(path, value);
+        }
+      }
     } catch (e) {
       cg.remove();
-      throw new JailUnavailableError(`cannot set the limits of ${path}: ${(e as Error).message}`, { cause: e });
+      throw new JailUnavailableError(`cannot set the limits of ${cg.dirs.join(', ')}: ${(e as Error).message}`, { cause: e });
     }
     return cg;
   }
 
+  /** The jail cgroup `name` as it is now on this host, or `undefined` if it does not exist. */
+  static find(name: string, host: CgroupHost = checkCgroupHost()): JailCgroup | undefined {
+    const cg = new JailCgroup(host, name);
+    return cg.dirs.some((d) => existsSync(d)) ? cg : undefined;
+  }
+
   /**
-   * The shell words that move the shell into this cgroup and exec the command after them, so that
-   * the command and everything it starts are charged here from their first page.
+   * The shell words that move the shell into this cgroup (each of its directories) and exec the
+   * command after them, so that the command and everything it starts are charged here from their
+   * first page.
    */
   enterArgv(command: readonly string[]): string[] {
-    return ['/bin/sh', '-c', 'echo $$ > "$0" && exec "$@"', join(this.path, 'cgroup.procs'), ...command];
+    const procs = this.dirs.map((d) => join(d, 'cgroup.procs'));
+    // sh -c's words: $0, $1, ... are the procs files; `shift` leaves the command in "$@".
+    const script = `${procs.map((_, i) => `echo $$ > "$${i}"`).join(' && ')} && shift ${procs.length - 1} && exec "$@"`;
+    return ['/bin/sh', '-c', script, ...procs, ...command];
+  }
+
+  /** The tasks' process ids (the memory controller's directory, which every task enters). */
+  pids(): number[] {
+    try {
+      return readFileSync(join(this.dirOf('memory'), 'cgroup.procs'), 'utf8').split('\n').filter(Boolean).map(Number);
+    } catch {
+      return [];
+    }
+  }
+
+  /** The limits as the kernel holds them. */
+  limits(): CgroupLimitsRead {
+    const read = (c: JailController, file: string) => readFileSync(join(this.dirOf(c), file), 'utf8').trim();
+    if (this.host.version === 2) {
+      const [quota, period] = read('cpu', 'cpu.max').split(' ');
+      return { memoryBytes: Number(read('memory', 'memory.max')), swapBytes: Number(read('memory', 'memory.swap.max')), pids: Number(read('pids', 'pids.max')), cpuQuotaUs: Number(quota), cpuPeriodUs: Number(period) };
+    }
+    const memoryBytes = Number(read('memory', 'memory.limit_in_bytes'));
+    const memsw = existsSync(join(this.dirOf('memory'), 'memory.memsw.limit_in_bytes')) ? Number(read('memory', 'memory.memsw.limit_in_bytes')) : undefined;
+    return { memoryBytes, swapBytes: memsw === undefined ? undefined : memsw - memoryBytes, pids: Number(read('pids', 'pids.max')), cpuQuotaUs: Number(read('cpu', 'cpu.cfs_quota_us')), cpuPeriodUs: Number(read('cpu', 'cpu.cfs_period_us')) };
   }
 
   /** How many times the kernel killed a task of this cgroup for its memory limit. */
   oomKills(): number {
+    const file = this.host.version === 2 ? 'memory.events' : 'memory.oom_control';
     try {
-      return parseMemoryEvents(readFileSync(join(this.path, 'memory.events'), 'utf8')).oom_kill ?? 0;
+      return parseMemoryEvents(readFileSync(join(this.dirOf('memory'), file), 'utf8')).oom_kill ?? 0;
     } catch {
       return 0;
     }
   }
 
-  /** Whether a task is still in the cgroup (`cgroup.events` populated). */
+  /** Whether a task is still in the cgroup (v2 `cgroup.events` populated; v1 a task in any of its directories). */
   populated(): boolean {
-    try {
-      return /^populated 1$/m.test(readFileSync(join(this.path, 'cgroup.events'), 'utf8'));
-    } catch {
-      return false;
+    if (this.host.version === 2) {
+      try {
+        return /^populated 1$/m.test(readFileSync(join(this.dirs[0], 'cgroup.events'), 'utf8'));
+      } catch {
+        return false;
+      }
     }
+    return this.dirs.some((d) => {
+      try {
+        return readFileSync(join(d, 'cgroup.procs'), 'utf8').trim() !== '';
+      } catch {
+        return false;
+      }
+    });
   }
 
   /**
@@ -131,14 +169,21 @@ export class JailCgroup {
     return this.remove();
   }
 
-  /** Removes the cgroup now; false if it is still populated or already gone. */
+  /** Removes the cgroup now; false if it is still populated (any of its directories). */
   remove(): boolean {
-    try {
-      rmdirSync(this.path);
-      return true;
-    } catch {
-      return !existsSync(this.path);
-    }
+    let gone = true;
+    for (const dir of this.dirs) gone = tryRmdir(dir) && gone;
+    return gone;
+  }
+}
+
+/** Removes `dir`; true if it is gone (removed, or was not there). */
+function tryRmdir(dir: string): boolean {
+  try {
+    rmdirSync(dir);
+    return true;
+  } catch {
+    return !existsSync(dir);
   }
 }
 

@@ -2,7 +2,8 @@
  * Starts one VMM (`pvisor run`) in a jail and watches it end: the launcher side of
  * `isolation: 'process'`. It runs as root, because it makes what the jail is given and the jail
  * cannot make for itself:
- * - a cgroup v2 with the VM's limits (./cgroup.ts), which the process enters before it execs;
+ * - a cgroup (v2, or v1 on a host whose controllers are bound there) with the VM's limits
+ *   (./cgroup.ts), which the process enters before it execs;
  * - a directory only root reaches (/run/pvisor-jail/ID, mode 0700) holding the VM's /dev/kvm node
  *   (mknod'ed for the jail's uid, as Firecracker's jailer does), its control socket (listening,
  *   handed over as an fd) and the seccomp program (./seccomp.ts, handed over as an fd);
@@ -25,7 +26,8 @@ import { constants as osConstants } from 'node:os';
 import { JailUnavailableError, JailViolationError, VmLimitError, type PvisorError } from '../errors';
 import { nativePrebuild, PACKAGE_ROOT } from '../native';
 import { closeFd } from '../sys/libc';
-import { checkCgroupHost, JailCgroup } from './cgroup';
+import { JailCgroup } from './cgroup';
+import { checkCgroupHost } from './cgroup-host';
 import { JAIL_ENV, parseJailedReport } from './jailed-entry';
 import type { JailLimits } from './limits';
 import { listenUnixSocket } from './listen-socket';
@@ -112,8 +114,8 @@ const FIRST_HANDED_FD_IN_JAIL = 7;
 export type JailOutcome = { exitCode: number } | { error: PvisorError } | { signal: NodeJS.Signals };
 
 /**
- * Checks that this host can jail a VM, making nothing: root, bubblewrap, cgroup v2 with the
- * jail's controllers, /dev/kvm. Throws a {@link JailUnavailableError} naming what is missing.
+ * Checks that this host can jail a VM, making nothing: root, bubblewrap, a cgroup (v2 or v1)
+ * with the jail's controllers, /dev/kvm. Throws a {@link JailUnavailableError} naming what is missing.
  */
 export function checkJailHost(): { bwrap: string } {
   if (process.getuid?.() !== 0) throw new JailUnavailableError(`isolation 'process' needs root (uid ${process.getuid?.()}): the launcher makes a cgroup and a /dev/kvm node for the jail and changes to its uid; use isolation 'none' here`);

@@ -1,6 +1,6 @@
 /**
- * A jailed VM's resource limits (`limits: { memory, cpus, pids }`) and the cgroup v2 files they
- * become. Pure: it reads no file, so every refusal happens before anything is created.
+ * A jailed VM's resource limits (`limits: { memory, cpus, pids }`) and the cgroup files (v2, or
+ * v1 on a host whose controllers are bound there) they become. Pure: it reads no file, so every refusal happens before anything is created.
  * @module
  */
 import { InvalidOptionError } from '../errors';
@@ -13,14 +13,14 @@ import { parseSize, type Size } from '../units';
 export interface JailLimitsInput {
   /**
    * The most memory the VM's whole process may hold: guest RAM as the guest touches it, the VMM's
-   * own heap and code, and the page cache its files charge (cgroup v2 `memory.max`). Past it the
+   * own heap and code, and the page cache its files charge (cgroup v2 `memory.max`, v1 `memory.limit_in_bytes`). Past it the
    * kernel ends the process (and only it), and the VM ends with a {@link VmLimitError}. Default:
    * guest RAM + 192 MiB (node, V8 and the VMM's own buffers, with room for a burst).
    */
   memory?: Size;
-  /** CPU time, in CPUs (1.5 = one and a half CPUs' worth each period; cgroup v2 `cpu.max`). Default: the VM's vCPUs + 1 (the VMM's own threads). */
+  /** CPU time, in CPUs (1.5 = one and a half CPUs' worth each period; cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`). Default: the VM's vCPUs + 1 (the VMM's own threads). */
   cpus?: number;
-  /** The most tasks (threads count) the process may have (cgroup v2 `pids.max`), 16 to 65536. Default 128. */
+  /** The most tasks (threads count) the process may have (cgroup `pids.max`), 16 to 65536. Default 128. */
   pids?: number;
 }
 
@@ -50,7 +50,7 @@ export const DEFAULT_PIDS = 128;
 export const MIN_PIDS = 16;
 /** The most CPUs a limit may name (cgroup v2 takes any quota; this only catches a typo). */
 export const MAX_CPUS = 1024;
-/** cgroup v2 `cpu.max`'s period, µs: the kernel's default (100 ms). */
+/** The CPU limit's period (cgroup v2 `cpu.max`'s second field, v1 `cpu.cfs_period_us`), µs: the kernel's default (100 ms). */
 export const CPU_PERIOD_US = 100_000;
 
 /**
@@ -91,5 +91,27 @@ export function cgroupFiles(limits: JailLimits): [file: string, value: string][]
   ];
 }
 
-/** The controllers a jail's cgroup needs enabled in its parents' `cgroup.subtree_control`. */
+/**
+ * The cgroup v1 files that enforce `limits` on a host whose controllers are bound to v1
+ * hierarchies: (controller, file, text), in the order written. `memory.memsw.limit_in_bytes`
+ * equal to the memory limit is v2's `memory.swap.max` 0; it exists only where the kernel accounts
+ * swap, so it is `optional`. The period goes before the quota: the kernel checks the quota against
+ * the period in place. v1 has no `memory.oom.group`: the kernel's OOM killer ends the cgroup's
+ * largest task, which is the VMM (guest RAM is charged to it), and bwrap, its pid namespace's init,
+ * ends with it, taking the namespace's other tasks down.
+ */
+export function cgroupV1Files(limits: JailLimits): [controller: JailController, file: string, value: string, optional?: true][] {
+  const quotaUs = Math.max(1000, Math.round(limits.cpus * CPU_PERIOD_US));
+  return [
+    ['memory', 'memory.limit_in_bytes', String(limits.memoryBytes)],
+    ['memory', 'memory.memsw.limit_in_bytes', String(limits.memoryBytes), true],
+    ['pids', 'pids.max', String(limits.pids)],
+    ['cpu', 'cpu.cfs_period_us', String(CPU_PERIOD_US)],
+    ['cpu', 'cpu.cfs_quota_us', String(quotaUs)],
+  ];
+}
+
+/** The controllers a jail's cgroup needs (enabled in its parents' `cgroup.subtree_control` in v2). */
 export const JAIL_CONTROLLERS = ['memory', 'pids', 'cpu'] as const;
+/** One of {@link JAIL_CONTROLLERS}. */
+export type JailController = (typeof JAIL_CONTROLLERS)[number];

@@ -11,18 +11,11 @@ import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { VmHandle } from '../../src/vm-handle';
 import { gone, pvisorOnce, startPvisor, type Run } from '../cli-runs';
 import { hexOf } from '../probe-digest';
+import { jailCgroupExists, jailCgroupLimits, jailedVmmPid } from '../jail-cgroups';
 
 const MiB = 2 ** 20;
-const CGROUP = '/sys/fs/cgroup/pvisor';
 const daemonMain = join(__dirname, '..', '..', 'src', 'cli', 'daemon-main.js');
 
-/** The jailed node process of VM `id` (its cgroup also holds bwrap, which is root's). */
-function vmmPid(id: string): number {
-  const pids = readFileSync(join(CGROUP, id, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean).map(Number);
-  const node = pids.filter((p) => /^Uid:\s+65534\b/m.test(readFileSync(`/proc/${p}/status`, 'utf8')) && readFileSync(`/proc/${p}/comm`, 'utf8').trim() === 'node');
-  expect(node).toHaveLength(1);
-  return node[0];
-}
 
 const until = async (what: string, ok: () => boolean | Promise<boolean>, ms = 60_000) => {
   const deadline = Date.now() + ms;
@@ -63,7 +56,7 @@ describe('a jailed pvisor run hands in and takes out', () => {
     const run = start('--guest', 'probe', '--name', 'JH', '--memory', '64MiB', '--vcpus', '1', '--limit-pids', '96', '--', 'fill 16MiB random 42, digest, wait');
     await run.waitFor(/^digest: /m);
     expect(/^digest: ([0-9a-f]{16})/m.exec(run.out())![1]).toBe(ws);
-    const firstVmm = vmmPid('JH');
+    const firstVmm = jailedVmmPid('JH');
 
     const h = await pvisor('suspend', 'JH', '--hibernate', '--json');
     expect(h.stderr).toBe('');
@@ -78,7 +71,7 @@ describe('a jailed pvisor run hands in and takes out', () => {
     expect({ uid: st.uid, mode: st.mode & 0o777 }).toEqual({ uid: process.getuid!(), mode: 0o700 });
     for (const f of readdirSync(state)) expect(statSync(join(state, f)).mode & 0o777).toBe(0o400);
     expect(readdirSync(dir).filter((f) => f.startsWith('pvisor-jail-'))).toEqual([]);
-    expect(existsSync(join(CGROUP, 'JH'))).toBe(false);
+    expect(jailCgroupExists('JH')).toBe(false);
     const record = JSON.parse(readFileSync(answer.hibernation.record, 'utf8')) as { dir: string; flags: string[]; steps: string };
     expect(record).toMatchObject({ dir: state, steps: 'wait' });
     expect(record.flags).toEqual(expect.arrayContaining(['--isolation=process', '--limit-pids=96']));
@@ -88,10 +81,10 @@ describe('a jailed pvisor run hands in and takes out', () => {
     expect({ status: r.status, stderr: r.stderr }).toEqual({ status: 0, stderr: '' });
     const resumed = JSON.parse(r.stdout) as { pid: number };
     detached.push(resumed.pid);
-    const vmm = vmmPid('JH');
+    const vmm = jailedVmmPid('JH');
     expect(vmm).not.toBe(firstVmm);
     expect(readFileSync(`/proc/${vmm}/status`, 'utf8')).toMatch(/^Seccomp:\s+2$/m);
-    expect(readFileSync(join(CGROUP, 'JH', 'pids.max'), 'utf8').trim()).toBe('96');
+    expect(jailCgroupLimits('JH').pids).toBe(96);
     const handle = await VmHandle.connect('JH', { socketPath: socketOf('JH') });
     expect((await handle.status()).state).toBe('running');
     expect((await handle.exec('digest')).stdout).toMatch(new RegExp(`^digest: ${ws} `, 'm'));
@@ -162,7 +155,7 @@ describe('a jailed pvisor run hands in and takes out', () => {
       expect(c.err()).toMatch(/its RAM the snapshot's file shared copy-on-write/);
     }
     // The jailed VMM maps the snapshot's RAM file (read-only, bound into its jail).
-    const maps = readFileSync(`/proc/${vmmPid('JS1')}/maps`, 'utf8');
+    const maps = readFileSync(`/proc/${jailedVmmPid('JS1')}/maps`, 'utf8');
     expect(maps).toContain(join(snap, 'ram'));
     for (const id of ['JS1', 'JS2']) await pvisor('stop', id);
     for (const c of clones) expect((await c.exited).code).toBe(0);

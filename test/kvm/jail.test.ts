@@ -10,9 +10,9 @@ import { DEFAULT_BACKING_DIR } from '../../src/memory/backing-file';
 import { Vm } from '../../src/vm';
 import { VmHandle } from '../../src/vm-handle';
 import { pvisorOnce, startPvisor, type Run } from '../cli-runs';
+import { jailCgroupExists, jailCgroupLimits, jailedVmmPid } from '../jail-cgroups';
 
 const MiB = 1024 * 1024;
-const CGROUP = '/sys/fs/cgroup/pvisor';
 
 describe('a VM in a jailed process', () => {
   let dir: string;
@@ -35,19 +35,12 @@ describe('a VM in a jailed process', () => {
     return run;
   }
 
-  /** The jailed node process of VM `id` (the cgroup also holds bwrap, which is root's). */
-  function vmmPid(id: string): number {
-    const pids = readFileSync(join(CGROUP, id, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean).map(Number);
-    const node = pids.filter((p) => /^Uid:\s+65534\b/m.test(readFileSync(`/proc/${p}/status`, 'utf8')) && readFileSync(`/proc/${p}/comm`, 'utf8').trim() === 'node');
-    expect(node).toHaveLength(1);
-    return node[0];
-  }
 
   it('runs as nobody in its own namespaces, with no_new_privs, seccomp and its cgroup limits; suspend and resume go through', async () => {
     const run = start('--guest', 'probe', '--name', 'J1', '--memory', '64MiB', '--vcpus', '1', '--limit-memory', '160MiB', '--limit-cpus', '1.5', '--limit-pids', '96', '--', 'fill 16MiB random 7, digest, sleep 20, digest, wait');
     await run.waitFor(/^digest: (\w+)/m);
     const before = /^digest: (\w+)/m.exec(run.out())![1];
-    const pid = vmmPid('J1');
+    const pid = jailedVmmPid('J1');
     const status = readFileSync(`/proc/${pid}/status`, 'utf8');
     expect(status).toMatch(/^Uid:\s+65534\s+65534\s+65534\s+65534$/m);
     expect(status).toMatch(/^Gid:\s+65534\s+65534\s+65534\s+65534$/m);
@@ -57,10 +50,10 @@ describe('a VM in a jailed process', () => {
     expect(status).toMatch(/^NoNewPrivs:\s+1$/m);
     expect(status).toMatch(/^Seccomp:\s+2$/m);
     for (const ns of ['mnt', 'pid', 'net', 'ipc', 'uts']) expect(readlinkSync(`/proc/${pid}/ns/${ns}`)).not.toBe(readlinkSync(`/proc/self/ns/${ns}`));
-    expect(readFileSync(join(CGROUP, 'J1', 'memory.max'), 'utf8').trim()).toBe(String(160 * MiB));
-    expect(readFileSync(join(CGROUP, 'J1', 'pids.max'), 'utf8').trim()).toBe('96');
-    expect(readFileSync(join(CGROUP, 'J1', 'cpu.max'), 'utf8').trim()).toBe('150000 100000');
-    expect(readFileSync(join(CGROUP, 'J1', 'memory.swap.max'), 'utf8').trim()).toBe('0');
+    const limits = jailCgroupLimits('J1');
+    expect(limits).toMatchObject({ memoryBytes: 160 * MiB, pids: 96, cpuQuotaUs: 150000, cpuPeriodUs: 100000 });
+    // No swap beyond the limit (undefined: a v1 kernel that does not account swap, where there is none to limit).
+    expect(limits.swapBytes ?? 0).toBe(0);
 
     // The control socket is the launcher's, relayed to the jail: the CLI and the SDK reach it.
     const handle = await VmHandle.connect('J1', { socketPath: join(dir, 'run', 'J1.sock') });
@@ -80,7 +73,7 @@ describe('a VM in a jailed process', () => {
     const digests = [...run.out().matchAll(/^digest: (\w+)/gm)].map((m) => m[1]);
     for (const d of digests) expect(d).toBe(before);
     // The jail is taken down: cgroup, private directory, backing directory.
-    expect(existsSync(join(CGROUP, 'J1'))).toBe(false);
+    expect(jailCgroupExists('J1')).toBe(false);
     expect(existsSync(join(JAIL_RUN_DIR, 'J1'))).toBe(false);
     expect(existsSync(backing)).toBe(false);
   }, 240_000);
@@ -96,7 +89,7 @@ describe('a VM in a jailed process', () => {
     expect(stored).not.toBeNull();
     expect(Number(stored![1])).toBeGreaterThanOrEqual(200); // of the 256 blocks of 64 KiB
     // The rlimits, soft and hard (src/jail/rlimits.ts).
-    const limits = readFileSync(`/proc/${vmmPid('F1')}/limits`, 'utf8');
+    const limits = readFileSync(`/proc/${jailedVmmPid('F1')}/limits`, 'utf8');
     expect(limits).toMatch(/^Max core file size\s+0\s+0\s+bytes/m);
     expect(limits).toMatch(/^Max open files\s+2048\s+2048\s+files/m);
 
@@ -108,7 +101,8 @@ describe('a VM in a jailed process', () => {
     expect(r.status).toBe(0);
     const snapshot = join(dir, 'F1-snapshot');
     const taken = await pvisorOnce(env, ['snapshot', 'F1', snapshot]);
-    expect(taken.stderr).toBe(`pvisor: writing the snapshot of F1 into ${snapshot}...\n`);
+    // Progress only past 2 s: none at native speed, some in the nested harness.
+    expect(taken.stderr).toMatch(/^(pvisor: (still )?writing the snapshot of F1[^\n]*\n)*$/);
     expect(taken.status).toBe(0);
     const h = await VmHandle.connect('F1', { socketPath: join(dir, 'run', 'F1.sock') });
     expect((await h.exec('digest')).stdout).toContain(`digest: ${before}`);
@@ -128,7 +122,7 @@ describe('a VM in a jailed process', () => {
     writeFileSync(secret, 'the host secret\n', { mode: 0o644 });
     const run = start('--guest', 'probe', '--name', 'J2', '--memory', '64MiB', '--vcpus', '1', '--', 'digest, wait');
     await run.waitFor(/^digest: /m);
-    const pid = vmmPid('J2');
+    const pid = jailedVmmPid('J2');
     const root = `/proc/${pid}/root`;
     // The process's root, as the kernel resolves its paths: the test's file, /etc/passwd, /root,
     // the runtime directory holding every VM's control socket, and another VM's jail are not there.
@@ -155,7 +149,7 @@ describe('a VM in a jailed process', () => {
     expect(end.code).not.toBe(0);
     expect(victim.err()).toMatch(/V1: the VM's process reached its limits\.memory of 134217728 bytes \(128 MiB\) and the kernel ended it \(cgroup OOM kill\)/);
     expect(victim.out()).not.toMatch(/^digest: /m);
-    expect(existsSync(join(CGROUP, 'V1'))).toBe(false);
+    expect(jailCgroupExists('V1')).toBe(false);
 
     // Through the launcher's API: the typed error.
     const vmm = await JailedVmm.start({ id: 'V2', limits: resolveLimits({ memory: '128MiB' }, { memoryBytes: 256 * MiB, vcpus: 1 }), runArgv: ['--guest', 'probe', '--memory', '256MiB', '--vcpus', '1', '--', 'fill 224MiB random 7, digest'], readOnly: [], readWrite: [], backingParent: dir });
@@ -186,7 +180,7 @@ describe('a VM in a jailed process', () => {
     const outcome = await vmm.exited();
     expect('error' in outcome && outcome.error).toBeInstanceOf(JailViolationError);
     expect((outcome as { error: JailViolationError }).error.signal).toBe('SIGSYS');
-    expect(existsSync(join(CGROUP, 'S1'))).toBe(false);
+    expect(jailCgroupExists('S1')).toBe(false);
 
     // A KVM ioctl request outside the list (KVM_SET_USER_MEMORY_REGION2, of KVM's type byte,
     // which the filter let through when it allowed requests by driver): killed the same way.
@@ -200,7 +194,7 @@ describe('a VM in a jailed process', () => {
     const ioctlOutcome = await ioctlVmm.exited();
     expect('error' in ioctlOutcome && ioctlOutcome.error).toBeInstanceOf(JailViolationError);
     expect((ioctlOutcome as { error: JailViolationError }).error.signal).toBe('SIGSYS');
-    expect(existsSync(join(CGROUP, 'S3'))).toBe(false);
+    expect(jailCgroupExists('S3')).toBe(false);
 
     // Through the CLI: the message.
     const run = startPvisor({ ...env, PVISOR_JAIL_TEST_FORBIDDEN_SYSCALL: '1' }, ['run', '--isolation', 'process', '--vm-backing-dir', dir, '--guest', 'probe', '--name', 'S2', '--memory', '64MiB', '--', 'fill 8MiB, digest, wait']);
@@ -215,15 +209,15 @@ describe('a VM in a jailed process', () => {
     expect(vm).toBeInstanceOf(VmHandle);
     const st = await vm.status();
     expect(st).toMatchObject({ id: 'H1', state: 'running', guest: 'probe', memoryBytes: 64 * MiB, vcpus: 1, labels: { team: 'jail' } });
-    expect(readFileSync(join(CGROUP, 'H1', 'pids.max'), 'utf8').trim()).toBe('64');
-    expect(vmmPid('H1')).toBeGreaterThan(0);
+    expect(jailCgroupLimits('H1').pids).toBe(64);
+    expect(jailedVmmPid('H1')).toBeGreaterThan(0);
     const r = await vm.exec('fill 8MiB random 5, digest');
     expect(r.stdout).toMatch(/^digest: \w+/m);
     await vm.stop();
     const outcome = await vm.jail.exited();
     // The jailed probe run ends as `pvisor run` does when stopped at its `wait` step.
     expect(outcome).toEqual({ exitCode: 0 });
-    expect(existsSync(join(CGROUP, 'H1'))).toBe(false);
+    expect(jailCgroupExists('H1')).toBe(false);
     // Options a jailed VM does not take yet are refused before anything starts.
     await expect(Vm.start({ isolation: 'process', guest: 'linux', rootfs: { path: '/x' } } as never)).rejects.toThrow(/^rootfs: not available with isolation: 'process' yet/);
     await expect(Vm.start({ isolation: 'process', guest: 'probe', network: 'nat' })).rejects.toThrow(/^network: only the Linux guest has a network device/);

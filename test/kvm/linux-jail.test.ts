@@ -15,8 +15,8 @@ import { SnapshotReader } from '../../src/snapshot/snapshot-dir';
 import { Vm } from '../../src/vm';
 import { VmHandle } from '../../src/vm-handle';
 import { PVISOR_MAIN, pvisorOnce, startPvisor, type Run } from '../cli-runs';
+import { jailCgroupExists, jailedVmmPid } from '../jail-cgroups';
 
-const CGROUP = '/sys/fs/cgroup/pvisor';
 const sh = (cmd: string) => execFileSync('sh', ['-c', cmd], { encoding: 'utf8' });
 /** pvisor's TAPs and nftables tables on this host (`FAMILY NAME`). */
 const ourLinks = () => [...sh('ip -o link show').matchAll(/^[0-9]+: (pv[0-9]+n[0-9]+)[:@]/gm)].map((m) => m[1]);
@@ -34,13 +34,6 @@ const httpGet = (url: string) =>
     }).on('error', reject);
   });
 
-/** The jailed node process of VM `id` (its cgroup also holds bwrap, which is root's). */
-function vmmPid(id: string): number {
-  const pids = readFileSync(join(CGROUP, id, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean).map(Number);
-  const node = pids.filter((p) => /^Uid:\s+65534\b/m.test(readFileSync(`/proc/${p}/status`, 'utf8')) && readFileSync(`/proc/${p}/comm`, 'utf8').trim() === 'node');
-  expect(node).toHaveLength(1);
-  return node[0];
-}
 
 /** A snapshot copied out of a jail: this process's files, read-only, checked whole by the reader; nothing left staged in `backingDir`. */
 function expectSnapshotOfOurs(snapshot: string, backingDir: string): void {
@@ -57,7 +50,7 @@ function expectSnapshotOfOurs(snapshot: string, backingDir: string): void {
 function expectNothingLeft(id: string, tap: string, table: string): void {
   expect(ourLinks()).not.toContain(tap);
   expect(ourTables().filter((t) => t.endsWith(` ${table}`))).toEqual([]);
-  expect(existsSync(join(CGROUP, id))).toBe(false);
+  expect(jailCgroupExists(id)).toBe(false);
   expect(existsSync(join(JAIL_RUN_DIR, id))).toBe(false);
 }
 
@@ -134,7 +127,7 @@ describe('a Linux VM in a jailed process', () => {
     expect(execFileSync('dumpe2fs', ['-h', image], { encoding: 'utf8', stdio: 'pipe' })).not.toMatch(/needs_recovery/);
     expect(spawnSync('e2fsck', ['-fn', image], { encoding: 'utf8' }).status).toBe(0);
     expect(execFileSync('debugfs', ['-R', 'cat /from-jail', image], { encoding: 'utf8', stdio: 'pipe' })).toBe(`${text}\n`);
-    expect(existsSync(join(CGROUP, 'LW'))).toBe(false);
+    expect(jailCgroupExists('LW')).toBe(false);
   }, 300_000);
 
   describe('with a network', () => {
@@ -171,7 +164,7 @@ describe('a Linux VM in a jailed process', () => {
         expect(ourLinks()).toContain(net.tap);
         expect(ourTables()).toEqual(expect.arrayContaining([`inet ${net.nftTable}`, `netdev ${net.nftTable}`]));
         // The jailed VMM holds the TAP as the fd it was handed, in a network namespace of its own, with no capability.
-        const pid = vmmPid('LN');
+        const pid = jailedVmmPid('LN');
         expect(readlinkSync(`/proc/${pid}/fd/6`)).toBe('/dev/net/tun');
         expect(readlinkSync(`/proc/${pid}/ns/net`)).not.toBe(readlinkSync('/proc/self/ns/net'));
         expect(readFileSync(`/proc/${pid}/status`, 'utf8')).toMatch(/^CapEff:\s+0+$/m);
@@ -198,7 +191,7 @@ describe('a Linux VM in a jailed process', () => {
       const killed = await Vm.start({ isolation: 'process', memory: '256MiB', vcpus: 1, name: 'LK', network: 'nat', backingDir: dir, bootTimeoutMs: 170_000 });
       const knet = killed.network;
       expect(ourLinks()).toContain(knet.tap);
-      process.kill(vmmPid('LK'), 'SIGKILL');
+      process.kill(jailedVmmPid('LK'), 'SIGKILL');
       expect(await killed.jail.exited()).toEqual({ signal: 'SIGKILL' });
       expectNothingLeft('LK', knet.tap!, knet.nftTable!);
     }, 420_000);

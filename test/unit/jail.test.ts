@@ -11,10 +11,11 @@ import { parseRunArgs } from '../../src/cli/run-args';
 import { jailedFlags, withAbsolutePaths, withFrom, withoutPublish } from '../../src/cli/run-jailed';
 import { InvalidOptionError, NetworkSetupError } from '../../src/errors';
 import { formatHandedNetwork, handedNetwork, HANDED_NETWORK_ENV } from '../../src/network/handed-network';
-import { cgroup2MountOf, parseMemoryEvents } from '../../src/jail/cgroup';
+import { JailCgroup, parseMemoryEvents } from '../../src/jail/cgroup';
+import { cgroup2MountOf, cgroupV1ParentsOf, checkCgroupHost } from '../../src/jail/cgroup-host';
 import { jailedEntry, parseJailedReport } from '../../src/jail/jailed-entry';
 import { withJailedRunArgs } from '../../src/jail/launcher';
-import { cgroupFiles, DEFAULT_MEMORY_HEADROOM_BYTES, DEFAULT_PIDS, resolveLimits } from '../../src/jail/limits';
+import { cgroupFiles, cgroupV1Files, DEFAULT_MEMORY_HEADROOM_BYTES, DEFAULT_PIDS, resolveLimits } from '../../src/jail/limits';
 import { JAIL_OPEN_FILES, JAIL_RLIMITS, withJailRlimits } from '../../src/jail/rlimits';
 import { bwrapArgs, librariesOfLdd, nodeRuntimeFiles, parentDirs, usrMergeLinks } from '../../src/jail/sandbox';
 import { ALLOWED_IOCTLS, ALLOWED_SYSCALLS, BPF_INSTRUCTION_BYTES, buildFilter, filterRules, ioctlTableMarkdown } from '../../src/jail/seccomp';
@@ -69,6 +70,17 @@ describe('jail limits', () => {
     // The kernel refuses a quota under 1 ms.
     expect(cgroupFiles({ memoryBytes: 128 * MiB, cpus: 0.001, pids: 64 })[4][1]).toBe('1000 100000');
   });
+
+  it('become cgroup v1 files on a v1 host: the same limits, memsw equal to memory (no swap) where swap is accounted, the period before the quota', () => {
+    expect(cgroupV1Files({ memoryBytes: 128 * MiB, cpus: 1.5, pids: 64 })).toEqual([
+      ['memory', 'memory.limit_in_bytes', String(128 * MiB)],
+      ['memory', 'memory.memsw.limit_in_bytes', String(128 * MiB), true],
+      ['pids', 'pids.max', '64'],
+      ['cpu', 'cpu.cfs_period_us', '100000'],
+      ['cpu', 'cpu.cfs_quota_us', '150000'],
+    ]);
+    expect(cgroupV1Files({ memoryBytes: 128 * MiB, cpus: 0.001, pids: 64 })[4][2]).toBe('1000');
+  });
 });
 
 describe('jail rlimits', () => {
@@ -89,8 +101,52 @@ describe('jail cgroup', () => {
     expect(cgroup2MountOf('40 1 0:30 / /mnt/my\\040cg rw - cgroup2 none rw\n')).toBe('/mnt/my cg');
   });
 
+  it('finds the v1 hierarchies of memory, pids and cpu, under this process\'s own cgroup in each', () => {
+    // A hybrid host as these machines have it: cpu and cpuacct apart, the process in a memory cgroup of its own.
+    const mountinfo = [
+      '32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct',
+      '35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory',
+      '39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids',
+      '40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd',
+      '41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw',
+    ].join('\n');
+    const self = '9:name=systemd:/\n8:pids:/\n4:memory:/process_api/ab12\n1:cpu,cpuacct:/\n0::/\n';
+    expect(cgroupV1ParentsOf(mountinfo, self)).toEqual({ memory: '/sys/fs/cgroup/memory/process_api/ab12/pvisor', pids: '/sys/fs/cgroup/pids/pvisor', cpu: '/sys/fs/cgroup/cpu,cpuacct/pvisor' });
+    // A container's hierarchy mounted from its subtree: the subtree is the mount's root.
+    expect(cgroupV1ParentsOf('50 1 0:40 /docker/c1 /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory', '4:memory:/docker/c1/app\n').memory).toBe('/sys/fs/cgroup/memory/app/pvisor');
+    // No pids hierarchy: the host cannot jail, and the error says which controller is missing.
+    const noPids = mountinfo.split('\n').filter((l) => !l.includes('pids')).join('\n');
+    expect(cgroupV1ParentsOf(noPids, self).pids).toBeUndefined();
+    expect(() => checkCgroupHost(noPids, self)).toThrow(/cgroup v2 at \/sys\/fs\/cgroup\/unified does not offer the memory, pids, cpu controller\(s\)|no cgroup v1 hierarchy holds the pids controller/);
+    expect(() => checkCgroupHost('', '')).toThrow(/no cgroup v2 is mounted, and no cgroup v1 hierarchy holds the memory, pids, cpu controller\(s\)/);
+  });
+
+  it('enters each of its v1 directories before the command runs, and is removed as a whole', () => {
+    const root = mkdtempSync(join(tmpdir(), 'pvisor-cg-'));
+    try {
+      const parents = { memory: join(root, 'memory', 'pvisor'), pids: join(root, 'pids', 'pvisor'), cpu: join(root, 'cpu', 'pvisor') };
+      const cg = JailCgroup.create('T1', { memoryBytes: 64 * MiB, cpus: 1, pids: 32 }, { version: 1, parents });
+      expect(cg.dirs).toEqual([join(parents.memory, 'T1'), join(parents.pids, 'T1'), join(parents.cpu, 'T1')]);
+      // Plain directories stand in for the hierarchies: the files are written as the kernel would take them.
+      expect(cg.limits()).toEqual({ memoryBytes: 64 * MiB, swapBytes: undefined, pids: 32, cpuQuotaUs: 100000, cpuPeriodUs: 100000 });
+      expect(() => JailCgroup.create('T1', { memoryBytes: 64 * MiB, cpus: 1, pids: 32 }, { version: 1, parents })).toThrow(/already exists: another jailed run of T1/);
+      const argv = cg.enterArgv(['/bin/sh', '-c', 'echo ran $$']);
+      const r = spawnSync(argv[0], argv.slice(1), { encoding: 'utf8' });
+      expect(r.status).toBe(0);
+      const pid = /^ran (\d+)$/m.exec(r.stdout)![1];
+      for (const d of cg.dirs) expect(readFileSync(join(d, 'cgroup.procs'), 'utf8').trim()).toBe(pid);
+      for (const d of cg.dirs) for (const f of readdirSync(d)) rmSync(join(d, f));
+      expect(cg.remove()).toBe(true);
+      for (const d of cg.dirs) expect(existsSync(d)).toBe(false);
+    } finally {
+      rmSync(root, { recursive: true, force: true });
+    }
+  });
+
   it("reads memory.events' counts", () => {
     expect(parseMemoryEvents('low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\noom_group_kill 1\n')).toEqual({ low: 0, high: 0, max: 12, oom: 1, oom_kill: 1, oom_group_kill: 1 });
+    // v1's memory.oom_control counts the same kill.
+    expect(parseMemoryEvents('oom_kill_disable 0\nunder_oom 0\noom_kill 2\n').oom_kill).toBe(2);
   });
 });
 
