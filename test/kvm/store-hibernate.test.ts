@@ -216,6 +216,9 @@ function restoreElsewhere(location: string, host: string): Restored {
       expect((await pvisorOnce(host('jail-b'), ['stop', 'J1'])).status).toBe(0);
     } finally {
       await pvisorOnce(hostA, ['stop', 'J2']);
+      // The launcher takes its jail down after the VM has stopped: killed meanwhile, it would leave
+      // J2's cgroup and jail directory behind for the next run of that id (jail.test.ts's J2).
+      await Promise.race([other.exited, new Promise((res) => setTimeout(res, 10_000))]);
       for (const x of [run, other]) if (x.child.exitCode === null && x.child.signalCode === null) x.child.kill('SIGKILL');
       if (pid !== undefined) for (let i = 0; i < 100 && !gone(pid); i++) await new Promise((res) => setTimeout(res, 100));
       if (pid !== undefined && !gone(pid)) process.kill(pid, 'SIGKILL');
