@@ -1,6 +1,7 @@
 /**
  * A jailed VM's resource limits (`limits: { memory, cpus, pids }`) and the cgroup files (v2, or
- * v1 on a host whose controllers are bound there) they become. Pure: it reads no file, so every refusal happens before anything is created.
+ * v1 on a host whose controllers are bound there) they become. Pure: it reads no file, so every
+ * refusal happens before anything is created.
  * @module
  */
 import { InvalidOptionError } from '../errors';
@@ -13,9 +14,10 @@ import { parseSize, type Size } from '../units';
 export interface JailLimitsInput {
   /**
    * The most memory the VM's whole process may hold: guest RAM as the guest touches it, the VMM's
-   * own heap and code, and the page cache its files charge (cgroup v2 `memory.max`, v1 `memory.limit_in_bytes`). Past it the
-   * kernel ends the process (and only it), and the VM ends with a {@link VmLimitError}. Default:
-   * guest RAM + 192 MiB (node, V8 and the VMM's own buffers, with room for a burst).
+   * own heap and code, and the page cache its files charge (cgroup v2 `memory.max`, v1
+   * `memory.limit_in_bytes`). Past it the kernel ends the process (and only it), and the VM ends
+   * with a {@link VmLimitError}. Default: guest RAM + 192 MiB (node, V8 and the VMM's own buffers,
+   * with room for a burst).
    */
   memory?: Size;
   /** CPU time, in CPUs (1.5 = one and a half CPUs' worth each period; cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`). Default: the VM's vCPUs + 1 (the VMM's own threads). */
