@@ -59,12 +59,14 @@ export function openSnapshotFile(path: string): SnapshotFile {
 /**
  * Reads all of `file` through its descriptor, refusing it before any read if it is larger than
  * `maxBytes` (`why` says where the bound comes from), and after, if it changed size meanwhile.
+ * `into`: a buffer to read into when it is large enough (the result is a view of it), so that a
+ * reader of many large files does not map and fault in fresh memory for each.
  */
-export function readSnapshotFile(file: SnapshotFile, maxBytes: number, why: string): Buffer {
+export function readSnapshotFile(file: SnapshotFile, maxBytes: number, why: string, into?: Buffer): Buffer {
   const { fd, path } = file;
   const size = fstatSync(fd).size;
   if (size > maxBytes) throw new SnapshotError(`${path}: ${size} bytes, more than the ${maxBytes} that ${why}`);
-  const out = Buffer.allocUnsafe(size);
+  const out = into && into.length >= size ? into.subarray(0, size) : Buffer.allocUnsafe(size);
   for (let done = 0; done < size;) {
     const n = readSync(fd, out, done, size - done, done);
     if (n === 0) throw new SnapshotError(`${path}: ends at byte ${done}, before the ${size} it had when opened: the file was changed while it was read`);

@@ -68,9 +68,10 @@ export class ChunkCache {
 
   /**
    * The chunk `sha256` of `sizeBytes`, if the cache has it whole and with that hash; its use
-   * makes it the most recently used. A damaged entry is removed.
+   * makes it the most recently used. A damaged entry is removed. `into`: read into this buffer if
+   * it is large enough (the result is then a view of it, valid until the caller reuses it).
    */
-  read(sha256: string, sizeBytes: number): Buffer | undefined {
+  read(sha256: string, sizeBytes: number, into?: Buffer): Buffer | undefined {
     const path = this.pathOf(sha256);
     let file;
     try {
@@ -82,7 +83,7 @@ export class ChunkCache {
       // Of another size: whoever asks is wrong about it (a manifest is hostile), or the entry is;
       // either way it is not this chunk, and a good entry is not removed for a bad question.
       if (file.sizeBytes !== sizeBytes) return undefined;
-      const bytes = readSnapshotFile(file, sizeBytes, 'the chunk has');
+      const bytes = readSnapshotFile(file, sizeBytes, 'the chunk has', into);
       if (sha256Hex(bytes) === sha256) {
         const now = new Date();
         utimesSync(path, now, now);

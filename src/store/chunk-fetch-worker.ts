@@ -17,7 +17,7 @@
  * native code (fetch-protocol.ts holds the records' numbers); the fds it uses (its end of the
  * fetch socket, the scratch file) are the process's, given by number.
  */
-import { writeSync } from 'node:fs';
+import { closeSync, writeSync } from 'node:fs';
 import { parentPort, workerData } from 'node:worker_threads';
 import { StoreError, type StoreErrorReason } from '../errors';
 import { FetchFailure, FetchRecord } from '../memory/fetch-protocol';
@@ -42,7 +42,10 @@ export interface FetcherChunk extends ChunkRef {
   fileOffset: number;
 }
 
-/** What a job is started with. */
+/**
+ * What a job is opened with, as soon as the snapshot's manifest is read: the worker makes its
+ * S3 client and cache handle while the VM is built, so that the first fault finds it ready.
+ */
 export interface FetcherJob {
   id: number;
   location: string;
@@ -51,16 +54,14 @@ export interface FetcherJob {
   cacheMaxBytes: number;
   /** The job's counters ({@link FetcherCounter}), read by the main thread at any time. */
   counters: SharedArrayBuffer;
-  fetchFd: number;
-  sourceId: number;
   scratchFd: number;
   chunks: FetcherChunk[];
   prefetchOrder: number[];
   concurrency: number;
 }
 
-/** Main thread to worker. */
-export type FetcherCommand = ({ kind: 'start' } & FetcherJob) | { kind: 'prefetch'; id: number } | { kind: 'stop'; id: number };
+/** Main thread to worker: a job is opened, then attached to the server's fetch socket once guest RAM has its server. */
+export type FetcherCommand = ({ kind: 'open' } & FetcherJob) | { kind: 'attach'; id: number; fetchFd: number; sourceId: number } | { kind: 'prefetch'; id: number } | { kind: 'stop'; id: number };
 
 /** Worker to main thread: a job's first failure, as a StoreError's reason (null: this host's) and message; or that a job has let go of its files. */
 export type FetcherMessage = { kind: 'error'; id: number; reason: StoreErrorReason | null; message: string } | { kind: 'stopped'; id: number };
@@ -69,16 +70,33 @@ const FAILURE_CODE: Partial<Record<StoreErrorReason, number>> = { corrupt: Fetch
 
 if (parentPort && (workerData as Partial<FetcherData> | null)?.role === 'pvisor-chunk-fetcher') serve(parentPort);
 
+/**
+ * The worker's buffer for chunks read from the cache: one for all its jobs, used between a
+ * synchronous read and write (nothing else runs meanwhile), so that a chunk does not map and
+ * fault in 2 MiB of new memory each time. Allocated at the first read, as large as a chunk (a
+ * manifest's chunk sizes are checked against the RAM chunk size before any job opens).
+ */
+let chunkBufferOf: Buffer | undefined;
+function chunkBuffer(sizeBytes: number): Buffer {
+  if (!chunkBufferOf || chunkBufferOf.length < sizeBytes) chunkBufferOf = Buffer.allocUnsafeSlow(sizeBytes);
+  return chunkBufferOf;
+}
+
 function serve(port: NonNullable<typeof parentPort>): void {
   // The S3 client's code loads in the background (a few hundred ms on a busy host): a chunk the
   // cache holds does not wait for it.
   const objectIo = import('./object-io');
   objectIo.catch(() => undefined);
-  const jobs = new Map<number, { prefetch(): void; stop(): void }>();
+  const jobs = new Map<number, OpenJob>();
   port.on('message', (cmd: FetcherCommand) => {
-    if (cmd.kind === 'start' && !jobs.has(cmd.id)) {
-      const job = startJob(cmd, objectIo, (m) => port.postMessage(m), () => jobs.delete(cmd.id));
+    if (cmd.kind === 'open' && !jobs.has(cmd.id)) {
+      const job = openJob(cmd, objectIo, (m) => port.postMessage(m), () => jobs.delete(cmd.id));
       jobs.set(cmd.id, job);
+    } else if (cmd.kind === 'attach') {
+      const job = jobs.get(cmd.id);
+      // The socket is the worker's from now on: a job that has ended closes it.
+      if (job) job.attach(cmd.fetchFd, cmd.sourceId);
+      else closeSync(cmd.fetchFd);
     } else if (cmd.kind === 'prefetch') {
       jobs.get(cmd.id)?.prefetch();
     } else if (cmd.kind === 'stop') {
@@ -89,7 +107,14 @@ function serve(port: NonNullable<typeof parentPort>): void {
   });
 }
 
-function startJob(job: FetcherJob, objectIo: Promise<typeof import('./object-io')>, post: (m: FetcherMessage) => void, forget: () => void): { prefetch(): void; stop(): void } {
+/** A job of the worker: opened, then attached to its fetch socket (the server's requests come from then on). */
+interface OpenJob {
+  attach(fetchFd: number, sourceId: number): void;
+  prefetch(): void;
+  stop(): void;
+}
+
+function openJob(job: FetcherJob, objectIo: Promise<typeof import('./object-io')>, post: (m: FetcherMessage) => void, forget: () => void): OpenJob {
   const url = parseStoreUrl(job.location);
   const storeReady: Promise<ObjectStore> = objectIo.then(({ ObjectStore }) => ObjectStore.open(url, { requestTimeoutMs: job.requestTimeoutMs }));
   storeReady.catch(() => undefined);
@@ -111,11 +136,14 @@ function startJob(job: FetcherJob, objectIo: Promise<typeof import('./object-io'
   let left = job.chunks.length;
   let failed = false;
   let stopped = false;
+  /** The fetch socket and the source's id in the server, once attached. */
+  let channel: RecordChannel | undefined;
+  let sourceId = -1;
 
   const stop = (): void => {
     if (stopped) return;
     stopped = true;
-    channel.destroy();
+    channel?.destroy();
     void storeReady.then((store) => store.close(), () => undefined);
     forget();
     // Nothing of this job touches the scratch file from now on (a fetch still under way drops its bytes).
@@ -128,22 +156,23 @@ function startJob(job: FetcherJob, objectIo: Promise<typeof import('./object-io'
     if (!forFault) prefetchesRunning++;
     cache.pin(c.sha256);
     try {
-      // From the cache without waiting for the S3 client's code to load.
-      const cached = cache.read(c.sha256, c.sizeBytes);
+      // From the cache without waiting for the S3 client's code to load; into the worker's one
+      // chunk buffer, which is free again once the write below (synchronous, as the read is) is done.
+      const cached = cache.read(c.sha256, c.sizeBytes, chunkBuffer(c.sizeBytes));
       if (cached) counts.chunksPresent++;
       const bytes = cached ?? (await fetchCheckedChunk(c, url, await storeReady, cache, counts));
       if (stopped) return;
       for (let done = 0; done < bytes.length;) done += writeSync(job.scratchFd, bytes, done, bytes.length - done, c.fileOffset + done);
       states[i] = 2;
       if (forFault) Atomics.add(shared, FetcherCounter.chunksForFaults, 1n);
-      channel.send({ kind: FetchRecord.ready, tag: job.sourceId, err: 0, value: i });
+      channel?.send({ kind: FetchRecord.ready, tag: sourceId, err: 0, value: i });
       if (--left === 0) cache.evict();
     } catch (e) {
       if (stopped) return;
       const reason = e instanceof StoreError ? e.reason : null;
       if (!failed) post({ kind: 'error', id: job.id, reason, message: (e as Error).message });
       failed = true;
-      channel.send({ kind: FetchRecord.failed, tag: job.sourceId, err: reason === null ? FetchFailure.local : FAILURE_CODE[reason] ?? FetchFailure.unreachable, value: i });
+      channel?.send({ kind: FetchRecord.failed, tag: sourceId, err: reason === null ? FetchFailure.local : FAILURE_CODE[reason] ?? FetchFailure.unreachable, value: i });
     } finally {
       cache.unpin(c.sha256);
       if (!forFault) prefetchesRunning--;
@@ -160,16 +189,20 @@ function startJob(job: FetcherJob, objectIo: Promise<typeof import('./object-io'
   };
 
   const onRecord = (rec: NativeRecord): void => {
-    if (stopped || rec.kind !== FetchRecord.want || rec.tag !== job.sourceId || !Number.isInteger(rec.value) || rec.value >= job.chunks.length) return;
+    if (stopped || rec.kind !== FetchRecord.want || rec.tag !== sourceId || !Number.isInteger(rec.value) || rec.value >= job.chunks.length) return;
     const i = rec.value;
     // After a failure the VM is ending: a fault must not wait for a fetch that will not come.
-    if (failed && states[i] !== 2) channel.send({ kind: FetchRecord.failed, tag: job.sourceId, err: FetchFailure.gone, value: i });
+    if (failed && states[i] !== 2) channel?.send({ kind: FetchRecord.failed, tag: sourceId, err: FetchFailure.gone, value: i });
     else if (states[i] === 0) void fetchRange(i, true);
   };
 
-  // The server closing its end (the VM ended) ends the job.
-  const channel = new RecordChannel(job.fetchFd, onRecord, { writable: true, onClose: stop });
   return {
+    attach: (fetchFd, id) => {
+      if (stopped || channel) return closeSync(fetchFd);
+      sourceId = id;
+      // The server closing its end (the VM ended) ends the job.
+      channel = new RecordChannel(fetchFd, onRecord, { writable: true, onClose: stop });
+    },
     prefetch: () => {
       prefetching = true;
       pump();

@@ -113,13 +113,13 @@ export class LazyStoreSnapshot {
     /** The snapshot's small files and an empty scratch RAM file, checked: what `Vm` restores from. */
     readonly reader: SnapshotReader,
     private readonly thread: FetcherThread,
-    private readonly options: { requestTimeoutMs: number; cacheDir: string; cacheMaxBytes: number },
-    private readonly countersBuffer: SharedArrayBuffer,
+    options: { requestTimeoutMs: number; cacheDir: string; cacheMaxBytes: number },
+    countersBuffer: SharedArrayBuffer,
     private readonly scratchFd: number,
     private readonly ranges: FileRange[],
-    private readonly chunks: FetcherChunk[],
-    private readonly order: number[],
-    private readonly concurrency: number,
+    chunks: FetcherChunk[],
+    order: number[],
+    concurrency: number,
     private readonly base: StoreTransfer,
     private readonly t0: number,
     /** What each RAM chunk is restored from, for the page deltas of this VM's next upload (upload.ts). */
@@ -138,6 +138,8 @@ export class LazyStoreSnapshot {
         this.release();
       },
     });
+    // Opened now, while the VM is built: by the first fault the worker has its S3 client and cache.
+    thread.post({ kind: 'open', id: this.jobId, location: url.url, requestTimeoutMs: options.requestTimeoutMs, cacheDir: options.cacheDir, cacheMaxBytes: options.cacheMaxBytes, counters: countersBuffer, scratchFd, chunks, prefetchOrder: order, concurrency } satisfies FetcherCommand);
   }
 
   /** The fetcher will not write the scratch file again: it closes once this restore is done with it too. */
@@ -232,8 +234,7 @@ export class LazyStoreSnapshot {
           closeSync(fetchFd);
           return;
         }
-        const { requestTimeoutMs, cacheDir, cacheMaxBytes } = this.options;
-        this.thread.post({ kind: 'start', id: this.jobId, location: this.url.url, requestTimeoutMs, cacheDir, cacheMaxBytes, counters: this.countersBuffer, fetchFd, sourceId, scratchFd: this.scratchFd, chunks: this.chunks, prefetchOrder: this.order, concurrency: this.concurrency } satisfies FetcherCommand);
+        this.thread.post({ kind: 'attach', id: this.jobId, fetchFd, sourceId } satisfies FetcherCommand);
       },
       close: () => this.close(),
     };

@@ -6,7 +6,7 @@
 // `corrupt` and never mapped, the faulting thread left waiting until the server is destroyed.
 // Skipped, saying why, only when this machine cannot have the store's Debian packages.
 import { randomBytes } from 'node:crypto';
-import { closeSync, mkdtempSync, openSync, readdirSync, readSync, rmSync, write } from 'node:fs';
+import { closeSync, mkdtempSync, openSync, readdirSync, readlinkSync, readSync, rmSync, write } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { StoreError } from '../../src';
@@ -163,5 +163,29 @@ async function until<T>(what: () => T | undefined, timeoutMs = 30_000): Promise<
     } finally {
       h.done();
     }
+  });
+
+  it('a restore that ends before guest RAM has its server: the job the fetcher opened early lets go of the scratch file, having fetched nothing', async () => {
+    const cacheDir = mkdtempSync(join(base, 'cache-'));
+    /** This process's descriptors open on a file of `cacheDir` (the scratch RAM file, once its directory is removed, as "(deleted)"). */
+    const held = () =>
+      readdirSync('/proc/self/fd').filter((fd) => {
+        try {
+          return readlinkSync(`/proc/self/fd/${fd}`).startsWith(cacheDir);
+        } catch {
+          return false;
+        }
+      });
+    const opened = await LazyStoreSnapshot.open(url, { cacheDir, requestTimeoutMs: 20_000 });
+    if (opened === 'hibernated') throw new Error('the template is a snapshot, not a hibernated VM');
+    const smallFiles = opened.transfer();
+    opened.removeDir();
+    expect(held().length).toBeGreaterThan(0);
+    await tick(200);
+    opened.close();
+    await until(() => (held().length === 0 ? true : undefined));
+    const after = opened.transfer();
+    expect(after.chunksTransferred + after.chunksPresent).toBe(smallFiles.chunksTransferred + smallFiles.chunksPresent);
+    expect(readdirSync(join(cacheDir, 'chunks')).length).toBe(2);
   });
 });
