@@ -35,7 +35,7 @@ export interface FleetFigures {
   localMs: MsStats;
   storeColdMs: MsStats;
   storeWarmMs: MsStats;
-  /** Bytes a cold-cache restore read from the store before the VM was ready. */
+  /** The most bytes a cold-cache restore of the runs had read from the store when Vm.restore resolved (the VM running; the prefetch starts then). */
   bytesBeforeReady: number;
   /** Bytes the upload of the child snapshot sent, and its chunk objects sent / found present. */
   childSentBytes: number;
@@ -107,7 +107,7 @@ export function fleetTableRows(f: FleetFigures): string[][] {
     ['local lazy restore to ready, ms', mmm(f.localMs), '-', '-'],
     ['store lazy restore to ready, cold cache, ms', `${mmm(f.storeColdMs)} (${goals[0].value.toFixed(2)}x local)`, '<= 2x local', g(0)],
     ['store lazy restore to ready, warm cache, ms', `${mmm(f.storeWarmMs)} (${goals[1].value.toFixed(2)}x local)`, '<= 2x local', g(1)],
-    ['read from the store before ready (cold cache)', `${(f.bytesBeforeReady / MiB).toFixed(1)} MiB = ${(goals[2].value * 100).toFixed(0)}% of the ${f.workingSetMiB} MiB working set`, '<= 10% of the working set', g(2)],
+    ['read from the store before ready (cold cache, most of the runs)', `${(f.bytesBeforeReady / MiB).toFixed(1)} MiB = ${(goals[2].value * 100).toFixed(0)}% of the ${f.workingSetMiB} MiB working set`, '<= 10% of the working set', g(2)],
     [`child upload, ${CHILD_CHANGED_MIB} MiB changed`, `${(f.childSentBytes / MiB).toFixed(1)} MiB sent (${f.childChunksSent} objects sent, ${f.childChunksPresent} present; RAM chunks changed: ${f.childChangedChunks.join(', ')})`, '<= 10 MiB sent', g(3)],
   ];
   let next = 4;
@@ -131,7 +131,7 @@ export interface FleetLinuxFigures {
   localMs: MsStats;
   storeColdMs: MsStats;
   storeWarmMs: MsStats;
-  /** Bytes a cold-cache restore read from the store before the VM was ready. */
+  /** The most bytes a cold-cache restore of the runs had read from the store when Vm.restore resolved (the VM running; the prefetch starts then). */
   bytesBeforeReady: number;
 }
 
