@@ -125,11 +125,18 @@ export function formatBytes(bytes: number): string {
 /** Runs suspend, resume or stop; resolves with the exit status. */
 export async function cmdControl(command: ControlCommand, argv: string[]): Promise<number> {
   const a = parseUsage(command, () => parseControlArgs(command, argv));
-  if (command === 'resume' && (await probeSocket(a.socketPath)) !== 'live') {
+  const live = command === 'resume' && (await probeSocket(a.socketPath)) === 'live';
+  const store = a.store !== undefined ? { url: a.store, ...(a.takeOver && { takeOver: a.takeOver }) } : undefined;
+  if (a.foreground) {
+    // The process a `pvisor resume` started: whatever it finds, a refusal too, it reports to that
+    // resume, which would otherwise see only an exit status (two resumes at once: the loser's
+    // process finds the winner's socket live).
+    const { runHibernated } = await import('./resume-hibernated');
+    return runHibernated(a.id, a.socketPath, store, { live });
+  }
+  if (command === 'resume' && !live) {
     // No process answers for it: a hibernated VM is continued in a new one.
-    const { runHibernated, startResume } = await import('./resume-hibernated');
-    const store = a.store !== undefined ? { url: a.store, ...(a.takeOver && { takeOver: a.takeOver }) } : undefined;
-    if (a.foreground) return runHibernated(a.id, a.socketPath, store);
+    const { startResume } = await import('./resume-hibernated');
     if (!store && !hibernationOf(a)) return cmdControlRequest(command, a);
     const t0 = performance.now();
     const report = await startResume(a.id, a.socketPath, store);
@@ -144,7 +151,6 @@ export async function cmdControl(command: ControlCommand, argv: string[]): Promi
     }
     return 0;
   }
-  if (a.foreground) throw new RefusedError(`resume ${a.id} --foreground refused: ${a.id} is not hibernated (a process runs it)`);
   if (command === 'resume' && a.store !== undefined) throw new RefusedError(`resume ${a.id} --store refused: a VM named ${a.id} runs on this host (${a.socketPath})`);
   return cmdControlRequest(command, a);
 }

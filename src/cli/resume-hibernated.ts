@@ -36,12 +36,14 @@ export type ResumeReport =
 
 /**
  * `pvisor resume ID --foreground`: continues the hibernated VM in this process; resolves with the
- * run's exit status (as `pvisor run`'s). Refuses with exit 2 if the VM is not hibernated (it runs,
- * or another resume or a stop took it meanwhile).
+ * run's exit status (as `pvisor run`'s). Refuses with exit 1 if the VM is not hibernated (`live`:
+ * a process answers on its socket; or another resume or a stop took it meanwhile). Every outcome
+ * is reported to the `pvisor resume` that started this process, if one did.
  */
-export async function runHibernated(id: string, socketPath: string, store?: StoreResume): Promise<number> {
+export async function runHibernated(id: string, socketPath: string, store?: StoreResume, { live = false } = {}): Promise<number> {
   const report = readyReporter();
   try {
+    if (live) throw new RefusedError(`${id} is not hibernated: a process runs it (another pvisor resume continued it, or it never hibernated)`);
     if (store) return await runFromStore(id, socketPath, store, report);
     const recordPath = recordPathFor(socketPath);
     const first = readHibernationRecord(recordPath, id);
