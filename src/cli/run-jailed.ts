@@ -249,6 +249,7 @@ export async function runJailed(args: RunArgs, argv: readonly string[], machine:
     }
     const t0 = performance.now();
     vmm = await JailedVmm.start(plan);
+    if (vmm.reclaimed) process.stderr.write(`pvisor: ${vmm.reclaimed}\n`);
     if (!args.quiet) process.stderr.write(`pvisor: ${id} jailed (pid ${vmm.pid}): memory at most ${formatMiB(limits.memoryBytes)}, ${limits.cpus} CPU(s), ${limits.pids} tasks\n`);
     const ended = vmm.exited();
     if (args.publish.length) void publish(vmm, id, args, forwards, ended);

@@ -64,6 +64,11 @@ export interface JailInfo {
   exited(): Promise<JailOutcome>;
   /** Ends the child at once (SIGKILL), without the clean stop {@link VmHandle.stop} makes. */
   kill(): void;
+  /**
+   * Set when a launcher of this name was killed before it could take its jail down: what was
+   * left, and what became of it (its backing directory is moved aside, never removed).
+   */
+  readonly reclaimed?: string;
 }
 
 /**
@@ -123,7 +128,7 @@ export async function startJailedVm(options: JailedVmOptions): Promise<JailedVmH
   const ended = vmm.exited();
   try {
     const handle = await Promise.race([untilJailedReady(id, vmm.innerSocketPath, bootTimeoutMs), ended.then((o) => Promise.reject(errorOfEnd(id, o)))]);
-    const jail: JailInfo = { pid: vmm.pid, exited: () => ended, kill: () => vmm.kill() };
+    const jail: JailInfo = { pid: vmm.pid, exited: () => ended, kill: () => vmm.kill(), ...(vmm.reclaimed && { reclaimed: vmm.reclaimed }) };
     Object.defineProperty(handle, 'network', { value: vmm.network?.view() ?? noNetwork(), enumerable: true });
     // The jailed VMM sees no directory of the caller's: it writes into its own, and this process copies it out.
     const snapshot = (dir: string, opts?: SnapshotOptions): Promise<SnapshotInfo> => {

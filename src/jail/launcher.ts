@@ -27,6 +27,7 @@ import { JailUnavailableError, JailViolationError, VmLimitError, type PvisorErro
 import { nativePrebuild, PACKAGE_ROOT } from '../native';
 import { closeFd } from '../sys/libc';
 import { JailCgroup } from './cgroup';
+import { JailIdLock } from './jail-lock';
 import { checkCgroupHost } from './cgroup-host';
 import { JAIL_ENV, parseJailedReport } from './jailed-entry';
 import type { JailLimits } from './limits';
@@ -130,6 +131,38 @@ export function checkJailHost(): { bwrap: string } {
   return { bwrap };
 }
 
+/**
+ * Takes down what a killed launcher left of jail `id` (its lock is this process's now, so no live
+ * launcher uses any of it): the tasks still in its cgroup and the cgroup, its private directory;
+ * its backing directory is moved aside, not removed (a hibernation may have been under way in
+ * it). Returns what it found and did, for the launcher to say; undefined if nothing was left.
+ */
+async function reclaimStaleJail(id: string, dir: string, backingDir: string): Promise<string | undefined> {
+  const found: string[] = [];
+  const cgroup = JailCgroup.find(id);
+  if (cgroup) {
+    for (const pid of cgroup.pids()) {
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        // Gone meanwhile.
+      }
+    }
+    if (!(await cgroup.removeWhenEmpty())) throw new JailUnavailableError(`${id}: a killed launcher's cgroup (${cgroup.dirs.join(', ')}) still has tasks after SIGKILL; remove it once it is empty`);
+    found.push('its cgroup, removed');
+  }
+  if (existsSync(dir)) {
+    rmSync(dir, { recursive: true, force: true });
+    found.push(`${dir}, removed`);
+  }
+  if (existsSync(backingDir)) {
+    const aside = `${backingDir}.left-${new Date().toISOString().replace(/[:.]/g, '-')}`;
+    renameSync(backingDir, aside);
+    found.push(`its backing directory, moved to ${aside}`);
+  }
+  return found.length ? `a launcher of ${id} was killed before it could take its jail down: ${found.join('; ')}` : undefined;
+}
+
 /** A jailed VMM, started. */
 export class JailedVmm {
   private report = '';
@@ -150,6 +183,8 @@ export class JailedVmm {
     readonly backingDir: string,
     /** The jail's uid. */
     readonly uid: number,
+    /** What was left of this id's jail by a launcher killed before it could take it down, and what became of it. */
+    readonly reclaimed: string | undefined,
   ) {
     child.stdio[4]?.on('data', (d: Buffer) => {
       if (this.report.length < 4096) this.report += d.toString('utf8');
@@ -218,9 +253,14 @@ export class JailedVmm {
       }
       undo.length = 0;
     };
+    let reclaimed: string | undefined;
     try {
-      mkdirSync(JAIL_RUN_DIR, { recursive: true, mode: 0o711 });
+      // Held for the launcher's life (the last undo): while it is, nothing else of this id runs.
+      const lock = JailIdLock.take(JAIL_RUN_DIR, plan.id);
+      undo.push(() => lock.release());
       const dir = join(JAIL_RUN_DIR, plan.id);
+      const backingDir = jailBackingDir(plan.backingParent, plan.id);
+      reclaimed = await reclaimStaleJail(plan.id, dir, backingDir);
       try {
         mkdirSync(dir, { mode: 0o711 });
       } catch (e) {
@@ -248,7 +288,6 @@ export class JailedVmm {
         devices.push({ node: makeDeviceNode('/dev/vhost-net', join(dir, 'vhost-net'), uid, gid), path: '/dev/vhost-net' });
       }
       // The VM's own backing directory (Offload writes guest RAM there on suspend).
-      const backingDir = jailBackingDir(plan.backingParent, plan.id);
       mkdirSync(backingDir, { mode: 0o700 });
       undo.push(() => rmSync(backingDir, { recursive: true, force: true }));
       chownSync(backingDir, uid, gid);
@@ -320,7 +359,7 @@ export class JailedVmm {
       });
       const argv = cgroup.enterArgv(withJailRlimits([bwrap, ...args]));
       const child = spawn(argv[0], argv.slice(1), { stdio: ['ignore', stdio.stdout, stdio.stderr, controlFd, 'pipe', filterFd, network ? network.tap.fd : 'ignore', ...handed.map((h) => h.fd)], env: {} });
-      return new JailedVmm(plan.id, innerSocketPath, child, cgroup, plan.limits, cleanup, network, backingDir, uid);
+      return new JailedVmm(plan.id, innerSocketPath, child, cgroup, plan.limits, cleanup, network, backingDir, uid, reclaimed);
     } catch (e) {
       cleanup();
       throw e;

@@ -204,6 +204,34 @@ describe('a VM in a jailed process', () => {
     expect(run.err()).toMatch(/S2: the jailed VM process was killed by SIGSYS: it made a system call its seccomp filter does not allow/);
   }, 240_000);
 
+  it('a launcher killed outright leaves its jail; the next run of that id takes it down (its backing directory moved aside, not lost) and runs; a run of a live id is refused whatever its runtime directory', async () => {
+    const first = start('--guest', 'probe', '--name', 'K1', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 4MiB random 1, digest, wait');
+    await first.waitFor(/^digest: /m);
+    first.child.kill('SIGKILL');
+    await first.exited;
+    // Nobody took it down: the jail's directory and its backing directory are still there.
+    expect(existsSync(join(JAIL_RUN_DIR, 'K1'))).toBe(true);
+    expect(existsSync(join(dir, 'pvisor-jail-K1'))).toBe(true);
+
+    const second = start('--guest', 'probe', '--name', 'K1', '--memory', '64MiB', '--vcpus', '1', '--', 'fill 4MiB random 1, digest, wait');
+    await second.waitFor(/^digest: /m);
+    expect(second.err()).toMatch(/^pvisor: a launcher of K1 was killed before it could take its jail down: .*\/run\/pvisor-jail\/K1, removed; its backing directory, moved to .*pvisor-jail-K1\.left-/m);
+    const aside = readdirSync(dir).filter((f) => f.startsWith('pvisor-jail-K1.left-'));
+    expect(aside).toHaveLength(1);
+    expect(jailedVmmPid('K1')).toBeGreaterThan(0);
+
+    // The id is held while it runs: a run of K1 from another runtime directory is refused, and harms nothing.
+    const third = startPvisor({ ...env, PVISOR_RUNTIME_DIR: join(dir, 'run-other') }, ['run', '--isolation', 'process', '--vm-backing-dir', dir, '--guest', 'probe', '--name', 'K1', '--memory', '64MiB', '--vcpus', '1', '--', 'digest']);
+    runs.push(third);
+    expect((await third.exited).code).toBe(125);
+    expect(third.err()).toMatch(new RegExp(`another jailed run of K1 is running \\(its launcher is pid ${second.child.pid}\\)`));
+    expect((await pvisorOnce(env, ['stop', 'K1'])).status).toBe(0);
+    expect((await second.exited).code).toBe(0);
+    expect(jailCgroupExists('K1')).toBe(false);
+    expect(existsSync(join(JAIL_RUN_DIR, 'K1'))).toBe(false);
+    expect(existsSync(join(JAIL_RUN_DIR, 'K1.lock'))).toBe(false);
+  }, 120_000);
+
   it('Vm.start({ isolation: "process" }) gives a VmHandle on the jailed child, which ends when the handle stops', async () => {
     const vm = await Vm.start({ isolation: 'process', guest: 'probe', memory: '64MiB', vcpus: 1, name: 'H1', labels: { team: 'jail' }, limits: { memory: '160MiB', pids: 64 }, backingDir: dir, bootTimeoutMs: 120_000 });
     expect(vm).toBeInstanceOf(VmHandle);

@@ -3,16 +3,17 @@
 // root run bubblewrap, the real sandbox without KVM: node in it runs as the jail's uid with no
 // capabilities, no_new_privs and the filter, sees none of the host's files, and is killed by
 // SIGSYS for a call outside the filter.
-import { spawnSync } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
 import { existsSync, mkdtempSync, openSync, closeSync, readdirSync, readFileSync, realpathSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseRunArgs } from '../../src/cli/run-args';
 import { jailedFlags, withAbsolutePaths, withFrom, withoutPublish } from '../../src/cli/run-jailed';
-import { InvalidOptionError, NetworkSetupError } from '../../src/errors';
+import { InvalidOptionError, JailUnavailableError, NetworkSetupError } from '../../src/errors';
 import { formatHandedNetwork, handedNetwork, HANDED_NETWORK_ENV } from '../../src/network/handed-network';
 import { JailCgroup, parseMemoryEvents } from '../../src/jail/cgroup';
 import { cgroup2MountOf, cgroupV1ParentsOf, checkCgroupHost } from '../../src/jail/cgroup-host';
+import { JailIdLock } from '../../src/jail/jail-lock';
 import { jailedEntry, parseJailedReport } from '../../src/jail/jailed-entry';
 import { withJailedRunArgs } from '../../src/jail/launcher';
 import { cgroupFiles, cgroupV1Files, DEFAULT_MEMORY_HEADROOM_BYTES, DEFAULT_PIDS, resolveLimits } from '../../src/jail/limits';
@@ -89,6 +90,40 @@ describe('jail rlimits', () => {
     expect(JAIL_OPEN_FILES).toBe(2048);
     // Guest-RAM-sized files (Offload, a snapshot) and pids (the cgroup's pids.max) are not rlimits' job.
     expect(Object.keys(JAIL_RLIMITS).sort()).toEqual(['core', 'nofile']);
+  });
+});
+
+describe('jail id lock', () => {
+  it('one launcher per id: a second is refused naming the first; a holder killed outright frees it at once; a release removes the file', async () => {
+    const runDir = mkdtempSync(join(tmpdir(), 'pvisor-jail-lock-'));
+    try {
+      const a = JailIdLock.take(runDir, 'L1');
+      expect(readFileSync(join(runDir, 'L1.lock'), 'utf8')).toBe(`${process.pid}\n`);
+      expect(() => JailIdLock.take(runDir, 'L1')).toThrow(new RegExp(`^another jailed run of L1 is running \\(its launcher is pid ${process.pid}\\)`));
+      a.release();
+      a.release();
+      expect(existsSync(join(runDir, 'L1.lock'))).toBe(false);
+      JailIdLock.take(runDir, 'L1').release();
+
+      // Another process holds L2 (flock(1), which execs sleep with the lock), then is killed outright: the kernel drops its lock.
+      const holder = spawn('flock', ['--no-fork', '-x', join(runDir, 'L2.lock'), 'sleep', '60'], { stdio: 'ignore' });
+      const held = () => {
+        try {
+          JailIdLock.take(runDir, 'L2').release();
+          return false;
+        } catch (e) {
+          return e instanceof JailUnavailableError;
+        }
+      };
+      for (const end = Date.now() + 10_000; !held() && Date.now() < end;) await new Promise((r) => setTimeout(r, 20));
+      expect(held()).toBe(true);
+      holder.kill('SIGKILL');
+      await new Promise((r) => holder.once('exit', r));
+      const b = JailIdLock.take(runDir, 'L2');
+      b.release();
+    } finally {
+      rmSync(runDir, { recursive: true, force: true });
+    }
   });
 });
 
