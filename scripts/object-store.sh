@@ -115,10 +115,15 @@ port_free() { # PORT -> 0 when nothing listens on 127.0.0.1:PORT
   ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
-free_port() { # a free loopback port from the dynamic range, avoiding $1 if given
-  local p
+free_port() { # a free loopback port below the kernel's ephemeral range, avoiding $1 if given
+  # Not in the ephemeral range: there the kernel gives ports to outgoing connections, and one made
+  # between this check and the daemon's bind takes the port (seen: ceph-mon's bind failed with
+  # EADDRINUSE while the tests beside it were making S3 connections).
+  local p low
+  low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+  [ "$low" -gt 12000 ] 2>/dev/null || low=32768
   for _ in $(seq 1 200); do
-    p=$((20000 + RANDOM % 30000))
+    p=$((10000 + RANDOM % (low - 10000)))
     [ "$p" != "${1:-}" ] && port_free "$p" && { echo "$p"; return 0; }
   done
   return 1
