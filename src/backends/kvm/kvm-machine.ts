@@ -531,8 +531,13 @@ export class KvmMachine {
 
   private crash(error: PvisorError): void {
     if (this.ended) return;
+    // Guest RAM whose backing file was cut under the VM explains whatever the guest did next: a
+    // paravirtualised KVM (kvm_pvm) reports a guest touching such a page not as KVM_RUN's EFAULT
+    // but as the triple fault the guest then takes, with its IDT and code gone. Read before stop
+    // unmaps guest RAM.
+    const cause = error instanceof GuestCrashError ? this.ramLostError(error) : undefined;
     this.stop();
-    this.hooks.onCrash(error);
+    this.hooks.onCrash(cause ?? error);
   }
 
   /** COM1's edge (ISA line 4), as the virtio devices' lines are raised (see {@link VirtioSignalling}). */
