@@ -1,6 +1,7 @@
 // Jailed VMs (pvisor run --isolation process, src/jail/): real KVM, real bubblewrap, a real
-// cgroup v2 and seccomp filter. Needs /dev/kvm, root, bwrap and cgroup v2 (the nested harness's
-// L1 has them). Each test says what it shows; docs/security.md lists them.
+// cgroup (v2, or v1 on a hybrid host) and seccomp filter. Needs /dev/kvm, root, bwrap and the
+// cgroup controllers (the nested harness's L1 has them). Each test says what it shows;
+// docs/security.md lists them.
 import { existsSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { JailViolationError, VmLimitError } from '../../src/errors';

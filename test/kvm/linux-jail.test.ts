@@ -3,7 +3,7 @@
 // through the VmHandle, whose streams the launcher relays to the jailed VMM; its network, whose
 // host side the launcher makes and removes, and its forwarded ports. In a file of its own
 // because it boots the Linux guest (which kvm_pvm cannot run): it goes to the nested harness.
-// Needs /dev/kvm, root, bwrap and cgroup v2 (the harness's L1 has them).
+// Needs /dev/kvm, root, bwrap and the cgroup controllers, v2 or v1 (the harness's L1 has them).
 import { execFileSync, spawn, spawnSync, type ChildProcess } from 'node:child_process';
 import { chmodSync, copyFileSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync, symlinkSync } from 'node:fs';
 import { get } from 'node:http';
