@@ -1,8 +1,8 @@
 // What a jailed `pvisor run` (src/cli/run-jailed.ts) hands in and takes out besides its control
 // socket: a hibernation (taken out of the jail, resumed into a new one), a connection to the pool
 // daemon (made by the launcher, so the daemon sees the user's credentials), and a snapshot's RAM
-// file shared copy-on-write (--shared). Probe guest; needs /dev/kvm, root, bwrap and the cgroup controllers (v2 or v1)
-// (the nested harness's L1 has them).
+// file shared copy-on-write (--shared). Probe guest; needs /dev/kvm, root, bwrap and the cgroup
+// controllers, v2 or v1 (the nested harness's L1 has them).
 import { spawn, type ChildProcess } from 'node:child_process';
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { join } from 'node:path';
