@@ -28,7 +28,7 @@ import { nativePrebuild, PACKAGE_ROOT } from '../native';
 import { closeFd } from '../sys/libc';
 import { JailCgroup } from './cgroup';
 import { JailIdLock } from './jail-lock';
-import { checkCgroupHost } from './cgroup-host';
+import { checkCgroupHost, type CgroupHost } from './cgroup-host';
 import { JAIL_ENV, parseJailedReport } from './jailed-entry';
 import type { JailLimits } from './limits';
 import { listenUnixSocket } from './listen-socket';
@@ -116,19 +116,20 @@ export type JailOutcome = { exitCode: number } | { error: PvisorError } | { sign
 
 /**
  * Checks that this host can jail a VM, making nothing: root, bubblewrap, a cgroup (v2 or v1)
- * with the jail's controllers, /dev/kvm. Throws a {@link JailUnavailableError} naming what is missing.
+ * with the jail's controllers, /dev/kvm; returns bwrap's path and where the cgroups go, read once
+ * for the whole start. Throws a {@link JailUnavailableError} naming what is missing.
  */
-export function checkJailHost(): { bwrap: string } {
+export function checkJailHost(): { bwrap: string; cgroups: CgroupHost } {
   if (process.getuid?.() !== 0) throw new JailUnavailableError(`isolation 'process' needs root (uid ${process.getuid?.()}): the launcher makes a cgroup and a /dev/kvm node for the jail and changes to its uid; use isolation 'none' here`);
   const find = (name: string, pkg: string) => {
     for (const dir of ['/usr/bin', '/bin', '/usr/sbin', '/sbin']) if (existsSync(join(dir, name))) return join(dir, name);
     throw new JailUnavailableError(`isolation 'process' needs ${name} (Debian package ${pkg}): apt-get install ${pkg}`);
   };
   const bwrap = find('bwrap', 'bubblewrap');
-  checkCgroupHost();
+  const cgroups = checkCgroupHost();
   // The jail gets a node of its own for it (makeDeviceNode): without the host's, there is nothing to give.
   if (!existsSync('/dev/kvm')) throw new JailUnavailableError('/dev/kvm does not exist: the kvm module is not loaded, or this host has no usable KVM');
-  return { bwrap };
+  return { bwrap, cgroups };
 }
 
 /**
@@ -137,9 +138,9 @@ export function checkJailHost(): { bwrap: string } {
  * its backing directory is moved aside, not removed (a hibernation may have been under way in
  * it). Returns what it found and did, for the launcher to say; undefined if nothing was left.
  */
-async function reclaimStaleJail(id: string, dir: string, backingDir: string): Promise<string | undefined> {
+async function reclaimStaleJail(id: string, dir: string, backingDir: string, cgroups: CgroupHost): Promise<string | undefined> {
   const found: string[] = [];
-  const cgroup = JailCgroup.find(id);
+  const cgroup = JailCgroup.find(id, cgroups);
   if (cgroup) {
     for (const pid of cgroup.pids()) {
       try {
@@ -235,7 +236,7 @@ export class JailedVmm {
    * jail it, a {@link NetworkSetupError} when it cannot make its network; nothing is left behind.
    */
   static async start(plan: JailPlan, stdio: { stdout: 'inherit' | 'ignore'; stderr: 'inherit' | 'ignore' } = { stdout: 'inherit', stderr: 'inherit' }): Promise<JailedVmm> {
-    const { bwrap } = checkJailHost();
+    const { bwrap, cgroups } = checkJailHost();
     const uid = plan.uid ?? envId('PVISOR_JAIL_UID') ?? DEFAULT_JAIL_ID;
     const gid = plan.gid ?? envId('PVISOR_JAIL_GID') ?? DEFAULT_JAIL_ID;
     if (uid === 0 || gid === 0) throw new JailUnavailableError('the jail\'s uid and gid must not be 0 (root): the jail is for an unprivileged VMM');
@@ -260,7 +261,7 @@ export class JailedVmm {
       undo.push(() => lock.release());
       const dir = join(JAIL_RUN_DIR, plan.id);
       const backingDir = jailBackingDir(plan.backingParent, plan.id);
-      reclaimed = await reclaimStaleJail(plan.id, dir, backingDir);
+      reclaimed = await reclaimStaleJail(plan.id, dir, backingDir, cgroups);
       try {
         mkdirSync(dir, { mode: 0o711 });
       } catch (e) {
@@ -313,7 +314,7 @@ export class JailedVmm {
       mkdirSync(sockDir, { mode: 0o700 });
       const innerSocketPath = join(sockDir, 'control.sock');
       controlFd = listenUnixSocket(innerSocketPath);
-      const cgroup = JailCgroup.create(plan.id, plan.limits);
+      const cgroup = JailCgroup.create(plan.id, plan.limits, cgroups);
       undo.push(() => cgroup.remove());
 
       const nodeModules = join(PACKAGE_ROOT, 'node_modules');
